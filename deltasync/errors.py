@@ -1,0 +1,103 @@
+"""The one exception tree of deltasync.
+
+Everything deltasync raises on purpose is a :class:`DeltaSyncError`. Where a
+builtin exception means the same thing, the class also subclasses it, so
+``except FileNotFoundError`` keeps working::
+
+    DeltaSyncError
+    ├── StorageError                      a store could not do what was asked
+    │   ├── ObjectNotFound                (also FileNotFoundError) no object under that key
+    │   ├── AlreadyExists                 (also FileExistsError) create-only write hit an existing key
+    │   ├── PreconditionFailed            a conditional write lost its race
+    │   └── InvalidKey                    (also ValueError) key escapes the store or is malformed
+    ├── ProtocolError                     (also ValueError) bytes that are not valid protocol v1
+    │   └── UnsupportedVersion            written by a newer (or unknown) format version
+    ├── ChecksumMismatch                  a file or tensor digest does not match its manifest
+    │   └── SignatureMismatch             the manifest's HMAC signature is missing or wrong
+    ├── InventoryMismatch                 (also ValueError) target tensors differ from the manifest
+    ├── ChainBroken                       no path of committed steps leads to the requested step
+    └── CommitFailed                      the uploader's background commit gave up
+
+Every class pickles (it carries only its message), so errors cross process
+and thread-pool boundaries intact.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AlreadyExists",
+    "ChainBroken",
+    "ChecksumMismatch",
+    "CommitFailed",
+    "DeltaSyncError",
+    "InvalidKey",
+    "InventoryMismatch",
+    "ObjectNotFound",
+    "PreconditionFailed",
+    "ProtocolError",
+    "SignatureMismatch",
+    "StorageError",
+    "UnsupportedVersion",
+]
+
+
+class DeltaSyncError(Exception):
+    """Base class of every error deltasync raises on purpose."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self) -> tuple[type[DeltaSyncError], tuple[str]]:
+        return (type(self), (self.message,))
+
+
+class StorageError(DeltaSyncError):
+    """A store could not complete an operation (I/O, permissions, network)."""
+
+
+class ObjectNotFound(StorageError, FileNotFoundError):
+    """No object exists under the requested key."""
+
+
+class AlreadyExists(StorageError, FileExistsError):
+    """A create-only write found an object already under the key."""
+
+
+class PreconditionFailed(StorageError):
+    """A conditional write's precondition (ETag, generation) did not hold."""
+
+
+class InvalidKey(StorageError, ValueError):
+    """A key is empty, absolute, contains ``..`` or otherwise escapes the store."""
+
+
+class ProtocolError(DeltaSyncError, ValueError):
+    """Bytes that do not form a valid protocol v1 object (manifest, patch, anchor)."""
+
+
+class UnsupportedVersion(ProtocolError):
+    """An object declares a format version this reader does not understand."""
+
+
+class ChecksumMismatch(DeltaSyncError):
+    """A file's or tensor's digest differs from the one its manifest records."""
+
+
+class SignatureMismatch(ChecksumMismatch):
+    """A manifest's HMAC signature is missing, malformed or made with another key."""
+
+
+class InventoryMismatch(DeltaSyncError, ValueError):
+    """The target's tensors (names, dtypes, shapes) differ from the manifest's inventory."""
+
+
+class ChainBroken(DeltaSyncError):
+    """No chain of committed steps leads from what we have to the requested step."""
+
+
+class CommitFailed(DeltaSyncError):
+    """The uploader's background commit of a step failed; the next push is an anchor."""

@@ -1,0 +1,86 @@
+"""The pure chain planner: which committed steps to apply to reach a target step."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from deltasync.errors import ChainBroken
+from deltasync.protocol.manifest import Manifest
+
+__all__ = ["Committed", "FetchPlan", "plan_fetch"]
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    """A committed step: its parsed manifest and the xxh3-128 of the manifest's bytes."""
+
+    manifest: Manifest
+    digest: str
+
+
+@dataclass(frozen=True, slots=True)
+class FetchPlan:
+    """What to apply, in order. ``base`` says whether ``steps`` start from the target's current
+    state (all patches) or from an anchor (``steps[0]`` is the anchor)."""
+
+    target_step: int
+    base: Literal["current", "anchor"]
+    steps: tuple[int, ...]
+    nbytes: int
+
+    @property
+    def is_noop(self) -> bool:
+        """True when the target already is at ``target_step``."""
+        return not self.steps
+
+
+def plan_fetch(
+    committed: Mapping[int, Committed],
+    target_step: int,
+    have_step: int | None = None,
+    have_digest: str | None = None,
+) -> FetchPlan:
+    """Plan the cheapest way to ``target_step``.
+
+    Walks parent links down from the target (each link must match the parent
+    manifest's digest) until the first anchor. If the current state
+    ``(have_step, have_digest)`` lies on that walk, patching forward from it is
+    one option; loading the nearest anchor at or below the target plus its
+    patches is the other. The smaller download wins (ties favour patching).
+    Raises ChainBroken when neither works.
+    """
+    top = committed.get(target_step)
+    if top is None:
+        raise ChainBroken(f"step {target_step} is not committed in this run")
+    if have_step == target_step and have_digest in (None, top.digest):
+        return FetchPlan(target_step, "current", (), 0)
+    path: list[int] = [target_step]
+    options: list[FetchPlan] = []
+    reason = ""
+    cur = top
+    while True:
+        m = cur.manifest
+        if m.kind == "anchor":
+            steps = tuple(reversed(path))
+            options.append(FetchPlan(target_step, "anchor", steps, sum(committed[s].manifest.total_bytes for s in steps)))
+            break
+        parent = committed.get(m.parent_step) if m.parent_step is not None else None
+        if parent is None:
+            reason = f"step {m.step}'s parent step {m.parent_step} is not committed"
+            break
+        if parent.digest != m.parent_digest:
+            reason = f"step {m.step}'s parent digest does not match the manifest of step {m.parent_step}"
+            break
+        if parent.manifest.step == have_step and have_digest in (None, parent.digest):
+            steps = tuple(reversed(path))
+            options.append(FetchPlan(target_step, "current", steps, sum(committed[s].manifest.total_bytes for s in steps)))
+        path.append(parent.manifest.step)
+        cur = parent
+    if not options:
+        raise ChainBroken(
+            f"cannot reach step {target_step}: {reason}, and no anchor is reachable from it "
+            "(the store may be incomplete or garbage-collected; pick another step)"
+        )
+    return min(options, key=lambda p: (p.nbytes, p.base != "current"))

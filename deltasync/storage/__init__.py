@@ -1,0 +1,38 @@
+"""Stores: the batch-first ABC, backends and :func:`open_store`."""
+
+from __future__ import annotations
+
+import os
+from urllib.parse import unquote, urlparse
+
+from deltasync.errors import StorageError
+from deltasync.storage._local import LocalStore
+from deltasync.storage._memory import MemoryStore
+from deltasync.storage.base import Data, ObjectInfo, PutMode, Store, validate_key
+
+__all__ = ["Data", "LocalStore", "MemoryStore", "ObjectInfo", "PutMode", "Store", "open_store", "validate_key"]
+
+
+def open_store(url: str | os.PathLike[str]) -> Store:
+    """Open a store from a URL.
+
+    * a plain path or ``file:///abs/path``: :class:`LocalStore` (created if missing)
+    * ``memory://name``: a fresh :class:`MemoryStore` (not shared between calls)
+    """
+    if isinstance(url, os.PathLike):
+        return LocalStore(url)
+    if not isinstance(url, str) or not url:
+        raise StorageError(f"store URL must be a non-empty string, got {url!r}")
+    if "://" not in url:
+        return LocalStore(url)
+    parsed = urlparse(url)
+    if parsed.scheme == "file":
+        if parsed.netloc not in ("", "localhost"):
+            raise StorageError(f"{url}: file:// URLs must name a local path (file:///abs/path)")
+        return LocalStore(unquote(parsed.path))
+    if parsed.scheme == "memory":
+        return MemoryStore(url[len("memory://") :])
+    raise StorageError(
+        f"{url}: unsupported store scheme {parsed.scheme!r}; this build supports local paths, "
+        "file:// and memory:// (hf:// and s3:// backends are not installed yet)"
+    )

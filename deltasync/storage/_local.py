@@ -1,0 +1,143 @@
+"""Local-directory store: the embedded default. Atomic writes via temp file + fsync + rename."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from deltasync.errors import AlreadyExists, ObjectNotFound, StorageError
+from deltasync.storage.base import Data, ObjectInfo, PutMode, Store, map_os_errors, validate_key
+
+__all__ = ["LocalStore"]
+
+TMP_DIR = ".deltasync-tmp"
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalStore(Store):
+    """Objects as files under ``root``.
+
+    Every write goes to a temp file in ``root/.deltasync-tmp``, is fsynced,
+    then renamed into place (``os.replace``) or, for create-only writes,
+    hard-linked (``os.link`` fails if the key exists: atomic create-if-absent).
+    """
+
+    supports_conditional_put = True
+
+    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True) -> None:
+        self.root = Path(root).absolute()
+        self.url = self.root.as_uri()
+        self._fsync = fsync
+        with map_os_errors(f"cannot create store directory {self.root}"):
+            (self.root / TMP_DIR).mkdir(parents=True, exist_ok=True)
+
+    def _path(self, key: str) -> Path:
+        return self.root.joinpath(*validate_key(key).split("/"))
+
+    def _write_tmp(self, data: Data) -> Path:
+        tmp = self.root / TMP_DIR / uuid.uuid4().hex
+        if isinstance(data, Path):
+            shutil.copyfile(data, tmp)
+            if self._fsync:
+                with open(tmp, "rb+") as f:
+                    os.fsync(f.fileno())
+            return tmp
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if self._fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        return tmp
+
+    def put_many(self, items: Mapping[str, Data], *, mode: PutMode = "overwrite") -> None:
+        # docstring inherited
+        for key, data in items.items():
+            final = self._path(key)
+            if key.split("/")[0] == TMP_DIR:
+                raise StorageError(f"{key}: keys under {TMP_DIR}/ are reserved")
+            with map_os_errors(f"{self.url}: cannot write {key}"):
+                final.parent.mkdir(parents=True, exist_ok=True)
+                tmp = self._write_tmp(data)
+                try:
+                    if mode == "create":
+                        try:
+                            os.link(tmp, final)
+                        except FileExistsError:
+                            raise AlreadyExists(f"{self.url}: {key} already exists (create-only write)") from None
+                    else:
+                        os.replace(tmp, final)
+                finally:
+                    tmp.unlink(missing_ok=True)
+                if self._fsync:
+                    _fsync_dir(final.parent)
+
+    def get_many(self, keys: Sequence[str]) -> dict[str, bytes]:
+        # docstring inherited
+        out: dict[str, bytes] = {}
+        for key in keys:
+            path = self._path(key)
+            try:
+                out[key] = path.read_bytes()
+            except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+                raise ObjectNotFound(f"{self.url}: no object {key}") from None
+            except OSError as exc:
+                raise StorageError(f"{self.url}: cannot read {key}: {exc.strerror or exc}") from exc
+        return out
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        # docstring inherited
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                f.seek(start)
+                return f.read(max(0, end - start))
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise ObjectNotFound(f"{self.url}: no object {key}") from None
+        except OSError as exc:
+            raise StorageError(f"{self.url}: cannot read {key}: {exc.strerror or exc}") from exc
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        # docstring inherited
+        out: list[ObjectInfo] = []
+        # walk only the deepest directory that the prefix names in full
+        base_parts = prefix.split("/")[:-1]
+        base = self.root.joinpath(*base_parts) if base_parts and all(p not in ("", ".", "..") for p in base_parts) else self.root
+        with map_os_errors(f"{self.url}: cannot list {prefix!r}"):
+            if not base.is_dir():
+                return []
+            for dirpath, dirnames, filenames in os.walk(base):
+                if Path(dirpath) == self.root:
+                    dirnames[:] = [d for d in dirnames if d != TMP_DIR]
+                rel = Path(dirpath).relative_to(self.root).as_posix()
+                for name in filenames:
+                    key = name if rel == "." else f"{rel}/{name}"
+                    if key.startswith(prefix):
+                        try:
+                            out.append(ObjectInfo(key, os.stat(os.path.join(dirpath, name)).st_size))
+                        except FileNotFoundError:  # deleted while listing
+                            continue
+        out.sort(key=lambda o: o.key)
+        return out
+
+    def delete_many(self, keys: Sequence[str]) -> None:
+        # docstring inherited
+        for key in keys:
+            with map_os_errors(f"{self.url}: cannot delete {key}"):
+                self._path(key).unlink(missing_ok=True)
+
+    def exists(self, key: str) -> bool:
+        # docstring inherited
+        return self._path(key).is_file()

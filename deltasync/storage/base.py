@@ -1,0 +1,123 @@
+"""The Store ABC: a small, batch-first, synchronous object store interface.
+
+Object stores are latency-bound per request, so every method takes or returns
+many objects at once; backends are free to parallelise inside. Keys are
+``/``-separated relative paths (see :func:`validate_key`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import ClassVar, Literal
+
+from deltasync.errors import DeltaSyncError, InvalidKey, StorageError
+
+__all__ = ["Data", "ObjectInfo", "PutMode", "Store", "map_os_errors", "validate_key"]
+
+PutMode = Literal["overwrite", "create"]
+Data = bytes | bytearray | memoryview | Path
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """A listed object: its key and size in bytes."""
+
+    key: str
+    size: int
+
+
+def validate_key(key: str) -> str:
+    """Return ``key`` if it is a safe relative key, else raise InvalidKey."""
+    if not isinstance(key, str) or not key or len(key) > 1024:
+        raise InvalidKey(f"invalid key {key!r}: keys are non-empty strings of at most 1024 characters")
+    if key.startswith("/") or "\\" in key or "\x00" in key:
+        raise InvalidKey(f"invalid key {key!r}: keys are relative, '/'-separated, without backslashes")
+    if any(part in ("", ".", "..") for part in key.split("/")):
+        raise InvalidKey(f"invalid key {key!r}: empty, '.' or '..' path segments are not allowed")
+    return key
+
+
+def data_size(data: Data) -> int:
+    """Size in bytes of a put payload."""
+    if isinstance(data, Path):
+        return data.stat().st_size
+    return memoryview(data).nbytes
+
+
+@contextmanager
+def map_os_errors(what: str) -> Iterator[None]:
+    """Translate OSError into StorageError (deltasync errors pass through)."""
+    try:
+        yield
+    except DeltaSyncError:
+        raise
+    except OSError as exc:
+        raise StorageError(f"{what}: {exc.strerror or exc}") from exc
+
+
+class Store(ABC):
+    """Batch-first object store. Subclasses implement the five abstract methods."""
+
+    #: True when ``put_many(mode="create")`` is atomic against concurrent writers.
+    supports_conditional_put: ClassVar[bool] = False
+    #: A URL that :func:`deltasync.open_store` accepts and that names this store.
+    url: str = ""
+
+    @abstractmethod
+    def put_many(self, items: Mapping[str, Data], *, mode: PutMode = "overwrite") -> None:
+        """Write objects; each object appears atomically (whole or not at all).
+
+        ``mode="create"`` raises AlreadyExists for a key that already exists
+        (objects before it in ``items`` may already be written). The batch as a
+        whole is not transactional.
+        """
+
+    @abstractmethod
+    def get_many(self, keys: Sequence[str]) -> dict[str, bytes]:
+        """Read objects; a missing key raises ObjectNotFound."""
+
+    @abstractmethod
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """Objects whose key starts with ``prefix`` (plain text match), sorted by key."""
+
+    @abstractmethod
+    def delete_many(self, keys: Sequence[str]) -> None:
+        """Delete objects; missing keys are ignored."""
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of an object (the default reads it whole)."""
+        return self.get(key)[start:end]
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections and threads. The default does nothing."""
+
+    # -- conveniences built on the batch methods --------------------------
+
+    def get(self, key: str) -> bytes:
+        """Read one object."""
+        return self.get_many([key])[key]
+
+    def put(self, key: str, data: Data, *, mode: PutMode = "overwrite") -> None:
+        """Write one object."""
+        self.put_many({key: data}, mode=mode)
+
+    def exists(self, key: str) -> bool:
+        """Whether an object exists under ``key``."""
+        validate_key(key)
+        return any(o.key == key for o in self.list(key))
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
