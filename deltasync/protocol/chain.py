@@ -36,6 +36,10 @@ class FetchPlan:
         return not self.steps
 
 
+def _nbytes(committed: Mapping[int, Committed], steps: tuple[int, ...]) -> int:
+    return sum(committed[s].manifest.total_bytes for s in steps)
+
+
 def plan_fetch(
     committed: Mapping[int, Committed],
     target_step: int,
@@ -64,10 +68,10 @@ def plan_fetch(
         m = cur.manifest
         if m.kind == "anchor":
             steps = tuple(reversed(path))
-            options.append(FetchPlan(target_step, "anchor", steps, sum(committed[s].manifest.total_bytes for s in steps)))
+            options.append(FetchPlan(target_step, "anchor", steps, _nbytes(committed, steps)))
             break
         parent = committed.get(m.parent_step) if m.parent_step is not None else None
-        if parent is None:
+        if parent is None or parent.manifest.step != m.parent_step or m.parent_step >= m.step:
             reason = f"step {m.step}'s parent step {m.parent_step} is not committed"
             break
         if parent.digest != m.parent_digest:
@@ -75,7 +79,7 @@ def plan_fetch(
             break
         if parent.manifest.step == have_step and have_digest in (None, parent.digest):
             steps = tuple(reversed(path))
-            options.append(FetchPlan(target_step, "current", steps, sum(committed[s].manifest.total_bytes for s in steps)))
+            options.append(FetchPlan(target_step, "current", steps, _nbytes(committed, steps)))
         path.append(parent.manifest.step)
         cur = parent
     if not options:

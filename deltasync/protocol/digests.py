@@ -30,5 +30,7 @@ def hmac_sign(key: bytes, payload: bytes) -> str:
 
 
 def hmac_verify(key: bytes, payload: bytes, signature: str) -> bool:
-    """Constant-time check of an HMAC-SHA256 signature."""
+    """Constant-time check of an HMAC-SHA256 signature (a non-ASCII one simply does not match)."""
+    if not signature.isascii():
+        return False
     return hmac.compare_digest(hmac_sign(key, payload), signature)

@@ -72,7 +72,7 @@ class EncodedTensor:
 
 
 def _compress(data: Ints | bytes) -> bytes:
-    return _cctx.compress(memoryview(np.ascontiguousarray(data)).cast("B") if isinstance(data, np.ndarray) else data)
+    return _cctx.compress(np.ascontiguousarray(data).data.cast("B") if isinstance(data, np.ndarray) else data)
 
 
 def _decompress(blob: bytes | memoryview, expected: int, what: str) -> bytes:
@@ -85,7 +85,7 @@ def _decompress(blob: bytes | memoryview, expected: int, what: str) -> bytes:
     if declared != expected:
         raise ProtocolError(f"{what}: zstd frame declares {declared} bytes, expected {expected}")
     try:
-        out = zstandard.ZstdDecompressor().decompress(blob, max_output_size=expected)
+        out = zstandard.ZstdDecompressor().decompress(blob, max_output_size=expected, allow_extra_data=False)
     except zstandard.ZstdError as exc:
         raise ProtocolError(f"{what}: corrupt zstd frame ({exc})") from None
     if len(out) != expected:
@@ -152,13 +152,17 @@ def decode_positions(blob: bytes | memoryview, coding: str, k: int, count: int, 
     if len(buf) - rem_len != (int(term[-1]) + 8) // 8:
         raise ProtocolError(f"{what}: position stream has trailing bytes")
     q = np.diff(term, prepend=-1) - 1
+    # No gap reaches numel, so a larger quotient is corrupt; checking it first also keeps
+    # ``q << k`` and the cumulative sum below inside int64 (no silent wrap-around).
+    if int(q.max()) > (min(numel, 1 << 62) - 1) >> k:
+        raise ProtocolError(f"{what}: a position gap exceeds a tensor of {numel} elements")
     gaps = q.astype(np.int64) << k
     if k:
         rbits = np.unpackbits(buf[len(buf) - rem_len :], bitorder="little")[: count * k]
         gaps |= (rbits.reshape(count, k).astype(np.int64) << np.arange(k, dtype=np.int64)).sum(axis=1)
     pos = np.cumsum(gaps + 1) - 1
-    if pos[-1] >= numel or pos[-1] < 0:
-        raise ProtocolError(f"{what}: position {int(pos[-1])} is outside a tensor of {numel} elements")
+    if int(pos[-1]) >= numel or (count > 1 and bool(np.any(pos[1:] <= pos[:-1]))):
+        raise ProtocolError(f"{what}: positions run outside a tensor of {numel} elements")
     return pos
 
 
@@ -210,7 +214,7 @@ def _decode_xor_rank(blob: bytes | memoryview, count: int, bits: np.dtype[Any], 
     esc_mask = ranks == ESCAPE
     ok = ~esc_mask
     n_esc = count - int(ok.sum())
-    if (n_esc and tlen < ESCAPE) or int(ranks[ok].max(initial=0)) >= max(tlen, 1) and ok.any():
+    if (n_esc and tlen < ESCAPE) or (n_esc < count and int(ranks[ok].max()) >= tlen):
         raise ProtocolError(f"{what}: rank outside a table of {tlen} entries")
     out = np.empty(count, dtype=bits)
     out[ok] = table[ranks[ok]]

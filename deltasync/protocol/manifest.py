@@ -29,6 +29,7 @@ __all__ = [
 
 FORMAT_VERSION = 1
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+MAX_HEAD_BYTES = 64 * 1024
 Kind = Literal["anchor", "patch"]
 _HEX32 = frozenset("0123456789abcdef")
 
@@ -36,6 +37,30 @@ _HEX32 = frozenset("0123456789abcdef")
 def canonical_json(obj: Any) -> bytes:
     """Sorted keys, no whitespace, UTF-8: the bytes that are digested and signed."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+def _load_json(data: bytes | bytearray | memoryview, what: str, limit: int) -> dict[str, Any]:
+    """Parse a JSON object of at most ``limit`` bytes that canonical_json can write back."""
+    if len(data) > limit:
+        raise ProtocolError(f"{what} is {len(data)} bytes, over the {limit} limit")
+    try:
+        raw = json.loads(bytes(data).decode("utf-8"))
+        # NaN/Infinity and lone surrogates (``"\\ud800"``) parse but cannot be written canonically.
+        canonical_json(raw)
+    except (UnicodeError, ValueError, RecursionError) as exc:
+        raise ProtocolError(f"{what} is not valid UTF-8 JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ProtocolError(f"{what} must be a JSON object")
+    return raw
+
+
+def _version(raw: Mapping[str, Any], what: str) -> None:
+    version = raw.get("format_version")
+    if type(version) is not int or version != FORMAT_VERSION:
+        raise UnsupportedVersion(
+            f"{what} has format_version {version!r}; this deltasync reads version {FORMAT_VERSION} "
+            "only (upgrade deltasync to read newer runs)"
+        )
 
 
 # ------------------------------------------------------------- field checkers
@@ -233,7 +258,11 @@ class AnchorEntry:
     def from_json(cls, v: Any) -> AnchorEntry:
         """Parse and validate."""
         o = _obj(v, "anchor entry", ("tensor", "file", "range"))
-        return cls(_str(o["tensor"], "anchor entry tensor"), check_file_name(o["file"]), ByteRange.from_json(o["range"], "range"))
+        return cls(
+            _str(o["tensor"], "anchor entry tensor"),
+            check_file_name(o["file"]),
+            ByteRange.from_json(o["range"], "range"),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,7 +281,9 @@ class Stats:
     def from_json(cls, v: Any) -> Stats:
         """Parse and validate."""
         o = _obj(v, "stats", ("changed", "total", "nbytes"))
-        return cls(_int(o["changed"], "stats.changed"), _int(o["total"], "stats.total"), _int(o["nbytes"], "stats.nbytes"))
+        return cls(
+            _int(o["changed"], "stats.changed"), _int(o["total"], "stats.total"), _int(o["nbytes"], "stats.nbytes")
+        )
 
 
 _MANIFEST_KEYS = (
@@ -336,20 +367,8 @@ class Manifest:
     @classmethod
     def from_json(cls, data: bytes | bytearray | memoryview) -> Manifest:
         """Parse, validate and cross-check a manifest; anything off is a ProtocolError."""
-        if len(data) > MAX_MANIFEST_BYTES:
-            raise ProtocolError(f"manifest is {len(data)} bytes, over the {MAX_MANIFEST_BYTES} limit")
-        try:
-            raw = json.loads(bytes(data).decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-            raise ProtocolError(f"manifest is not valid UTF-8 JSON ({exc})") from None
-        if not isinstance(raw, dict):
-            raise ProtocolError("manifest must be a JSON object")
-        version = raw.get("format_version")
-        if version != FORMAT_VERSION:
-            raise UnsupportedVersion(
-                f"manifest has format_version {version!r}; this deltasync reads version {FORMAT_VERSION} "
-                "only (upgrade deltasync to read newer runs)"
-            )
+        raw = _load_json(data, "manifest", MAX_MANIFEST_BYTES)
+        _version(raw, "manifest")
         o = _obj(raw, "manifest", _MANIFEST_KEYS, ("signature", "extra"))
         step = _int(o["step"], "step", 0, MAX_STEP)
         what = f"manifest of step {step}"
@@ -404,8 +423,8 @@ class Manifest:
         if not isinstance(extra, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in extra.items()):
             raise _err(what, "extra must map strings to strings")
         sig = o.get("signature")
-        if sig is not None and (not isinstance(sig, str) or len(sig) != 64):
-            raise _err(what, "signature must be 64 hex characters")
+        if sig is not None and (not isinstance(sig, str) or len(sig) != 64 or not set(sig) <= _HEX32):
+            raise _err(what, "signature must be 64 lower-case hex characters")
         return cls(
             run_id=_str(o["run_id"], "run_id"),
             step=step,
@@ -436,17 +455,22 @@ class Head:
     def to_json(self) -> bytes:
         """Canonical JSON bytes."""
         return canonical_json(
-            {"format_version": self.format_version, "step": self.step, "manifest_digest": self.manifest_digest, "run_id": self.run_id}
+            {
+                "format_version": self.format_version,
+                "step": self.step,
+                "manifest_digest": self.manifest_digest,
+                "run_id": self.run_id,
+            }
         )
 
     @classmethod
-    def from_json(cls, data: bytes) -> Head:
+    def from_json(cls, data: bytes | bytearray | memoryview) -> Head:
         """Parse and validate."""
-        try:
-            raw = json.loads(bytes(data).decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise ProtocolError(f"HEAD.json is not valid JSON ({exc})") from None
-        if not isinstance(raw, dict) or raw.get("format_version") != FORMAT_VERSION:
-            raise UnsupportedVersion(f"HEAD.json has format_version {raw.get('format_version') if isinstance(raw, dict) else None!r}")
+        raw = _load_json(data, "HEAD.json", MAX_HEAD_BYTES)
+        _version(raw, "HEAD.json")
         o = _obj(raw, "HEAD.json", ("format_version", "step", "manifest_digest", "run_id"))
-        return cls(_int(o["step"], "HEAD step", 0, MAX_STEP), _digest(o["manifest_digest"], "HEAD digest"), _str(o["run_id"], "run_id"))
+        return cls(
+            _int(o["step"], "HEAD step", 0, MAX_STEP),
+            _digest(o["manifest_digest"], "HEAD digest"),
+            _str(o["run_id"], "run_id"),
+        )

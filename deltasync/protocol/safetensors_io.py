@@ -90,7 +90,10 @@ def encode_header(tensors: Sequence[TensorBytes], metadata: Mapping[str, str] | 
 def to_bytes(tensors: Sequence[TensorBytes], metadata: Mapping[str, str] | None = None) -> bytes:
     """A whole safetensors file in memory."""
     parts: list[Any] = [encode_header(tensors, metadata)]
-    parts.extend(memoryview(t.data).cast("B") if not isinstance(t.data, np.ndarray) else t.data.reshape(-1).view(np.uint8) for t in tensors)
+    parts.extend(
+        memoryview(t.data).cast("B") if not isinstance(t.data, np.ndarray) else t.data.reshape(-1).view(np.uint8)
+        for t in tensors
+    )
     return b"".join(parts)
 
 

@@ -1,0 +1,89 @@
+"""torch interop shared by the uploader and the fetcher. torch is imported lazily."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from deltasync.errors import InventoryMismatch
+from deltasync.protocol.manifest import TensorInfo
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["flat_bits", "inventory_of", "numpy_bits", "require_torch", "st_dtype", "state_tensors", "torch_bits_dtype", "torch_dtype"]
+
+_ST_NAMES = {
+    "bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+    "int8": "I8", "uint8": "U8", "int16": "I16", "uint16": "U16", "int32": "I32", "uint32": "U32",
+    "int64": "I64", "uint64": "U64", "bool": "BOOL",
+}
+
+
+def require_torch() -> Any:
+    """Import torch or explain how to get it."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - exercised only without torch
+        raise ImportError("this part of deltasync needs PyTorch: pip install 'deltasync[torch]'") from None
+    return torch
+
+
+def st_dtype(dtype: torch.dtype) -> str:
+    """safetensors dtype name of a torch dtype."""
+    name = str(dtype).removeprefix("torch.")
+    try:
+        return _ST_NAMES[name]
+    except KeyError:
+        raise InventoryMismatch(f"dtype {dtype} is not supported (supported: {', '.join(sorted(_ST_NAMES))})") from None
+
+
+def torch_dtype(st: str) -> torch.dtype:
+    """torch dtype for a safetensors dtype name."""
+    torch = require_torch()
+    for k, v in _ST_NAMES.items():
+        if v == st:
+            return getattr(torch, k)  # type: ignore[no-any-return]
+    raise InventoryMismatch(f"safetensors dtype {st} has no torch equivalent")
+
+
+def torch_bits_dtype(itemsize: int) -> torch.dtype:
+    """Signed integer torch dtype of the given width."""
+    torch = require_torch()
+    return {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[itemsize]  # type: ignore[no-any-return]
+
+
+def flat_bits(t: torch.Tensor, *, copy_if_needed: bool = True) -> torch.Tensor:
+    """1-D signed-integer view of a tensor's bits (shares memory when ``t`` is contiguous)."""
+    if not t.is_contiguous():
+        if not copy_if_needed:
+            raise InventoryMismatch("target tensor is not contiguous; deltasync applies patches in place")
+        t = t.contiguous()
+    t = t.detach().reshape(-1)
+    return t.view(torch_bits_dtype(t.element_size()))
+
+
+def numpy_bits(t: torch.Tensor) -> np.ndarray[Any, Any]:
+    """numpy view (shared memory) of a CPU tensor's flat bits."""
+    return flat_bits(t, copy_if_needed=False).numpy()
+
+
+def inventory_of(state: Mapping[str, torch.Tensor]) -> tuple[TensorInfo, ...]:
+    """Inventory (sorted by name) of a state dict."""
+    return tuple(sorted((TensorInfo(k, st_dtype(v.dtype), tuple(v.shape)) for k, v in state.items()), key=lambda t: t.name))
+
+
+def state_tensors(target: Any) -> dict[str, torch.Tensor]:
+    """Tensors of an nn.Module (its state_dict) or a mapping of name -> tensor."""
+    torch = require_torch()
+    if isinstance(target, torch.nn.Module):
+        return dict(target.state_dict())
+    if isinstance(target, Mapping):
+        bad = [k for k, v in target.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+        if bad:
+            raise TypeError(f"expected a mapping of str -> torch.Tensor; bad entries: {bad[:5]}")
+        return dict(target)
+    raise TypeError(f"expected an nn.Module or a dict of tensors, got {type(target).__name__}")

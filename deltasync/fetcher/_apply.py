@@ -1,0 +1,175 @@
+"""Applying decoded steps to targets, all or nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from deltasync.errors import ChecksumMismatch, InventoryMismatch
+from deltasync.fetcher._reader import DecodedChange
+from deltasync.protocol import Manifest, TensorInfo, xxh3_128
+from deltasync.protocol.encoding import apply_values
+
+__all__ = ["NumpySlot", "Slot", "TorchSlot", "alias_groups", "apply_anchor", "apply_patch", "check_inventory"]
+
+Bits = np.ndarray[Any, np.dtype[Any]]
+
+
+class Slot:
+    """A target tensor's flat bits, wherever they live."""
+
+    key: Any = None
+
+    def take(self, idx: Bits) -> Bits:
+        """Bits at ``idx`` (a host copy)."""
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    def put(self, idx: Bits, vals: Bits) -> None:
+        """Write bits at ``idx``."""
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    def load(self, arr: Bits) -> None:
+        """Overwrite the whole tensor."""
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    def digest(self) -> str:
+        """xxh3-128 of the tensor's bytes."""
+        raise NotImplementedError  # pragma: no cover - abstract
+
+
+class NumpySlot(Slot):
+    """A numpy bit array (CPU torch tensors are viewed this way, sharing memory)."""
+
+    def __init__(self, arr: Bits, key: Any = None) -> None:
+        self.arr = arr
+        self.key = key if key is not None else (arr.__array_interface__["data"][0], arr.size, arr.dtype.str)
+
+    def take(self, idx: Bits) -> Bits:
+        # docstring inherited
+        return self.arr[idx]
+
+    def put(self, idx: Bits, vals: Bits) -> None:
+        # docstring inherited
+        self.arr[idx] = vals
+
+    def load(self, arr: Bits) -> None:
+        # docstring inherited
+        np.copyto(self.arr, arr)
+
+    def digest(self) -> str:
+        # docstring inherited
+        return xxh3_128(memoryview(self.arr).cast("B")) if self.arr.size else xxh3_128(b"")
+
+
+class TorchSlot(Slot):
+    """A flat bit view of a tensor on an accelerator; host data is moved once per call."""
+
+    def __init__(self, t: Any) -> None:
+        self.t = t
+        self.key = (t.device.type, t.data_ptr(), t.numel(), str(t.dtype))
+
+    def _idx(self, idx: Bits) -> Any:
+        import torch
+
+        return torch.from_numpy(idx).to(self.t.device, non_blocking=True)
+
+    def take(self, idx: Bits) -> Bits:
+        # docstring inherited
+        return self.t[self._idx(idx)].cpu().numpy()  # type: ignore[no-any-return]
+
+    def put(self, idx: Bits, vals: Bits) -> None:
+        # docstring inherited
+        import torch
+
+        self.t[self._idx(idx)] = torch.from_numpy(np.ascontiguousarray(vals)).to(self.t.device)
+
+    def load(self, arr: Bits) -> None:
+        # docstring inherited
+        import torch
+
+        self.t.copy_(torch.from_numpy(np.array(arr)))
+
+    def digest(self) -> str:
+        # docstring inherited
+        return xxh3_128(memoryview(self.t.cpu().numpy()).cast("B"))
+
+
+def check_inventory(have: Sequence[TensorInfo], m: Manifest) -> None:
+    """Raise InventoryMismatch, naming the differences, unless the target matches the manifest."""
+    if tuple(have) == m.inventory:
+        return
+    mine = {t.name: t for t in have}
+    theirs = {t.name: t for t in m.inventory}
+    missing = sorted(set(theirs) - set(mine))
+    extra = sorted(set(mine) - set(theirs))
+    differ = sorted(n for n in set(mine) & set(theirs) if mine[n] != theirs[n])
+    parts = []
+    if missing:
+        parts.append(f"missing in target: {missing[:5]}")
+    if extra:
+        parts.append(f"not in the run: {extra[:5]}")
+    if differ:
+        n = differ[0]
+        parts.append(f"dtype/shape differ for {differ[:5]} (e.g. {n}: target {mine[n].dtype}{list(mine[n].shape)}, run {theirs[n].dtype}{list(theirs[n].shape)})")
+    raise InventoryMismatch(f"target does not match step {m.step}'s tensors: " + "; ".join(parts))
+
+
+def alias_groups(slots: Mapping[str, Slot]) -> dict[str, str]:
+    """Map each name to the first name (sorted) sharing its memory: tied weights are applied once."""
+    first: dict[Any, str] = {}
+    out: dict[str, str] = {}
+    for name in sorted(slots):
+        out[name] = first.setdefault(slots[name].key, name)
+    return out
+
+
+def _verify(slots: Mapping[str, Slot], names: Sequence[str], m: Manifest) -> None:
+    for name in names:
+        want = m.tensor_digests.get(name)
+        if want is not None and slots[name].digest() != want:
+            raise ChecksumMismatch(f"step {m.step}: tensor {name!r} is not bit-exact after applying (digest mismatch)")
+
+
+def apply_anchor(slots: Mapping[str, Slot], m: Manifest, arrays: Mapping[str, Bits], *, verify: bool) -> None:
+    """Load a full anchor. Digests are checked on the downloaded bytes before anything is written."""
+    if verify:
+        for name, arr in arrays.items():
+            want = m.tensor_digests.get(name)
+            if want is not None and xxh3_128(memoryview(arr).cast("B") if arr.size else b"") != want:
+                raise ChecksumMismatch(f"step {m.step}: anchor tensor {name!r} does not match its digest")
+    for name, primary in alias_groups(slots).items():
+        if primary != name and not np.array_equal(arrays[name], arrays[primary]):
+            raise InventoryMismatch(f"target ties {primary!r} and {name!r} to one tensor, but step {m.step} holds different values")
+    for name, slot in slots.items():
+        slot.load(arrays[name])
+
+
+def apply_patch(slots: Mapping[str, Slot], m: Manifest, changes: Sequence[DecodedChange], *, verify: bool) -> None:
+    """Apply a decoded patch in place; on any error restore every touched element and re-raise."""
+    alias = alias_groups(slots)
+    by_name = {c.tensor: c for c in changes}
+    for name, primary in alias.items():
+        if primary != name:
+            a, b = by_name.get(primary), by_name.get(name)
+            same = (a is None and b is None) or (
+                a is not None and b is not None and a.coding == b.coding and np.array_equal(a.idx, b.idx) and np.array_equal(a.values, b.values)
+            )
+            if not same:
+                raise InventoryMismatch(f"target ties {primary!r} and {name!r} to one tensor, but step {m.step} changes them differently")
+    undo: list[tuple[Slot, Bits, Bits]] = []
+    try:
+        for c in changes:
+            if alias[c.tensor] != c.tensor:
+                continue
+            slot = slots[c.tensor]
+            old = slot.take(c.idx)
+            undo.append((slot, c.idx, old))
+            slot.put(c.idx, apply_values(c.coding, old, c.values))
+        if verify:
+            _verify(slots, [c.tensor for c in changes], m)
+    except BaseException:
+        for slot, idx, old in reversed(undo):
+            slot.put(idx, old)
+        raise

@@ -1,0 +1,633 @@
+"""The one conformance suite that every :class:`~deltasync.storage.Store` backend runs.
+
+Subclass :class:`StoreTests` in a ``tests/test_*.py`` module (the name must start
+with ``Test`` for pytest to collect it) and implement three hooks::
+
+    from deltasync.testing.store import StoreTests
+
+    class TestMyStore(StoreTests[MyStore]):
+        def make_store(self, path: Path) -> MyStore:
+            return MyStore(path)              # a new, empty store
+
+        def raw_get(self, store: MyStore, key: str) -> bytes | None:
+            ...                               # read behind the store's back; None if absent
+
+        def raw_put(self, store: MyStore, key: str, data: bytes) -> None:
+            ...                               # write behind the store's back
+
+``make_store(path)``
+    Return a new, empty store. ``path`` is a fresh directory name under pytest's
+    ``tmp_path`` that does not exist yet; a backend may use it as its root, or as a
+    unique bucket prefix, or ignore it. The suite's ``store`` fixture calls it once
+    per test and closes the store afterwards. It is a factory method rather than
+    a ``store_kwargs`` fixture because the Hypothesis state machine needs a fresh
+    store for every example, and a function-scoped fixture gives one per test.
+
+``raw_get(store, key)`` / ``raw_put(store, key, data)``
+    Bypass hooks: read or write the object under ``key`` the way the backend
+    really stores it (a file under the root, the dict of a memory store, a raw
+    S3 request), so that tests check what is really stored, not only what the
+    store says. ``raw_get`` returns ``None`` when no object is there.
+
+Optional knobs: ``big_object_size`` (bytes of the multi-MB round trip) and
+``state_machine_settings`` (Hypothesis settings of the state machine test).
+
+What the suite pins down, beyond the docstrings of :class:`~deltasync.storage.Store`:
+
+* payloads may be ``bytes``, ``bytearray``, ``memoryview`` (any C-contiguous
+  buffer: its raw bytes are stored) or a :class:`~pathlib.Path` to a file; the
+  store copies the payload, so changing it after ``put`` changes nothing;
+* a missing key raises :class:`~deltasync.errors.ObjectNotFound` (also a
+  ``FileNotFoundError``) from ``get``, ``get_many`` and ``get_range``; a missing
+  ``Path`` payload is a :class:`~deltasync.errors.StorageError` but *not* an
+  ``ObjectNotFound``;
+* every key-taking method raises :class:`~deltasync.errors.InvalidKey` (also a
+  ``ValueError``) for a malformed key before it touches anything; ``list`` takes
+  a plain-text prefix, not a key, so any prefix is allowed and simply matches
+  nothing outside the store;
+* ``list`` shows objects only: no temp files, no directories, sorted by key;
+* with ``supports_conditional_put``, ``mode="create"`` has exactly one winner
+  among racing writers; every backend keeps each object whole under racing
+  overwrites.
+
+The suite never stores a key that is also a path prefix of another stored key
+(``a`` next to ``a/b``): a directory-backed store cannot hold both, and the
+protocol never needs them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+from array import array
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, ClassVar, Generic, TypeVar
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+
+from deltasync.errors import AlreadyExists, DeltaSyncError, InvalidKey, ObjectNotFound, StorageError
+from deltasync.storage.base import Data, ObjectInfo, Store
+
+__all__ = ["StoreStateMachine", "StoreTests"]
+
+S = TypeVar("S", bound=Store)
+
+#: Keys that every method must refuse with InvalidKey.
+INVALID_KEYS: tuple[Any, ...] = (
+    "",
+    "../x",
+    "a/../../x",
+    "..",
+    ".",
+    "/abs",
+    "/",
+    "a//b",
+    "a/./b",
+    "a/",
+    "a\\b",
+    "..\\x",
+    "a\x00b",
+    "k" * 1025,
+    None,
+    b"bytes-key",
+)
+
+PAYLOAD_KINDS = ("bytes", "bytearray", "memoryview", "path")
+
+
+def _random_bytes(n: int, seed: int = 0) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+def _as_payload(kind: str, content: bytes, tmp_path: Path) -> Data:
+    """``content`` as a put payload of the given kind."""
+    if kind == "bytes":
+        return bytes(content)
+    if kind == "bytearray":
+        return bytearray(content)
+    if kind == "memoryview":
+        return memoryview(content)
+    if kind == "path":
+        path = tmp_path / f"payload-{len(list(tmp_path.glob('payload-*')))}.bin"
+        path.write_bytes(content)
+        return path
+    raise AssertionError(f"unknown payload kind {kind!r}")
+
+
+def _listing(store: Store, prefix: str = "") -> dict[str, int]:
+    infos = store.list(prefix)
+    assert all(isinstance(o, ObjectInfo) for o in infos)
+    keys = [o.key for o in infos]
+    assert keys == sorted(keys), f"list({prefix!r}) is not sorted by key: {keys}"
+    assert len(set(keys)) == len(keys), f"list({prefix!r}) repeats keys: {keys}"
+    return {o.key: o.size for o in infos}
+
+
+class StoreTests(Generic[S]):
+    """Conformance tests for a :class:`~deltasync.storage.Store` backend (see the module docstring)."""
+
+    #: size of the multi-MB object of the round-trip tests
+    big_object_size: ClassVar[int] = 3 * 1024 * 1024 + 7
+    #: Hypothesis settings of :meth:`test_state_machine`
+    state_machine_settings: ClassVar[settings] = settings(
+        max_examples=40,
+        stateful_step_count=30,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+
+    # -- hooks ------------------------------------------------------------
+
+    def make_store(self, path: Path) -> S:
+        """A new, empty store; ``path`` is a fresh, not yet existing directory it may use."""
+        raise NotImplementedError(f"{type(self).__name__} must implement make_store(path)")
+
+    def raw_get(self, store: S, key: str) -> bytes | None:
+        """The bytes really stored under ``key``, read behind the store's back; None if absent."""
+        raise NotImplementedError(f"{type(self).__name__} must implement raw_get(store, key)")
+
+    def raw_put(self, store: S, key: str, data: bytes) -> None:
+        """Store ``data`` under ``key`` behind the store's back."""
+        raise NotImplementedError(f"{type(self).__name__} must implement raw_put(store, key, data)")
+
+    @pytest.fixture
+    def store(self, tmp_path: Path) -> Iterator[S]:
+        """A new, empty store, closed after the test."""
+        store = self.make_store(tmp_path / "store")
+        try:
+            yield store
+        finally:
+            store.close()
+
+    # -- the bypass hooks themselves ----------------------------------------
+
+    def test_raw_hooks_agree_with_store(self, store: S) -> None:
+        assert self.raw_get(store, "steps/000000000001/raw.bin") is None
+        self.raw_put(store, "steps/000000000001/raw.bin", b"written behind its back")
+        assert store.get("steps/000000000001/raw.bin") == b"written behind its back"
+        assert store.exists("steps/000000000001/raw.bin")
+        assert _listing(store) == {"steps/000000000001/raw.bin": 23}
+        store.put("HEAD.json", b"{}")
+        assert self.raw_get(store, "HEAD.json") == b"{}"
+
+    # -- put / get ----------------------------------------------------------
+
+    @pytest.mark.parametrize("kind", PAYLOAD_KINDS)
+    @pytest.mark.parametrize("size", [0, 1, 4099, -1], ids=["empty", "1B", "4KiB", "multi-MB"])
+    def test_put_get_roundtrip(self, store: S, tmp_path: Path, kind: str, size: int) -> None:
+        n = self.big_object_size if size < 0 else size
+        content = _random_bytes(n, seed=n)
+        key = "steps/000000000007/model-00001-of-00002.safetensors"
+        store.put(key, _as_payload(kind, content, tmp_path))
+        got = store.get(key)
+        assert type(got) is bytes
+        assert got == content
+        assert self.raw_get(store, key) == content
+        assert store.get_many([key]) == {key: content}
+        assert _listing(store) == {key: n}
+        assert store.exists(key)
+
+    @pytest.mark.parametrize("kind", PAYLOAD_KINDS)
+    def test_put_many_mixed_payloads(self, store: S, tmp_path: Path, kind: str) -> None:
+        items = {f"steps/000000000001/f{i}.bin": _random_bytes(i * 100, seed=i) for i in range(5)}
+        store.put_many({k: _as_payload(kind, v, tmp_path) for k, v in items.items()})
+        assert store.get_many(list(items)) == items
+        assert _listing(store) == {k: len(v) for k, v in items.items()}
+        for k, v in items.items():
+            assert self.raw_get(store, k) == v
+
+    def test_memoryview_payloads_store_raw_bytes(self, store: S) -> None:
+        ints = array("I", range(1000))
+        store.put("typed", memoryview(ints))
+        assert store.get("typed") == ints.tobytes()
+        assert _listing(store) == {"typed": 4000}
+        buf = bytearray(_random_bytes(1000))
+        store.put("sliced", memoryview(buf)[3:517])
+        assert store.get("sliced") == bytes(buf[3:517])
+        store.put("empty-view", memoryview(b"abc")[1:1])
+        assert store.get("empty-view") == b""
+
+    def test_put_copies_the_payload(self, store: S, tmp_path: Path) -> None:
+        buf = bytearray(b"original")
+        store.put("from-bytearray", buf)
+        buf[:] = b"mutated!"
+        src = tmp_path / "src.bin"
+        src.write_bytes(b"original file")
+        store.put("from-path", src)
+        src.write_bytes(b"changed file, longer")
+        assert store.get("from-bytearray") == b"original"
+        assert store.get("from-path") == b"original file"
+
+    def test_put_missing_path_payload_is_a_storage_error(self, store: S, tmp_path: Path) -> None:
+        with pytest.raises(StorageError) as info:
+            store.put("k", tmp_path / "no-such-file.bin")
+        assert not isinstance(info.value, ObjectNotFound), "a missing source file is not a missing object"
+        assert not store.exists("k")
+        assert _listing(store) == {}
+
+    def test_get_many_many_keys(self, store: S) -> None:
+        items = {f"steps/{i % 7:012d}/shard-{i:04d}.bin": _random_bytes(i % 50, seed=i) for i in range(300)}
+        store.put_many(items)
+        keys = list(items)
+        random.Random(1).shuffle(keys)
+        got = store.get_many(keys)
+        assert got == items
+        assert set(got) == set(keys)
+        assert store.get_many([]) == {}
+        assert store.get_many(keys[:1]) == {keys[0]: items[keys[0]]}
+
+    # -- missing objects ----------------------------------------------------
+
+    def test_missing_key_raises_object_not_found(self, store: S) -> None:
+        store.put("present", b"x")
+        calls: list[Callable[[], object]] = [
+            lambda: store.get("steps/000000000001/manifest.json"),
+            lambda: store.get_many(["present", "steps/000000000001/manifest.json"]),
+            lambda: store.get_range("steps/000000000001/manifest.json", 0, 10),
+        ]
+        for call in calls:
+            with pytest.raises(ObjectNotFound, match="manifest.json") as info:
+                call()
+            assert isinstance(info.value, FileNotFoundError)
+            assert isinstance(info.value, StorageError)
+            assert isinstance(info.value, DeltaSyncError)
+            with pytest.raises(FileNotFoundError):
+                call()
+        assert not store.exists("steps/000000000001/manifest.json")
+
+    def test_prefixes_and_extensions_of_keys_are_not_objects(self, store: S) -> None:
+        store.put("steps/000000000001/manifest.json", b"{}")
+        for key in ("steps", "steps/000000000001", "steps/000000000001/manifest.json/x", "steps/000000000001/m"):
+            assert not store.exists(key), key
+            with pytest.raises(ObjectNotFound):
+                store.get(key)
+            with pytest.raises(ObjectNotFound):
+                store.get_range(key, 0, 1)
+            store.delete_many([key])  # not an object: ignored
+        assert store.get("steps/000000000001/manifest.json") == b"{}"
+
+    # -- put modes ----------------------------------------------------------
+
+    def test_create_on_existing_key_raises_and_keeps_old_content(self, store: S) -> None:
+        store.put("HEAD.json", b"old", mode="create")
+        with pytest.raises(AlreadyExists, match="HEAD.json") as info:
+            store.put("HEAD.json", b"new content", mode="create")
+        assert isinstance(info.value, FileExistsError)
+        assert isinstance(info.value, StorageError)
+        assert store.get("HEAD.json") == b"old"
+        assert self.raw_get(store, "HEAD.json") == b"old"
+        assert _listing(store) == {"HEAD.json": 3}
+
+    def test_create_in_a_batch(self, store: S) -> None:
+        store.put("steps/000000000002/b.bin", b"old")
+        with pytest.raises(AlreadyExists):
+            store.put_many({"steps/000000000002/a.bin": b"a", "steps/000000000002/b.bin": b"new"}, mode="create")
+        assert store.get("steps/000000000002/b.bin") == b"old"
+        store.put_many({"steps/000000000003/a.bin": b"a", "steps/000000000003/b.bin": b"b"}, mode="create")
+        assert store.get_many(["steps/000000000003/a.bin", "steps/000000000003/b.bin"]) == {
+            "steps/000000000003/a.bin": b"a",
+            "steps/000000000003/b.bin": b"b",
+        }
+
+    def test_create_after_delete_succeeds(self, store: S) -> None:
+        store.put("k", b"1", mode="create")
+        store.delete_many(["k"])
+        store.put("k", b"2", mode="create")
+        assert store.get("k") == b"2"
+
+    def test_overwrite(self, store: S) -> None:
+        key = "HEAD.json"
+        store.put(key, b"first version, rather long")
+        store.put(key, b"second")
+        assert store.get(key) == b"second"
+        assert self.raw_get(store, key) == b"second"
+        assert _listing(store) == {key: 6}
+        store.put(key, b"third", mode="overwrite")
+        assert store.get(key) == b"third"
+        store.put_many({key: b""}, mode="overwrite")
+        assert store.get(key) == b""
+        assert _listing(store) == {key: 0}
+        self.raw_put(store, key, b"behind its back")
+        store.put(key, b"fourth")
+        assert store.get(key) == b"fourth"
+
+    # -- list -----------------------------------------------------------------
+
+    def test_list_with_prefix(self, store: S) -> None:
+        items = {
+            "HEAD.json": b"{}",
+            "steps/000000000001/manifest.json": b"m1",
+            "steps/000000000001/patch.safetensors": b"p" * 17,
+            "steps/000000000002/manifest.json": b"m22",
+            "steps/000000000002/deep/er/file.bin": b"",
+            "steps10/other": b"o",
+            "stepsX": b"xx",
+            "zz": b"z",
+        }
+        store.put_many(items)
+
+        def keys_with(prefix: str) -> dict[str, int]:
+            return {k: len(v) for k, v in items.items() if k.startswith(prefix)}
+
+        for prefix in (
+            "",
+            "s",
+            "steps",
+            "steps/",
+            "steps/0000",
+            "steps/000000000001/",
+            "steps/000000000001/manifest.json",
+            "steps/000000000002/deep",
+            "steps/000000000002/deep/er/",
+            "steps1",
+            "H",
+            "nope",
+            "nope/",
+            "steps/000000000003/",
+            "zz/",
+        ):
+            assert _listing(store, prefix) == keys_with(prefix), prefix
+        assert [o.key for o in store.list()] == sorted(items)
+        assert store.list() == store.list("")
+
+    def test_list_shows_only_objects(self, store: S, tmp_path: Path) -> None:
+        store.put("a/b/c", b"1")
+        store.put("a/b/d", _as_payload("path", b"22", tmp_path))
+        store.put("a/e", b"333", mode="create")
+        with pytest.raises(AlreadyExists):
+            store.put("a/e", b"4444", mode="create")
+        store.put("f", b"55555")
+        store.put("f", b"666666")
+        store.put("g/h", b"x")
+        store.delete_many(["g/h"])
+        assert _listing(store) == {"a/b/c": 1, "a/b/d": 2, "a/e": 3, "f": 6}
+        assert _listing(store, ".") == {}
+        assert _listing(store, "g") == {}
+        for key in _listing(store):
+            store.get(key)
+
+    def test_list_prefix_never_escapes(self, store: S) -> None:
+        store.put("inside", b"x")
+        for prefix in ("../", "..", "/", "/inside", "./inside", "a//", "\\"):
+            assert _listing(store, prefix) == {}, prefix
+
+    def test_list_empty_store(self, store: S) -> None:
+        assert store.list() == []
+        assert store.list("steps/") == []
+
+    # -- delete -----------------------------------------------------------------
+
+    def test_delete_many(self, store: S) -> None:
+        store.put_many({"a/1": b"1", "a/2": b"2", "b/3": b"3", "c": b"4"})
+        store.delete_many(["a/1", "missing", "a/nope/deeper", "c"])
+        assert _listing(store) == {"a/2": 1, "b/3": 1}
+        assert self.raw_get(store, "a/1") is None
+        assert self.raw_get(store, "c") is None
+        with pytest.raises(ObjectNotFound):
+            store.get("a/1")
+        store.delete_many([])
+        store.delete_many(["a/1", "a/1"])
+        assert _listing(store) == {"a/2": 1, "b/3": 1}
+        store.delete_many(["a/2", "b/3"])
+        assert store.list() == []
+
+    # -- get_range / exists ---------------------------------------------------------
+
+    def test_get_range(self, store: S) -> None:
+        data = bytes(range(256)) * 4
+        store.put("r", data)
+        for start, end in [(0, 10), (10, 20), (0, 1024), (1000, 2000), (1023, 1024), (1024, 1030), (5, 5), (7, 3)]:
+            got = store.get_range("r", start, end)
+            assert type(got) is bytes
+            assert got == data[start:end], (start, end)
+        store.put("empty", b"")
+        assert store.get_range("empty", 0, 10) == b""
+
+    def test_exists(self, store: S) -> None:
+        assert not store.exists("steps/000000000001/manifest.json")
+        store.put("steps/000000000001/manifest.json", b"{}")
+        assert store.exists("steps/000000000001/manifest.json")
+        assert not store.exists("steps/000000000001")
+        store.put("empty", b"")
+        assert store.exists("empty")
+        store.delete_many(["steps/000000000001/manifest.json"])
+        assert not store.exists("steps/000000000001/manifest.json")
+
+    # -- invalid keys ---------------------------------------------------------------
+
+    @pytest.mark.parametrize("key", INVALID_KEYS, ids=ascii)
+    def test_invalid_key_rejected_everywhere(self, store: S, tmp_path: Path, key: Any) -> None:
+        store.put("ok", b"fine")
+        calls: dict[str, Callable[[], object]] = {
+            "put": lambda: store.put(key, b"x"),
+            "put(create)": lambda: store.put(key, b"x", mode="create"),
+            "put_many": lambda: store.put_many({key: b"x"}),
+            "put_many(create)": lambda: store.put_many({key: b"x"}, mode="create"),
+            "get": lambda: store.get(key),
+            "get_many": lambda: store.get_many(["ok", key]),
+            "get_range": lambda: store.get_range(key, 0, 1),
+            "exists": lambda: store.exists(key),
+            "delete_many": lambda: store.delete_many([key]),
+        }
+        for name, call in calls.items():
+            with pytest.raises(InvalidKey) as info:
+                call()
+            assert isinstance(info.value, ValueError), name
+            assert isinstance(info.value, StorageError), name
+            assert str(info.value), name
+        if isinstance(key, str) and key:
+            assert _listing(store, key) == {}, "list() takes any prefix; this one matches nothing"
+        assert _listing(store) == {"ok": 4}
+        assert store.get("ok") == b"fine"
+        assert not (tmp_path / "x").exists(), "a '../x' key escaped the store"
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    def test_close_and_context_manager(self, store: S) -> None:
+        calls: list[str] = []
+        close = store.close
+
+        def counting_close() -> None:
+            calls.append("close")
+            close()
+
+        store.close = counting_close  # type: ignore[method-assign]
+        with store as entered:
+            assert entered is store
+            entered.put("k", b"v")
+            assert entered.get("k") == b"v"
+        assert calls == ["close"]
+        with pytest.raises(KeyError, match="boom"), store:
+            raise KeyError("boom")  # exceptions propagate through __exit__
+        assert calls == ["close", "close"]
+        store.close = close  # type: ignore[method-assign]
+        store.close()  # idempotent
+        store.close()
+
+    def test_url_and_repr(self, store: S) -> None:
+        assert isinstance(store.url, str) and store.url
+        assert store.url in repr(store)
+        assert type(store).__name__ in repr(store)
+
+    # -- concurrency ----------------------------------------------------------------
+
+    def test_concurrent_create_has_exactly_one_winner(self, store: S) -> None:
+        if not store.supports_conditional_put:
+            pytest.skip(f"{type(store).__name__} does not support conditional puts")
+        n = 16
+        for round_ in range(5):
+            key = f"steps/{round_:012d}/manifest.json"
+            barrier = threading.Barrier(n)
+
+            def attempt(i: int, key: str = key, barrier: threading.Barrier = barrier) -> bytes | None:
+                payload = f"writer {i:02d};".encode() * (1000 + i)
+                barrier.wait(timeout=60)
+                try:
+                    store.put(key, payload, mode="create")
+                except AlreadyExists:
+                    return None
+                return payload
+
+            with ThreadPoolExecutor(max_workers=n) as pool:
+                results = list(pool.map(attempt, range(n)))
+            winners = [r for r in results if r is not None]
+            assert len(winners) == 1, f"round {round_}: {len(winners)} create-only writers won"
+            assert store.get(key) == winners[0]
+            assert self.raw_get(store, key) == winners[0]
+        assert len(store.list()) == 5
+
+    def test_concurrent_overwrites_keep_objects_whole(self, store: S) -> None:
+        n = 16
+        payloads = [bytes([i]) * (256 * 1024 + i) for i in range(n)]
+        barrier = threading.Barrier(n)
+
+        def attempt(i: int) -> None:
+            barrier.wait(timeout=60)
+            store.put("HEAD.json", payloads[i])
+
+        with ThreadPoolExecutor(max_workers=n) as pool:
+            list(pool.map(attempt, range(n)))
+        assert store.get("HEAD.json") in payloads
+        assert _listing(store) == {"HEAD.json": len(store.get("HEAD.json"))}
+
+    # -- state machine --------------------------------------------------------------
+
+    def test_state_machine(self, tmp_path: Path) -> None:
+        paths = (tmp_path / f"example-{i}" for i in itertools.count())
+
+        def factory() -> StoreStateMachine:
+            return StoreStateMachine(self.make_store(next(paths)), self.raw_get, self.raw_put)
+
+        run_state_machine_as_test(factory, settings=self.state_machine_settings)
+
+
+# Keys of the state machine: directory and leaf names are disjoint, so no stored
+# key is ever a path prefix of another (see the module docstring).
+_DIRS = ("d0", "d1", "steps")
+_LEAVES = ("f0", "f1", "manifest.json", "HEAD")
+_keys = st.builds(
+    lambda dirs, leaf: "/".join([*dirs, leaf]),
+    st.lists(st.sampled_from(_DIRS), max_size=2),
+    st.sampled_from(_LEAVES),
+)
+_data = st.binary(max_size=64)
+_prefixes = st.one_of(
+    st.tuples(_keys, st.integers(0, 30)).map(lambda t: t[0][: t[1]]),
+    st.text(alphabet="d01/stepf.", max_size=5),
+)
+
+
+class StoreStateMachine(RuleBasedStateMachine):
+    """A store checked step by step against a plain ``dict`` model."""
+
+    def __init__(
+        self,
+        store: Store,
+        raw_get: Callable[[Any, str], bytes | None],
+        raw_put: Callable[[Any, str, bytes], None],
+    ) -> None:
+        super().__init__()
+        self.store = store
+        self.raw_get = raw_get
+        self.raw_put = raw_put
+        self.model: dict[str, bytes] = {}
+
+    def teardown(self) -> None:
+        self.store.close()
+
+    @rule(key=_keys, data=_data)
+    def put(self, key: str, data: bytes) -> None:
+        self.store.put(key, data)
+        self.model[key] = data
+
+    @rule(items=st.dictionaries(_keys, _data, max_size=4))
+    def put_many(self, items: dict[str, bytes]) -> None:
+        self.store.put_many({k: bytearray(v) for k, v in items.items()})
+        self.model.update(items)
+
+    @rule(key=_keys, data=_data)
+    def create(self, key: str, data: bytes) -> None:
+        if key in self.model:
+            with pytest.raises(AlreadyExists):
+                self.store.put(key, data, mode="create")
+        else:
+            self.store.put(key, memoryview(data), mode="create")
+            self.model[key] = data
+
+    @rule(keys=st.lists(_keys, max_size=4))
+    def delete_many(self, keys: list[str]) -> None:
+        self.store.delete_many(keys)
+        for key in keys:
+            self.model.pop(key, None)
+
+    @rule(key=_keys, data=_data)
+    def raw_write(self, key: str, data: bytes) -> None:
+        self.raw_put(self.store, key, data)
+        self.model[key] = data
+
+    @rule(key=_keys)
+    def get(self, key: str) -> None:
+        if key in self.model:
+            assert self.store.get(key) == self.model[key]
+        else:
+            with pytest.raises(ObjectNotFound):
+                self.store.get(key)
+
+    @rule(keys=st.lists(_keys, max_size=5, unique=True))
+    def get_many(self, keys: list[str]) -> None:
+        if all(k in self.model for k in keys):
+            assert self.store.get_many(keys) == {k: self.model[k] for k in keys}
+        else:
+            with pytest.raises(ObjectNotFound):
+                self.store.get_many(keys)
+
+    @rule(key=_keys, start=st.integers(0, 70), length=st.integers(0, 70))
+    def get_range(self, key: str, start: int, length: int) -> None:
+        if key in self.model:
+            assert self.store.get_range(key, start, start + length) == self.model[key][start : start + length]
+        else:
+            with pytest.raises(ObjectNotFound):
+                self.store.get_range(key, start, start + length)
+
+    @rule(key=_keys)
+    def exists(self, key: str) -> None:
+        assert self.store.exists(key) == (key in self.model)
+
+    @rule(key=_keys)
+    def raw_read(self, key: str) -> None:
+        assert self.raw_get(self.store, key) == self.model.get(key)
+
+    @rule(prefix=_prefixes)
+    def list_prefix(self, prefix: str) -> None:
+        expected = {k: len(v) for k, v in sorted(self.model.items()) if k.startswith(prefix)}
+        assert _listing(self.store, prefix) == expected
+
+    @invariant()
+    def listing_matches_model(self) -> None:
+        assert _listing(self.store) == {k: len(v) for k, v in self.model.items()}

@@ -1,0 +1,129 @@
+"""Turning one step's changes into files + a manifest, and writing them in commit order."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from deltasync.protocol import (
+    AnchorEntry,
+    Committed,
+    FileInfo,
+    Head,
+    Manifest,
+    PatchEntry,
+    Stats,
+    TensorInfo,
+    encode_changes,
+    file_key,
+    inventory_digest,
+    manifest_key,
+    xxh3_128,
+)
+from deltasync.protocol.checkpoint import build_checkpoint, pack_shards, shard_layout
+from deltasync.protocol.keys import HEAD_KEY
+from deltasync.protocol.safetensors_io import TensorBytes, to_bytes
+from deltasync.storage import Store
+from deltasync.uploader._diff import TensorChange
+
+__all__ = ["StepJob", "build_patch", "write_step"]
+Bits = np.ndarray[Any, np.dtype[Any]]
+
+
+@dataclass(slots=True)
+class StepJob:
+    """One step on its way to the store. Owns all the memory it references."""
+
+    step: int
+    kind: Literal["anchor", "patch"]
+    inventory: tuple[TensorInfo, ...]
+    changes: dict[str, TensorChange] = field(default_factory=dict)
+    snapshot: dict[str, Bits] = field(default_factory=dict)
+    changed: int = 0
+    total: int = 0
+    digests: dict[str, str] = field(default_factory=dict)
+    digests_ready: threading.Event = field(default_factory=threading.Event)
+    futures: list[tuple[int, Future[Any]]] = field(default_factory=list)
+
+
+def build_patch(job: StepJob, shard_bytes: int, pool: Executor | None) -> tuple[dict[str, bytes], list[PatchEntry]]:
+    """Encode every changed tensor and pack the blobs into ``patch-NNNNN.safetensors`` files."""
+    numel = {t.name: t.numel for t in job.inventory}
+    names = sorted(job.changes)
+
+    def enc(name: str) -> Any:
+        c = job.changes[name]
+        return encode_changes(numel[name], c.idx, c.old, c.new)
+
+    encoded = list(pool.map(enc, names)) if pool is not None and len(names) > 1 else [enc(n) for n in names]
+    blobs: list[TensorBytes] = []
+    for name, e in zip(names, encoded):
+        blobs.append(TensorBytes(f"{name}/positions", "U8", (len(e.pos_blob),), e.pos_blob))
+        blobs.append(TensorBytes(f"{name}/values", "U8", (len(e.val_blob),), e.val_blob))
+    files: dict[str, bytes] = {}
+    entries: list[PatchEntry] = []
+    by_name = dict(zip(names, encoded))
+    meta = {"format": "deltasync-patch", "step": str(job.step)}
+    for i, shard in enumerate(pack_shards(blobs, shard_bytes)):
+        fname = f"patch-{i:05d}.safetensors"
+        ranges = shard_layout(shard, meta)
+        files[fname] = to_bytes(shard, meta)
+        for t in shard:
+            if t.name.endswith("/positions"):
+                tensor = t.name[: -len("/positions")]
+                e = by_name[tensor]
+                entries.append(
+                    PatchEntry(tensor, fname, e.count, e.positions, e.rice_k, e.values, ranges[t.name], ranges[f"{tensor}/values"])
+                )
+    return files, entries
+
+
+def write_step(
+    store: Store,
+    job: StepJob,
+    *,
+    run_id: str,
+    parent: Committed | None,
+    anchor_step: int,
+    shard_bytes: int,
+    pool: Executor | None,
+    signing_key: bytes | None,
+    progress: Callable[[str], None] | None = None,
+) -> Committed:
+    """Encode, write data files (create-only), then the manifest (create-only), then HEAD."""
+    if job.kind == "patch":
+        files, entries_p = build_patch(job, shard_bytes, pool)
+        entries: tuple[PatchEntry, ...] | tuple[AnchorEntry, ...] = tuple(entries_p)
+    else:
+        files, entries_a = build_checkpoint(job.inventory, job.snapshot, shard_bytes)
+        entries = tuple(entries_a)
+    infos = tuple(FileInfo(name, len(data), xxh3_128(data)) for name, data in sorted(files.items()))
+    manifest = Manifest(
+        run_id=run_id,
+        step=job.step,
+        kind=job.kind,
+        parent_step=parent.manifest.step if parent else None,
+        parent_digest=parent.digest if parent else None,
+        anchor_step=job.step if job.kind == "anchor" else anchor_step,
+        inventory=job.inventory,
+        inventory_digest=inventory_digest(job.inventory),
+        files=infos,
+        entries=entries,
+        tensor_digests=dict(job.digests),
+        stats=Stats(job.changed, job.total, sum(f.size for f in infos)),
+    )
+    if signing_key is not None:
+        manifest = manifest.signed(signing_key)
+    if progress:
+        progress(f"step {job.step}: writing {len(files)} files")
+    store.put_many({file_key(job.step, n): d for n, d in files.items()}, mode="create")
+    body = manifest.to_json()
+    store.put(manifest_key(job.step), body, mode="create")
+    digest = xxh3_128(body)
+    store.put(HEAD_KEY, Head(job.step, digest, run_id).to_json())
+    return Committed(manifest, digest)

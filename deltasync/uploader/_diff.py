@@ -1,0 +1,74 @@
+"""Bit-wise diff of a state against the baseline, on the tensors' own device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from deltasync._tensors import flat_bits, inventory_of
+from deltasync.protocol import TensorInfo
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Baseline", "TensorChange", "diff_tensor", "inventory_of"]
+
+CHUNK = 1 << 21  # elements per compare chunk: keeps the mask in cache
+Bits = np.ndarray[Any, np.dtype[Any]]
+
+
+@dataclass(slots=True)
+class TensorChange:
+    """Changed flat positions of one tensor with their old and new bits (host memory, owned)."""
+
+    idx: Bits
+    old: Bits
+    new: Bits
+
+
+@dataclass(slots=True)
+class Baseline:
+    """The last pushed state: one flat bit tensor per name, on each tensor's device."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    inventory: tuple[TensorInfo, ...] = ()
+
+
+def _diff_numpy(base: Bits, new: Bits) -> Bits:
+    parts: list[Bits] = []
+    mask = np.empty(min(CHUNK, base.size), dtype=bool)
+    for start in range(0, base.size, CHUNK):
+        b = base[start : start + CHUNK]
+        m = mask[: b.size]
+        np.not_equal(b, new[start : start + CHUNK], out=m)
+        hit = np.flatnonzero(m)
+        if hit.size:
+            parts.append(hit + start)
+    return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+
+
+def diff_tensor(base: torch.Tensor, new: torch.Tensor) -> TensorChange | None:
+    """Changed positions of ``new`` against ``base`` (both flat bit views), and update ``base``.
+
+    CPU tensors are compared chunk-wise with numpy on shared memory; other
+    devices with torch on the device, copying only the changed elements to host.
+    """
+    if base.device.type == "cpu":
+        b, n = base.numpy(), flat_bits(new).numpy()
+        idx = _diff_numpy(b, n)
+        if not idx.size:
+            return None
+        old = b[idx]
+        vals = n[idx]
+        b[idx] = vals
+        return TensorChange(idx.astype(np.int64, copy=False), old, vals)
+    nb = flat_bits(new)
+    idx_t = (base != nb).nonzero().squeeze(1)
+    if not idx_t.numel():
+        return None
+    old_t = base[idx_t]
+    new_t = nb[idx_t]
+    base[idx_t] = new_t
+    return TensorChange(idx_t.cpu().numpy(), old_t.cpu().numpy(), new_t.cpu().numpy())

@@ -1,0 +1,433 @@
+"""DeltaUploader: diff on push, encode and write in the background."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+
+from deltasync._tensors import flat_bits, state_tensors
+from deltasync.errors import ChecksumMismatch, CommitFailed, InventoryMismatch, ProtocolError
+from deltasync.protocol import Committed, Manifest, manifest_key, parse_manifest_key, xxh3_128
+from deltasync.protocol.keys import STEPS_PREFIX
+from deltasync.storage import Store
+from deltasync.uploader._commit import StepJob, write_step
+from deltasync.uploader._diff import Baseline, TensorChange, diff_tensor, inventory_of
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["CommitInfo", "DeltaUploader", "UploaderConfig"]
+
+log = logging.getLogger("deltasync.uploader")
+
+
+@dataclass(frozen=True, slots=True)
+class UploaderConfig:
+    """Uploader options (all keyword arguments of :class:`DeltaUploader`).
+
+    anchor_every: a full anchor every N pushes (and on the first push, after a
+        failed commit, and whenever the tensor inventory changes).
+    anchor_bytes_fraction: also an anchor once the patch bytes written since the
+        last anchor exceed this fraction of that anchor's size (0 disables).
+    cast_dtype: cast floating-point tensors to this torch dtype before diffing
+        (fp32 master weights -> bf16 inference weights).
+    max_pending: steps waiting for the store before ``on_backlog`` applies.
+    on_backlog: "coalesce" folds a new step into the newest waiting one (push
+        never blocks on the store; skipped steps resolve with kind "skipped");
+        "block" makes push wait until a slot frees.
+    shard_bytes: maximum size of one anchor shard / patch file.
+    tensor_digests: record xxh3-128 of every post-step tensor (lets fetchers prove
+        bit-exactness); costs one hashing pass over changed tensors per step.
+    signing_key: sign manifests with HMAC-SHA256.
+    encode_threads: threads encoding tensors of one step in parallel.
+    """
+
+    anchor_every: int = 50
+    anchor_bytes_fraction: float = 0.5
+    cast_dtype: Any = None
+    max_pending: int = 4
+    on_backlog: Literal["coalesce", "block"] = "coalesce"
+    shard_bytes: int = 2 << 30
+    tensor_digests: bool = True
+    signing_key: bytes | None = None
+    encode_threads: int = 2
+    run_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.anchor_every < 1:
+            raise ValueError("anchor_every must be >= 1")
+        if self.max_pending < 1:
+            raise ValueError("max_pending must be >= 1")
+        if self.on_backlog not in ("coalesce", "block"):
+            raise ValueError("on_backlog must be 'coalesce' or 'block'")
+
+
+@dataclass(frozen=True, slots=True)
+class CommitInfo:
+    """What happened to one pushed step.
+
+    kind is "anchor" or "patch" when the step was committed, "skipped" when the
+    writer was behind and its changes were folded into ``committed_step``.
+    ``nbytes`` is the payload written for the committed step.
+    """
+
+    step: int
+    kind: Literal["anchor", "patch", "skipped"]
+    nbytes: int
+    changed: int
+    total: int
+    anchor_step: int
+    manifest_digest: str
+    committed_step: int
+    seconds: float
+
+
+def _merge_changes(a: TensorChange, b: TensorChange) -> TensorChange | None:
+    idx = np.concatenate([a.idx, b.idx])
+    order = np.argsort(idx, kind="stable")
+    idx_s = idx[order]
+    first = np.ones(idx_s.size, dtype=bool)
+    first[1:] = idx_s[1:] != idx_s[:-1]
+    last = np.ones(idx_s.size, dtype=bool)
+    last[:-1] = first[1:]
+    old = np.concatenate([a.old, b.old])[order][first]
+    new = np.concatenate([a.new, b.new])[order][last]
+    keep = old != new
+    if not keep.any():
+        return None
+    return TensorChange(idx_s[first][keep], old[keep], new[keep])
+
+
+def _merge(a: StepJob, b: StepJob) -> StepJob:
+    """Fold waiting job ``a`` and newer job ``b`` into one job at ``b.step``."""
+    futures = a.futures + b.futures
+    if b.kind == "anchor":
+        return replace(b, futures=futures)
+    if a.kind == "anchor":
+        for name, c in b.changes.items():
+            a.snapshot[name][c.idx] = c.new
+        return replace(b, kind="anchor", snapshot=a.snapshot, changes={}, changed=b.total, futures=futures)
+    changes = dict(a.changes)
+    for name, c in b.changes.items():
+        merged = _merge_changes(changes[name], c) if name in changes else c
+        if merged is None:
+            changes.pop(name, None)
+        else:
+            changes[name] = merged
+    return replace(b, changes=changes, changed=sum(int(c.idx.size) for c in changes.values()), futures=futures)
+
+
+class DeltaUploader:
+    """Push training states; each step becomes a sparse patch (or an anchor) in ``store``.
+
+    ``push()`` diffs bit-wise against the last pushed state on the tensors' own
+    device, copies out only the changed elements and returns a Future. Two
+    background threads do the rest: one hashes the new state (the next push
+    waits for it, never for the store), one encodes and writes files, then the
+    manifest, then HEAD. Use as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(self, store: Store, *, config: UploaderConfig | None = None, **options: Any) -> None:
+        self.store = store
+        self.config = replace(config or UploaderConfig(), **options)
+        self._baseline = Baseline()
+        self._digest_cache: dict[str, str] = {}
+        self._pushes_since_anchor = 0
+        self._last_step: int | None = None
+        self._needs_anchor = True
+        self._closed = False
+        self._prev_job: StepJob | None = None
+        # committer state (touched by the commit thread, read under _cond)
+        self._cond = threading.Condition()
+        self._pending: deque[StepJob] = deque()
+        self._last_committed: Committed | None = None
+        self._last_ok = True
+        self._bytes_since_anchor = 0
+        self._anchor_bytes = 0
+        self._inflight = 0
+        self.failures = 0
+        self._latest_in_store()
+        self.run_id = self.config.run_id or (self._last_committed.manifest.run_id if self._last_committed else uuid.uuid4().hex[:16])
+        self._digest_q: deque[StepJob | None] = deque()
+        self._digest_cv = threading.Condition()
+        self._pool = ThreadPoolExecutor(max(1, self.config.encode_threads), thread_name_prefix="deltasync-encode")
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._digest_loop, name="deltasync-digest", daemon=True),
+            threading.Thread(target=self._commit_loop, name="deltasync-commit", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------ store state
+
+    def _latest_in_store(self) -> None:
+        steps = [s for o in self.store.list(STEPS_PREFIX) if (s := parse_manifest_key(o.key)) is not None]
+        if steps:
+            body = self.store.get(manifest_key(max(steps)))
+            self._last_committed = Committed(Manifest.from_json(body), xxh3_128(body))
+            self._last_step = max(steps)
+
+    def resume(self, state: Any, step: int) -> None:
+        """Continue the chain from committed ``step`` whose weights are ``state`` (no push needed).
+
+        The state is checked against the step's inventory and tensor digests; the
+        next push is then a patch (unless an anchor is due).
+        """
+        body = self.store.get(manifest_key(step))
+        committed = Committed(Manifest.from_json(body), xxh3_128(body))
+        m = committed.manifest
+        tensors = self._prepare(state)
+        if inventory_of(tensors) != m.inventory:
+            raise InventoryMismatch(f"resume: the given state does not match step {step}'s tensor inventory")
+        base = {k: flat_bits(v).clone() for k, v in tensors.items()}
+        for name, dig in m.tensor_digests.items():
+            if xxh3_128(memoryview(base[name].cpu().numpy()).cast("B")) != dig:
+                raise ChecksumMismatch(f"resume: tensor {name!r} differs from committed step {step}")
+        with self._cond:
+            if self._inflight or self._prev_job is not None:
+                raise RuntimeError("resume() must be called before the first push")
+            self._last_committed = committed
+            self._last_ok = True
+        self._baseline = Baseline(base, m.inventory)
+        self._digest_cache = dict(m.tensor_digests)
+        self._last_step = step
+        self._needs_anchor = False
+        n, cur = 0, m
+        while cur.kind == "patch" and cur.parent_step is not None and n < self.config.anchor_every:
+            n += 1
+            cur = Manifest.from_json(self.store.get(manifest_key(cur.parent_step)))
+        self._pushes_since_anchor = n
+
+    # ------------------------------------------------------------------ push
+
+    def _prepare(self, state: Any) -> dict[str, torch.Tensor]:
+        tensors = state_tensors(state)
+        cast = self.config.cast_dtype
+        if cast is not None:
+            tensors = {k: v.to(cast) if v.is_floating_point() and v.dtype != cast else v for k, v in tensors.items()}
+        return tensors
+
+    def _anchor_due(self) -> bool:
+        cfg = self.config
+        if self._needs_anchor or self._pushes_since_anchor + 1 >= cfg.anchor_every:
+            return True
+        return bool(cfg.anchor_bytes_fraction and self._anchor_bytes and self._bytes_since_anchor > cfg.anchor_bytes_fraction * self._anchor_bytes)
+
+    def push(self, state: Any, step: int) -> Future[CommitInfo]:
+        """Diff ``state`` (nn.Module or dict of tensors) against the last push; return a Future.
+
+        Returns once the changed elements are copied out: the caller may modify
+        its tensors right away. The Future resolves to a :class:`CommitInfo`
+        when the step is committed, or raises :class:`CommitFailed`.
+        """
+        if self._closed:
+            raise RuntimeError("push() on a closed DeltaUploader")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ProtocolError(f"step must be a non-negative integer, got {step!r}")
+        if self._last_step is not None and step <= self._last_step:
+            raise ProtocolError(f"step {step} is not after the last step {self._last_step}; steps must increase")
+        tensors = self._prepare(state)
+        inventory = inventory_of(tensors)
+        # the previous step's digests read the baseline: wait for them before mutating it
+        if self._prev_job is not None:
+            self._prev_job.digests_ready.wait()
+        if self.config.on_backlog == "block":
+            with self._cond:
+                self._cond.wait_for(lambda: len(self._pending) < self.config.max_pending)
+        with self._cond:
+            failed = not self._last_ok
+        total = sum(t.numel for t in inventory)
+        if failed or inventory != self._baseline.inventory or self._anchor_due():
+            job = self._snapshot_anchor(step, tensors, inventory, total)
+        else:
+            changes: dict[str, TensorChange] = {}
+            for name, t in tensors.items():
+                c = diff_tensor(self._baseline.tensors[name], t)
+                if c is not None:
+                    changes[name] = c
+            job = StepJob(step, "patch", inventory, changes=changes, changed=sum(int(c.idx.size) for c in changes.values()), total=total)
+            self._pushes_since_anchor += 1
+        fut: Future[CommitInfo] = Future()
+        fut.set_running_or_notify_cancel()
+        job.futures.append((step, fut))
+        self._last_step = step
+        self._prev_job = job
+        with self._cond:
+            self._inflight += 1
+        if not self.config.tensor_digests:
+            job.digests_ready.set()
+        with self._digest_cv:
+            self._digest_q.append(job)
+            self._digest_cv.notify()
+        return fut
+
+    def _snapshot_anchor(self, step: int, tensors: dict[str, torch.Tensor], inventory: Any, total: int) -> StepJob:
+        same = inventory == self._baseline.inventory
+        snapshot: dict[str, Any] = {}
+        base = self._baseline.tensors if same else {}
+        for name, t in tensors.items():
+            bits = flat_bits(t)
+            if same:
+                base[name].copy_(bits)
+            else:
+                base[name] = bits.clone()
+            snapshot[name] = base[name].cpu().numpy().copy()
+        self._baseline = Baseline(base, inventory)
+        self._digest_cache.clear()
+        self._needs_anchor = False
+        self._pushes_since_anchor = 0
+        return StepJob(step, "anchor", inventory, snapshot=snapshot, changed=total, total=total)
+
+    # -------------------------------------------------------------- digests
+
+    def _digest_loop(self) -> None:
+        while True:
+            with self._digest_cv:
+                self._digest_cv.wait_for(lambda: bool(self._digest_q))
+                job = self._digest_q.popleft()
+            if job is None:
+                return
+            try:
+                if self.config.tensor_digests:
+                    self._digest(job)
+            except Exception:  # noqa: BLE001 - surfaced through the job's future
+                log.exception("hashing step %d failed", job.step)
+                job.digests = {}
+            finally:
+                job.digests_ready.set()
+            with self._cond:
+                if self._pending and len(self._pending) >= self.config.max_pending and self.config.on_backlog == "coalesce":
+                    self._pending[-1] = _merge(self._pending[-1], job)
+                else:
+                    self._pending.append(job)
+                self._cond.notify_all()
+
+    def _digest(self, job: StepJob) -> None:
+        for info in job.inventory:
+            name = info.name
+            if job.kind == "anchor":
+                arr = job.snapshot[name]
+            elif name in job.changes or name not in self._digest_cache:
+                arr = self._baseline.tensors[name].cpu().numpy()
+            else:
+                job.digests[name] = self._digest_cache[name]
+                continue
+            job.digests[name] = self._digest_cache[name] = xxh3_128(memoryview(np.ascontiguousarray(arr)).cast("B"))
+
+    # --------------------------------------------------------------- commits
+
+    def _commit_loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: bool(self._pending) or self._stop.is_set())
+                if not self._pending:
+                    return
+                job = self._pending.popleft()
+                self._cond.notify_all()
+            job.digests_ready.wait()
+            self._commit(job)
+
+    def _commit(self, job: StepJob) -> None:
+        t0 = time.perf_counter()
+        try:
+            if job.kind == "patch" and not self._last_ok:
+                raise CommitFailed(f"step {job.step}: its parent step was not committed; the next push will be an anchor")
+            if self.config.tensor_digests and len(job.digests) != len(job.inventory):
+                raise CommitFailed(f"step {job.step}: hashing the state failed (see log)")
+            last = self._last_committed
+            committed = write_step(
+                self.store,
+                job,
+                run_id=self.run_id,
+                parent=last,
+                anchor_step=last.manifest.anchor_step if last else job.step,
+                shard_bytes=self.config.shard_bytes,
+                pool=self._pool,
+                signing_key=self.config.signing_key,
+            )
+        except Exception as exc:  # noqa: BLE001 - re-raised into the futures
+            self.failures += 1
+            log.error("commit of step %d failed: %s", job.step, exc)
+            err = exc if isinstance(exc, CommitFailed) else CommitFailed(f"step {job.step}: commit failed: {exc}")
+            if err is not exc:
+                err.__cause__ = exc
+            with self._cond:
+                self._last_ok = False
+                self._needs_anchor = True
+                self._inflight -= len(job.futures)
+                self._cond.notify_all()
+            for _, fut in job.futures:
+                fut.set_exception(err)
+            return
+        m = committed.manifest
+        with self._cond:
+            self._last_committed = committed
+            self._last_ok = True
+            if m.kind == "anchor":
+                self._anchor_bytes, self._bytes_since_anchor = m.stats.nbytes, 0
+            else:
+                self._bytes_since_anchor += m.stats.nbytes
+            self._inflight -= len(job.futures)
+            self._cond.notify_all()
+        secs = time.perf_counter() - t0
+        for step, fut in job.futures:
+            kind: Literal["anchor", "patch", "skipped"] = m.kind if step == m.step else "skipped"
+            fut.set_result(CommitInfo(step, kind, m.stats.nbytes, m.stats.changed, m.stats.total, m.anchor_step, committed.digest, m.step, secs))
+
+    # ------------------------------------------------------------- lifecycle
+
+    @property
+    def pending(self) -> int:
+        """Pushed steps whose Futures are not resolved yet."""
+        with self._cond:
+            return self._inflight
+
+    @property
+    def last_committed_step(self) -> int | None:
+        """The newest step this uploader (or the store, at start) has committed."""
+        with self._cond:
+            return self._last_committed.manifest.step if self._last_committed else None
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every pushed step is committed, skipped or failed."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._inflight == 0, timeout=timeout):
+                raise TimeoutError(f"flush: {self._inflight} steps still pending after {timeout} s")
+
+    def close(self, timeout: float | None = None) -> None:
+        """Flush, then stop the background threads. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.flush(timeout)
+        finally:
+            self._stop.set()
+            with self._digest_cv:
+                self._digest_q.append(None)
+                self._digest_cv.notify()
+            with self._cond:
+                self._cond.notify_all()
+            for t in self._threads:
+                t.join(timeout)
+            self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> DeltaUploader:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            self._stop.set()
