@@ -170,7 +170,7 @@ def test_local_stray_temp_files_are_invisible(local: LocalStore) -> None:
 
 
 def test_local_write_is_atomic(local: LocalStore, monkeypatch: pytest.MonkeyPatch) -> None:
-    """At the moment an object appears, its bytes are complete; until then readers see the old object."""
+    """At the moment an object appears, its bytes are complete; until then readers see the old state."""
     local.put("HEAD.json", b"old head")
     new = os.urandom(1 << 20)
     seen: list[str] = []
@@ -197,22 +197,40 @@ def test_local_write_is_atomic(local: LocalStore, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(local_mod.os, "replace", spy_replace)
     monkeypatch.setattr(local_mod.os, "link", spy_link)
     local.put("HEAD.json", new)
-    local.delete_many(["HEAD.json"])
+    assert local.get("HEAD.json") == new
+    monkeypatch.setattr(local_mod.os, "replace", real_replace)
     local.put("HEAD.json", b"old head")
+    monkeypatch.setattr(local_mod.os, "replace", spy_replace)
     local.put("steps/000000000001/manifest.json", new, mode="create")
-    assert seen == ["replace", "replace", "link"]
+    assert seen == ["replace", "link"]
     assert local.get("HEAD.json") == b"old head"
     assert local.get("steps/000000000001/manifest.json") == new
     assert _tmp_files(local) == []
 
 
-@pytest.mark.parametrize("mode", ["overwrite", "create"])
-@pytest.mark.parametrize("fail_at", ["write", "fsync", "rename"])
-def test_local_write_failure_leaves_no_object(
-    local: LocalStore, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, mode: str, fail_at: str
-) -> None:
-    local.put("existing", b"old content")
+class _HalfWriter:
+    """A binary file whose write() writes half of the data, then fails as a full disk would."""
 
+    def __init__(self, f: Any) -> None:
+        self._f = f
+
+    def __enter__(self) -> _HalfWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._f.close()
+
+    def write(self, data: Any) -> int:
+        raw = bytes(data)
+        self._f.write(raw[: len(raw) // 2])
+        self._f.flush()
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+
+def _inject_failure(monkeypatch: pytest.MonkeyPatch, fail_at: str, mode: str) -> None:
     def boom(*args: Any, **kwargs: Any) -> None:
         raise OSError(errno.EIO, "Input/output error (injected)")
 
@@ -220,16 +238,39 @@ def test_local_write_failure_leaves_no_object(
         monkeypatch.setattr(local_mod.os, "fsync", boom)
     elif fail_at == "rename":
         monkeypatch.setattr(local_mod.os, "link" if mode == "create" else "replace", boom)
-    else:
-        monkeypatch.setattr(local_mod.shutil, "copyfile", boom)
+    else:  # a write that dies half way, leaving a partial temp file
+        real_open = open
+
+        def half_open(file: Any, fmode: str = "r", *args: Any, **kwargs: Any) -> Any:
+            f = real_open(file, fmode, *args, **kwargs)
+            return _HalfWriter(f) if "w" in fmode else f
+
+        def half_copyfile(src: Any, dst: Any, **kwargs: Any) -> None:
+            with half_open(dst, "wb") as out:
+                out.write(Path(src).read_bytes())
+
+        monkeypatch.setattr(local_mod, "open", half_open, raising=False)
+        monkeypatch.setattr(local_mod.shutil, "copyfile", half_copyfile)
+
+
+@pytest.mark.parametrize("kind", ["bytes", "path"])
+@pytest.mark.parametrize("mode", ["overwrite", "create"])
+@pytest.mark.parametrize("fail_at", ["write", "fsync", "rename"])
+def test_local_write_failure_leaves_no_object(
+    local: LocalStore, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fail_at: str, mode: str, kind: str
+) -> None:
+    local.put("existing", b"old content")
     src = tmp_path / "src.bin"
     src.write_bytes(b"new content")
-    payload: Any = src if fail_at == "write" else b"new content"
-    with pytest.raises(StorageError, match="Input/output error") as info:
-        local.put_many({"fresh/key": payload, "existing": payload} if mode == "overwrite" else {"fresh/key": payload},
-                       mode=mode)  # type: ignore[arg-type]
+    payload: Any = src if kind == "path" else b"new content"
+    _inject_failure(monkeypatch, fail_at, mode)
+    with pytest.raises(StorageError, match="injected") as info:
+        local.put("fresh/key", payload, mode=mode)  # type: ignore[arg-type]
     assert not isinstance(info.value, (ObjectNotFound, AlreadyExists))
     assert isinstance(info.value.__cause__, OSError)
+    if mode == "overwrite":
+        with pytest.raises(StorageError, match="injected"):
+            local.put("existing", payload)
     monkeypatch.undo()
     assert not local.exists("fresh/key")
     assert local.get("existing") == b"old content"

@@ -23,6 +23,7 @@ ProtocolError on anything malformed.
 from __future__ import annotations
 
 import struct
+import threading
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -48,7 +49,14 @@ ZSTD_LEVEL = 3
 ESCAPE = 255
 Ints = np.ndarray[Any, np.dtype[Any]]
 
-_cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True, write_checksum=False)
+_local = threading.local()  # zstd contexts are not thread-safe: one per thread
+
+
+def _cctx() -> zstandard.ZstdCompressor:
+    c = getattr(_local, "cctx", None)
+    if c is None:
+        c = _local.cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True, write_checksum=False)
+    return c
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +80,7 @@ class EncodedTensor:
 
 
 def _compress(data: Ints | bytes) -> bytes:
-    return _cctx.compress(np.ascontiguousarray(data).data.cast("B") if isinstance(data, np.ndarray) else data)
+    return _cctx().compress(np.ascontiguousarray(data).data.cast("B") if isinstance(data, np.ndarray) else data)
 
 
 def _decompress(blob: bytes | memoryview, expected: int, what: str) -> bytes:

@@ -8,12 +8,18 @@ import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from deltasync.errors import AlreadyExists, ObjectNotFound, StorageError
+from deltasync.errors import AlreadyExists, InvalidKey, ObjectNotFound, StorageError
 from deltasync.storage.base import Data, ObjectInfo, PutMode, Store, map_os_errors, validate_key
 
 __all__ = ["LocalStore"]
 
 TMP_DIR = ".deltasync-tmp"
+
+
+def _raise_unless_gone(exc: OSError) -> None:
+    """``os.walk`` error hook: a directory deleted while listing is fine, anything else fails the listing."""
+    if not isinstance(exc, FileNotFoundError):
+        raise exc
 
 
 def _fsync_dir(path: Path) -> None:
@@ -45,29 +51,34 @@ class LocalStore(Store):
             (self.root / TMP_DIR).mkdir(parents=True, exist_ok=True)
 
     def _path(self, key: str) -> Path:
-        return self.root.joinpath(*validate_key(key).split("/"))
+        parts = validate_key(key).split("/")
+        if parts[0] == TMP_DIR:
+            raise InvalidKey(f"invalid key {key!r}: keys under {TMP_DIR}/ are reserved for the store's temp files")
+        return self.root.joinpath(*parts)
 
     def _write_tmp(self, data: Data) -> Path:
         tmp = self.root / TMP_DIR / uuid.uuid4().hex
-        if isinstance(data, Path):
-            shutil.copyfile(data, tmp)
-            if self._fsync:
-                with open(tmp, "rb+") as f:
+        try:
+            if isinstance(data, Path):
+                shutil.copyfile(data, tmp)
+                if self._fsync:
+                    with open(tmp, "rb+") as f:
+                        os.fsync(f.fileno())
+                return tmp
+            with open(tmp, "wb") as f:
+                f.write(data)
+                if self._fsync:
+                    f.flush()
                     os.fsync(f.fileno())
             return tmp
-        with open(tmp, "wb") as f:
-            f.write(data)
-            if self._fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        return tmp
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a failed write leaves no partial temp file behind
+            raise
 
     def put_many(self, items: Mapping[str, Data], *, mode: PutMode = "overwrite") -> None:
         # docstring inherited
         for key, data in items.items():
             final = self._path(key)
-            if key.split("/")[0] == TMP_DIR:
-                raise StorageError(f"{key}: keys under {TMP_DIR}/ are reserved")
             with map_os_errors(f"{self.url}: cannot write {key}"):
                 final.parent.mkdir(parents=True, exist_ok=True)
                 tmp = self._write_tmp(data)
@@ -76,6 +87,8 @@ class LocalStore(Store):
                         try:
                             os.link(tmp, final)
                         except FileExistsError:
+                            if final.is_dir():  # a prefix of other keys, not an object
+                                raise StorageError(f"{self.url}: cannot write {key}: a directory is in the way") from None
                             raise AlreadyExists(f"{self.url}: {key} already exists (create-only write)") from None
                     else:
                         os.replace(tmp, final)
@@ -112,13 +125,15 @@ class LocalStore(Store):
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         # docstring inherited
         out: list[ObjectInfo] = []
+        if prefix.split("/")[0] == TMP_DIR and "/" in prefix:
+            return out  # only temp files live there
         # walk only the deepest directory that the prefix names in full
         base_parts = prefix.split("/")[:-1]
         base = self.root.joinpath(*base_parts) if base_parts and all(p not in ("", ".", "..") for p in base_parts) else self.root
         with map_os_errors(f"{self.url}: cannot list {prefix!r}"):
             if not base.is_dir():
                 return []
-            for dirpath, dirnames, filenames in os.walk(base):
+            for dirpath, dirnames, filenames in os.walk(base, onerror=_raise_unless_gone):
                 if Path(dirpath) == self.root:
                     dirnames[:] = [d for d in dirnames if d != TMP_DIR]
                 rel = Path(dirpath).relative_to(self.root).as_posix()
@@ -135,8 +150,16 @@ class LocalStore(Store):
     def delete_many(self, keys: Sequence[str]) -> None:
         # docstring inherited
         for key in keys:
+            path = self._path(key)
             with map_os_errors(f"{self.url}: cannot delete {key}"):
-                self._path(key).unlink(missing_ok=True)
+                try:
+                    path.unlink()
+                except (FileNotFoundError, NotADirectoryError):
+                    continue  # no such object
+                except OSError:
+                    if path.is_dir():  # a prefix of other keys (EISDIR, or EPERM on macOS), not an object
+                        continue
+                    raise
 
     def exists(self, key: str) -> bool:
         # docstring inherited

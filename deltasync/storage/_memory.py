@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from deltasync.errors import AlreadyExists, ObjectNotFound
-from deltasync.storage.base import Data, ObjectInfo, PutMode, Store, validate_key
+from deltasync.storage.base import Data, ObjectInfo, PutMode, Store, map_os_errors, validate_key
 
 __all__ = ["MemoryStore"]
 
@@ -26,7 +26,11 @@ class MemoryStore(Store):
         # docstring inherited
         for key, data in items.items():
             validate_key(key)
-            blob = data.read_bytes() if isinstance(data, Path) else bytes(data)
+            if isinstance(data, Path):
+                with map_os_errors(f"{self.url}: cannot read the payload of {key} from {data}"):
+                    blob = data.read_bytes()
+            else:
+                blob = bytes(data)
             with self._lock:
                 if mode == "create" and key in self._objects:
                     raise AlreadyExists(f"{self.url}: {key} already exists (create-only write)")

@@ -136,8 +136,8 @@ class StoreTests(Generic[S]):
     big_object_size: ClassVar[int] = 3 * 1024 * 1024 + 7
     #: Hypothesis settings of :meth:`test_state_machine`
     state_machine_settings: ClassVar[settings] = settings(
-        max_examples=40,
-        stateful_step_count=30,
+        max_examples=100,
+        stateful_step_count=40,
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow],
     )

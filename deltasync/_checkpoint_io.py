@@ -1,0 +1,79 @@
+"""Reading safetensors checkpoints (a file, or an HF checkpoint dir) into torch tensors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from deltasync._tensors import require_torch, torch_dtype
+from deltasync.errors import ObjectNotFound, ProtocolError
+from deltasync.protocol.checkpoint import INDEX_NAME
+from deltasync.protocol.dtypes import dtype_info
+from deltasync.protocol.safetensors_io import parse_safetensors
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["checkpoint_files", "load_checkpoint", "save_checkpoint"]
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files making up a checkpoint at ``path`` (file, indexed dir, or dir)."""
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise ObjectNotFound(f"{path}: no such checkpoint file or directory")
+    index = path / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ProtocolError(f"{index}: not a valid safetensors index ({exc})") from None
+        files = [path / n for n in names]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ObjectNotFound(f"{index} names missing shards: {missing[:3]}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ObjectNotFound(f"{path}: no *.safetensors files (expected a checkpoint dir or a .safetensors file)")
+    return files
+
+
+def load_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint as CPU torch tensors (owned memory, writable)."""
+    torch = require_torch()
+    out: dict[str, torch.Tensor] = {}
+    for f in checkpoint_files(Path(path)):
+        raw = np.fromfile(f, dtype=np.uint8)
+        st = parse_safetensors(memoryview(raw), what=str(f))
+        for e in st.entries.values():
+            if e.name in out:
+                raise ProtocolError(f"{f}: tensor {e.name!r} appears in more than one shard")
+            info = dtype_info(e.dtype)
+            bits = raw[e.start : e.end].view(info.bits)
+            out[e.name] = torch.from_numpy(bits).view(torch_dtype(e.dtype)).reshape(e.shape)
+    return out
+
+
+def save_checkpoint(state: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> Path:
+    """Write tensors as one safetensors file (atomically: temp file, then rename)."""
+    import os
+
+    from deltasync._tensors import numpy_bits, st_dtype
+    from deltasync.protocol.safetensors_io import TensorBytes, to_bytes
+
+    path = Path(path)
+    items = [TensorBytes(k, st_dtype(v.dtype), tuple(v.shape), numpy_bits(v.detach().cpu().contiguous())) for k, v in sorted(state.items())]
+    tmp = path.with_name(path.name + ".tmp")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(tmp, "wb") as fh:
+        fh.write(to_bytes(items, metadata or {"format": "pt"}))
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    return path

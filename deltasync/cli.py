@@ -1,0 +1,238 @@
+"""Command line: ``deltasync {fetch,inspect,demo}`` and ``delta-upload``.
+
+Errors print as one ``error: ...`` line on stderr with a non-zero exit status.
+Environment variables are read here only: DELTASYNC_SIGNING_KEY (HMAC key for
+manifests), XDG_CACHE_HOME (where delta-upload keeps its baseline cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from deltasync.errors import DeltaSyncError
+from deltasync.protocol import xxh3_128
+from deltasync.storage import open_store
+
+__all__ = ["main", "upload_main"]
+
+
+def _signing_key() -> bytes | None:
+    key = os.environ.get("DELTASYNC_SIGNING_KEY")
+    return key.encode() if key else None
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"  # pragma: no cover
+
+
+def _progress(desc: str) -> tuple[Callable[[int, int], None], Callable[[], None]]:
+    """A tqdm byte bar on stderr (silent when stderr is not a terminal)."""
+    from tqdm import tqdm
+
+    bar: Any = None
+
+    def update(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr, disable=not sys.stderr.isatty())
+        bar.update(done - bar.n)
+
+    def close() -> None:
+        if bar is not None:
+            bar.close()
+
+    return update, close
+
+
+# ------------------------------------------------------------------ commands
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    from deltasync.fetcher import DeltaFetcher
+
+    update, close = _progress("fetch")
+    with open_store(args.store) as store:
+        fetcher = DeltaFetcher(store, verify=not args.no_verify, signing_key=_signing_key(), progress=update)
+        t0 = time.perf_counter()
+        try:
+            out = fetcher.materialize(args.out, step=args.step)
+        finally:
+            close()
+        marker = json.loads((out / ".deltasync.json").read_text())
+    print(f"wrote step {marker['step']} to {out} in {time.perf_counter() - t0:.2f} s")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from deltasync.fetcher._reader import StepReader
+
+    with open_store(args.url) as store:
+        reader = StepReader(store, verify=False, signing_key=None)
+        steps = reader.steps()
+        if not steps:
+            print(f"{store.url}: no committed steps")
+            return 0
+        rows = []
+        for s in steps[-args.last :] if args.last else steps:
+            m = reader.committed(s).manifest
+            full = sum(t.nbytes for t in m.inventory) or 1
+            changed = f"{100 * m.stats.changed / m.stats.total:.3f}%" if m.kind == "patch" and m.stats.total else "-"
+            parent = "-" if m.parent_step is None else str(m.parent_step)
+            rows.append((str(s), m.kind, parent, changed, _human(m.stats.nbytes), f"{m.stats.nbytes / full:.4f}"))
+    head = ("step", "kind", "parent", "changed", "bytes", "ratio to full")
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    for r in [head, *rows]:
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
+    return 0
+
+
+def _cache_dir(store_url: str, override: str | None) -> Path:
+    if override:
+        return Path(override)
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "deltasync" / "upload" / xxh3_128(store_url.encode())[:16]
+
+
+def cmd_upload(args: argparse.Namespace) -> int:
+    import torch
+
+    from deltasync._checkpoint_io import load_checkpoint, save_checkpoint
+    from deltasync.errors import ChecksumMismatch, InventoryMismatch
+    from deltasync.fetcher import DeltaFetcher
+    from deltasync.uploader import DeltaUploader
+
+    cast = getattr(torch, args.cast) if args.cast else None
+    state = load_checkpoint(args.path)
+    if cast is not None:
+        state = {k: v.to(cast) if v.is_floating_point() else v for k, v in state.items()}
+    with open_store(args.store) as store:
+        cache = _cache_dir(store.url, args.cache)
+        up = DeltaUploader(store, anchor_every=args.anchor_every, on_backlog="block", signing_key=_signing_key())
+        try:
+            latest = up.last_committed_step
+            if latest is not None and args.step <= latest:
+                raise DeltaSyncError(f"step {args.step} is not after the last committed step {latest} in {store.url}")
+            if latest is not None and not args.anchor:
+                base = _baseline(store, cache, latest)
+                try:
+                    up.resume(base, latest)
+                except (ChecksumMismatch, InventoryMismatch):
+                    print(f"cache at {cache} is stale; rebuilding step {latest} from the store", file=sys.stderr)
+                    out = DeltaFetcher(store, signing_key=_signing_key()).materialize(cache / "materialized", step=latest)
+                    up.resume(load_checkpoint(out), latest)
+            t0 = time.perf_counter()
+            info = up.push(state, args.step).result()
+        finally:
+            up.close()
+        save_checkpoint(state, cache / "state.safetensors")
+        (cache / "state.json").write_text(json.dumps({"step": info.step, "manifest_digest": info.manifest_digest, "store": store.url}))
+    full = sum(v.numel() * v.element_size() for v in state.values()) or 1
+    print(
+        f"step {info.step}: {info.kind}, {_human(info.nbytes)} ({100 * info.changed / max(info.total, 1):.3f}% changed, "
+        f"{info.nbytes / full:.4f} of a full checkpoint) committed in {time.perf_counter() - t0:.2f} s"
+    )
+    return 0
+
+
+def _baseline(store: Any, cache: Path, step: int) -> dict[str, Any]:
+    """The weights of committed ``step``: from the local cache when it matches, else from the store."""
+    from deltasync._checkpoint_io import load_checkpoint
+    from deltasync.fetcher import DeltaFetcher
+
+    meta_path = cache / "state.json"
+    try:
+        meta = json.loads(meta_path.read_text())
+        if meta.get("step") == step and meta.get("store") == store.url:
+            return load_checkpoint(cache / "state.safetensors")
+    except (OSError, ValueError, DeltaSyncError):
+        pass
+    print(f"no local baseline for step {step}; fetching it from {store.url}", file=sys.stderr)
+    out = DeltaFetcher(store, signing_key=_signing_key()).materialize(cache / "materialized", step=step)
+    return load_checkpoint(out)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from deltasync.demo import run_demo
+
+    return run_demo(store_url=args.store, steps=args.steps, lr=args.lr, anchor_every=args.anchor_every)
+
+
+# ------------------------------------------------------------------ parsers
+
+
+def _run(fn: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    try:
+        return fn(args)
+    except DeltaSyncError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError, TypeError) as exc:
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _upload_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", help="a .safetensors file or an HF checkpoint dir (with model.safetensors.index.json)")
+    p.add_argument("--store", required=True, help="store URL: a path, file:///..., memory://")
+    p.add_argument("--step", required=True, type=int, help="training step of this checkpoint (must increase)")
+    p.add_argument("--anchor-every", type=int, default=50, help="full anchor every N steps (default 50)")
+    p.add_argument("--anchor", action="store_true", help="force a full anchor for this step")
+    p.add_argument("--cast", choices=["bfloat16", "float16", "float32"], help="cast floating tensors before diffing")
+    p.add_argument("--cache", help="baseline cache dir (default: $XDG_CACHE_HOME/deltasync/upload/<store hash>)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``deltasync`` argument parser."""
+    p = argparse.ArgumentParser(prog="deltasync", description="Sync RL weights as sparse bit-exact patches.")
+    sub = p.add_subparsers(dest="command", required=True)
+    f = sub.add_parser("fetch", help="materialize a committed step as a safetensors checkpoint dir")
+    f.add_argument("--store", required=True)
+    f.add_argument("--out", required=True, help="output dir (replaced atomically)")
+    f.add_argument("--step", type=int, help="step to fetch (default: latest)")
+    f.add_argument("--no-verify", action="store_true", help="skip checksum and digest verification")
+    f.set_defaults(fn=cmd_fetch)
+    i = sub.add_parser("inspect", help="list the committed steps of a store")
+    i.add_argument("url")
+    i.add_argument("--last", type=int, default=0, help="only the last N steps")
+    i.set_defaults(fn=cmd_inspect)
+    u = sub.add_parser("upload", help="same as delta-upload")
+    _upload_parser(u)
+    u.set_defaults(fn=cmd_upload)
+    d = sub.add_parser("demo", help="train a small model and sync it live through a local store")
+    d.add_argument("--store", default="deltasync-demo", help="store URL (default: ./deltasync-demo, wiped first)")
+    d.add_argument("--steps", type=int, default=60)
+    d.add_argument("--lr", type=float, default=3e-3)
+    d.add_argument("--anchor-every", type=int, default=20)
+    d.set_defaults(fn=cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``deltasync``."""
+    args = build_parser().parse_args(argv)
+    return _run(args.fn, args)
+
+
+def upload_main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``delta-upload``."""
+    p = argparse.ArgumentParser(prog="delta-upload", description="Push one checkpoint as a patch (or anchor) to a store.")
+    _upload_parser(p)
+    return _run(cmd_upload, p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
