@@ -95,8 +95,26 @@ _leaf = st.one_of(
     st.integers(),
     st.floats(allow_nan=True, allow_infinity=True),
     st.sampled_from(
-        ["", "../x", "/etc/passwd", "a/b", ".hidden", "manifest.json", "\ud800", "BF16", "U8", "rice", "dense",
-         "xor-rank", "raw", "anchor", "patch", "0" * 32, "f" * 64, "patch-00000.safetensors"]
+        [
+            "",
+            "../x",
+            "/etc/passwd",
+            "a/b",
+            ".hidden",
+            "manifest.json",
+            "\ud800",
+            "BF16",
+            "U8",
+            "rice",
+            "dense",
+            "xor-rank",
+            "raw",
+            "anchor",
+            "patch",
+            "0" * 32,
+            "f" * 64,
+            "patch-00000.safetensors",
+        ]
     ),
     st.text(max_size=8),
 )
@@ -122,10 +140,7 @@ def _replace_at(v: Any, path: tuple[Any, ...], new: Any, delete: bool) -> Any:
     if not path:
         return new
     head, rest = path[0], path[1:]
-    if isinstance(v, dict):
-        v = dict(v)
-    else:
-        v = list(v)
+    v = dict(v) if isinstance(v, dict) else list(v)
     if delete and not rest:
         del v[head]
     else:
@@ -188,7 +203,9 @@ def _patch_manifest() -> Manifest:
         inventory=INVENTORY,
         inventory_digest=inventory_digest(INVENTORY),
         files=(FileInfo("patch-00000.safetensors", 400, "cd" * 16),),
-        entries=(PatchEntry("w", "patch-00000.safetensors", 3, "rice", 3, "raw", ByteRange(320, 323), ByteRange(323, 338)),),
+        entries=(
+            PatchEntry("w", "patch-00000.safetensors", 3, "rice", 3, "raw", ByteRange(320, 323), ByteRange(323, 338)),
+        ),
         tensor_digests={"w": "ef" * 16},
         stats=Stats(3, 35, 400),
     )
@@ -364,7 +381,10 @@ def test_positions_random(blob: bytes, coding: str, k: int, count: int, numel: i
     as_memoryview=st.booleans(),
 )
 def test_positions_mutations(
-    case: tuple[EncodedTensor, int, np.dtype[Any]], ops: list[tuple[str, int, int]], dk: int, dcount: int,
+    case: tuple[EncodedTensor, int, np.dtype[Any]],
+    ops: list[tuple[str, int, int]],
+    dk: int,
+    dcount: int,
     as_memoryview: bool,
 ) -> None:
     enc, numel, _ = case
@@ -393,8 +413,11 @@ def test_values_random(blob: bytes, coding: str, count: int, bits: np.dtype[Any]
     as_memoryview=st.booleans(),
 )
 def test_values_mutations(
-    case: tuple[EncodedTensor, int, np.dtype[Any]], ops: list[tuple[str, int, int]], dcount: int,
-    other_bits: np.dtype[Any] | None, as_memoryview: bool,
+    case: tuple[EncodedTensor, int, np.dtype[Any]],
+    ops: list[tuple[str, int, int]],
+    dcount: int,
+    other_bits: np.dtype[Any] | None,
+    as_memoryview: bool,
 ) -> None:
     enc, _, bits = case
     bits = other_bits or bits
@@ -439,7 +462,8 @@ def test_xor_rank_layout_fields(
 
 
 def _doc(base: bytes = MANIFESTS[0]) -> dict[str, Any]:
-    return json.loads(base)
+    doc: dict[str, Any] = json.loads(base)
+    return doc
 
 
 @pytest.mark.parametrize(
@@ -596,3 +620,12 @@ def test_empty_rank_table_with_ranks_is_rejected() -> None:
     blob = (0).to_bytes(2, "little") + len(rank_z).to_bytes(4, "little") + rank_z
     with pytest.raises(ProtocolError, match="rank"):
         decode_values(blob, "xor-rank", 3, np.dtype(np.int16), "t")
+
+
+@pytest.mark.parametrize("meta", [b"[]", b'""', b"0", b"false", b'{"k":1}'])
+def test_safetensors_metadata_must_be_a_string_map(meta: bytes) -> None:
+    header = b'{"__metadata__":' + meta + b"}"
+    with pytest.raises(ProtocolError, match="__metadata__"):
+        parse_safetensors(len(header).to_bytes(8, "little") + header)
+    ok = b'{"__metadata__":null}'
+    assert parse_safetensors(len(ok).to_bytes(8, "little") + ok).metadata == {}

@@ -60,8 +60,11 @@ B_NEW = B_OLD.copy()
 B_NEW[B_IDX] ^= B_XOR
 B_POS = bytes.fromhex("55555555feff")
 B_VAL = bytes.fromhex(
-    "0200" "01000200" "14000000" "28b52ffd20105d00002801000000000100308a16"
-)  # u16 table length, table (XOR 1, XOR 2), u32 rank-stream length, zstd ranks, no escapes
+    "0200"  # u16 table length: 2
+    "01000200"  # the table, most frequent first: XOR 0x0001, XOR 0x0002
+    "14000000"  # u32 length of the rank stream: 20
+    "28b52ffd20105d00002801000000000100308a16"  # zstd frame of the 16 ranks; no escapes follow
+)
 
 GOLDEN_FILE = bytes.fromhex(
     "3801000000000000"  # header length 312, little-endian u64
@@ -73,8 +76,10 @@ GOLDEN_FILE = bytes.fromhex(
     "797065223a225538222c227368617065223a5b365d7d2c22622f76616c756573223a7b22646174615f6f6666"
     "73657473223a5b32342c35345d2c226474797065223a225538222c227368617065223a5b33305d7d7d"
     "20202020202020"  # JSON header padded with spaces to a multiple of 8
-    "0a2b01" "28b52ffd20063100006e76573f4143" "55555555feff"
-    "0200010002001400000028b52ffd20105d00002801000000000100308a16"
+    "0a2b01"  # a/positions
+    "28b52ffd20063100006e76573f4143"  # a/values
+    "55555555feff"  # b/positions
+    "0200010002001400000028b52ffd20105d00002801000000000100308a16"  # b/values
 )
 GOLDEN_FILE_XXH3 = "cf1100cdefc0c7b66c8ce328374adcc5"
 A_DIGEST = "8bed3924046de2eba8c8f841ddffd2b2"  # xxh3-128 of A_NEW's little-endian bytes
@@ -119,7 +124,7 @@ def test_golden_blobs_decode(
 def test_rice_golden_by_hand() -> None:
     """A's gaps 3, 13, 12 with k=3: quotients 0,1,1 -> unary bits 0 10 10 -> 0x0a;
     remainders 3,5,4 as 3 bits each, LSB first: 110 101 001 -> 0x2b 0x01."""
-    assert A_POS == bytes([0b01010, 0b00101011, 0b1])
+    assert bytes([0b01010, 0b00101011, 0b1]) == A_POS
 
 
 def test_patch_file_bytes_are_frozen() -> None:
@@ -154,7 +159,10 @@ def test_safetensors_package_opens_the_patch(tmp_path: Path) -> None:
 
 def test_safetensors_package_writes_what_we_read() -> None:
     """The reference writer's output parses with our strict reader, with the same tensors."""
-    arrays = {"x": np.arange(6, dtype=np.float32).reshape(2, 3), "y/positions": np.frombuffer(A_POS, np.uint8)}
+    arrays: dict[str, np.ndarray] = {
+        "x": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "y/positions": np.frombuffer(A_POS, np.uint8),
+    }
     data = safetensors.numpy.save(arrays, metadata={"k": "v"})
     st = parse_safetensors(data)
     assert st.metadata == {"k": "v"}

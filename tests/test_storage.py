@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -129,7 +130,8 @@ def test_open_store_rejects_non_urls(url: Any) -> None:
 
 @pytest.fixture
 def local(tmp_path: Path) -> Iterator[LocalStore]:
-    with LocalStore(tmp_path / "store") as store:
+    store = LocalStore(tmp_path / "store")
+    with store:
         yield store
 
 
@@ -194,13 +196,13 @@ def test_local_write_is_atomic(local: LocalStore, monkeypatch: pytest.MonkeyPatc
         seen.append("link")
         real_link(src, dst)
 
-    monkeypatch.setattr(local_mod.os, "replace", spy_replace)
-    monkeypatch.setattr(local_mod.os, "link", spy_link)
+    monkeypatch.setattr(os, "replace", spy_replace)
+    monkeypatch.setattr(os, "link", spy_link)
     local.put("HEAD.json", new)
     assert local.get("HEAD.json") == new
-    monkeypatch.setattr(local_mod.os, "replace", real_replace)
+    monkeypatch.setattr(os, "replace", real_replace)
     local.put("HEAD.json", b"old head")
-    monkeypatch.setattr(local_mod.os, "replace", spy_replace)
+    monkeypatch.setattr(os, "replace", spy_replace)
     local.put("steps/000000000001/manifest.json", new, mode="create")
     assert seen == ["replace", "link"]
     assert local.get("HEAD.json") == b"old head"
@@ -235,9 +237,9 @@ def _inject_failure(monkeypatch: pytest.MonkeyPatch, fail_at: str, mode: str) ->
         raise OSError(errno.EIO, "Input/output error (injected)")
 
     if fail_at == "fsync":
-        monkeypatch.setattr(local_mod.os, "fsync", boom)
+        monkeypatch.setattr(os, "fsync", boom)
     elif fail_at == "rename":
-        monkeypatch.setattr(local_mod.os, "link" if mode == "create" else "replace", boom)
+        monkeypatch.setattr(os, "link" if mode == "create" else "replace", boom)
     else:  # a write that dies half way, leaving a partial temp file
         real_open = open
 
@@ -250,7 +252,7 @@ def _inject_failure(monkeypatch: pytest.MonkeyPatch, fail_at: str, mode: str) ->
                 out.write(Path(src).read_bytes())
 
         monkeypatch.setattr(local_mod, "open", half_open, raising=False)
-        monkeypatch.setattr(local_mod.shutil, "copyfile", half_copyfile)
+        monkeypatch.setattr(shutil, "copyfile", half_copyfile)
 
 
 @pytest.mark.parametrize("kind", ["bytes", "path"])
@@ -284,7 +286,7 @@ def test_local_create_onto_directory_is_not_already_exists(local: LocalStore) ->
     assert not local.exists("a")
     for mode in ("create", "overwrite"):
         with pytest.raises(StorageError, match="directory") as info:
-            local.put("a", b"y", mode=mode)  # type: ignore[arg-type]
+            local.put("a", b"y", mode=mode)
         assert not isinstance(info.value, AlreadyExists)
     assert [o.key for o in local.list()] == ["a/b"]
     assert _tmp_files(local) == []

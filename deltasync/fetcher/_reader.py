@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from deltasync.errors import ChecksumMismatch, ObjectNotFound, ProtocolError
-from deltasync.protocol import Committed, Manifest, decode_positions, decode_values, file_key, manifest_key, xxh3_128
+from deltasync.protocol import Committed, Manifest, PatchEntry, decode_positions, decode_values, file_key, manifest_key, xxh3_128
 from deltasync.protocol.dtypes import dtype_info
 from deltasync.protocol.keys import STEPS_PREFIX, parse_manifest_key
 from deltasync.protocol.safetensors_io import parse_safetensors
@@ -111,10 +111,15 @@ class StepReader:
     def decode_patch(m: Manifest, files: dict[str, bytes]) -> list[DecodedChange]:
         """Decode every entry of a patch (nothing is applied; errors leave targets untouched)."""
         inv = {t.name: t for t in m.inventory}
-        for name, data in files.items():
-            parse_safetensors(data, what=f"step {m.step} {name}")
+        parsed = {name: parse_safetensors(data, what=f"step {m.step} {name}") for name, data in files.items()}
         out: list[DecodedChange] = []
         for e in m.entries:
+            assert isinstance(e, PatchEntry)
+            ents = parsed[e.file].entries
+            for suffix, r in (("positions", e.positions_range), ("values", e.values_range)):
+                st = ents.get(f"{e.tensor}/{suffix}")
+                if st is None or (st.start, st.end) != (r.start, r.end):
+                    raise ProtocolError(f"step {m.step}: {e.file} has no {e.tensor}/{suffix} entry where the manifest says")
             info = inv[e.tensor]
             data = memoryview(files[e.file])
             what = f"step {m.step} tensor {e.tensor!r}"

@@ -9,22 +9,27 @@ from typing import Any
 from deltasync.protocol.manifest import AnchorEntry, ByteRange, TensorInfo
 from deltasync.protocol.safetensors_io import TensorBytes, encode_header, to_bytes
 
-__all__ = ["INDEX_NAME", "build_checkpoint", "pack_shards", "shard_layout"]
+__all__ = ["INDEX_NAME", "build_checkpoint", "group_by_size", "pack_shards", "shard_layout"]
 
 INDEX_NAME = "model.safetensors.index.json"
 
 
+def group_by_size(sizes: Sequence[int], limit: int) -> list[list[int]]:
+    """Greedy split of item indices into groups of at most ``limit`` bytes (a bigger item gets its own)."""
+    groups: list[list[int]] = [[]]
+    total = 0
+    for i, n in enumerate(sizes):
+        if groups[-1] and total + n > limit:
+            groups.append([])
+            total = 0
+        groups[-1].append(i)
+        total += n
+    return groups
+
+
 def pack_shards(items: Sequence[TensorBytes], shard_bytes: int) -> list[list[TensorBytes]]:
     """Greedy split into shards of at most ``shard_bytes`` (a bigger tensor gets its own shard)."""
-    shards: list[list[TensorBytes]] = [[]]
-    size = 0
-    for t in items:
-        if shards[-1] and size + t.nbytes > shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(t)
-        size += t.nbytes
-    return shards
+    return [[items[i] for i in g] for g in group_by_size([t.nbytes for t in items], shard_bytes)]
 
 
 def shard_layout(shard: Sequence[TensorBytes], metadata: Mapping[str, str]) -> dict[str, ByteRange]:

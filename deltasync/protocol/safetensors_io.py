@@ -121,7 +121,8 @@ def parse_safetensors(data: bytes | bytearray | memoryview, *, what: str = "file
         raise ProtocolError(f"{what}: safetensors header is not valid JSON ({exc})") from None
     if not isinstance(header, dict):
         raise ProtocolError(f"{what}: safetensors header must be a JSON object")
-    meta = header.pop("__metadata__", None) or {}
+    meta = header.pop("__metadata__", None)
+    meta = {} if meta is None else meta
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise ProtocolError(f"{what}: safetensors __metadata__ must map strings to strings")
     start = 8 + hlen

@@ -88,7 +88,9 @@ class LocalStore(Store):
                             os.link(tmp, final)
                         except FileExistsError:
                             if final.is_dir():  # a prefix of other keys, not an object
-                                raise StorageError(f"{self.url}: cannot write {key}: a directory is in the way") from None
+                                raise StorageError(
+                                    f"{self.url}: cannot write {key}: a directory is in the way"
+                                ) from None
                             raise AlreadyExists(f"{self.url}: {key} already exists (create-only write)") from None
                     else:
                         os.replace(tmp, final)
@@ -129,7 +131,11 @@ class LocalStore(Store):
             return out  # only temp files live there
         # walk only the deepest directory that the prefix names in full
         base_parts = prefix.split("/")[:-1]
-        base = self.root.joinpath(*base_parts) if base_parts and all(p not in ("", ".", "..") for p in base_parts) else self.root
+        base = (
+            self.root.joinpath(*base_parts)
+            if base_parts and all(p not in ("", ".", "..") for p in base_parts)
+            else self.root
+        )
         with map_os_errors(f"{self.url}: cannot list {prefix!r}"):
             if not base.is_dir():
                 return []

@@ -51,7 +51,9 @@ class MemoryStore(Store):
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         # docstring inherited
         with self._lock:
-            return sorted((ObjectInfo(k, len(v)) for k, v in self._objects.items() if k.startswith(prefix)), key=lambda o: o.key)
+            return sorted(
+                (ObjectInfo(k, len(v)) for k, v in self._objects.items() if k.startswith(prefix)), key=lambda o: o.key
+            )
 
     def delete_many(self, keys: Sequence[str]) -> None:
         # docstring inherited

@@ -25,7 +25,7 @@ from deltasync.protocol import (
     manifest_key,
     xxh3_128,
 )
-from deltasync.protocol.checkpoint import build_checkpoint, pack_shards, shard_layout
+from deltasync.protocol.checkpoint import build_checkpoint, group_by_size, shard_layout
 from deltasync.protocol.keys import HEAD_KEY
 from deltasync.protocol.safetensors_io import TensorBytes, to_bytes
 from deltasync.storage import Store
@@ -61,25 +61,23 @@ def build_patch(job: StepJob, shard_bytes: int, pool: Executor | None) -> tuple[
         return encode_changes(numel[name], c.idx, c.old, c.new)
 
     encoded = list(pool.map(enc, names)) if pool is not None and len(names) > 1 else [enc(n) for n in names]
-    blobs: list[TensorBytes] = []
-    for name, e in zip(names, encoded):
-        blobs.append(TensorBytes(f"{name}/positions", "U8", (len(e.pos_blob),), e.pos_blob))
-        blobs.append(TensorBytes(f"{name}/values", "U8", (len(e.val_blob),), e.val_blob))
+    # one unit per tensor: positions and values always land in the same file
     files: dict[str, bytes] = {}
     entries: list[PatchEntry] = []
-    by_name = dict(zip(names, encoded))
     meta = {"format": "deltasync-patch", "step": str(job.step)}
-    for i, shard in enumerate(pack_shards(blobs, shard_bytes)):
+    for i, group in enumerate(group_by_size([e.nbytes for e in encoded], shard_bytes)):
         fname = f"patch-{i:05d}.safetensors"
+        shard: list[TensorBytes] = []
+        for j in group:
+            e = encoded[j]
+            shard.append(TensorBytes(f"{names[j]}/positions", "U8", (len(e.pos_blob),), e.pos_blob))
+            shard.append(TensorBytes(f"{names[j]}/values", "U8", (len(e.val_blob),), e.val_blob))
         ranges = shard_layout(shard, meta)
         files[fname] = to_bytes(shard, meta)
-        for t in shard:
-            if t.name.endswith("/positions"):
-                tensor = t.name[: -len("/positions")]
-                e = by_name[tensor]
-                entries.append(
-                    PatchEntry(tensor, fname, e.count, e.positions, e.rice_k, e.values, ranges[t.name], ranges[f"{tensor}/values"])
-                )
+        for j in group:
+            e, name = encoded[j], names[j]
+            pos_r, val_r = ranges[f"{name}/positions"], ranges[f"{name}/values"]
+            entries.append(PatchEntry(name, fname, e.count, e.positions, e.rice_k, e.values, pos_r, val_r))
     return files, entries
 
 

@@ -303,14 +303,18 @@ class DeltaUploader:
             except Exception:  # noqa: BLE001 - surfaced through the job's future
                 log.exception("hashing step %d failed", job.step)
                 job.digests = {}
+            try:
+                with self._cond:
+                    if self._pending and len(self._pending) >= self.config.max_pending and self.config.on_backlog == "coalesce":
+                        self._pending[-1] = _merge(self._pending[-1], job)
+                    else:
+                        self._pending.append(job)
+                    self._cond.notify_all()
             finally:
+                # only now may the next push go on: in "block" mode it counts the queued
+                # jobs, and this one must already be among them (a merged job shares
+                # this Event, so the commit thread waits for it as well)
                 job.digests_ready.set()
-            with self._cond:
-                if self._pending and len(self._pending) >= self.config.max_pending and self.config.on_backlog == "coalesce":
-                    self._pending[-1] = _merge(self._pending[-1], job)
-                else:
-                    self._pending.append(job)
-                self._cond.notify_all()
 
     def _digest(self, job: StepJob) -> None:
         for info in job.inventory:

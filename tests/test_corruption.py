@@ -1,0 +1,445 @@
+"""Bad bytes in the store never reach the target: every corruption is a clear deltasync error.
+
+A small run is written to a LocalStore; objects are then changed behind the store's
+back (``<root>/steps/{step:012d}/<name>``), a fresh verifying fetcher syncs, and the
+target must be bit-identical to what it was before the failed sync.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import assert_state_equal, snapshot
+
+import deltasync as ds
+from deltasync.errors import (
+    ChainBroken,
+    ChecksumMismatch,
+    DeltaSyncError,
+    InventoryMismatch,
+    ObjectNotFound,
+    ProtocolError,
+    SignatureMismatch,
+    StorageError,
+    UnsupportedVersion,
+)
+from deltasync.protocol.manifest import canonical_json
+
+torch = pytest.importorskip("torch")
+
+KEY = b"the trainer's secret"
+KINDS = ["anchor", "patch", "patch", "anchor", "patch"]
+OFFSETS_PER_FILE = 40
+
+
+def make_states(n: int) -> list[dict[str, Any]]:
+    g = torch.Generator().manual_seed(0)
+    first = {
+        "a.weight": torch.randn(64, 32, generator=g).to(torch.bfloat16),
+        "b.weight": torch.randn(300, generator=g),
+        "c.bias": torch.randn(16, generator=g).to(torch.float16),
+    }
+    out = [first]
+    for _ in range(1, n):
+        s = snapshot(out[-1])
+        for v in s.values():
+            flat = v.view(-1)
+            idx = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() // 20)]
+            flat[idx] = (flat[idx].float() + 1).to(v.dtype)
+        out.append(s)
+    return out
+
+
+@dataclass
+class Run:
+    root: Path
+    states: list[dict[str, Any]]
+    key: bytes | None
+
+    def store(self) -> ds.LocalStore:
+        return ds.LocalStore(self.root, fsync=False)
+
+    def path(self, step: int, name: str) -> Path:
+        return self.root / "steps" / f"{step:012d}" / name
+
+    def files(self, step: int) -> list[str]:
+        return sorted(p.name for p in (self.root / "steps" / f"{step:012d}").iterdir())
+
+    def fetcher(self, key: bytes | None | str = "run") -> ds.DeltaFetcher:
+        return ds.DeltaFetcher(self.store(), verify=True, signing_key=self.key if key == "run" else key)  # type: ignore[arg-type]
+
+
+def _write_run(root: Path, key: bytes | None) -> Run:
+    states = make_states(len(KINDS))
+    store = ds.LocalStore(root, fsync=False)
+    # small shards: the anchors have two shards, so a bad shard next to a good one is covered
+    with ds.DeltaUploader(store, anchor_every=3, anchor_bytes_fraction=0, shard_bytes=3000, signing_key=key) as up:
+        kinds = [up.push(s, i).result(30).kind for i, s in enumerate(states)]
+    assert kinds == KINDS
+    return Run(root, states, key)
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return _write_run(tmp_path_factory.mktemp("plain"), None)
+
+
+@pytest.fixture(scope="module")
+def signed(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return _write_run(tmp_path_factory.mktemp("signed"), KEY)
+
+
+def spread_offsets(size: int, n: int = OFFSETS_PER_FILE) -> list[int]:
+    """``n`` deterministic offsets spread over a file, first and last byte included."""
+    return sorted({round(i * (size - 1) / (n - 1)) for i in range(n)})
+
+
+@contextmanager
+def rewritten(path: Path, data: bytes) -> Iterator[None]:
+    """Replace a stored object behind the store's back; put the original back afterwards."""
+    orig = path.read_bytes()
+    path.write_bytes(data)
+    try:
+        yield
+    finally:
+        path.write_bytes(orig)
+
+
+@contextmanager
+def removed(path: Path) -> Iterator[None]:
+    orig = path.read_bytes()
+    path.unlink()
+    try:
+        yield
+    finally:
+        path.write_bytes(orig)
+
+
+def start_state(run: Run, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A target and the keyword arguments of the sync that must take ``step``'s files.
+
+    A patch is applied onto a target at its parent step (the fetcher is told so and
+    checks it); an anchor is loaded into a target holding some other state.
+    """
+    if KINDS[step] == "patch":
+        return snapshot(run.states[step - 1]), {"step": step, "have_step": step - 1}
+    return snapshot(run.states[(step + 1) % len(KINDS)]), {"step": step}
+
+
+def expect_failed_sync(run: Run, step: int, kinds: tuple[type[DeltaSyncError], ...], *, key: Any = "run") -> DeltaSyncError:
+    """A fresh fetcher's sync to ``step`` raises one of ``kinds`` and leaves the target untouched."""
+    target, kwargs = start_state(run, step)
+    before = snapshot(target)
+    with pytest.raises(kinds) as info:
+        run.fetcher(key).sync(target, **kwargs)
+    assert_state_equal(target, before, f"target after a failed sync to step {step}")
+    msg = str(info.value)
+    assert msg and len(msg) > 15, f"unclear error message {msg!r}"
+    return info.value
+
+
+def test_clean_runs_sync(plain: Run, signed: Run) -> None:
+    for run in (plain, signed):
+        for step in range(len(KINDS)):
+            target, kwargs = start_state(run, step)
+            run.fetcher().sync(target, **kwargs)
+            assert_state_equal(target, run.states[step], f"step {step}")
+    assert plain.files(0) == [
+        "manifest.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json",
+    ]
+
+
+# ------------------------------------------------------------ flipped bytes
+
+
+@pytest.mark.parametrize("step", range(len(KINDS)))
+def test_flipped_byte_in_any_data_file(plain: Run, step: int) -> None:
+    names = [n for n in plain.files(step) if n != "manifest.json"]
+    assert names
+    for name in names:
+        path = plain.path(step, name)
+        orig = path.read_bytes()
+        for off in spread_offsets(len(orig)):
+            bad = bytearray(orig)
+            bad[off] ^= 0xFF
+            with rewritten(path, bytes(bad)):
+                err = expect_failed_sync(plain, step, (ChecksumMismatch,))
+            assert f"step {step}: file {name} fails its xxh3-128 checksum (corrupted)" in str(err)
+        assert path.read_bytes() == orig
+
+
+def test_flipped_data_byte_in_a_multi_step_plan_touches_nothing(plain: Run) -> None:
+    """Every file of a plan (anchor + patches) is checked before the first byte is applied."""
+    for step in (1, 2):
+        path = plain.path(step, "patch-00000.safetensors")
+        orig = path.read_bytes()
+        bad = bytearray(orig)
+        bad[len(bad) // 2] ^= 0x01
+        with rewritten(path, bytes(bad)):
+            target = snapshot(plain.states[4])
+            before = snapshot(target)
+            f = plain.fetcher()
+            with pytest.raises(ChecksumMismatch, match=f"step {step}: file patch-00000.safetensors fails"):
+                f.sync(target, step=2)  # anchor 0, patch 1, patch 2
+            assert_state_equal(target, before)
+            assert f.current_step(target) is None
+
+
+@pytest.mark.parametrize("pattern", [0x01, 0xFF])
+@pytest.mark.parametrize("step", range(len(KINDS)))
+def test_flipped_byte_in_a_signed_manifest(signed: Run, step: int, pattern: int) -> None:
+    path = signed.path(step, "manifest.json")
+    orig = path.read_bytes()
+    for off in spread_offsets(len(orig)):
+        bad = bytearray(orig)
+        bad[off] ^= pattern
+        with rewritten(path, bytes(bad)):
+            expect_failed_sync(signed, step, (SignatureMismatch, ProtocolError, ChainBroken, ChecksumMismatch))
+    assert path.read_bytes() == orig
+
+
+@pytest.mark.parametrize(("step", "top"), [(0, 2), (1, 2), (3, 4)])
+def test_flipped_byte_in_an_unsigned_parent_manifest(plain: Run, step: int, top: int) -> None:
+    """Without a signature a manifest is still pinned by its child's parent digest."""
+    path = plain.path(step, "manifest.json")
+    orig = path.read_bytes()
+    for off in spread_offsets(len(orig)):
+        bad = bytearray(orig)
+        bad[off] ^= 0x01  # stays ASCII: the JSON often still parses
+        with rewritten(path, bytes(bad)):
+            target = snapshot(plain.states[(top + 1) % len(KINDS)])
+            before = snapshot(target)
+            with pytest.raises((ChainBroken, ProtocolError, ChecksumMismatch)):
+                plain.fetcher().sync(target, step=top)
+            assert_state_equal(target, before, f"manifest {step} byte {off}")
+
+
+def test_flipped_byte_in_an_unsigned_top_manifest_never_yields_wrong_weights(plain: Run) -> None:
+    """Nothing pins the newest manifest of an unsigned run. Fields that steer the apply
+    (files, sizes, digests, ranges, codings, inventory, parent) are still caught; a flip in
+    run_id, stats or a patch's anchor_step goes unnoticed, but the weights are right."""
+    step = 4
+    path = plain.path(step, "manifest.json")
+    orig = path.read_bytes()
+    caught = 0
+    for off in spread_offsets(len(orig), 120):
+        bad = bytearray(orig)
+        bad[off] ^= 0x01
+        with rewritten(path, bytes(bad)):
+            target = snapshot(plain.states[3])
+            before = snapshot(target)
+            try:
+                plain.fetcher().sync(target, step=step, have_step=3)
+            except DeltaSyncError:
+                caught += 1
+                assert_state_equal(target, before, f"byte {off}")
+            else:
+                assert_state_equal(target, plain.states[step], f"byte {off} was accepted")
+                field = orig[: off + 1].decode().rsplit('"', 3)
+                assert any(k in orig[max(0, off - 40) : off + 1].decode() for k in ("run_id", "stats", "anchor_step")), field
+    assert caught > 100
+
+
+# -------------------------------------------------------------- other damage
+
+
+@pytest.mark.parametrize("name", ["patch-00000.safetensors", "manifest.json"])
+def test_truncated_file(plain: Run, name: str) -> None:
+    path = plain.path(2, name)
+    orig = path.read_bytes()
+    with rewritten(path, orig[: len(orig) // 2]):
+        err = expect_failed_sync(plain, 2, (ChecksumMismatch, ProtocolError))
+    if name == "manifest.json":
+        assert isinstance(err, ProtocolError) and "not valid UTF-8 JSON" in str(err)
+    else:
+        assert isinstance(err, ChecksumMismatch)
+        assert f"step 2: file {name} is {len(orig) // 2} bytes, manifest says {len(orig)} (truncated or replaced)" == str(err)
+
+
+def test_truncated_anchor_shard(plain: Run) -> None:
+    path = plain.path(3, "model-00002-of-00002.safetensors")
+    orig = path.read_bytes()
+    with rewritten(path, orig[:-1]):
+        err = expect_failed_sync(plain, 3, (ChecksumMismatch,))
+    assert "truncated or replaced" in str(err)
+
+
+def test_missing_data_file(plain: Run) -> None:
+    for step, name in [(0, "model-00001-of-00002.safetensors"), (0, "model.safetensors.index.json"), (4, "patch-00000.safetensors")]:
+        with removed(plain.path(step, name)):
+            err = expect_failed_sync(plain, step, (ObjectNotFound,))
+        assert isinstance(err, StorageError) and isinstance(err, FileNotFoundError)
+        assert f"steps/{step:012d}/{name}" in str(err)
+
+
+def test_missing_parent_manifest_breaks_the_chain(plain: Run) -> None:
+    with removed(plain.path(1, "manifest.json")):
+        err = expect_failed_sync(plain, 2, (ChainBroken,))
+        assert "step 2's parent step 1 is not committed" in str(err)
+        # the steps that do not need step 1 are still reachable
+        target = snapshot(plain.states[0])
+        plain.fetcher().sync(target, step=4)
+        assert_state_equal(target, plain.states[4])
+
+
+def test_unknown_step(plain: Run) -> None:
+    target = snapshot(plain.states[0])
+    with pytest.raises(ChainBroken, match="step 99 is not committed"):
+        plain.fetcher().sync(target, step=99)
+    assert_state_equal(target, plain.states[0])
+
+
+def edited_manifest(run: Run, step: int, edit: Any) -> bytes:
+    """The manifest of ``step`` parsed, changed by ``edit(obj)`` and written back canonically."""
+    obj = json.loads(run.path(step, "manifest.json").read_bytes())
+    edit(obj)
+    return canonical_json(obj)
+
+
+def test_newer_format_version(plain: Run) -> None:
+    def bump(o: dict[str, Any]) -> None:
+        o["format_version"] = 2
+
+    for step in (0, 2):
+        with rewritten(plain.path(step, "manifest.json"), edited_manifest(plain, step, bump)):
+            err = expect_failed_sync(plain, step, (UnsupportedVersion,))
+        assert "format_version 2" in str(err) and "upgrade deltasync" in str(err)
+
+
+@pytest.mark.parametrize("bad_path", ["../x", "/etc/passwd", "../../../../etc/passwd", "a/b", ".hidden", "..", "manifest.json"])
+@pytest.mark.parametrize("step", [0, 2])
+def test_manifest_with_a_hostile_file_path(plain: Run, step: int, bad_path: str) -> None:
+    def hostile(o: dict[str, Any]) -> None:
+        old = o["files"][0]["path"]
+        o["files"][0]["path"] = bad_path
+        for e in o["entries"]:
+            if e["file"] == old:
+                e["file"] = bad_path
+
+    with rewritten(plain.path(step, "manifest.json"), edited_manifest(plain, step, hostile)):
+        err = expect_failed_sync(plain, step, (ProtocolError,))
+    assert "invalid file" in str(err) or "may not list itself" in str(err)
+    assert not (plain.root / "x").exists()
+
+
+def test_manifest_moved_to_another_step(plain: Run) -> None:
+    with rewritten(plain.path(2, "manifest.json"), plain.path(1, "manifest.json").read_bytes()):
+        err = expect_failed_sync(plain, 2, (ProtocolError, ChainBroken))
+    assert "step 2" in str(err)
+
+
+def test_tensor_digest_mismatch_is_undone(plain: Run) -> None:
+    """A manifest whose tensor digest is wrong (a bad writer): the applied patch is rolled back."""
+
+    def wrong_digest(o: dict[str, Any]) -> None:
+        d = o["tensor_digests"]["b.weight"]
+        o["tensor_digests"]["b.weight"] = ("0" if d[0] != "0" else "1") + d[1:]
+
+    with rewritten(plain.path(4, "manifest.json"), edited_manifest(plain, 4, wrong_digest)):
+        err = expect_failed_sync(plain, 4, (ChecksumMismatch,))
+    assert "step 4: tensor 'b.weight' is not bit-exact after applying" in str(err)
+
+
+def test_failure_late_in_a_plan_leaves_the_last_good_step(plain: Run) -> None:
+    """Each step of a plan is all or nothing: a step that fails after earlier ones applied
+    leaves the target at the last applied step, and the fetcher knows which one that is."""
+
+    def wrong_digest(o: dict[str, Any]) -> None:
+        d = o["tensor_digests"]["a.weight"]
+        o["tensor_digests"]["a.weight"] = ("0" if d[0] != "0" else "1") + d[1:]
+
+    with rewritten(plain.path(4, "manifest.json"), edited_manifest(plain, 4, wrong_digest)):
+        target = snapshot(plain.states[0])
+        f = plain.fetcher()
+        with pytest.raises(ChecksumMismatch):
+            f.sync(target, step=4)  # anchor 3, then the bad patch 4
+        assert f.current_step(target) == 3
+        assert_state_equal(target, plain.states[3])
+    f.sync(target, step=4)  # repaired: continues from step 3
+    assert_state_equal(target, plain.states[4])
+
+
+# -------------------------------------------------------------- inventories
+
+
+@pytest.mark.parametrize(
+    ("change", "phrase"),
+    [
+        ("missing", "missing in target: ['c.bias']"),
+        ("extra", "not in the run: ['d.extra']"),
+        ("shape", "dtype/shape differ for ['b.weight'] (e.g. b.weight: target F32[301], run F32[300])"),
+        ("dtype", "dtype/shape differ for ['c.bias'] (e.g. c.bias: target F32[16], run F16[16])"),
+    ],
+)
+def test_inventory_mismatch_names_the_tensor(plain: Run, change: str, phrase: str) -> None:
+    target = snapshot(plain.states[1])
+    if change == "missing":
+        del target["c.bias"]
+    elif change == "extra":
+        target["d.extra"] = torch.zeros(3)
+    elif change == "shape":
+        target["b.weight"] = torch.zeros(301)
+    else:
+        target["c.bias"] = torch.zeros(16)
+    before = snapshot(target)
+    for kwargs in ({"step": 2}, {"step": 3}):  # a patch and an anchor
+        with pytest.raises(InventoryMismatch) as info:
+            plain.fetcher().sync(target, **kwargs)
+        assert f"target does not match step {kwargs['step']}'s tensors" in str(info.value)
+        assert phrase in str(info.value)
+        assert_state_equal(target, before)
+
+
+def test_non_contiguous_target_is_refused(plain: Run) -> None:
+    target = snapshot(plain.states[0])
+    target["a.weight"] = torch.zeros(32, 64, dtype=torch.bfloat16).t()
+    with pytest.raises(InventoryMismatch, match="not contiguous"):
+        plain.fetcher().sync(target, step=0)
+
+
+# ----------------------------------------------------------------- signing
+
+
+def test_signed_run_with_the_right_key(signed: Run) -> None:
+    target = snapshot(signed.states[4])
+    f = signed.fetcher(KEY)
+    for step in range(len(KINDS)):
+        f.sync(target, step=step)
+        assert_state_equal(target, signed.states[step])
+    # signatures are optional for a reader without a key
+    target = snapshot(signed.states[0])
+    signed.fetcher(None).sync(target)
+    assert_state_equal(target, signed.states[4])
+
+
+def test_signed_run_with_another_key(signed: Run) -> None:
+    for step in (0, 2):
+        err = expect_failed_sync(signed, step, (SignatureMismatch,), key=b"someone else's key")
+        assert f"step {step}: manifest signature does not match the configured key" == str(err)
+
+
+def test_unsigned_run_with_a_keyed_fetcher(plain: Run) -> None:
+    for step in (0, 2):
+        err = expect_failed_sync(plain, step, (SignatureMismatch,), key=KEY)
+        assert f"step {step}: manifest is not signed but a signing key is configured" == str(err)
+
+
+def test_stripped_or_forged_signature(signed: Run) -> None:
+    def strip(o: dict[str, Any]) -> None:
+        del o["signature"]
+
+    def forge(o: dict[str, Any]) -> None:
+        o["stats"]["changed"] += 1  # any change of the body; the old signature no longer fits
+
+    with rewritten(signed.path(2, "manifest.json"), edited_manifest(signed, 2, strip)):
+        err = expect_failed_sync(signed, 2, (SignatureMismatch,))
+    assert "not signed" in str(err)
+    with rewritten(signed.path(2, "manifest.json"), edited_manifest(signed, 2, forge)):
+        err = expect_failed_sync(signed, 2, (SignatureMismatch,))
+    assert "does not match the configured key" in str(err)
