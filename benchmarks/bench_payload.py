@@ -43,6 +43,7 @@ import contextlib
 import functools
 import gc
 import inspect
+import json
 import math
 import os
 import platform
@@ -55,7 +56,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -118,6 +119,8 @@ class StepRecord:
     pos_bound_bits: float
     val_bound_bits: float  # pooled empirical entropy of the XOR masks, as the bound is defined
     val_bound_tensor_bits: float  # per-tensor empirical entropies (informational, tighter)
+    pos_ctx_bits: float  # positions iid per (tensor, exponent of the old value) (informational)
+    val_ctx_bits: float  # H(XOR | exponent of the old value), pooled (informational)
     codings: dict[str, int]
     t_train: float
     t_cast: float
@@ -199,12 +202,6 @@ def _entropy_bits(values: Bits) -> float:
     return float(-(p * np.log2(p)).sum() * values.size)
 
 
-def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    t0 = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - t0, out
-
-
 def _median(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -242,7 +239,7 @@ class Phases:
                     acc[label] += dt
 
         own = vars(owner) if hasattr(owner, "__dict__") else {}
-        self._undo.append((owner, attr, own[attr] if attr in own else _ABSENT))
+        self._undo.append((owner, attr, own.get(attr, _ABSENT)))
         setattr(owner, attr, staticmethod(timed) if isinstance(static, staticmethod) else timed)
 
     def take(self) -> dict[str, float]:
@@ -295,12 +292,11 @@ def _log(msg: str, quiet: bool) -> None:
 def environment(cfg: BenchConfig) -> dict[str, str]:
     """What the numbers ran on."""
     cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
     try:
         affinity = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
@@ -336,7 +332,10 @@ def build_model(cfg: BenchConfig) -> Any:
         use_cache=False,
     )
     torch.manual_seed(cfg.seed)
-    model = Qwen3ForCausalLM(mcfg).to(torch.float32)
+    model = Qwen3ForCausalLM(mcfg)
+    bad = {str(p.dtype) for p in model.parameters() if p.dtype != torch.float32}
+    if bad:
+        raise RuntimeError(f"expected fp32 master weights, got {bad}")
     model.train()
     return model
 
@@ -487,6 +486,36 @@ def _encode_parts(numel: dict[str, int], changes: dict[str, tuple[Bits, Bits, Bi
     return t_rice, t_x
 
 
+def exponent_histograms(prev: dict[str, Bits]) -> dict[str, Bits]:
+    """Per tensor, how many elements have each bf16 exponent (the receiver knows these: old weights)."""
+    return {k: np.bincount((v.view(np.uint16) >> 7) & 0xFF, minlength=256) for k, v in prev.items()}
+
+
+def context_bound(hist: dict[str, Bits], changes: dict[str, tuple[Bits, Bits, Bits]]) -> tuple[float, float]:
+    """(position bits, value bits) when both are modelled given the old value's exponent.
+
+    Informational: the receiver holds the old weights, so a coder may use them as context; the
+    chance that an element changes depends on |update| / ulp(old), and the ulp is the exponent.
+    """
+    pos_bits = 0.0
+    joint = np.zeros(256 << 16, dtype=np.int64)
+    for k, (_, old, new) in changes.items():
+        e = (old.view(np.uint16) >> 7) & 0xFF
+        ch = np.bincount(e, minlength=256)
+        n = hist[k]
+        nz = n > 0
+        p = ch[nz] / n[nz]
+        q = p[(p > 0) & (p < 1)]
+        nn = n[nz][(p > 0) & (p < 1)]
+        pos_bits += float(-(nn * (q * np.log2(q) + (1 - q) * np.log2(1 - q))).sum())
+        joint += np.bincount((e.astype(np.int64) << 16) | (old ^ new).view(np.uint16), minlength=256 << 16)
+    c = joint[joint > 0].astype(np.float64)
+    marg = joint.reshape(256, 1 << 16).sum(axis=1)
+    m = marg[marg > 0].astype(np.float64)
+    val_bits = float(-(c * np.log2(c)).sum() + (m * np.log2(m)).sum())
+    return pos_bits, val_bits
+
+
 def entropy_bound(numel: dict[str, int], changes: dict[str, tuple[Bits, Bits, Bits]]) -> tuple[float, float, float]:
     """(position bits, pooled value bits, per-tensor value bits) of the bound."""
     pos_bits = sum(numel[k] * _h2(c[0].size / numel[k]) for k, c in changes.items())
@@ -539,7 +568,9 @@ def run_lr(cfg: BenchConfig, lr: float, log: Callable[[str], None]) -> tuple[int
             opt.step()
             opt.zero_grad(set_to_none=True)
             t_train = time.perf_counter() - t0
-            t_cast, state = _timed(lambda: bf16_view(model))
+            t0 = time.perf_counter()
+            state = bf16_view(model)
+            t_cast = time.perf_counter() - t0
             phases.take()
 
             # ---- the pipeline under test: push -> commit -> fetch+verify+apply
@@ -563,6 +594,7 @@ def run_lr(cfg: BenchConfig, lr: float, log: Callable[[str], None]) -> tuple[int
             t_cmp_numpy = refs.compare_numpy(new_np)
             t_clone = refs.memcpy_clone(state)
             t_copyto = refs.memcpy_copyto(new_np)
+            hist = exponent_histograms(refs.prev)
             changes, t_nz, t_gather, t_scatter = refs.diff(new_np)
             changed = sum(c[0].size for c in changes.values())
             if changed != info.changed:
@@ -571,6 +603,7 @@ def run_lr(cfg: BenchConfig, lr: float, log: Callable[[str], None]) -> tuple[int
             t_encp, _ = refs.encode(changes, pooled=True)
             t_rice, t_xrank = _encode_parts(refs.numel, changes)
             pos_bits, val_bits, val_bits_t = entropy_bound(refs.numel, changes)
+            pos_ctx, val_ctx = context_bound(hist, changes)
             itemsize = state[refs.names[0]].element_size()
             rec = StepRecord(
                 lr=lr,
@@ -584,6 +617,8 @@ def run_lr(cfg: BenchConfig, lr: float, log: Callable[[str], None]) -> tuple[int
                 pos_bound_bits=pos_bits,
                 val_bound_bits=val_bits,
                 val_bound_tensor_bits=val_bits_t,
+                pos_ctx_bits=pos_ctx,
+                val_ctx_bits=val_ctx,
                 codings=dict(Counter(f"{e.positions}/{e.values}" for e in encoded)),
                 t_train=t_train,
                 t_cast=t_cast,
@@ -678,13 +713,17 @@ def render(res: BenchResult) -> str:
     if res.command:
         out.append(f"Command: `{res.command}`  ")
     out.append(
-        f"Model: Qwen3ForCausalLM (random init) hidden {cfg.hidden}, {cfg.layers} layers, intermediate {cfg.intermediate}, "
-        f"vocab {cfg.vocab}, heads {cfg.heads}/{cfg.kv_heads} kv, head_dim {cfg.head_dim}, tied embeddings {cfg.tie_embeddings}: "
+        f"Model: Qwen3ForCausalLM (random init) hidden {cfg.hidden}, {cfg.layers} layers, intermediate "
+        f"{cfg.intermediate}, "
+        f"vocab {cfg.vocab}, heads {cfg.heads}/{cfg.kv_heads} kv, head_dim {cfg.head_dim}, tied embeddings "
+        f"{cfg.tie_embeddings}: "
         f"{res.params / 1e6:.1f}M params, {total / 1e6:.1f}M bf16 elements pushed ({total * 2 / 2**20:.0f} MiB).  "
     )
     out.append(
-        f"Training: AdamW ({cfg.adamw}), fp32 master weights, weight_decay {cfg.weight_decay}, random tokens batch {cfg.batch} x seq "
-        f"{cfg.seq}, LM loss; each lr starts from the same init. Step 0 (anchor) and {cfg.warmup} warm-up patch step(s) excluded; "
+        f"Training: AdamW ({cfg.adamw}), fp32 master weights, weight_decay {cfg.weight_decay}, random tokens batch "
+        f"{cfg.batch} x seq "
+        f"{cfg.seq}, LM loss; each lr starts from the same init. Step 0 (anchor) and {cfg.warmup} warm-up patch "
+        "step(s) excluded; "
         f"{cfg.steps} measured step(s) per lr; medians across them.  "
     )
     for k, v in res.env.items():
@@ -696,13 +735,34 @@ def render(res: BenchResult) -> str:
     # per-step payload
     out.append("### Payload per step (bytes per changed element)")
     out.append("")
-    hdr = ["lr", "step", "density", "deltasync", "int32+bf16", "full bf16", "entropy bound", "ds / bound (<=1.15)", "(int32+bf16) / ds (>=4.5)"]
+    hdr = [
+        "lr",
+        "step",
+        "density",
+        "deltasync",
+        "int32+bf16",
+        "full bf16",
+        "entropy bound",
+        "ds / bound (<=1.15)",
+        "(int32+bf16) / ds (>=4.5)",
+    ]
     rows = []
     for r in res.records:
         if r.warmup:
             continue
-        rows.append([f"{r.lr:g}", str(r.step), f"{r.density:.2%}", _f(r.ds_bpc), "6.000", _f(2 * r.total / r.changed, 1),
-                     _f(r.bound_bpc), _f(r.ds_bpc / r.bound_bpc, 3), _f(6 / r.ds_bpc, 2)])
+        rows.append(
+            [
+                f"{r.lr:g}",
+                str(r.step),
+                f"{r.density:.2%}",
+                _f(r.ds_bpc),
+                "6.000",
+                _f(2 * r.total / r.changed, 1),
+                _f(r.bound_bpc),
+                _f(r.ds_bpc / r.bound_bpc, 3),
+                _f(6 / r.ds_bpc, 2),
+            ]
+        )
     out.append(_table(hdr, rows))
     out.append("")
 
@@ -716,11 +776,33 @@ def render(res: BenchResult) -> str:
             continue
         rb = _median([r.ds_bpc / r.bound_bpc for r in m])
         ri = _median([6 / r.ds_bpc for r in m])
-        rows.append([f"{lr:g}", f"{_median([r.density for r in m]):.2%}", _f(_median([r.ds_bpc for r in m])), "6.000",
-                     _f(_median([2 * r.total / r.changed for r in m]), 1), _f(_median([r.bound_bpc for r in m])),
-                     f"{_f(rb)} {_goal(rb <= 1.15)}", f"{_f(ri, 2)} {_goal(ri >= 4.5)}"])
-    out.append(_table(["lr", "density", "deltasync B/chg", "int32+bf16 B/chg", "full bf16 B/chg", "entropy bound B/chg",
-                       "ds / bound (<=1.15)", "(int32+bf16) / ds (>=4.5)"], rows))
+        rows.append(
+            [
+                f"{lr:g}",
+                f"{_median([r.density for r in m]):.2%}",
+                _f(_median([r.ds_bpc for r in m])),
+                "6.000",
+                _f(_median([2 * r.total / r.changed for r in m]), 1),
+                _f(_median([r.bound_bpc for r in m])),
+                f"{_f(rb)} {_goal(rb <= 1.15)}",
+                f"{_f(ri, 2)} {_goal(ri >= 4.5)}",
+            ]
+        )
+    out.append(
+        _table(
+            [
+                "lr",
+                "density",
+                "deltasync B/chg",
+                "int32+bf16 B/chg",
+                "full bf16 B/chg",
+                "entropy bound B/chg",
+                "ds / bound (<=1.15)",
+                "(int32+bf16) / ds (>=4.5)",
+            ],
+            rows,
+        )
+    )
     out.append("")
 
     out.append("### Payload breakdown, medians per lr (bytes per changed element)")
@@ -731,18 +813,49 @@ def render(res: BenchResult) -> str:
         if not m:
             continue
         mix = ", ".join(f"{k}: {v}" for k, v in sorted(m[-1].codings.items()))
-        rows.append([
-            f"{lr:g}",
-            _f(_median([r.pos_bytes / r.changed for r in m])),
-            _f(_median([r.pos_bound_bits / 8 / r.changed for r in m])),
-            _f(_median([r.val_bytes / r.changed for r in m])),
-            _f(_median([r.val_bound_bits / 8 / r.changed for r in m])),
-            _f(_median([r.val_bound_tensor_bits / 8 / r.changed for r in m])),
-            _f(_median([(r.nbytes - r.pos_bytes - r.val_bytes) / r.changed for r in m]), 4),
-            mix,
-        ])
-    out.append(_table(["lr", "positions: ds", "positions: bound", "values: ds", "values: bound (pooled H)",
-                       "values: per-tensor H (info)", "container (headers, manifest-free)", "codings (last step)"], rows))
+        rows.append(
+            [
+                f"{lr:g}",
+                _f(_median([r.pos_bytes / r.changed for r in m])),
+                _f(_median([r.pos_bound_bits / 8 / r.changed for r in m])),
+                _f(_median([r.val_bytes / r.changed for r in m])),
+                _f(_median([r.val_bound_bits / 8 / r.changed for r in m])),
+                _f(_median([r.val_bound_tensor_bits / 8 / r.changed for r in m])),
+                _f(_median([(r.nbytes - r.pos_bytes - r.val_bytes) / r.changed for r in m]), 4),
+                _f(_median([r.pos_ctx_bits / 8 / r.changed for r in m])),
+                _f(_median([r.val_ctx_bits / 8 / r.changed for r in m])),
+                _f(_median([(r.pos_ctx_bits + r.val_ctx_bits) / 8 / r.changed for r in m])),
+                mix,
+            ]
+        )
+    out.append(
+        _table(
+            [
+                "lr",
+                "positions: ds",
+                "positions: bound",
+                "values: ds",
+                "values: bound (pooled H)",
+                "values: per-tensor H (info)",
+                "container (file headers; manifest not counted)",
+                "positions given old exponent (info)",
+                "values given old exponent (info)",
+                "bound given old exponent (info)",
+                "codings (last step)",
+            ],
+            rows,
+        )
+    )
+    out.append("")
+    out.append(
+        "deltasync bytes = CommitInfo.nbytes (the patch files); positions/values = blob sizes of encode_changes on "
+        "the same "
+        "data; container = the rest (safetensors headers). The 'given old exponent' columns are an informational, "
+        "tighter "
+        "bound: positions iid per (tensor, bf16 exponent of the old value) and H(XOR | old exponent); the receiver "
+        "holds "
+        "the old weights, so a coder may condition on them."
+    )
     out.append("")
 
     # timing
@@ -753,39 +866,68 @@ def render(res: BenchResult) -> str:
         m = res.measured(lr)
         if not m:
             continue
-        cmp_name = "torch.ne" if _median([r.t_cmp_torch for r in m]) <= _median([r.t_cmp_numpy for r in m]) else "np.not_equal"
-        cpy_name = "torch.clone" if _median([r.t_memcpy_clone for r in m]) <= _median([r.t_memcpy_copyto for r in m]) else "np.copyto"
+        cmp_name = (
+            "torch.ne" if _median([r.t_cmp_torch for r in m]) <= _median([r.t_cmp_numpy for r in m]) else "np.not_equal"
+        )
+        cpy_name = (
+            "torch.clone"
+            if _median([r.t_memcpy_clone for r in m]) <= _median([r.t_memcpy_copyto for r in m])
+            else "np.copyto"
+        )
         p_c = _median([r.t_push / r.t_cmp for r in m])
         e_m = _median([r.t_encode_pool / r.t_memcpy for r in m])
         e2e = _median([r.t_e2e for r in m])
         e2e06 = _median([r.t_e2e * QWEN3_06B_PARAMS / r.total for r in m])
-        rows.append([
-            f"{lr:g}",
-            _ms(_median([r.t_push for r in m])),
-            f"{_ms(_median([r.t_cmp for r in m]))} ({cmp_name})",
-            f"{_f(p_c, 2)} {_goal(p_c <= 1.5)}",
-            _ms(_median([r.t_encode_pool for r in m])),
-            _ms(_median([r.t_encode_1 for r in m])),
-            f"{_ms(_median([r.t_memcpy for r in m]))} ({cpy_name})",
-            f"{_f(e_m, 2)} {_goal(e_m <= 3)}",
-            _ms(_median([r.t_fetch for r in m])),
-            _f(_median([r.t_fetch / r.t_memcpy for r in m]), 2),
-            _f(_median([r.t_fetch / r.t_memcpy_changed for r in m]), 0),
-            _ms(e2e),
-            f"{e2e06:.2f} s {_goal(e2e06 < 2)}",
-        ])
-    out.append(_table(["lr", "push()", "compare pass", "push / compare (<=1.5)", f"encode ({cfg.encode_threads} thr)",
-                       "encode (1 thr)", "memcpy weights", "encode / memcpy (<=3)", "fetch+verify+apply",
-                       "fetch / memcpy weights", "fetch / memcpy changed bytes", "push -> applied",
-                       "push -> applied, scaled to 0.6B params (<2 s)"], rows))
+        rows.append(
+            [
+                f"{lr:g}",
+                _ms(_median([r.t_push for r in m])),
+                f"{_ms(_median([r.t_cmp for r in m]))} ({cmp_name})",
+                f"{_f(p_c, 2)} {_goal(p_c <= 1.5)}",
+                _ms(_median([r.t_encode_pool for r in m])),
+                _ms(_median([r.t_encode_1 for r in m])),
+                f"{_ms(_median([r.t_memcpy for r in m]))} ({cpy_name})",
+                f"{_f(e_m, 2)} {_goal(e_m <= 3)}",
+                _ms(_median([r.t_fetch for r in m])),
+                _f(_median([r.t_fetch / r.t_memcpy for r in m]), 2),
+                _f(_median([r.t_fetch / r.t_memcpy_changed for r in m]), 0),
+                _ms(e2e),
+                f"{e2e06:.2f} s {_goal(e2e06 < 2)}",
+            ]
+        )
+    out.append(
+        _table(
+            [
+                "lr",
+                "push()",
+                "compare pass",
+                "push / compare (<=1.5)",
+                f"encode ({cfg.encode_threads} thr)",
+                "encode (1 thr)",
+                "memcpy weights",
+                "encode / memcpy (<=3)",
+                "fetch+verify+apply",
+                "fetch / memcpy weights",
+                "fetch / memcpy changed bytes",
+                "push -> applied",
+                "push -> applied, scaled to 0.6B params (<2 s)",
+            ],
+            rows,
+        )
+    )
     out.append("")
     out.append(
         "compare pass: one `!=` over all bf16 bit views vs the previous state (torch.ne into a preallocated mask, or "
-        f"np.not_equal in {CHUNK}-element chunks; the faster, named). memcpy weights: torch.clone of every tensor or np.copyto "
-        "into preallocated buffers; the faster, named. encode: deltasync.protocol.encode_changes on every changed tensor, "
-        "same data as the uploader. fetch+verify+apply: DeltaFetcher(verify=True).sync of a separate copy one step forward "
-        "(list, manifests, read, file xxh3, decode, apply, per-tensor digests). push -> applied: push() called until sync() "
-        "returned (push + background commit over the local store + fetch). The 0.6B column scales it linearly by element "
+        f"np.not_equal in {CHUNK}-element chunks; the faster, named). memcpy weights: torch.clone of every tensor or "
+        "np.copyto "
+        "into preallocated buffers; the faster, named. encode: deltasync.protocol.encode_changes on every changed "
+        "tensor, "
+        "same data as the uploader. fetch+verify+apply: DeltaFetcher(verify=True).sync of a separate copy one step "
+        "forward "
+        "(list, manifests, read, file xxh3, decode, apply, per-tensor digests). push -> applied: push() called until "
+        "sync() "
+        "returned (push + background commit over the local store + fetch). The 0.6B column scales it linearly by "
+        "element "
         "count (an extrapolation, not a measurement)."
     )
     out.append("")
@@ -794,9 +936,21 @@ def render(res: BenchResult) -> str:
     out.append("")
     rows = []
     keys_push = ["push.prepare", "push.inventory", "push.diff_tensor"]
-    keys_bg = ["bg.tensor_digests", "bg.build_patch", "bg.file_xxh3", "bg.store_put_files", "bg.store_put_manifest_head"]
-    keys_fetch = ["fetch.manifests", "fetch.store_read", "fetch.file_xxh3", "fetch.decode",
-                  "fetch.apply_patch", "fetch.verify_digests"]
+    keys_bg = [
+        "bg.tensor_digests",
+        "bg.build_patch",
+        "bg.file_xxh3",
+        "bg.store_put_files",
+        "bg.store_put_manifest_head",
+    ]
+    keys_fetch = [
+        "fetch.manifests",
+        "fetch.store_read",
+        "fetch.file_xxh3",
+        "fetch.decode",
+        "fetch.apply_patch",
+        "fetch.verify_digests",
+    ]
 
     def ph(m: list[StepRecord], key: str) -> str:
         vals = [r.phases[key] for r in m if key in r.phases]
@@ -806,24 +960,43 @@ def render(res: BenchResult) -> str:
         m = res.measured(lr)
         if not m:
             continue
-        rows.append([
-            f"{lr:g}",
-            " / ".join(ph(m, k) for k in keys_push),
-            " / ".join(_ms(_median([getattr(r, a) for r in m])) for a in ("t_diff_nz", "t_diff_gather", "t_diff_scatter")),
-            " / ".join(ph(m, k) for k in keys_bg),
-            " / ".join(_ms(_median([getattr(r, a) for r in m])) for a in ("t_encode_1", "t_enc_rice", "t_enc_xor_rank")),
-            " / ".join(ph(m, k) for k in keys_fetch),
-            " / ".join(_ms(_median([getattr(r, a) for r in m])) for a in ("t_train", "t_cast", "t_background", "t_commit")),
-        ])
-    out.append(_table([
-        "lr",
-        "push: prepare / inventory / diff_tensor",
-        "diff replica: compare+nonzero / gather / scatter",
-        "background: tensor digests / build_patch (encode+pack) / file xxh3 / write files / write manifest+HEAD",
-        "encode 1 thr: total / rice positions / xor-rank values",
-        "fetch: manifests / read / file xxh3 / decode / apply (incl. verify) / verify digests",
-        "train step / bf16 cast / push->committed / CommitInfo.seconds",
-    ], rows))
+        rows.append(
+            [
+                f"{lr:g}",
+                " / ".join(ph(m, k) for k in keys_push),
+                " / ".join(
+                    _ms(_median([getattr(r, a) for r in m]))
+                    for a in ("t_cmp_torch", "t_cmp_numpy", "t_memcpy_clone", "t_memcpy_copyto")
+                ),
+                " / ".join(
+                    _ms(_median([getattr(r, a) for r in m])) for a in ("t_diff_nz", "t_diff_gather", "t_diff_scatter")
+                ),
+                " / ".join(ph(m, k) for k in keys_bg),
+                " / ".join(
+                    _ms(_median([getattr(r, a) for r in m])) for a in ("t_encode_1", "t_enc_rice", "t_enc_xor_rank")
+                ),
+                " / ".join(ph(m, k) for k in keys_fetch),
+                " / ".join(
+                    _ms(_median([getattr(r, a) for r in m])) for a in ("t_train", "t_cast", "t_background", "t_commit")
+                ),
+            ]
+        )
+    out.append(
+        _table(
+            [
+                "lr",
+                "push: prepare / inventory / diff_tensor",
+                "refs: torch.ne / np.not_equal / torch.clone / np.copyto",
+                "diff replica: compare+nonzero / gather / scatter",
+                "background: tensor digests / build_patch (encode+pack) / file xxh3 / write files / write "
+                "manifest+HEAD",
+                "encode 1 thr: total / rice positions / xor-rank values",
+                "fetch: manifests / read / file xxh3 / decode / apply (incl. verify) / verify digests",
+                "train step / bf16 cast / push->committed / CommitInfo.seconds",
+            ],
+            rows,
+        )
+    )
     out.append("")
     out.append(
         "Background and encode-pool times are sums over threads where work runs in parallel. "
@@ -835,9 +1008,20 @@ def render(res: BenchResult) -> str:
 # ------------------------------------------------------------------ CLI
 
 
-def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchConfig, str | None, bool]:
+PRESETS: dict[str, dict[str, Any]] = {
+    # the shapes of Qwen/Qwen3-0.6B (596M params, tied embeddings): the DESIGN.md end-to-end goal
+    "qwen3-0.6b": dict(
+        hidden=1024, layers=28, intermediate=3072, vocab=151936, heads=16, kv_heads=8, head_dim=128, tie_embeddings=True
+    ),
+}
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchConfig, argparse.Namespace]:
     d = BenchConfig()
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=(__doc__ or "").split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument("--preset", choices=sorted(PRESETS), help="model shape preset (explicit size flags still override)")
     p.add_argument("--hidden", type=int, default=d.hidden)
     p.add_argument("--layers", type=int, default=d.layers)
     p.add_argument("--intermediate", type=int, default=d.intermediate)
@@ -845,7 +1029,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchConfig, str | No
     p.add_argument("--heads", type=int, default=d.heads)
     p.add_argument("--kv-heads", type=int, default=d.kv_heads)
     p.add_argument("--head-dim", type=int, default=d.head_dim)
-    p.add_argument("--tie-embeddings", action="store_true")
+    p.add_argument("--tie-embeddings", action="store_true", default=d.tie_embeddings)
     p.add_argument("--batch", type=int, default=d.batch)
     p.add_argument("--seq", type=int, default=d.seq)
     p.add_argument("--steps", type=int, default=d.steps, help="measured patch steps per lr")
@@ -858,26 +1042,55 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchConfig, str | No
     p.add_argument("--encode-threads", type=int, default=d.encode_threads)
     p.add_argument("--tmpdir", default=None, help="where the LocalStore's temp dir goes")
     p.add_argument("--out", default=None, help="also write the markdown report here")
+    p.add_argument("--json", default=None, help="also write every per-step record here (raw seconds and bytes)")
     p.add_argument("--quiet", action="store_true", help="no per-step progress on stderr")
+    pre, _ = p.parse_known_args(argv)
+    if pre.preset:
+        p.set_defaults(**PRESETS[pre.preset])
     a = p.parse_args(argv)
     cfg = BenchConfig(
-        hidden=a.hidden, layers=a.layers, intermediate=a.intermediate, vocab=a.vocab, heads=a.heads, kv_heads=a.kv_heads,
-        head_dim=a.head_dim, tie_embeddings=a.tie_embeddings, batch=a.batch, seq=a.seq, steps=a.steps, warmup=a.warmup,
-        lrs=tuple(a.lrs), weight_decay=a.weight_decay, adamw=a.adamw, seed=a.seed, threads=a.threads,
-        encode_threads=a.encode_threads, tmpdir=a.tmpdir,
+        hidden=a.hidden,
+        layers=a.layers,
+        intermediate=a.intermediate,
+        vocab=a.vocab,
+        heads=a.heads,
+        kv_heads=a.kv_heads,
+        head_dim=a.head_dim,
+        tie_embeddings=a.tie_embeddings,
+        batch=a.batch,
+        seq=a.seq,
+        steps=a.steps,
+        warmup=a.warmup,
+        lrs=tuple(a.lrs),
+        weight_decay=a.weight_decay,
+        adamw=a.adamw,
+        seed=a.seed,
+        threads=a.threads,
+        encode_threads=a.encode_threads,
+        tmpdir=a.tmpdir,
     )
-    return cfg, a.out, a.quiet
+    return cfg, a
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    cfg, out, quiet = parse_args(argv)
-    res = run(cfg, quiet=quiet)
-    res = replace(res, command=" ".join([os.path.basename(sys.executable), *sys.argv]) if argv is None else "")
+    cfg, args = parse_args(argv)
+    res = run(cfg, quiet=args.quiet)
+    res = replace(res, command=" ".join(["python", *sys.argv]) if argv is None else "")
     text = render(res)
     print(text)
-    if out:
-        with open(out, "w") as f:
+    if args.out:
+        with open(args.out, "w") as f:
             f.write(text)
+    if args.json:
+        payload = {
+            "config": asdict(cfg),
+            "env": res.env,
+            "params": res.params,
+            "wall_s": res.wall_s,
+            "records": [asdict(r) for r in res.records],
+        }
+        with open(args.json, "w") as f:
+            json.dump(payload, f, indent=1)
     return 0
 
 

@@ -1,6 +1,8 @@
 """Shared fixtures and helpers of the uploader / fetcher / end-to-end tests.
 
 Helpers are plain functions and classes; tests import them with ``from conftest import ...``.
+torch and transformers are imported only inside the helpers that need them, so test
+modules that do not use them (protocol, storage) do not pay for importing them.
 """
 
 from __future__ import annotations
@@ -16,8 +18,6 @@ from deltasync.errors import StorageError
 from deltasync.storage import ObjectInfo, Store
 from deltasync.storage.base import Data, PutMode
 
-torch = pytest.importorskip("torch")
-
 GATE_TIMEOUT = 60.0  # a gated write that waits this long means a test forgot to open its gate
 
 
@@ -26,6 +26,8 @@ GATE_TIMEOUT = 60.0  # a gated write that waits this long means a test forgot to
 
 def bits_of(t: Any) -> Any:
     """Flat integer view of a tensor's raw bits (a contiguous copy; works for 0-d and empty tensors)."""
+    import torch
+
     t = t.detach().contiguous().reshape(-1)
     width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
     return t.view(width)
@@ -33,6 +35,8 @@ def bits_of(t: Any) -> Any:
 
 def bits_equal(a: Any, b: Any) -> bool:
     """True when two tensors have the same dtype and shape and bit-identical contents (NaNs, -0.0 included)."""
+    import torch
+
     if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
         return False
     return bool(torch.equal(bits_of(a), bits_of(b)))
@@ -40,12 +44,16 @@ def bits_equal(a: Any, b: Any) -> bool:
 
 def snapshot(state: Any) -> dict[str, Any]:
     """Independent copies of every tensor of an nn.Module or a dict of tensors."""
+    import torch
+
     tensors = state.state_dict() if isinstance(state, torch.nn.Module) else state
     return {k: v.detach().clone() for k, v in tensors.items()}
 
 
 def assert_state_equal(got: Any, want: Mapping[str, Any], what: str = "") -> None:
     """Same names, and every tensor bit-identical (dtype and shape included)."""
+    import torch
+
     got_t = got.state_dict() if isinstance(got, torch.nn.Module) else got
     assert sorted(got_t) == sorted(want), f"{what}: names differ"
     bad = [k for k in sorted(want) if not bits_equal(got_t[k], want[k])]
@@ -54,6 +62,8 @@ def assert_state_equal(got: Any, want: Mapping[str, Any], what: str = "") -> Non
 
 def bf16_view(model: Any) -> dict[str, Any]:
     """What a trainer pushes: the bf16 view of fp32 master weights."""
+    import torch
+
     return {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
 
 
@@ -79,6 +89,7 @@ def qwen3_config(tie: bool = False) -> Any:
 
 def make_qwen3(seed: int = 0, *, tie: bool = False, dtype: Any = None) -> Any:
     """A tiny, randomly initialised Qwen3ForCausalLM (fp32 unless ``dtype``)."""
+    import torch
     from transformers import Qwen3ForCausalLM
 
     torch.manual_seed(seed)
@@ -90,6 +101,8 @@ def make_qwen3(seed: int = 0, *, tie: bool = False, dtype: Any = None) -> Any:
 
 def train_steps(model: Any, steps: int, lr: float, seed: int = 0) -> Iterator[int]:
     """Run ``steps`` AdamW steps on random token batches, yielding after each optimizer step."""
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
@@ -100,12 +113,6 @@ def train_steps(model: Any, steps: int, lr: float, seed: int = 0) -> Iterator[in
         opt.step()
         opt.zero_grad(set_to_none=True)
         yield step
-
-
-@pytest.fixture
-def qwen3_factory() -> Callable[..., Any]:
-    """``qwen3_factory(seed=0, tie=False, dtype=None)`` -> a tiny Qwen3ForCausalLM."""
-    return make_qwen3
 
 
 # ------------------------------------------------------------------ stores

@@ -270,7 +270,7 @@ def test_commit_info_fields() -> None:
         assert up.last_committed_step == 5
     total = sum(v.numel() for v in ss[0].values())
     assert (a.step, a.kind, a.changed, a.total, a.anchor_step, a.committed_step) == (0, "anchor", total, total, 0, 0)
-    changed = sum(int((x.view(-1) != y.view(-1)).sum()) for x, y in zip(ss[0].values(), ss[1].values()))
+    changed = sum(int((x.view(-1) != y.view(-1)).sum()) for x, y in zip(ss[0].values(), ss[1].values(), strict=True))
     assert (p.step, p.kind, p.changed, p.total, p.anchor_step) == (5, "patch", changed, total, 0)
     assert 0 < p.nbytes < a.nbytes
     assert len(p.manifest_digest) == 32

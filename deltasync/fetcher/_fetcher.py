@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from deltasync._tensors import flat_bits, inventory_of, numpy_bits, state_tensors
-from deltasync.errors import ChainBroken, DeltaSyncError, StorageError
+from deltasync.errors import ChainBroken, ChecksumMismatch, DeltaSyncError, ObjectNotFound, ProtocolError, StorageError
 from deltasync.fetcher._apply import NumpySlot, Slot, TorchSlot, apply_anchor, apply_patch, check_inventory
 from deltasync.fetcher._reader import StepReader
 from deltasync.protocol import FetchPlan, TensorInfo, plan_fetch
@@ -82,7 +82,11 @@ class DeltaFetcher:
 
     def _plan(self, target: int, have: tuple[int, str] | None) -> FetchPlan:
         committed = self._reader.chain(target, also=have[0] if have else None)
-        return plan_fetch(committed, target, have[0] if have else None, have[1] if have else None)
+        try:
+            return plan_fetch(committed, target, have[0] if have else None, have[1] if have else None)
+        except ChainBroken:
+            self._reader.forget(committed)  # a cached manifest may be what breaks the chain
+            raise
 
     # -------------------------------------------------------------- apply
 
@@ -99,15 +103,21 @@ class DeltaFetcher:
             if self.progress:
                 self.progress(done, total)
 
-        # every byte is downloaded and checked before the target is touched
-        files = [self._reader.download(c.manifest, tick) for c in manifests]
-        for c, f in zip(manifests, files, strict=True):
-            m = c.manifest
-            if m.kind == "anchor":
-                apply_anchor(slots, m, StepReader.anchor_arrays(m, f), verify=self.verify)
-            else:
-                apply_patch(slots, m, StepReader.decode_patch(m, f), verify=self.verify)
-            on_step(m.step, c.digest)
+        try:
+            # every byte is downloaded and checked before the target is touched
+            files = [self._reader.download(c.manifest, tick) for c in manifests]
+            for c, f in zip(manifests, files, strict=True):
+                m = c.manifest
+                if m.kind == "anchor":
+                    apply_anchor(slots, m, StepReader.anchor_arrays(m, f), verify=self.verify)
+                else:
+                    apply_patch(slots, m, StepReader.decode_patch(m, f), verify=self.verify)
+                on_step(m.step, c.digest)
+        except (ChecksumMismatch, ProtocolError):
+            # the bad bytes may be a cached manifest (read corrupted, or since repaired):
+            # read the plan's manifests afresh next time instead of failing forever
+            self._reader.forget(plan.steps)
+            raise
 
     def sync(self, target: Any, step: int | None = None, *, have_step: int | None = None) -> int:
         """Bring ``target`` (nn.Module or dict of tensors) in place to ``step`` (default: latest).
@@ -129,10 +139,15 @@ class DeltaFetcher:
         if known is not None and known[0] == ident:
             have = (known[1], known[2])
         elif have_step is not None:
-            c = self._reader.committed(have_step)
-            have = (have_step, c.digest)
-            if self.verify and any(slots[n].digest() != d for n, d in c.manifest.tensor_digests.items() if n in slots):
-                have = None  # the claim does not hold: start from an anchor
+            try:
+                c = self._reader.committed(have_step)
+            except ObjectNotFound:
+                c = None  # not (or no longer) committed, e.g. garbage-collected: start from an anchor
+            if c is not None:
+                have = (have_step, c.digest)
+                digests = c.manifest.tensor_digests
+                if self.verify and any(slots[n].digest() != d for n, d in digests.items() if n in slots):
+                    have = None  # the claim does not hold: start from an anchor
         plan = self._plan(target_step, have)
 
         def on_step(s: int, digest: str) -> None:
@@ -212,6 +227,10 @@ class DeltaFetcher:
                     os.fsync(f.fileno())
             _fsync(tmp)
             if out.exists():
+                # keep what the user put next to the weights (config.json, tokenizer files, ...)
+                for extra in out.iterdir():
+                    if extra.name not in files and extra.is_file() and not extra.name.endswith(".safetensors"):
+                        shutil.copy2(extra, tmp / extra.name)
                 old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
                 os.rename(out, old)
                 os.rename(tmp, out)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +55,11 @@ class StepReader:
                 m.check_signature(self.signing_key)
             hit = self._manifests[step] = Committed(m, xxh3_128(body))
         return hit
+
+    def forget(self, steps: Iterable[int]) -> None:
+        """Drop cached manifests (after a failure they may be the bad bytes)."""
+        for step in steps:
+            self._manifests.pop(step, None)
 
     def chain(self, target: int, also: int | None = None) -> dict[int, Committed]:
         """Manifests along the parent walk from ``target`` down to the first anchor (plus ``also``)."""

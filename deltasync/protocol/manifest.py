@@ -437,10 +437,18 @@ class Manifest:
             files=files,
             entries=entries,
             tensor_digests=tensor_digests,
-            stats=Stats.from_json(o["stats"]),
+            stats=_check_stats(Stats.from_json(o["stats"]), files, inventory, what),
             signature=sig,
             extra=extra,
         )
+
+
+def _check_stats(stats: Stats, files: tuple[FileInfo, ...], inventory: tuple[TensorInfo, ...], what: str) -> Stats:
+    if stats.nbytes != sum(f.size for f in files):
+        raise _err(what, f"stats.nbytes {stats.nbytes} is not the sum of the listed file sizes")
+    if stats.total != sum(t.numel for t in inventory) or stats.changed > stats.total:
+        raise _err(what, "stats.total must be the inventory's element count and stats.changed at most that")
+    return stats
 
 
 @dataclass(frozen=True, slots=True)

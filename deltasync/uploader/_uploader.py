@@ -305,7 +305,8 @@ class DeltaUploader:
                 job.digests = {}
             try:
                 with self._cond:
-                    if self._pending and len(self._pending) >= self.config.max_pending and self.config.on_backlog == "coalesce":
+                    full = len(self._pending) >= self.config.max_pending
+                    if self._pending and full and self.config.on_backlog == "coalesce":
                         self._pending[-1] = _merge(self._pending[-1], job)
                     else:
                         self._pending.append(job)
