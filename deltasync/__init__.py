@@ -1,10 +1,10 @@
 """deltasync: ship RL weight updates as bit-exact sparse patches through object storage.
 
-    import deltasync as ds
-    store = ds.open_store("file:///data/run-1")
-    with ds.DeltaUploader(store, anchor_every=50) as up:
-        info = up.push(model.state_dict(), step=7).result()
-    ds.DeltaFetcher(store).sync(inference_model)
+import deltasync as ds
+store = ds.open_store("file:///data/run-1")
+with ds.DeltaUploader(store, anchor_every=50) as up:
+    info = up.push(model.state_dict(), step=7).result()
+ds.DeltaFetcher(store).sync(inference_model)
 """
 
 from deltasync import errors

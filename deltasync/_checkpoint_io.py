@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -47,10 +47,10 @@ def checkpoint_files(path: Path) -> list[Path]:
 def load_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint as CPU torch tensors (owned memory, writable)."""
     torch = require_torch()
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, Any] = {}
     for f in checkpoint_files(Path(path)):
         raw = np.fromfile(f, dtype=np.uint8)
-        st = parse_safetensors(memoryview(raw), what=str(f))
+        st = parse_safetensors(raw.data, what=str(f))
         for e in st.entries.values():
             if e.name in out:
                 raise ProtocolError(f"{f}: tensor {e.name!r} appears in more than one shard")
@@ -68,7 +68,10 @@ def save_checkpoint(state: dict[str, torch.Tensor], path: str | Path, metadata: 
     from deltasync.protocol.safetensors_io import TensorBytes, to_bytes
 
     path = Path(path)
-    items = [TensorBytes(k, st_dtype(v.dtype), tuple(v.shape), numpy_bits(v.detach().cpu().contiguous())) for k, v in sorted(state.items())]
+    items = [
+        TensorBytes(k, st_dtype(v.dtype), tuple(v.shape), numpy_bits(v.detach().cpu().contiguous()))
+        for k, v in sorted(state.items())
+    ]
     tmp = path.with_name(path.name + ".tmp")
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(tmp, "wb") as fh:

@@ -13,13 +13,33 @@ from deltasync.protocol.manifest import TensorInfo
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["flat_bits", "inventory_of", "numpy_bits", "require_torch", "st_dtype", "state_tensors", "torch_bits_dtype", "torch_dtype"]
+__all__ = [
+    "flat_bits",
+    "inventory_of",
+    "numpy_bits",
+    "require_torch",
+    "st_dtype",
+    "state_tensors",
+    "torch_bits_dtype",
+    "torch_dtype",
+]
 
 _ST_NAMES = {
-    "bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64",
-    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
-    "int8": "I8", "uint8": "U8", "int16": "I16", "uint16": "U16", "int32": "I32", "uint32": "U32",
-    "int64": "I64", "uint64": "U64", "bool": "BOOL",
+    "bfloat16": "BF16",
+    "float16": "F16",
+    "float32": "F32",
+    "float64": "F64",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+    "int8": "I8",
+    "uint8": "U8",
+    "int16": "I16",
+    "uint16": "U16",
+    "int32": "I32",
+    "uint32": "U32",
+    "int64": "I64",
+    "uint64": "U64",
+    "bool": "BOOL",
 }
 
 
@@ -73,7 +93,9 @@ def numpy_bits(t: torch.Tensor) -> np.ndarray[Any, Any]:
 
 def inventory_of(state: Mapping[str, torch.Tensor]) -> tuple[TensorInfo, ...]:
     """Inventory (sorted by name) of a state dict."""
-    return tuple(sorted((TensorInfo(k, st_dtype(v.dtype), tuple(v.shape)) for k, v in state.items()), key=lambda t: t.name))
+    return tuple(
+        sorted((TensorInfo(k, st_dtype(v.dtype), tuple(v.shape)) for k, v in state.items()), key=lambda t: t.name)
+    )
 
 
 def state_tensors(target: Any) -> dict[str, torch.Tensor]:

@@ -45,7 +45,9 @@ def _progress(desc: str) -> tuple[Callable[[int, int], None], Callable[[], None]
     def update(done: int, total: int) -> None:
         nonlocal bar
         if bar is None:
-            bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr, disable=not sys.stderr.isatty())
+            bar = tqdm(
+                total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr, disable=not sys.stderr.isatty()
+            )
         bar.update(done - bar.n)
 
     def close() -> None:
@@ -129,14 +131,18 @@ def cmd_upload(args: argparse.Namespace) -> int:
                     up.resume(base, latest)
                 except (ChecksumMismatch, InventoryMismatch):
                     print(f"cache at {cache} is stale; rebuilding step {latest} from the store", file=sys.stderr)
-                    out = DeltaFetcher(store, signing_key=_signing_key()).materialize(cache / "materialized", step=latest)
+                    out = DeltaFetcher(store, signing_key=_signing_key()).materialize(
+                        cache / "materialized", step=latest
+                    )
                     up.resume(load_checkpoint(out), latest)
             t0 = time.perf_counter()
             info = up.push(state, args.step).result()
         finally:
             up.close()
         save_checkpoint(state, cache / "state.safetensors")
-        (cache / "state.json").write_text(json.dumps({"step": info.step, "manifest_digest": info.manifest_digest, "store": store.url}))
+        (cache / "state.json").write_text(
+            json.dumps({"step": info.step, "manifest_digest": info.manifest_digest, "store": store.url})
+        )
     full = sum(v.numel() * v.element_size() for v in state.values()) or 1
     print(
         f"step {info.step}: {info.kind}, {_human(info.nbytes)} ({100 * info.changed / max(info.total, 1):.3f}% changed, "
@@ -229,7 +235,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def upload_main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``delta-upload``."""
-    p = argparse.ArgumentParser(prog="delta-upload", description="Push one checkpoint as a patch (or anchor) to a store.")
+    p = argparse.ArgumentParser(
+        prog="delta-upload", description="Push one checkpoint as a patch (or anchor) to a store."
+    )
     _upload_parser(p)
     return _run(cmd_upload, p.parse_args(argv))
 

@@ -11,6 +11,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from deltasync._tensors import require_torch
 from deltasync.errors import StorageError
@@ -26,22 +27,24 @@ TEXT = "deltasync ships sparse patches, bit-exact. "
 CONTEXT = 4
 
 
-def _model(torch: object, vocab: int) -> object:
-    nn = torch.nn  # type: ignore[attr-defined]
-    return nn.Sequential(nn.Embedding(vocab, 16), nn.Flatten(), nn.Linear(16 * CONTEXT, 128), nn.GELU(), nn.Linear(128, vocab))
+def _model(torch: Any, vocab: int) -> Any:
+    nn = torch.nn
+    return nn.Sequential(
+        nn.Embedding(vocab, 16), nn.Flatten(), nn.Linear(16 * CONTEXT, 128), nn.GELU(), nn.Linear(128, vocab)
+    )
 
 
-def _windows(torch: object, data: object) -> tuple[object, object]:
-    n = len(data) - CONTEXT  # type: ignore[arg-type]
-    x = torch.stack([data[i : i + CONTEXT] for i in range(n)])  # type: ignore[attr-defined, index]
-    return x, data[CONTEXT:]  # type: ignore[index]
+def _windows(torch: Any, data: Any) -> tuple[Any, Any]:
+    n = len(data) - CONTEXT
+    x = torch.stack([data[i : i + CONTEXT] for i in range(n)])
+    return x, data[CONTEXT:]
 
 
-def _generate(torch: object, model: object, chars: list[str], n: int) -> str:
+def _generate(torch: Any, model: Any, chars: list[str], n: int) -> str:
     ctx = [chars.index(c) for c in TEXT[:CONTEXT]]
-    with torch.no_grad():  # type: ignore[attr-defined]
+    with torch.no_grad():
         while len(ctx) < n:
-            logits = model(torch.tensor([ctx[-CONTEXT:]]))  # type: ignore[attr-defined, operator]
+            logits = model(torch.tensor([ctx[-CONTEXT:]]))
             ctx.append(int(logits.float().argmax()))
     return "".join(chars[i] for i in ctx)
 
@@ -65,18 +68,18 @@ def run_demo(*, store_url: str = "deltasync-demo", steps: int = 60, lr: float = 
     x, y = _windows(torch, data)
     trainer = _model(torch, len(chars))
     infer = _model(torch, len(chars)).to(torch.bfloat16)
-    opt = torch.optim.AdamW(trainer.parameters(), lr=lr)  # type: ignore[attr-defined]
+    opt = torch.optim.AdamW(trainer.parameters(), lr=lr)
     _prepare_store_dir(store_url)
     store = open_store(store_url)
     fetcher = DeltaFetcher(store)
-    full = sum(p.numel() * 2 for p in trainer.parameters())  # type: ignore[attr-defined]
+    full = sum(p.numel() * 2 for p in trainer.parameters())
     print(f"store {store.url}: training a {full // 2:,}-parameter model, inference copy in bf16 ({full:,} bytes)")
     print(f"{'step':>4}  {'kind':<6} {'bytes':>8} {'changed':>8} {'sync ms':>7}  bit-exact  inference copy says")
     ok = True
     with DeltaUploader(store, anchor_every=anchor_every, cast_dtype=torch.bfloat16, on_backlog="block") as up:
         for step in range(steps):
             if step:
-                logits = trainer(x)  # type: ignore[operator]
+                logits = trainer(x)
                 loss = torch.nn.functional.cross_entropy(logits, y)
                 opt.zero_grad()
                 loss.backward()
@@ -85,8 +88,8 @@ def run_demo(*, store_url: str = "deltasync-demo", steps: int = 60, lr: float = 
             t0 = time.perf_counter()
             fetcher.sync(infer, step=step)
             ms = 1000 * (time.perf_counter() - t0)
-            want = {k: v.detach().to(torch.bfloat16) for k, v in trainer.state_dict().items()}  # type: ignore[attr-defined]
-            got = infer.state_dict()  # type: ignore[attr-defined]
+            want = {k: v.detach().to(torch.bfloat16) for k, v in trainer.state_dict().items()}
+            got = infer.state_dict()
             exact = all(torch.equal(got[k].view(torch.int16), want[k].view(torch.int16)) for k in want)
             ok &= exact
             text = _generate(torch, infer, chars, len(TEXT)).replace("\n", " ")

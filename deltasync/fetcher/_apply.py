@@ -9,7 +9,8 @@ import numpy as np
 
 from deltasync.errors import ChecksumMismatch, InventoryMismatch
 from deltasync.fetcher._reader import DecodedChange
-from deltasync.protocol import Manifest, TensorInfo, xxh3_128
+from deltasync.protocol import Manifest, TensorInfo
+from deltasync.protocol.digests import xxh3_128_array
 from deltasync.protocol.encoding import apply_values
 
 __all__ = ["NumpySlot", "Slot", "TorchSlot", "alias_groups", "apply_anchor", "apply_patch", "check_inventory"]
@@ -60,7 +61,7 @@ class NumpySlot(Slot):
 
     def digest(self) -> str:
         # docstring inherited
-        return xxh3_128(memoryview(self.arr).cast("B")) if self.arr.size else xxh3_128(b"")
+        return xxh3_128_array(self.arr)
 
 
 class TorchSlot(Slot):
@@ -93,7 +94,7 @@ class TorchSlot(Slot):
 
     def digest(self) -> str:
         # docstring inherited
-        return xxh3_128(memoryview(self.t.cpu().numpy()).cast("B"))
+        return xxh3_128_array(self.t.cpu().numpy())
 
 
 def check_inventory(have: Sequence[TensorInfo], m: Manifest) -> None:
@@ -112,7 +113,9 @@ def check_inventory(have: Sequence[TensorInfo], m: Manifest) -> None:
         parts.append(f"not in the run: {extra[:5]}")
     if differ:
         n = differ[0]
-        parts.append(f"dtype/shape differ for {differ[:5]} (e.g. {n}: target {mine[n].dtype}{list(mine[n].shape)}, run {theirs[n].dtype}{list(theirs[n].shape)})")
+        parts.append(
+            f"dtype/shape differ for {differ[:5]} (e.g. {n}: target {mine[n].dtype}{list(mine[n].shape)}, run {theirs[n].dtype}{list(theirs[n].shape)})"
+        )
     raise InventoryMismatch(f"target does not match step {m.step}'s tensors: " + "; ".join(parts))
 
 
@@ -137,11 +140,13 @@ def apply_anchor(slots: Mapping[str, Slot], m: Manifest, arrays: Mapping[str, Bi
     if verify:
         for name, arr in arrays.items():
             want = m.tensor_digests.get(name)
-            if want is not None and xxh3_128(memoryview(arr).cast("B") if arr.size else b"") != want:
+            if want is not None and xxh3_128_array(arr) != want:
                 raise ChecksumMismatch(f"step {m.step}: anchor tensor {name!r} does not match its digest")
     for name, primary in alias_groups(slots).items():
         if primary != name and not np.array_equal(arrays[name], arrays[primary]):
-            raise InventoryMismatch(f"target ties {primary!r} and {name!r} to one tensor, but step {m.step} holds different values")
+            raise InventoryMismatch(
+                f"target ties {primary!r} and {name!r} to one tensor, but step {m.step} holds different values"
+            )
     for name, slot in slots.items():
         slot.load(arrays[name])
 
@@ -154,10 +159,16 @@ def apply_patch(slots: Mapping[str, Slot], m: Manifest, changes: Sequence[Decode
         if primary != name:
             a, b = by_name.get(primary), by_name.get(name)
             same = (a is None and b is None) or (
-                a is not None and b is not None and a.coding == b.coding and np.array_equal(a.idx, b.idx) and np.array_equal(a.values, b.values)
+                a is not None
+                and b is not None
+                and a.coding == b.coding
+                and np.array_equal(a.idx, b.idx)
+                and np.array_equal(a.values, b.values)
             )
             if not same:
-                raise InventoryMismatch(f"target ties {primary!r} and {name!r} to one tensor, but step {m.step} changes them differently")
+                raise InventoryMismatch(
+                    f"target ties {primary!r} and {name!r} to one tensor, but step {m.step} changes them differently"
+                )
     undo: list[tuple[Slot, Bits, Bits]] = []
     try:
         for c in changes:

@@ -90,7 +90,13 @@ class DeltaFetcher:
 
     # -------------------------------------------------------------- apply
 
-    def _run(self, slots: Mapping[str, Slot], inventory: tuple[TensorInfo, ...], plan: FetchPlan, on_step: Callable[[int, str], None]) -> None:
+    def _run(
+        self,
+        slots: Mapping[str, Slot],
+        inventory: tuple[TensorInfo, ...],
+        plan: FetchPlan,
+        on_step: Callable[[int, str], None],
+    ) -> None:
         manifests = [self._reader.committed(s) for s in plan.steps]
         for c in manifests:
             check_inventory(inventory, c.manifest)
@@ -173,7 +179,12 @@ class DeltaFetcher:
                 data = (out / fname).read_bytes()
                 st = parse_safetensors(data, what=str(out / fname))
                 for e in st.entries.values():
-                    arrays[e.name] = np.frombuffer(data, dtype=dtype_info(e.dtype).bits, count=(e.end - e.start) // dtype_info(e.dtype).itemsize, offset=e.start).copy()
+                    arrays[e.name] = np.frombuffer(
+                        data,
+                        dtype=dtype_info(e.dtype).bits,
+                        count=(e.end - e.start) // dtype_info(e.dtype).itemsize,
+                        offset=e.start,
+                    ).copy()
             return have, arrays
         except (OSError, ValueError, KeyError, TypeError, DeltaSyncError):
             return None
@@ -215,7 +226,12 @@ class DeltaFetcher:
         if not plan.steps:
             reached.append((target_step, top.digest))
         files, _ = build_checkpoint(inventory, arrays, self.shard_bytes)
-        marker = {"step": target_step, "manifest_digest": reached[-1][1], "run_id": top.manifest.run_id, "store": self.store.url}
+        marker = {
+            "step": target_step,
+            "manifest_digest": reached[-1][1],
+            "run_id": top.manifest.run_id,
+            "store": self.store.url,
+        }
         files[MARKER] = json.dumps(marker, indent=2).encode()
         tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
         try:
@@ -242,4 +258,3 @@ class DeltaFetcher:
             shutil.rmtree(tmp, ignore_errors=True)
             raise StorageError(f"cannot write checkpoint dir {out}: {exc.strerror or exc}") from exc
         return out
-

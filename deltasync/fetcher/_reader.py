@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -9,7 +10,17 @@ from typing import Any
 import numpy as np
 
 from deltasync.errors import ChecksumMismatch, ObjectNotFound, ProtocolError
-from deltasync.protocol import Committed, Manifest, PatchEntry, decode_positions, decode_values, file_key, manifest_key, xxh3_128
+from deltasync.protocol import (
+    AnchorEntry,
+    Committed,
+    Manifest,
+    PatchEntry,
+    decode_positions,
+    decode_values,
+    file_key,
+    manifest_key,
+    xxh3_128,
+)
 from deltasync.protocol.dtypes import dtype_info
 from deltasync.protocol.keys import STEPS_PREFIX, parse_manifest_key
 from deltasync.protocol.safetensors_io import parse_safetensors
@@ -73,10 +84,8 @@ class StepReader:
             out[cur] = c
             cur = None if c.manifest.kind == "anchor" else c.manifest.parent_step
         if also is not None and also not in out:
-            try:
+            with contextlib.suppress(ObjectNotFound):
                 out[also] = self.committed(also)
-            except ObjectNotFound:
-                pass
         return out
 
     def download(self, m: Manifest, progress: Callable[[int], None] | None = None) -> dict[str, bytes]:
@@ -100,16 +109,30 @@ class StepReader:
     @staticmethod
     def anchor_arrays(m: Manifest, files: dict[str, bytes]) -> dict[str, Bits]:
         """Flat bit arrays (read-only views into ``files``) of every tensor of an anchor."""
-        parsed = {name: parse_safetensors(data, what=f"step {m.step} {name}") for name, data in files.items() if name.endswith(".safetensors")}
+        parsed = {
+            name: parse_safetensors(data, what=f"step {m.step} {name}")
+            for name, data in files.items()
+            if name.endswith(".safetensors")
+        }
         inv = {t.name: t for t in m.inventory}
         out: dict[str, Bits] = {}
         for e in m.entries:
+            assert isinstance(e, AnchorEntry)  # kind == "anchor" was checked by Manifest.from_json
             st = parsed.get(e.file)
             info = inv[e.tensor]
             ent = st.entries.get(e.tensor) if st else None
-            if ent is None or (ent.start, ent.end) != (e.range.start, e.range.end) or ent.dtype != info.dtype or ent.shape != info.shape:
-                raise ProtocolError(f"step {m.step}: anchor file {e.file} does not hold {e.tensor!r} where the manifest says")
-            out[e.tensor] = np.frombuffer(files[e.file], dtype=dtype_info(info.dtype).bits, count=info.numel, offset=e.range.start)
+            if (
+                ent is None
+                or (ent.start, ent.end) != (e.range.start, e.range.end)
+                or ent.dtype != info.dtype
+                or ent.shape != info.shape
+            ):
+                raise ProtocolError(
+                    f"step {m.step}: anchor file {e.file} does not hold {e.tensor!r} where the manifest says"
+                )
+            out[e.tensor] = np.frombuffer(
+                files[e.file], dtype=dtype_info(info.dtype).bits, count=info.numel, offset=e.range.start
+            )
         return out
 
     @staticmethod
@@ -124,11 +147,17 @@ class StepReader:
             for suffix, r in (("positions", e.positions_range), ("values", e.values_range)):
                 st = ents.get(f"{e.tensor}/{suffix}")
                 if st is None or (st.start, st.end) != (r.start, r.end):
-                    raise ProtocolError(f"step {m.step}: {e.file} has no {e.tensor}/{suffix} entry where the manifest says")
+                    raise ProtocolError(
+                        f"step {m.step}: {e.file} has no {e.tensor}/{suffix} entry where the manifest says"
+                    )
             info = inv[e.tensor]
             data = memoryview(files[e.file])
             what = f"step {m.step} tensor {e.tensor!r}"
-            idx = decode_positions(data[e.positions_range.start : e.positions_range.end], e.positions, e.rice_k, e.count, info.numel, what)
-            vals = decode_values(data[e.values_range.start : e.values_range.end], e.values, e.count, dtype_info(info.dtype).bits, what)
+            idx = decode_positions(
+                data[e.positions_range.start : e.positions_range.end], e.positions, e.rice_k, e.count, info.numel, what
+            )
+            vals = decode_values(
+                data[e.values_range.start : e.values_range.end], e.values, e.count, dtype_info(info.dtype).bits, what
+            )
             out.append(DecodedChange(e.tensor, idx, vals, e.values))
         return out

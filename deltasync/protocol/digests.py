@@ -5,15 +5,23 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Iterable
+from typing import Any
 
+import numpy as np
 import xxhash
 
-__all__ = ["hmac_sign", "hmac_verify", "xxh3_128", "xxh3_128_chunks"]
+__all__ = ["hmac_sign", "hmac_verify", "xxh3_128", "xxh3_128_array", "xxh3_128_chunks"]
 
 
 def xxh3_128(data: bytes | bytearray | memoryview) -> str:
     """Lower-case hex xxh3-128 (32 characters) of ``data``."""
     return xxhash.xxh3_128_hexdigest(data)
+
+
+def xxh3_128_array(arr: np.ndarray[Any, Any]) -> str:
+    """xxh3-128 of an array's raw bytes in C order (copies only if not contiguous)."""
+    a = np.ascontiguousarray(arr).reshape(-1)
+    return xxhash.xxh3_128_hexdigest(a.view(np.uint8).data) if a.size else xxhash.xxh3_128_hexdigest(b"")
 
 
 def xxh3_128_chunks(chunks: Iterable[bytes | bytearray | memoryview]) -> str:

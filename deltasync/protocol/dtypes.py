@@ -51,6 +51,4 @@ def dtype_info(name: str) -> DType:
     try:
         return DTYPES[name]
     except (KeyError, TypeError):
-        raise ProtocolError(
-            f"unsupported dtype {name!r}; protocol v1 supports {', '.join(sorted(DTYPES))}"
-        ) from None
+        raise ProtocolError(f"unsupported dtype {name!r}; protocol v1 supports {', '.join(sorted(DTYPES))}") from None

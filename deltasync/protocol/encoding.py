@@ -199,9 +199,7 @@ def _encode_xor_rank(xor: Ints) -> bytes:
     rank_z = _compress(ranks)
     esc = xor[ranks == ESCAPE]
     esc_z = _compress(_planes(esc)) if esc.size else b""
-    return b"".join(
-        [struct.pack("<H", table.size), table.tobytes(), struct.pack("<I", len(rank_z)), rank_z, esc_z]
-    )
+    return b"".join([struct.pack("<H", table.size), table.tobytes(), struct.pack("<I", len(rank_z)), rank_z, esc_z])
 
 
 def _decode_xor_rank(blob: bytes | memoryview, count: int, bits: np.dtype[Any], what: str) -> Ints:

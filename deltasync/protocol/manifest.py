@@ -287,8 +287,19 @@ class Stats:
 
 
 _MANIFEST_KEYS = (
-    "format_version", "run_id", "step", "kind", "parent_step", "parent_digest", "anchor_step",
-    "inventory", "inventory_digest", "files", "entries", "tensor_digests", "stats",
+    "format_version",
+    "run_id",
+    "step",
+    "kind",
+    "parent_step",
+    "parent_digest",
+    "anchor_step",
+    "inventory",
+    "inventory_digest",
+    "files",
+    "entries",
+    "tensor_digests",
+    "stats",
 )
 
 

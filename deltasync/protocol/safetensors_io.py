@@ -75,9 +75,7 @@ def encode_header(tensors: Sequence[TensorBytes], metadata: Mapping[str, str] | 
         for s in t.shape:
             n *= s
         if n * info.itemsize != t.nbytes:
-            raise ProtocolError(
-                f"tensor {t.name!r}: {t.nbytes} bytes do not match dtype {t.dtype} and shape {t.shape}"
-            )
+            raise ProtocolError(f"tensor {t.name!r}: {t.nbytes} bytes do not match dtype {t.dtype} and shape {t.shape}")
         if t.name in header:
             raise ProtocolError(f"duplicate tensor name {t.name!r}")
         header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}

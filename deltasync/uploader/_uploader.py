@@ -17,6 +17,7 @@ import numpy as np
 from deltasync._tensors import flat_bits, state_tensors
 from deltasync.errors import ChecksumMismatch, CommitFailed, InventoryMismatch, ProtocolError
 from deltasync.protocol import Committed, Manifest, manifest_key, parse_manifest_key, xxh3_128
+from deltasync.protocol.digests import xxh3_128_array
 from deltasync.protocol.keys import STEPS_PREFIX
 from deltasync.storage import Store
 from deltasync.uploader._commit import StepJob, write_step
@@ -156,7 +157,9 @@ class DeltaUploader:
         self._inflight = 0
         self.failures = 0
         self._latest_in_store()
-        self.run_id = self.config.run_id or (self._last_committed.manifest.run_id if self._last_committed else uuid.uuid4().hex[:16])
+        self.run_id = self.config.run_id or (
+            self._last_committed.manifest.run_id if self._last_committed else uuid.uuid4().hex[:16]
+        )
         self._digest_q: deque[StepJob | None] = deque()
         self._digest_cv = threading.Condition()
         self._pool = ThreadPoolExecutor(max(1, self.config.encode_threads), thread_name_prefix="deltasync-encode")
@@ -191,7 +194,7 @@ class DeltaUploader:
             raise InventoryMismatch(f"resume: the given state does not match step {step}'s tensor inventory")
         base = {k: flat_bits(v).clone() for k, v in tensors.items()}
         for name, dig in m.tensor_digests.items():
-            if xxh3_128(memoryview(base[name].cpu().numpy()).cast("B")) != dig:
+            if xxh3_128_array(base[name].cpu().numpy()) != dig:
                 raise ChecksumMismatch(f"resume: tensor {name!r} differs from committed step {step}")
         with self._cond:
             if self._inflight or self._prev_job is not None:
@@ -221,7 +224,11 @@ class DeltaUploader:
         cfg = self.config
         if self._needs_anchor or self._pushes_since_anchor + 1 >= cfg.anchor_every:
             return True
-        return bool(cfg.anchor_bytes_fraction and self._anchor_bytes and self._bytes_since_anchor > cfg.anchor_bytes_fraction * self._anchor_bytes)
+        return bool(
+            cfg.anchor_bytes_fraction
+            and self._anchor_bytes
+            and self._bytes_since_anchor > cfg.anchor_bytes_fraction * self._anchor_bytes
+        )
 
     def push(self, state: Any, step: int) -> Future[CommitInfo]:
         """Diff ``state`` (nn.Module or dict of tensors) against the last push; return a Future.
@@ -255,7 +262,14 @@ class DeltaUploader:
                 c = diff_tensor(self._baseline.tensors[name], t)
                 if c is not None:
                     changes[name] = c
-            job = StepJob(step, "patch", inventory, changes=changes, changed=sum(int(c.idx.size) for c in changes.values()), total=total)
+            job = StepJob(
+                step,
+                "patch",
+                inventory,
+                changes=changes,
+                changed=sum(int(c.idx.size) for c in changes.values()),
+                total=total,
+            )
             self._pushes_since_anchor += 1
         fut: Future[CommitInfo] = Future()
         fut.set_running_or_notify_cancel()
@@ -327,7 +341,7 @@ class DeltaUploader:
             else:
                 job.digests[name] = self._digest_cache[name]
                 continue
-            job.digests[name] = self._digest_cache[name] = xxh3_128(memoryview(np.ascontiguousarray(arr)).cast("B"))
+            job.digests[name] = self._digest_cache[name] = xxh3_128_array(arr)
 
     # --------------------------------------------------------------- commits
 
@@ -346,7 +360,9 @@ class DeltaUploader:
         t0 = time.perf_counter()
         try:
             if job.kind == "patch" and not self._last_ok:
-                raise CommitFailed(f"step {job.step}: its parent step was not committed; the next push will be an anchor")
+                raise CommitFailed(
+                    f"step {job.step}: its parent step was not committed; the next push will be an anchor"
+                )
             if self.config.tensor_digests and len(job.digests) != len(job.inventory):
                 raise CommitFailed(f"step {job.step}: hashing the state failed (see log)")
             last = self._last_committed
@@ -387,7 +403,19 @@ class DeltaUploader:
         secs = time.perf_counter() - t0
         for step, fut in job.futures:
             kind: Literal["anchor", "patch", "skipped"] = m.kind if step == m.step else "skipped"
-            fut.set_result(CommitInfo(step, kind, m.stats.nbytes, m.stats.changed, m.stats.total, m.anchor_step, committed.digest, m.step, secs))
+            fut.set_result(
+                CommitInfo(
+                    step,
+                    kind,
+                    m.stats.nbytes,
+                    m.stats.changed,
+                    m.stats.total,
+                    m.anchor_step,
+                    committed.digest,
+                    m.step,
+                    secs,
+                )
+            )
 
     # ------------------------------------------------------------- lifecycle
 
@@ -430,7 +458,9 @@ class DeltaUploader:
     def __enter__(self) -> DeltaUploader:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     def __del__(self) -> None:
