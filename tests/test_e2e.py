@@ -362,8 +362,10 @@ def test_coalescing_under_a_slow_store(runs: dict[str, Run], tmp_path: Path, slo
         else:
             assert i.kind == "skipped" and i.committed_step > i.step
     if slow == "gated":
-        assert len(committed) <= 3
-        assert sum(i.kind == "skipped" for i in infos) >= STEPS - 3
+        # step 0 (held by the gate) + at most max_pending waiting jobs; the last push may still be
+        # on its way through the hashing thread when the gate opens, so allow one more commit
+        assert len(committed) <= 4
+        assert sum(i.kind == "skipped" for i in infos) >= STEPS - 4
     f = ds.DeltaFetcher(spy)
     assert f.steps() == committed
     target = run.zeros()
