@@ -141,6 +141,8 @@ class StepRecord:
     t_diff_scatter: float  # base[idx] = new
     t_enc_rice: float
     t_enc_xor_rank: float
+    t_enc_dense_trials: float  # dense-fallback trials (tensors with > 1/8 changed), one thread
+    n_dense_trials: int
     phases: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -280,6 +282,8 @@ def _instrument(phases: Phases, up: Any, fetcher: Any, up_store: Any, fetch_stor
     phases.wrap(fetch_store, "get_many", "fetch.store_read")
     phases.wrap(freader, "xxh3_128", "fetch.file_xxh3")
     phases.wrap(freader.StepReader, "decode_patch", "fetch.decode")
+    phases.wrap(freader, "decode_positions", "fetch.decode_positions")
+    phases.wrap(freader, "decode_values", "fetch.decode_values")
     phases.wrap(ffetcher, "apply_patch", "fetch.apply_patch")
     phases.wrap(fapply, "_verify", "fetch.verify_digests")
 
@@ -375,9 +379,9 @@ class References:
         biggest = max(self.numel.values())
         self.mask_t = torch.empty(biggest, dtype=torch.bool)
         self.mask_np = np.empty(min(CHUNK, biggest), dtype=bool)
-        self.dst = {k: np.empty_like(v) for k, v in self.prev.items()}
-        for k in self.names:  # fault the pages in once
-            np.copyto(self.dst[k], self.prev[k])
+        # one destination of the largest tensor's size, reused (holding a second full copy of a 0.6B
+        # state next to everything else does not fit in small machines); faulted in once
+        self.dst = np.ones(max(v.nbytes for v in self.prev.values()), dtype=np.uint8)
         self.pool = ThreadPoolExecutor(max(1, encode_threads), thread_name_prefix="bench-encode")
         self.changed_buf = np.empty(0, dtype=np.uint8)
 
@@ -403,15 +407,16 @@ class References:
 
     def memcpy_clone(self, new: dict[str, torch.Tensor]) -> float:
         t0 = time.perf_counter()
-        copies = [new[k].clone() for k in self.names]
-        dt = time.perf_counter() - t0
-        del copies
-        return dt
+        for k in self.names:
+            c = new[k].clone()  # allocate + copy, as a snapshot would; dropped right away to bound memory
+            del c
+        return time.perf_counter() - t0
 
     def memcpy_copyto(self, new_np: dict[str, Bits]) -> float:
         t0 = time.perf_counter()
         for k in self.names:
-            np.copyto(self.dst[k], new_np[k])
+            src = new_np[k].view(np.uint8)
+            np.copyto(self.dst[: src.size], src)
         return time.perf_counter() - t0
 
     def memcpy_changed(self, nbytes: int) -> float:
@@ -468,22 +473,35 @@ class References:
         return time.perf_counter() - t0, out
 
 
-def _encode_parts(numel: dict[str, int], changes: dict[str, tuple[Bits, Bits, Bits]]) -> tuple[float, float]:
-    """Time of the two main encoders (Rice positions, XOR-rank values) alone, one thread."""
+def _encode_parts(
+    numel: dict[str, int], changes: dict[str, tuple[Bits, Bits, Bits]]
+) -> tuple[float, float, float, int]:
+    """One thread: time of Rice positions, of XOR-rank values, and of the dense-fallback trials
+    (``encode_changes`` XOR-rank-codes the whole tensor when more than 1/8 of it changed), and
+    how many tensors got such a trial. Replicates encode_changes' steps (deltasync 0.1)."""
     from deltasync.protocol import encoding as enc
 
     rice, xrank = getattr(enc, "_encode_rice", None), getattr(enc, "_encode_xor_rank", None)
     if rice is None or xrank is None:
-        return float("nan"), float("nan")
-    t_rice = t_x = 0.0
-    for idx, old, new in changes.values():
+        return float("nan"), float("nan"), float("nan"), 0
+    t_rice = t_x = t_dense = 0.0
+    n_dense = 0
+    for k, (idx, old, new) in changes.items():
         t0 = time.perf_counter()
         rice(np.diff(idx, prepend=np.int64(-1)) - 1)
         t1 = time.perf_counter()
-        xrank(old ^ new)
-        t_x += time.perf_counter() - t1
+        xor = old ^ new
+        xrank(xor)
+        t2 = time.perf_counter()
         t_rice += t1 - t0
-    return t_rice, t_x
+        t_x += t2 - t1
+        if idx.size * 8 > numel[k]:
+            dense = np.zeros(numel[k], dtype=xor.dtype)
+            dense[idx] = xor
+            xrank(dense)
+            t_dense += time.perf_counter() - t2
+            n_dense += 1
+    return t_rice, t_x, t_dense, n_dense
 
 
 def exponent_histograms(prev: dict[str, Bits]) -> dict[str, Bits]:
@@ -601,7 +619,7 @@ def run_lr(cfg: BenchConfig, lr: float, log: Callable[[str], None]) -> tuple[int
                 raise RuntimeError(f"step {step}: harness sees {changed} changed elements, uploader {info.changed}")
             t_enc1, encoded = refs.encode(changes, pooled=False)
             t_encp, _ = refs.encode(changes, pooled=True)
-            t_rice, t_xrank = _encode_parts(refs.numel, changes)
+            t_rice, t_xrank, t_dense, n_dense = _encode_parts(refs.numel, changes)
             pos_bits, val_bits, val_bits_t = entropy_bound(refs.numel, changes)
             pos_ctx, val_ctx = context_bound(hist, changes)
             itemsize = state[refs.names[0]].element_size()
@@ -639,6 +657,8 @@ def run_lr(cfg: BenchConfig, lr: float, log: Callable[[str], None]) -> tuple[int
                 t_diff_scatter=t_scatter,
                 t_enc_rice=t_rice,
                 t_enc_xor_rank=t_xrank,
+                t_enc_dense_trials=t_dense,
+                n_dense_trials=n_dense,
                 phases=ph,
             )
             records.append(rec)
@@ -948,6 +968,8 @@ def render(res: BenchResult) -> str:
         "fetch.store_read",
         "fetch.file_xxh3",
         "fetch.decode",
+        "fetch.decode_positions",
+        "fetch.decode_values",
         "fetch.apply_patch",
         "fetch.verify_digests",
     ]
@@ -973,9 +995,13 @@ def render(res: BenchResult) -> str:
                 ),
                 " / ".join(ph(m, k) for k in keys_bg),
                 " / ".join(
-                    _ms(_median([getattr(r, a) for r in m])) for a in ("t_encode_1", "t_enc_rice", "t_enc_xor_rank")
-                ),
-                " / ".join(ph(m, k) for k in keys_fetch),
+                    _ms(_median([getattr(r, a) for r in m]))
+                    for a in ("t_encode_1", "t_enc_rice", "t_enc_xor_rank", "t_enc_dense_trials")
+                )
+                + f" ({_median([r.n_dense_trials for r in m]):g} trials)",
+                " / ".join(ph(m, k) for k in keys_fetch[:4])
+                + f" ({ph(m, keys_fetch[4])} / {ph(m, keys_fetch[5])}) / "
+                + " / ".join(ph(m, k) for k in keys_fetch[6:]),
                 " / ".join(
                     _ms(_median([getattr(r, a) for r in m])) for a in ("t_train", "t_cast", "t_background", "t_commit")
                 ),
@@ -990,8 +1016,8 @@ def render(res: BenchResult) -> str:
                 "diff replica: compare+nonzero / gather / scatter",
                 "background: tensor digests / build_patch (encode+pack) / file xxh3 / write files / write "
                 "manifest+HEAD",
-                "encode 1 thr: total / rice positions / xor-rank values",
-                "fetch: manifests / read / file xxh3 / decode / apply (incl. verify) / verify digests",
+                "encode 1 thr: total / rice positions / xor-rank values / dense-fallback trials (count)",
+                "fetch: manifests / read / file xxh3 / decode (positions / values) / apply (incl. verify) / verify digests",
                 "train step / bf16 cast / push->committed / CommitInfo.seconds",
             ],
             rows,
