@@ -947,8 +947,8 @@ def render(res: BenchResult) -> str:
         "(list, manifests, read, file xxh3, decode, apply, per-tensor digests). push -> applied: push() called until "
         "sync() "
         "returned (push + background commit over the local store + fetch). The 0.6B column scales it linearly by "
-        "element "
-        "count (an extrapolation, not a measurement)."
+        "element count (an extrapolation, not a measurement). encode / memcpy uses the pooled encode (the "
+        "uploader's encode_threads)."
     )
     out.append("")
 
@@ -1017,7 +1017,8 @@ def render(res: BenchResult) -> str:
                 "background: tensor digests / build_patch (encode+pack) / file xxh3 / write files / write "
                 "manifest+HEAD",
                 "encode 1 thr: total / rice positions / xor-rank values / dense-fallback trials (count)",
-                "fetch: manifests / read / file xxh3 / decode (positions / values) / apply (incl. verify) / verify digests",
+                "fetch: manifests / read / file xxh3 / decode (positions / values) / apply (incl. verify) / "
+                "verify digests",
                 "train step / bf16 cast / push->committed / CommitInfo.seconds",
             ],
             rows,
