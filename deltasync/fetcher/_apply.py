@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -18,26 +19,26 @@ __all__ = ["NumpySlot", "Slot", "TorchSlot", "alias_groups", "apply_anchor", "ap
 Bits = np.ndarray[Any, np.dtype[Any]]
 
 
-class Slot:
+class Slot(ABC):
     """A target tensor's flat bits, wherever they live."""
 
     key: Any = None
 
+    @abstractmethod
     def take(self, idx: Bits) -> Bits:
         """Bits at ``idx`` (a host copy)."""
-        raise NotImplementedError  # pragma: no cover - abstract
 
+    @abstractmethod
     def put(self, idx: Bits, vals: Bits) -> None:
         """Write bits at ``idx``."""
-        raise NotImplementedError  # pragma: no cover - abstract
 
+    @abstractmethod
     def load(self, arr: Bits) -> None:
         """Overwrite the whole tensor."""
-        raise NotImplementedError  # pragma: no cover - abstract
 
+    @abstractmethod
     def digest(self) -> str:
         """xxh3-128 of the tensor's bytes."""
-        raise NotImplementedError  # pragma: no cover - abstract
 
 
 class NumpySlot(Slot):
