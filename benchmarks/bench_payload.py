@@ -477,25 +477,25 @@ def _encode_parts(
     numel: dict[str, int], changes: dict[str, tuple[Bits, Bits, Bits]]
 ) -> tuple[float, float, float, int]:
     """One thread: time of Rice positions, of XOR-rank values, and of the dense-fallback trials
-    (``encode_changes`` XOR-rank-codes the whole tensor when more than 1/8 of it changed), and
+    (``encode_changes`` XOR-rank-codes the whole tensor when more than half of it changed), and
     how many tensors got such a trial. Replicates encode_changes' steps (deltasync 0.1)."""
     from deltasync.protocol import encoding as enc
 
-    rice, xrank = getattr(enc, "_encode_rice", None), getattr(enc, "_encode_xor_rank", None)
+    rice, xrank = getattr(enc, "_encode_positions", None), getattr(enc, "_encode_xor_rank", None)
     if rice is None or xrank is None:
         return float("nan"), float("nan"), float("nan"), 0
     t_rice = t_x = t_dense = 0.0
     n_dense = 0
     for k, (idx, old, new) in changes.items():
         t0 = time.perf_counter()
-        rice(np.diff(idx, prepend=np.int64(-1)) - 1)
+        rice(idx)
         t1 = time.perf_counter()
         xor = old ^ new
         xrank(xor)
         t2 = time.perf_counter()
         t_rice += t1 - t0
         t_x += t2 - t1
-        if idx.size * 8 > numel[k]:
+        if idx.size * 2 > numel[k]:
             dense = np.zeros(numel[k], dtype=xor.dtype)
             dense[idx] = xor
             xrank(dense)

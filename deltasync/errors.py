@@ -17,6 +17,7 @@ builtin exception means the same thing, the class also subclasses it, so
     ├── InventoryMismatch                 (also ValueError) target tensors differ from the manifest
     ├── ChainBroken                       no path of committed steps leads to the requested step
     └── CommitFailed                      the uploader's background commit gave up
+        └── WriterFenced                  another uploader took over the run prefix
 
 Every class pickles (it carries only its message), so errors cross process
 and thread-pool boundaries intact.
@@ -38,6 +39,7 @@ __all__ = [
     "SignatureMismatch",
     "StorageError",
     "UnsupportedVersion",
+    "WriterFenced",
 ]
 
 
@@ -101,3 +103,7 @@ class ChainBroken(DeltaSyncError):
 
 class CommitFailed(DeltaSyncError):
     """The uploader's background commit of a step failed; the next push is an anchor."""
+
+
+class WriterFenced(CommitFailed):
+    """A newer uploader claimed this run prefix (a higher writer epoch); this one may not commit."""

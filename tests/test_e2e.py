@@ -334,11 +334,11 @@ def test_coalescing_under_a_slow_store(runs: dict[str, Run], tmp_path: Path, slo
     run = runs["lr1e-3"]
     spy = SpyStore(ds.LocalStore(tmp_path / "coalesce", fsync=False))
     gate = threading.Event()
+    up = ds.DeltaUploader(spy, anchor_every=5, on_backlog="coalesce", max_pending=2)
     if slow == "gated":
         spy.gate = gate
     else:
         spy.delay = 0.1  # per put_many; a committed step takes three
-    up = ds.DeltaUploader(spy, anchor_every=5, on_backlog="coalesce", max_pending=2)
     try:
         t0 = time.perf_counter()
         futs = [up.push(state, step) for step, state in enumerate(run.pushed)]

@@ -31,6 +31,7 @@ from deltasync.protocol import (
     decode_positions,
     decode_values,
     encode_changes,
+    encoding,
     inventory_digest,
     xxh3_128,
 )
@@ -594,12 +595,24 @@ def test_rice_quotient_that_overflows_int64_is_rejected() -> None:
     """q << k used to wrap silently in int64 (k=62, q=4 -> gap 0): wrong positions, no error."""
     k, count = 62, 2
     unary = bytes([0b00011110])  # LSB first: 0 -> q=0, 1111 0 -> q=4
-    rem = bytes((count * k + 7) // 8)
+    rem = bytes(k * ((count + 7) // 8))  # k bit planes of ceil(count / 8) bytes
     with pytest.raises(ProtocolError, match="gap"):
         decode_positions(unary + rem, "rice", k, count, 100, "t")
     # q=2, k=62 wraps to a negative gap: positions would decrease
     with pytest.raises(ProtocolError):
-        decode_positions(bytes([0b0000_0110]) + bytes((3 * k + 7) // 8), "rice", k, 3, 1000, "t")
+        decode_positions(bytes([0b0000_0110]) + bytes(k * 1), "rice", k, 3, 1000, "t")
+
+
+def test_big_rice_z_quotients_roundtrip_and_are_checked() -> None:
+    """Quotients >= 255 leave the pair stream for a u64 side stream; a tampered one is refused."""
+    idx = np.concatenate([np.arange(0, 5000, dtype=np.int64), np.array([5_000_000, 9_000_000])])
+    coding, k, blob = encoding._encode_positions(idx)
+    assert coding == "rice-z"
+    np.testing.assert_array_equal(decode_positions(blob, coding, k, idx.size, 10_000_000, "t"), idx)
+    with pytest.raises(ProtocolError):
+        decode_positions(blob, coding, k, idx.size, 8_000_000, "t")  # the last gap runs outside
+    with pytest.raises(ProtocolError):
+        decode_positions(blob[:-1], coding, k, idx.size, 10_000_000, "t")
 
 
 def test_trailing_bytes_after_a_zstd_frame_are_rejected() -> None:

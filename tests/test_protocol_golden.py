@@ -49,7 +49,7 @@ A_OLD = _bf16_bits(32)
 A_IDX = np.array([3, 17, 30], dtype=np.int64)
 A_NEW = A_OLD.copy()
 A_NEW[A_IDX] ^= np.array([0x0001, 0x0003, 0x0001], dtype=np.int16)
-A_POS = bytes.fromhex("0a2b01")
+A_POS = bytes.fromhex("0a030106")
 A_VAL = bytes.fromhex("28b52ffd20063100006e76573f4143")
 
 # tensor "b": 8x8 bf16, every 4th element from 2 flips its low bit(s) (Rice k=1, xor-rank)
@@ -62,26 +62,27 @@ B_POS = bytes.fromhex("55555555feff")
 B_VAL = bytes.fromhex(
     "0200"  # u16 table length: 2
     "01000200"  # the table, most frequent first: XOR 0x0001, XOR 0x0002
-    "14000000"  # u32 length of the rank stream: 20
-    "28b52ffd20105d00002801000000000100308a16"  # zstd frame of the 16 ranks; no escapes follow
+    "15000000"  # u32 length of the rank pair stream: 21
+    "11000000"  # pair stream: u32 length of its pair frame: 17
+    "28b52ffd20084100000f000100000f0001"  # zstd frame of 8 pair bytes (15 * a + b); no escaped pairs
 )
 
 GOLDEN_FILE = bytes.fromhex(
     "3801000000000000"  # header length 312, little-endian u64
     "7b225f5f6d657461646174615f5f223a7b22666f726d6174223a2264656c746173796e632d7061746368222c"
     "2273746570223a2237227d2c22612f706f736974696f6e73223a7b22646174615f6f666673657473223a5b30"
-    "2c335d2c226474797065223a225538222c227368617065223a5b335d7d2c22612f76616c756573223a7b2264"
-    "6174615f6f666673657473223a5b332c31385d2c226474797065223a225538222c227368617065223a5b3135"
-    "5d7d2c22622f706f736974696f6e73223a7b22646174615f6f666673657473223a5b31382c32345d2c226474"
+    "2c345d2c226474797065223a225538222c227368617065223a5b345d7d2c22612f76616c756573223a7b2264"
+    "6174615f6f666673657473223a5b342c31395d2c226474797065223a225538222c227368617065223a5b3135"
+    "5d7d2c22622f706f736974696f6e73223a7b22646174615f6f666673657473223a5b31392c32355d2c226474"
     "797065223a225538222c227368617065223a5b365d7d2c22622f76616c756573223a7b22646174615f6f6666"
-    "73657473223a5b32342c35345d2c226474797065223a225538222c227368617065223a5b33305d7d7d"
+    "73657473223a5b32352c35365d2c226474797065223a225538222c227368617065223a5b33315d7d7d"
     "20202020202020"  # JSON header padded with spaces to a multiple of 8
-    "0a2b01"  # a/positions
+    "0a030106"  # a/positions
     "28b52ffd20063100006e76573f4143"  # a/values
     "55555555feff"  # b/positions
-    "0200010002001400000028b52ffd20105d00002801000000000100308a16"  # b/values
+    "020001000200150000001100000028b52ffd20084100000f000100000f0001"  # b/values
 )
-GOLDEN_FILE_XXH3 = "cf1100cdefc0c7b66c8ce328374adcc5"
+GOLDEN_FILE_XXH3 = "c44f18309ce1fd33b65f6e61d7ecbd43"
 A_DIGEST = "8bed3924046de2eba8c8f841ddffd2b2"  # xxh3-128 of A_NEW's little-endian bytes
 B_DIGEST = "d8cef1d4b31508383c101efb4a4bf0cb"
 
@@ -123,8 +124,18 @@ def test_golden_blobs_decode(
 
 def test_rice_golden_by_hand() -> None:
     """A's gaps 3, 13, 12 with k=3: quotients 0,1,1 -> unary bits 0 10 10 -> 0x0a;
-    remainders 3,5,4 as 3 bits each, LSB first: 110 101 001 -> 0x2b 0x01."""
-    assert bytes([0b01010, 0b00101011, 0b1]) == A_POS
+    remainders 3 (011), 5 (101), 4 (100) as 3 bit planes, LSB first:
+    bit 0 of each: 1,1,0 -> 0x03; bit 1: 1,0,0 -> 0x01; bit 2: 0,1,1 -> 0x06."""
+    assert bytes([0b01010, 0b011, 0b001, 0b110]) == A_POS
+
+
+def test_pair_stream_golden_by_hand() -> None:
+    """B's ranks 1,0,0,0,0,1,0,0,0,0,1,0,0,0,0,1 pair up as (1,0) (0,0) (0,1) (0,0) (0,0) (1,0)
+    (0,0) (0,1) -> bytes 15 * a + b = 15, 0, 1, 0, 0, 15, 0, 1."""
+    from deltasync.protocol.encoding import _decode_pairs
+
+    ranks = _decode_pairs(B_VAL[10:], 16, "golden")
+    assert ranks.tolist() == [1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1]
 
 
 def test_patch_file_bytes_are_frozen() -> None:
@@ -136,10 +147,10 @@ def test_patch_file_bytes_are_frozen() -> None:
     assert st.data_start == 320
     ranges = {n: (e.start, e.end) for n, e in st.entries.items()}
     assert ranges == {
-        "a/positions": (320, 323),
-        "a/values": (323, 338),
-        "b/positions": (338, 344),
-        "b/values": (344, 374),
+        "a/positions": (320, 324),
+        "a/values": (324, 339),
+        "b/positions": (339, 345),
+        "b/values": (345, 376),
     }
 
 
@@ -176,19 +187,19 @@ def test_safetensors_package_writes_what_we_read() -> None:
 INVENTORY = (TensorInfo("a", "BF16", (4, 8)), TensorInfo("b", "BF16", (8, 8)))
 GOLDEN_MANIFEST = (
     b'{"anchor_step":0,"entries":[{"count":3,"file":"patch-00000.safetensors","positions":"rice",'
-    b'"positions_range":[320,323],"rice_k":3,"tensor":"a","values":"raw","values_range":[323,338]},'
-    b'{"count":16,"file":"patch-00000.safetensors","positions":"rice","positions_range":[338,344],'
-    b'"rice_k":1,"tensor":"b","values":"xor-rank","values_range":[344,374]}],"extra":{"trainer":"golden"},'
-    b'"files":[{"path":"patch-00000.safetensors","size":374,"xxh3_128":"cf1100cdefc0c7b66c8ce328374adcc5"}],'
+    b'"positions_range":[320,324],"rice_k":3,"tensor":"a","values":"raw","values_range":[324,339]},'
+    b'{"count":16,"file":"patch-00000.safetensors","positions":"rice","positions_range":[339,345],'
+    b'"rice_k":1,"tensor":"b","values":"xor-rank","values_range":[345,376]}],"extra":{"trainer":"golden"},'
+    b'"files":[{"path":"patch-00000.safetensors","size":376,"xxh3_128":"c44f18309ce1fd33b65f6e61d7ecbd43"}],'
     b'"format_version":1,"inventory":[{"dtype":"BF16","name":"a","shape":[4,8]},'
     b'{"dtype":"BF16","name":"b","shape":[8,8]}],"inventory_digest":"b908d424c1b631a1056774eab2ac0122",'
     b'"kind":"patch","parent_digest":"0123456789abcdef0123456789abcdef","parent_step":6,"run_id":"golden-run",'
-    b'"stats":{"changed":19,"nbytes":374,"total":96},"step":7,'
+    b'"stats":{"changed":19,"nbytes":376,"total":96},"step":7,'
     b'"tensor_digests":{"a":"8bed3924046de2eba8c8f841ddffd2b2","b":"d8cef1d4b31508383c101efb4a4bf0cb"}}'
 )
-GOLDEN_MANIFEST_DIGEST = "b3d817324f70f5a9a85610e36473635a"
+GOLDEN_MANIFEST_DIGEST = "03b7d74182dc3d5d552558d09e5a7798"
 GOLDEN_KEY = b"golden-key"
-GOLDEN_SIGNATURE = "7ea5106c99538b894f1d331c41222c95984940a7289655f040f995c8d826ff22"
+GOLDEN_SIGNATURE = "47d37d14049475074b318f07dde9b196bb8b9080f730213685fe669f73c09b3e"
 
 
 def _manifest() -> Manifest:
@@ -203,8 +214,8 @@ def _manifest() -> Manifest:
         inventory_digest=inventory_digest(INVENTORY),
         files=(FileInfo(PATCH_FILE, len(GOLDEN_FILE), GOLDEN_FILE_XXH3),),
         entries=(
-            PatchEntry("a", PATCH_FILE, 3, "rice", 3, "raw", ByteRange(320, 323), ByteRange(323, 338)),
-            PatchEntry("b", PATCH_FILE, 16, "rice", 1, "xor-rank", ByteRange(338, 344), ByteRange(344, 374)),
+            PatchEntry("a", PATCH_FILE, 3, "rice", 3, "raw", ByteRange(320, 324), ByteRange(324, 339)),
+            PatchEntry("b", PATCH_FILE, 16, "rice", 1, "xor-rank", ByteRange(339, 345), ByteRange(345, 376)),
         ),
         tensor_digests={"a": A_DIGEST, "b": B_DIGEST},
         stats=Stats(changed=19, total=96, nbytes=len(GOLDEN_FILE)),
@@ -249,7 +260,7 @@ def test_signature_roundtrip_and_tamper() -> None:
         m.check_signature(GOLDEN_KEY)  # unsigned while a key is configured
     for tampered in (
         dataclasses.replace(s, step=8),
-        dataclasses.replace(s, stats=Stats(19, 96, 375)),
+        dataclasses.replace(s, stats=Stats(19, 96, 377)),
         dataclasses.replace(s, tensor_digests={"a": B_DIGEST, "b": A_DIGEST}),
         dataclasses.replace(s, extra={}),
         Manifest.from_json(body.replace(b'"changed":19', b'"changed":18')),

@@ -16,11 +16,12 @@ from deltasync._tensors import flat_bits, inventory_of, numpy_bits, state_tensor
 from deltasync.errors import ChainBroken, ChecksumMismatch, DeltaSyncError, ObjectNotFound, ProtocolError, StorageError
 from deltasync.fetcher._apply import NumpySlot, Slot, TorchSlot, apply_anchor, apply_patch, check_inventory
 from deltasync.fetcher._reader import StepReader
-from deltasync.protocol import FetchPlan, TensorInfo, plan_fetch
+from deltasync.protocol import FetchPlan, TensorInfo, plan_fetch, superseded_by
 from deltasync.protocol.checkpoint import INDEX_NAME, build_checkpoint
 from deltasync.protocol.dtypes import dtype_info
 from deltasync.protocol.safetensors_io import parse_safetensors
 from deltasync.storage import Store
+from deltasync.storage._claims import read_claims
 
 __all__ = ["DeltaFetcher"]
 
@@ -68,9 +69,17 @@ class DeltaFetcher:
         return self._reader.steps()
 
     def latest_step(self) -> int | None:
-        """Newest committed step, or None for an empty run."""
+        """Newest committed step of the run, or None for an empty run.
+
+        Skips steps that a fenced-off writer committed after a newer uploader
+        took over the run (SPEC.md "Single writer").
+        """
         steps = self.steps()
-        return steps[-1] if steps else None
+        claims = read_claims(self.store) if steps else []
+        for step in reversed(steps):
+            if superseded_by(self._reader.committed(step).manifest, claims) is None:
+                return step
+        return None
 
     def _target_step(self, step: int | None) -> int:
         if step is not None:
@@ -83,7 +92,9 @@ class DeltaFetcher:
     def _plan(self, target: int, have: tuple[int, str] | None) -> FetchPlan:
         committed = self._reader.chain(target, also=have[0] if have else None)
         try:
-            return plan_fetch(committed, target, have[0] if have else None, have[1] if have else None)
+            return plan_fetch(
+                committed, target, have[0] if have else None, have[1] if have else None, read_claims(self.store)
+            )
         except ChainBroken:
             self._reader.forget(committed)  # a cached manifest may be what breaks the chain
             raise

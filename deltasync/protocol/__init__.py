@@ -1,9 +1,18 @@
 """The wire format, protocol v1 (see SPEC.md). Pure: no I/O, no threads, no torch."""
 
-from deltasync.protocol.chain import Committed, FetchPlan, plan_fetch
+from deltasync.protocol.chain import Committed, FetchPlan, plan_fetch, superseded_by
 from deltasync.protocol.digests import xxh3_128
 from deltasync.protocol.encoding import EncodedTensor, decode_positions, decode_values, encode_changes
-from deltasync.protocol.keys import HEAD_KEY, file_key, manifest_key, parse_manifest_key, step_prefix
+from deltasync.protocol.keys import (
+    HEAD_KEY,
+    WRITERS_PREFIX,
+    file_key,
+    manifest_key,
+    parse_manifest_key,
+    parse_writer_key,
+    step_prefix,
+    writer_key,
+)
 from deltasync.protocol.manifest import (
     FORMAT_VERSION,
     AnchorEntry,
@@ -14,6 +23,8 @@ from deltasync.protocol.manifest import (
     PatchEntry,
     Stats,
     TensorInfo,
+    Writer,
+    WriterClaim,
     inventory_digest,
 )
 
@@ -31,6 +42,9 @@ __all__ = [
     "PatchEntry",
     "Stats",
     "TensorInfo",
+    "WRITERS_PREFIX",
+    "Writer",
+    "WriterClaim",
     "decode_positions",
     "decode_values",
     "encode_changes",
@@ -38,7 +52,10 @@ __all__ = [
     "inventory_digest",
     "manifest_key",
     "parse_manifest_key",
+    "parse_writer_key",
     "plan_fetch",
     "step_prefix",
+    "superseded_by",
+    "writer_key",
     "xxh3_128",
 ]

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 from deltasync.errors import ChainBroken
-from deltasync.protocol.manifest import Manifest
+from deltasync.protocol.manifest import Manifest, WriterClaim
 
-__all__ = ["Committed", "FetchPlan", "plan_fetch"]
+__all__ = ["Committed", "FetchPlan", "plan_fetch", "superseded_by"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,11 +40,25 @@ def _nbytes(committed: Mapping[int, Committed], steps: tuple[int, ...]) -> int:
     return sum(committed[s].manifest.total_bytes for s in steps)
 
 
+def superseded_by(m: Manifest, claims: Iterable[WriterClaim]) -> WriterClaim | None:
+    """The newer writer claim that fences ``m`` off, or None when ``m`` is part of the run.
+
+    A step written with epoch ``e`` is superseded by a claim of a higher epoch made
+    when the run's newest step was below it: the newer uploader had taken over,
+    so the older one's later commit (a race it lost) does not belong to the run.
+    """
+    for c in claims:
+        if c.epoch > m.epoch and (c.after_step is None or c.after_step < m.step):
+            return c
+    return None
+
+
 def plan_fetch(
     committed: Mapping[int, Committed],
     target_step: int,
     have_step: int | None = None,
     have_digest: str | None = None,
+    claims: Iterable[WriterClaim] = (),
 ) -> FetchPlan:
     """Plan the cheapest way to ``target_step``.
 
@@ -58,6 +72,12 @@ def plan_fetch(
     top = committed.get(target_step)
     if top is None:
         raise ChainBroken(f"step {target_step} is not committed in this run")
+    newer = superseded_by(top.manifest, claims)
+    if newer is not None:
+        raise ChainBroken(
+            f"step {target_step} was written by writer epoch {top.manifest.epoch} after epoch {newer.epoch} "
+            f"had taken over the run at step {newer.after_step}; it is not part of the run (pick another step)"
+        )
     if have_step == target_step and have_digest in (None, top.digest):
         return FetchPlan(target_step, "current", (), 0)
     path: list[int] = [target_step]

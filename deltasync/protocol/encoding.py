@@ -5,13 +5,15 @@ bits differ plus, for each, the new bits. Both halves are coded separately and
 the smallest combination wins:
 
 positions
-    ``rice``  gaps between positions, Rice-coded with parameter k, as two
-              streams (unary quotients, then k-bit remainders) so both encode
-              and decode are vectorised numpy.
+    ``rice``   gaps between positions split Rice-style with parameter k:
+               unary quotients, then the remainders as k bit planes.
+    ``rice-z`` the same with the quotients as a pair stream (two small symbols
+               per byte, zstd); faster than unary for large counts.
     ``dense`` no positions: every element is listed (dense fallback).
 values
     ``xor-rank`` XOR(old, new) bits, each replaced by its frequency rank in a
-                 small table (rank 255 escapes to a raw side stream), then zstd.
+                 small table (rank 255 escapes to a raw side stream), as a pair
+                 stream.
                  Needs the exact old bits: apply exactly once, onto a verified base.
     ``raw``      the new bits themselves (overwrite, idempotent), split into
                  byte planes, then zstd.
@@ -42,10 +44,11 @@ __all__ = [
     "encode_changes",
 ]
 
-PositionCoding = Literal["rice", "dense"]
+PositionCoding = Literal["rice", "rice-z", "dense"]
 ValueCoding = Literal["xor-rank", "raw"]
 
-ZSTD_LEVEL = 3
+ZSTD_LEVEL = 1  # level 1 beat 3 on XOR ranks and quotient pairs (smaller and faster)
+ZIP_QUOTIENTS = 4096  # from this many changes on, quotients are pair-coded (faster than unary)
 ESCAPE = 255
 Ints = np.ndarray[Any, np.dtype[Any]]
 
@@ -115,27 +118,150 @@ def _unplanes(raw: bytes, count: int, bits: np.dtype[Any]) -> Ints:
     return arr.reshape(-1).view(bits).copy() if w == 1 else arr.view(bits).reshape(-1)
 
 
+# ---------------------------------------------------------------- pair-coded symbols
+
+PAIR_BASE = 15  # two symbols < 15 share one byte: a * 15 + b (0..224)
+PAIR_ESCAPE = 255
+_PAIR_A = (np.arange(256) // PAIR_BASE).astype(np.uint8)
+_PAIR_B = (np.arange(256) % PAIR_BASE).astype(np.uint8)
+
+
+def _pair_lut() -> Ints:
+    lut = np.full(1 << 16, PAIR_ESCAPE, dtype=np.uint8)
+    a, b = np.meshgrid(np.arange(PAIR_BASE), np.arange(PAIR_BASE), indexing="ij")
+    lut[a | (b << 8)] = a * PAIR_BASE + b  # index: the two symbols read as one little-endian u16
+    return lut
+
+
+_PAIR_LUT = _pair_lut()
+
+
+def _encode_pairs(sym: Ints) -> bytes:
+    """uint8 symbols as a pair stream (SPEC.md): small symbols two to a byte, then zstd.
+
+    Pairing squares the probability of the commonest byte, so zstd's Huffman
+    stage (at least one bit per byte) wastes about half as much per symbol.
+    """
+    s = np.ascontiguousarray(sym, dtype=np.uint8)
+    if s.size % 2:
+        s = np.append(s, np.uint8(0))
+    two = s.view("<u2")
+    pairs = _PAIR_LUT[two]
+    esc = pairs == PAIR_ESCAPE
+    escaped = two[esc] if bool(esc.any()) else None
+    pz = _compress(pairs)
+    return b"".join([struct.pack("<I", len(pz)), pz, _compress(escaped.view(np.uint8)) if escaped is not None else b""])
+
+
+def _decode_pairs(blob: bytes | memoryview, count: int, what: str) -> Ints:
+    mv = memoryview(blob)
+    if len(mv) < 4:
+        raise ProtocolError(f"{what}: symbol stream truncated")
+    (plen,) = struct.unpack_from("<I", mv, 0)
+    if len(mv) < 4 + plen:
+        raise ProtocolError(f"{what}: symbol stream truncated")
+    npairs = (count + 1) // 2
+    pairs = np.frombuffer(_decompress(mv[4 : 4 + plen], npairs, what + " pairs"), dtype=np.uint8)
+    esc = pairs == PAIR_ESCAPE
+    n_esc = int(np.count_nonzero(esc))
+    if bool(np.any((pairs >= PAIR_BASE * PAIR_BASE) & ~esc)):
+        raise ProtocolError(f"{what}: invalid pair byte")
+    out = np.empty((npairs, 2), dtype=np.uint8)
+    out[:, 0] = _PAIR_A[pairs]
+    out[:, 1] = _PAIR_B[pairs]
+    raw = _decompress(mv[4 + plen :], 2 * n_esc, what + " escaped pairs")
+    if n_esc:
+        out[esc] = np.frombuffer(raw, dtype=np.uint8).reshape(n_esc, 2)
+    flat = out.reshape(-1)
+    if count % 2 and flat[-1] != 0:
+        raise ProtocolError(f"{what}: nonzero padding symbol")
+    return flat[:count]
+
+
 # ---------------------------------------------------------------- positions
+
+BIG_Q = 255  # a quotient >= 255 is sent as a u64 in a side stream
+
+
+def _bit_planes(rem: Ints, k: int) -> bytes:
+    """Plane j (j = 0 first) holds bit j of every remainder, packed LSB first."""
+    r = rem.astype(np.uint8 if k <= 8 else np.uint64)
+    one = r.dtype.type(1)
+    return b"".join(np.packbits((r >> r.dtype.type(j)) & one, bitorder="little").tobytes() for j in range(k))
+
+
+def _from_bit_planes(buf: Ints, k: int, count: int) -> Ints:
+    plane = (count + 7) // 8
+    acc = np.zeros(count, dtype=np.uint8 if k <= 8 else np.uint64)
+    for j in range(k):
+        bits = np.unpackbits(buf[j * plane : (j + 1) * plane], count=count, bitorder="little")
+        acc |= bits.astype(acc.dtype) << acc.dtype.type(j)
+    return acc.astype(np.int64)
 
 
 def _rice_cost(gaps: Ints, k: int) -> int:
     return int(gaps.size * (k + 1) + int(np.sum(gaps >> k)))
 
 
-def _encode_rice(gaps: Ints) -> tuple[int, bytes]:
-    c = gaps.size
-    mean = float(gaps.mean()) if c else 0.0
+def _rice_k(gaps: Ints) -> int:
+    mean = float(gaps.mean()) if gaps.size else 0.0
     k0 = max(0, int(np.floor(np.log2(mean * 0.6931 + 1.0))))
-    k = min((kk for kk in (k0 - 1, k0, k0 + 1) if 0 <= kk <= 62), key=lambda kk: _rice_cost(gaps, kk))
+    sample = gaps[:: max(1, gaps.size >> 16)]  # about 64k gaps decide as well as all of them
+    return min((kk for kk in (k0 - 1, k0, k0 + 1) if 0 <= kk <= 62), key=lambda kk: _rice_cost(sample, kk))
+
+
+def _encode_rice(gaps: Ints, k: int, zipped: bool) -> bytes:
     q = gaps >> k
-    nbits = int(q.sum()) + c
-    unary = np.ones(nbits, dtype=np.uint8)
-    unary[np.cumsum(q + 1) - 1] = 0
-    parts = [np.packbits(unary, bitorder="little").tobytes()]
-    if k:
-        rem = (gaps[:, None] >> np.arange(k, dtype=np.int64)) & 1
-        parts.append(np.packbits(rem.astype(np.uint8).reshape(-1), bitorder="little").tobytes())
-    return k, b"".join(parts)
+    planes = _bit_planes(gaps & ((1 << k) - 1), k) if k else b""
+    if not zipped:
+        unary = np.ones(int(q.sum()) + q.size, dtype=np.uint8)
+        unary[np.cumsum(q + 1) - 1] = 0
+        return np.packbits(unary, bitorder="little").tobytes() + planes
+    big = q >= BIG_Q
+    sym = np.minimum(q, BIG_Q).astype(np.uint8)
+    p = _encode_pairs(sym)
+    bigs = q[big].astype("<u8").tobytes()
+    return b"".join([struct.pack("<I", len(p)), p, struct.pack("<I", len(bigs) // 8), bigs, planes])
+
+
+def _encode_positions(idx: Ints) -> tuple[PositionCoding, int, bytes]:
+    """(coding, k, blob) of sorted non-empty int64 positions."""
+    gaps = np.empty_like(idx)
+    gaps[0] = idx[0]
+    np.subtract(idx[1:], idx[:-1], out=gaps[1:])
+    gaps[1:] -= 1
+    k = _rice_k(gaps)
+    zipped = idx.size >= ZIP_QUOTIENTS
+    return ("rice-z" if zipped else "rice"), k, _encode_rice(gaps, k, zipped)
+
+
+def _unary_quotients(buf: Ints, count: int, what: str) -> Ints:
+    term = np.flatnonzero(np.unpackbits(~buf, bitorder="little"))
+    if term.size < count:
+        raise ProtocolError(f"{what}: position stream holds fewer than {count} positions")
+    term = term[:count]
+    if buf.size != (int(term[-1]) + 8) // 8:
+        raise ProtocolError(f"{what}: position stream has trailing bytes")
+    return np.diff(term, prepend=-1) - 1
+
+
+def _zipped_quotients(mv: memoryview, count: int, what: str) -> Ints:
+    if len(mv) < 4:
+        raise ProtocolError(f"{what}: position stream truncated")
+    (plen,) = struct.unpack_from("<I", mv, 0)
+    if len(mv) < 8 + plen:
+        raise ProtocolError(f"{what}: position stream truncated")
+    q = _decode_pairs(mv[4 : 4 + plen], count, what + " quotients").astype(np.int64)
+    (nbig,) = struct.unpack_from("<I", mv, 4 + plen)
+    big = q == BIG_Q
+    if nbig != int(np.count_nonzero(big)) or len(mv) != 8 + plen + 8 * nbig:
+        raise ProtocolError(f"{what}: big-quotient stream does not match the quotients")
+    if nbig:
+        vals = np.frombuffer(mv[8 + plen :], dtype="<u8")
+        if int(vals.min()) < BIG_Q or int(vals.max()) >= 1 << 62:
+            raise ProtocolError(f"{what}: big quotient out of range")
+        q[big] = vals.astype(np.int64)
+    return q
 
 
 def decode_positions(blob: bytes | memoryview, coding: str, k: int, count: int, numel: int, what: str) -> Ints:
@@ -144,32 +270,28 @@ def decode_positions(blob: bytes | memoryview, coding: str, k: int, count: int, 
         if count != numel or len(blob):
             raise ProtocolError(f"{what}: dense positions must list all {numel} elements and carry no bytes")
         return np.arange(numel, dtype=np.int64)
-    if coding != "rice":
+    if coding not in ("rice", "rice-z"):
         raise ProtocolError(f"{what}: unknown position coding {coding!r}")
     if not (0 <= k <= 62) or not (0 < count <= numel):
         raise ProtocolError(f"{what}: invalid rice parameters k={k} count={count} numel={numel}")
-    rem_len = (count * k + 7) // 8
+    rem_len = k * ((count + 7) // 8)
     if len(blob) < rem_len:
         raise ProtocolError(f"{what}: position stream truncated")
     buf = np.frombuffer(blob, dtype=np.uint8)
-    unary = np.unpackbits(buf[: len(buf) - rem_len], bitorder="little")
-    zeros = np.flatnonzero(unary == 0)
-    if zeros.size < count:
-        raise ProtocolError(f"{what}: position stream holds fewer than {count} positions")
-    term = zeros[:count]
-    if len(buf) - rem_len != (int(term[-1]) + 8) // 8:
-        raise ProtocolError(f"{what}: position stream has trailing bytes")
-    q = np.diff(term, prepend=-1) - 1
+    head = buf[: buf.size - rem_len]
+    if coding == "rice":
+        q = _unary_quotients(head, count, what)
+    else:
+        q = _zipped_quotients(memoryview(head.data).cast("B"), count, what)
     # No gap reaches numel, so a larger quotient is corrupt; checking it first also keeps
     # ``q << k`` and the cumulative sum below inside int64 (no silent wrap-around).
     if int(q.max()) > (min(numel, 1 << 62) - 1) >> k:
         raise ProtocolError(f"{what}: a position gap exceeds a tensor of {numel} elements")
-    gaps = q.astype(np.int64) << k
+    gaps = q << k
     if k:
-        rbits = np.unpackbits(buf[len(buf) - rem_len :], bitorder="little")[: count * k]
-        gaps |= (rbits.reshape(count, k).astype(np.int64) << np.arange(k, dtype=np.int64)).sum(axis=1)
+        gaps |= _from_bit_planes(buf[buf.size - rem_len :], k, count)
     pos = np.cumsum(gaps + 1) - 1
-    if int(pos[-1]) >= numel or (count > 1 and bool(np.any(pos[1:] <= pos[:-1]))):
+    if int(pos[-1]) >= numel:
         raise ProtocolError(f"{what}: positions run outside a tensor of {numel} elements")
     return pos
 
@@ -196,10 +318,10 @@ def _rank_table(xor: Ints) -> tuple[Ints, Ints]:
 
 def _encode_xor_rank(xor: Ints) -> bytes:
     table, ranks = _rank_table(xor)
-    rank_z = _compress(ranks)
+    rank_p = _encode_pairs(ranks)
     esc = xor[ranks == ESCAPE]
     esc_z = _compress(_planes(esc)) if esc.size else b""
-    return b"".join([struct.pack("<H", table.size), table.tobytes(), struct.pack("<I", len(rank_z)), rank_z, esc_z])
+    return b"".join([struct.pack("<H", table.size), table.tobytes(), struct.pack("<I", len(rank_p)), rank_p, esc_z])
 
 
 def _decode_xor_rank(blob: bytes | memoryview, count: int, bits: np.dtype[Any], what: str) -> Ints:
@@ -216,17 +338,20 @@ def _decode_xor_rank(blob: bytes | memoryview, count: int, bits: np.dtype[Any], 
     off += 4
     if len(mv) < off + rlen:
         raise ProtocolError(f"{what}: rank stream truncated")
-    ranks = np.frombuffer(_decompress(mv[off : off + rlen], count, what + " ranks"), dtype=np.uint8)
+    ranks = _decode_pairs(mv[off : off + rlen], count, what + " ranks")
     esc_mask = ranks == ESCAPE
-    ok = ~esc_mask
-    n_esc = count - int(ok.sum())
-    if (n_esc and tlen < ESCAPE) or (n_esc < count and int(ranks[ok].max()) >= tlen):
+    n_esc = int(np.count_nonzero(esc_mask))
+    if n_esc and tlen < ESCAPE:
+        raise ProtocolError(f"{what}: escaped rank with a table of only {tlen} entries")
+    if n_esc < count and int(ranks[~esc_mask].max() if n_esc else ranks.max()) >= tlen:
         raise ProtocolError(f"{what}: rank outside a table of {tlen} entries")
-    out = np.empty(count, dtype=bits)
-    out[ok] = table[ranks[ok]]
     esc_raw = _decompress(mv[off + rlen :], n_esc * w, what + " escapes")
-    if n_esc:
-        out[esc_mask] = _unplanes(esc_raw, n_esc, bits)
+    if not n_esc:
+        return table[ranks]
+    out = np.empty(count, dtype=bits)
+    ok = ~esc_mask
+    out[ok] = table[ranks[ok]]
+    out[esc_mask] = _unplanes(esc_raw, n_esc, bits)
     return out
 
 
@@ -250,18 +375,19 @@ def apply_values(coding: str, old: Ints, decoded: Ints) -> Ints:
 def encode_changes(numel: int, idx: Ints, old: Ints, new: Ints) -> EncodedTensor:
     """Code one tensor's change; ``idx`` sorted int64 positions, ``old``/``new`` their bits.
 
-    Tries Rice positions with both value codings, and the dense XOR fallback
-    when more than half of the tensor changed; keeps the smallest.
+    Rice positions (unary quotients for small counts, pair-coded ones from
+    ``ZIP_QUOTIENTS`` changes on) with both value codings where either may win,
+    and the dense XOR fallback when more than half of the tensor changed; keeps
+    the smallest.
     """
     count = int(idx.size)
     if count == 0 or count > numel:
         raise ValueError(f"encode_changes needs 1..{numel} changed positions, got {count}")
     xor = old ^ new
-    gaps = np.diff(idx, prepend=np.int64(-1)) - 1
-    k, pos_blob = _encode_rice(gaps)
-    best = EncodedTensor(count, "rice", k, "xor-rank", pos_blob, _encode_xor_rank(xor))
+    pcoding, k, pos_blob = _encode_positions(idx)
+    best = EncodedTensor(count, pcoding, k, "xor-rank", pos_blob, _encode_xor_rank(xor))
     if count < 65536 or best.nbytes > count * new.dtype.itemsize:
-        raw = EncodedTensor(count, "rice", k, "raw", pos_blob, _compress(_planes(new)))
+        raw = EncodedTensor(count, pcoding, k, "raw", pos_blob, _compress(_planes(new)))
         best = min(best, raw, key=lambda e: e.nbytes)
     if count * 2 > numel:  # below half density the dense trial never won in the benchmark
         dense_xor = np.zeros(numel, dtype=xor.dtype)

@@ -14,6 +14,8 @@ __all__ = [
     "manifest_key",
     "parse_manifest_key",
     "step_prefix",
+    "writer_key",
+    "parse_writer_key",
 ]
 
 HEAD_KEY = "HEAD.json"
@@ -21,6 +23,8 @@ STEPS_PREFIX = "steps/"
 MANIFEST_NAME = "manifest.json"
 MAX_STEP = 10**12 - 1
 
+WRITERS_PREFIX = "writers/"
+_WRITER_KEY = re.compile(r"writers/([0-9]{12})\.json")
 _FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 _MANIFEST_KEY = re.compile(r"steps/([0-9]{12})/manifest\.json")
 
@@ -61,4 +65,15 @@ def file_key(step: int, name: str) -> str:
 def parse_manifest_key(key: str) -> int | None:
     """The step a manifest key belongs to, or None when ``key`` is not a manifest key."""
     m = _MANIFEST_KEY.fullmatch(key)
+    return int(m.group(1)) if m else None
+
+
+def writer_key(epoch: int) -> str:
+    """Key of the claim of writer epoch ``epoch`` (SPEC.md "Single writer")."""
+    return f"{WRITERS_PREFIX}{_check_step(epoch):012d}.json"
+
+
+def parse_writer_key(key: str) -> int | None:
+    """The epoch a writer-claim key belongs to, or None."""
+    m = _WRITER_KEY.fullmatch(key)
     return int(m.group(1)) if m else None

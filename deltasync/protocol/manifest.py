@@ -19,6 +19,8 @@ __all__ = [
     "FileInfo",
     "Head",
     "Kind",
+    "Writer",
+    "WriterClaim",
     "Manifest",
     "PatchEntry",
     "Stats",
@@ -203,7 +205,7 @@ class PatchEntry:
     tensor: str
     file: str
     count: int
-    positions: Literal["rice", "dense"]
+    positions: Literal["rice", "rice-z", "dense"]
     rice_k: int
     values: Literal["xor-rank", "raw"]
     positions_range: ByteRange
@@ -228,7 +230,7 @@ class PatchEntry:
         keys = ("tensor", "file", "count", "positions", "rice_k", "values", "positions_range", "values_range")
         o = _obj(v, "patch entry", keys)
         name = _str(o["tensor"], "patch entry tensor")
-        if o["positions"] not in ("rice", "dense") or o["values"] not in ("xor-rank", "raw"):
+        if o["positions"] not in ("rice", "rice-z", "dense") or o["values"] not in ("xor-rank", "raw"):
             raise _err(f"patch entry {name!r}", f"unknown coding {o['positions']!r}/{o['values']!r}")
         return cls(
             name,
@@ -286,6 +288,54 @@ class Stats:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class Writer:
+    """The uploader that wrote a step: a random id and the epoch it claimed (SPEC.md "Single writer")."""
+
+    id: str
+    epoch: int
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON form."""
+        return {"id": self.id, "epoch": self.epoch}
+
+    @classmethod
+    def from_json(cls, v: Any) -> Writer:
+        """Parse and validate."""
+        o = _obj(v, "writer", ("id", "epoch"))
+        return cls(_str(o["id"], "writer id"), _int(o["epoch"], "writer epoch", 0, MAX_STEP))
+
+
+@dataclass(frozen=True, slots=True)
+class WriterClaim:
+    """``writers/{epoch}.json``: an uploader took over the run at ``after_step`` (SPEC.md "Single writer")."""
+
+    epoch: int
+    writer: str
+    after_step: int | None
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> bytes:
+        """Canonical JSON bytes."""
+        return canonical_json(
+            {
+                "format_version": self.format_version,
+                "epoch": self.epoch,
+                "writer": self.writer,
+                "after_step": self.after_step,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, data: bytes | bytearray | memoryview) -> WriterClaim:
+        """Parse and validate."""
+        raw = _load_json(data, "writer claim", 4096)
+        _version(raw, "writer claim")
+        o = _obj(raw, "writer claim", ("format_version", "epoch", "writer", "after_step"))
+        after = None if o["after_step"] is None else _int(o["after_step"], "after_step", 0, MAX_STEP)
+        return cls(_int(o["epoch"], "epoch", 1, MAX_STEP), _str(o["writer"], "writer"), after)
+
+
 _MANIFEST_KEYS = (
     "format_version",
     "run_id",
@@ -322,6 +372,12 @@ class Manifest:
     signature: str | None = None
     format_version: int = FORMAT_VERSION
     extra: Mapping[str, str] = field(default_factory=dict)
+    writer: Writer | None = None
+
+    @property
+    def epoch(self) -> int:
+        """The writer epoch (0 when the manifest names no writer)."""
+        return self.writer.epoch if self.writer else 0
 
     # -- serialisation ---------------------------------------------------
 
@@ -343,6 +399,8 @@ class Manifest:
         }
         if self.extra:
             body["extra"] = dict(self.extra)
+        if self.writer is not None:
+            body["writer"] = self.writer.to_json()
         return body
 
     def to_json(self) -> bytes:
@@ -380,7 +438,7 @@ class Manifest:
         """Parse, validate and cross-check a manifest; anything off is a ProtocolError."""
         raw = _load_json(data, "manifest", MAX_MANIFEST_BYTES)
         _version(raw, "manifest")
-        o = _obj(raw, "manifest", _MANIFEST_KEYS, ("signature", "extra"))
+        o = _obj(raw, "manifest", _MANIFEST_KEYS, ("signature", "extra", "writer"))
         step = _int(o["step"], "step", 0, MAX_STEP)
         what = f"manifest of step {step}"
         kind = o["kind"]
@@ -451,6 +509,7 @@ class Manifest:
             stats=_check_stats(Stats.from_json(o["stats"]), files, inventory, what),
             signature=sig,
             extra=extra,
+            writer=None if o.get("writer") is None else Writer.from_json(o["writer"]),
         )
 
 

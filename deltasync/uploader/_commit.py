@@ -27,6 +27,7 @@ from deltasync.protocol import (
 )
 from deltasync.protocol.checkpoint import build_checkpoint, group_by_size, shard_layout
 from deltasync.protocol.keys import HEAD_KEY
+from deltasync.protocol.manifest import Writer
 from deltasync.protocol.safetensors_io import TensorBytes, to_bytes
 from deltasync.storage import Store
 from deltasync.uploader._diff import TensorChange
@@ -91,9 +92,15 @@ def write_step(
     shard_bytes: int,
     pool: Executor | None,
     signing_key: bytes | None,
+    writer: Writer | None = None,
+    fence: Callable[[], None] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> Committed:
-    """Encode, write data files (create-only), then the manifest (create-only), then HEAD."""
+    """Encode, write data files (create-only), then the manifest (create-only), then HEAD.
+
+    ``fence`` runs after the data files and before the manifest: it raises when
+    another uploader has taken over the run, so this one commits nothing more.
+    """
     if job.kind == "patch":
         files, entries_p = build_patch(job, shard_bytes, pool)
         entries: tuple[PatchEntry, ...] | tuple[AnchorEntry, ...] = tuple(entries_p)
@@ -114,12 +121,15 @@ def write_step(
         entries=entries,
         tensor_digests=dict(job.digests),
         stats=Stats(job.changed, job.total, sum(f.size for f in infos)),
+        writer=writer,
     )
     if signing_key is not None:
         manifest = manifest.signed(signing_key)
     if progress:
         progress(f"step {job.step}: writing {len(files)} files")
     store.put_many({file_key(job.step, n): d for n, d in files.items()}, mode="create")
+    if fence is not None:
+        fence()
     body = manifest.to_json()
     store.put(manifest_key(job.step), body, mode="create")
     digest = xxh3_128(body)

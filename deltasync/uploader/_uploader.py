@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from deltasync._tensors import flat_bits, state_tensors
-from deltasync.errors import ChecksumMismatch, CommitFailed, InventoryMismatch, ProtocolError
-from deltasync.protocol import Committed, Manifest, manifest_key, parse_manifest_key, xxh3_128
+from deltasync.errors import ChecksumMismatch, CommitFailed, InventoryMismatch, ProtocolError, WriterFenced
+from deltasync.protocol import Committed, Manifest, Writer, manifest_key, parse_manifest_key, superseded_by, xxh3_128
 from deltasync.protocol.digests import xxh3_128_array
 from deltasync.protocol.keys import STEPS_PREFIX
 from deltasync.storage import Store
+from deltasync.storage._claims import claim_epoch, is_fenced, read_claims
 from deltasync.uploader._commit import StepJob, write_step
 from deltasync.uploader._diff import Baseline, TensorChange, diff_tensor, inventory_of
 
@@ -156,10 +157,14 @@ class DeltaUploader:
         self._anchor_bytes = 0
         self._inflight = 0
         self.failures = 0
+        self._fenced: WriterFenced | None = None
         self._latest_in_store()
         self.run_id = self.config.run_id or (
             self._last_committed.manifest.run_id if self._last_committed else uuid.uuid4().hex[:16]
         )
+        # single writer per run prefix: claim the next epoch; a newer claim fences this uploader off
+        self.writer_id = uuid.uuid4().hex[:16]
+        self.epoch = claim_epoch(store, self.writer_id, self._last_step)
         self._digest_q: deque[StepJob | None] = deque()
         self._digest_cv = threading.Condition()
         self._pool = ThreadPoolExecutor(max(1, self.config.encode_threads), thread_name_prefix="deltasync-encode")
@@ -174,11 +179,15 @@ class DeltaUploader:
     # ------------------------------------------------------------ store state
 
     def _latest_in_store(self) -> None:
-        steps = [s for o in self.store.list(STEPS_PREFIX) if (s := parse_manifest_key(o.key)) is not None]
-        if steps:
-            body = self.store.get(manifest_key(max(steps)))
-            self._last_committed = Committed(Manifest.from_json(body), xxh3_128(body))
-            self._last_step = max(steps)
+        steps = sorted(s for o in self.store.list(STEPS_PREFIX) if (s := parse_manifest_key(o.key)) is not None)
+        claims = read_claims(self.store) if steps else []
+        for step in reversed(steps):
+            body = self.store.get(manifest_key(step))
+            committed = Committed(Manifest.from_json(body), xxh3_128(body))
+            if superseded_by(committed.manifest, claims) is None:  # skip a fenced writer's late commits
+                self._last_committed = committed
+                self._last_step = step
+                return
 
     def resume(self, state: Any, step: int) -> None:
         """Continue the chain from committed ``step`` whose weights are ``state`` (no push needed).
@@ -239,6 +248,8 @@ class DeltaUploader:
         """
         if self._closed:
             raise RuntimeError("push() on a closed DeltaUploader")
+        if self._fenced is not None:
+            raise self._fenced
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ProtocolError(f"step must be a non-negative integer, got {step!r}")
         if self._last_step is not None and step <= self._last_step:
@@ -375,9 +386,13 @@ class DeltaUploader:
                 shard_bytes=self.config.shard_bytes,
                 pool=self._pool,
                 signing_key=self.config.signing_key,
+                writer=Writer(self.writer_id, self.epoch),
+                fence=self._check_fence,
             )
         except Exception as exc:  # noqa: BLE001 - re-raised into the futures
             self.failures += 1
+            if isinstance(exc, WriterFenced):
+                self._fenced = exc
             log.error("commit of step %d failed: %s", job.step, exc)
             err = exc if isinstance(exc, CommitFailed) else CommitFailed(f"step {job.step}: commit failed: {exc}")
             if err is not exc:
@@ -415,6 +430,15 @@ class DeltaUploader:
                     m.step,
                     secs,
                 )
+            )
+
+    def _check_fence(self) -> None:
+        if is_fenced(self.store, self.epoch):
+            newer = read_claims(self.store)[0]
+            raise WriterFenced(
+                f"another uploader (writer {newer.writer}, epoch {newer.epoch}) took over run prefix "
+                f"{self.store} after step {newer.after_step}; this uploader (epoch {self.epoch}) stops committing. "
+                "Run one uploader per run prefix."
             )
 
     # ------------------------------------------------------------- lifecycle
@@ -464,5 +488,6 @@ class DeltaUploader:
         self.close()
 
     def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
-            self._stop.set()
+        stop = getattr(self, "_stop", None)
+        if stop is not None and not getattr(self, "_closed", True):
+            stop.set()
