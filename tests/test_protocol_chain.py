@@ -11,7 +11,19 @@ import dataclasses
 import pytest
 
 from deltasync.errors import ChainBroken
-from deltasync.protocol import Committed, FetchPlan, FileInfo, Manifest, Stats, TensorInfo, inventory_digest, plan_fetch
+from deltasync.protocol import (
+    Committed,
+    FetchPlan,
+    FileInfo,
+    Manifest,
+    Stats,
+    TensorInfo,
+    Writer,
+    WriterClaim,
+    inventory_digest,
+    plan_fetch,
+    superseded_by,
+)
 
 INVENTORY = (TensorInfo("w", "BF16", (2, 2)),)
 
@@ -234,3 +246,29 @@ def test_plan_is_pure() -> None:
     before = dict(run.committed)
     assert run.plan(3, have=1) == run.plan(3, have=1)
     assert run.committed == before
+
+
+# ----------------------------------------------------------------- single writer
+
+
+def _with_writer(run: Run, step: int, epoch: int) -> None:
+    c = run.committed[step]
+    run.committed[step] = Committed(dataclasses.replace(c.manifest, writer=Writer(f"w{epoch}", epoch)), c.digest)
+
+
+def test_a_fenced_writers_late_step_is_superseded() -> None:
+    """Epoch 2 claimed the run after step 3; epoch 1 still landed step 4 (a race it lost)."""
+    run = linear(5)
+    for s in range(5):
+        _with_writer(run, s, 1)
+    claims = [WriterClaim(2, "w2", after_step=3)]
+    assert superseded_by(run.committed[3].manifest, claims) is None
+    assert superseded_by(run.committed[4].manifest, claims) == claims[0]
+    with pytest.raises(ChainBroken, match="epoch 2 had taken over the run at step 3"):
+        plan_fetch(run.committed, 4, claims=claims)
+    assert plan_fetch(run.committed, 3, claims=claims).steps == (0, 1, 2, 3)
+    # the newer writer's own steps are never superseded by its claim
+    run.anchor(5)
+    _with_writer(run, 5, 2)
+    assert superseded_by(run.committed[5].manifest, claims) is None
+    assert superseded_by(run.committed[5].manifest, [WriterClaim(3, "w3", None)]) is not None

@@ -518,6 +518,40 @@ class StoreTests(Generic[S]):
 
     # -- state machine --------------------------------------------------------------
 
+    def test_single_writer_per_run_prefix(self, store: S) -> None:
+        """A second uploader on the same prefix fences the first off; fetchers follow the newer writer."""
+        torch = pytest.importorskip("torch")
+        from deltasync.errors import WriterFenced
+        from deltasync.fetcher import DeltaFetcher
+        from deltasync.uploader import DeltaUploader
+
+        def state(seed: int) -> dict[str, Any]:
+            g = torch.Generator().manual_seed(seed)
+            return {"w": torch.randn(64, generator=g).to(torch.bfloat16), "b": torch.zeros(3)}
+
+        first = DeltaUploader(store, anchor_every=100)
+        try:
+            assert first.push(state(0), 0).result(60).kind == "anchor"
+            assert first.push(state(1), 1).result(60).kind == "patch"
+            second = DeltaUploader(store, anchor_every=100)  # takes over after step 1
+            try:
+                assert second.epoch == first.epoch + 1
+                with pytest.raises(WriterFenced, match="took over"):
+                    first.push(state(2), 2).result(60)
+                with pytest.raises(WriterFenced):
+                    first.push(state(3), 3)  # fenced for good: push refuses at once
+                assert second.push(state(2), 2).result(60).kind == "anchor"
+                assert second.push(state(5), 3).result(60).kind == "patch"
+            finally:
+                second.close()
+        finally:
+            first.close()
+        target = state(0)
+        fetcher = DeltaFetcher(store)
+        assert fetcher.latest_step() == 3
+        assert fetcher.sync(target) == 3
+        assert torch.equal(target["w"], state(5)["w"])
+
     def test_state_machine(self, tmp_path: Path) -> None:
         paths = (tmp_path / f"example-{i}" for i in itertools.count())
         suite = self

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from deltasync.errors import AlreadyExists
 from deltasync.protocol import (
     AnchorEntry,
     Committed,
@@ -127,7 +128,15 @@ def write_step(
         manifest = manifest.signed(signing_key)
     if progress:
         progress(f"step {job.step}: writing {len(files)} files")
-    store.put_many({file_key(job.step, n): d for n, d in files.items()}, mode="create")
+    items = {file_key(job.step, n): d for n, d in files.items()}
+    try:
+        store.put_many(items, mode="create")
+    except AlreadyExists:
+        # Leftovers of a commit that never got its manifest (a crash, or a writer fenced
+        # off at this step): no manifest refers to them, so they may be replaced.
+        if store.exists(manifest_key(job.step)):
+            raise
+        store.put_many(items, mode="overwrite")
     if fence is not None:
         fence()
     body = manifest.to_json()
