@@ -268,10 +268,11 @@ def _instrument(phases: Phases, up: Any, fetcher: Any, up_store: Any, fetch_stor
     import deltasync.uploader._uploader as uupl
 
     # push() (caller thread)
-    phases.wrap(up, "_prepare", "push.prepare")
+    phases.wrap(up, "_cast", "push.prepare")
     phases.wrap(uupl, "inventory_of", "push.inventory")
-    phases.wrap(uupl, "diff_tensor", "push.diff_tensor")
+    phases.wrap(up, "_stage", "push.stage")
     # background (digest thread, commit thread, encode pool)
+    phases.wrap(uupl, "diff_tensor", "bg.diff")
     phases.wrap(up, "_digest", "bg.tensor_digests")
     phases.wrap(ucommit, "build_patch", "bg.build_patch")
     phases.wrap(ucommit, "xxh3_128", "bg.file_xxh3")
@@ -955,8 +956,9 @@ def render(res: BenchResult) -> str:
     out.append("### Timing breakdown, medians per lr (ms)")
     out.append("")
     rows = []
-    keys_push = ["push.prepare", "push.inventory", "push.diff_tensor"]
+    keys_push = ["push.prepare", "push.inventory", "push.stage"]
     keys_bg = [
+        "bg.diff",
         "bg.tensor_digests",
         "bg.build_patch",
         "bg.file_xxh3",
@@ -1011,11 +1013,11 @@ def render(res: BenchResult) -> str:
         _table(
             [
                 "lr",
-                "push: prepare / inventory / diff_tensor",
+                "push: cast / inventory / stage (copy)",
                 "refs: torch.ne / np.not_equal / torch.clone / np.copyto",
                 "diff replica: compare+nonzero / gather / scatter",
-                "background: tensor digests / build_patch (encode+pack) / file xxh3 / write files / write "
-                "manifest+HEAD",
+                "background: diff / tensor digests / build_patch (encode+pack) / file xxh3 / write files / "
+                "write manifest+HEAD",
                 "encode 1 thr: total / rice positions / xor-rank values / dense-fallback trials (count)",
                 "fetch: manifests / read / file xxh3 / decode (positions / values) / apply (incl. verify) / "
                 "verify digests",

@@ -65,7 +65,7 @@ def test_core_runs_on_a_tiny_model(bench: Any, tmp_path: Path) -> None:
             assert math.isfinite(x) and x > 0
         assert r.t_e2e >= r.t_push
         # every phase the breakdown reports was found and called (a rename shows up here)
-        assert {"push.diff_tensor", "bg.build_patch", "fetch.decode", "fetch.apply_patch"} <= set(r.phases)
+        assert {"push.stage", "bg.diff", "bg.build_patch", "fetch.decode", "fetch.apply_patch"} <= set(r.phases)
     text = bench.render(res)
     for title in (
         "Payload per step",

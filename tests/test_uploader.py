@@ -399,3 +399,40 @@ def test_flush_timeout() -> None:
     finally:
         gated.gate.set()
         up.close()
+
+
+def test_push_copies_the_state_so_the_caller_may_change_it_at_once(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """push() only stages a copy; the diff runs later on the digest thread. Changing the
+    caller's tensors (a live module's parameters) right after push must not leak into the step."""
+    import torch
+
+    import deltasync.uploader._uploader as uupl
+
+    may_diff = threading.Event()
+    real_diff = uupl.diff_tensor
+
+    def held_diff(base: Any, new: Any) -> Any:
+        assert may_diff.wait(WAIT)
+        return real_diff(base, new)
+
+    monkeypatch.setattr(uupl, "diff_tensor", held_diff)
+    store = ds.LocalStore(tmp_path / "s", fsync=False)
+    model = torch.nn.Linear(64, 32).to(torch.bfloat16)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    with ds.DeltaUploader(store, anchor_every=100) as up:
+        up.push(model, 0).result(WAIT)  # the anchor
+        with torch.no_grad():
+            model.weight[3] += 1.0
+        expected = {k: v.clone() for k, v in model.state_dict().items()}
+        fut = up.push(model, 1)
+        with torch.no_grad():  # the next training step, while step 1 is not even diffed yet
+            model.weight.add_(1.0)
+            model.bias.add_(1.0)
+        may_diff.set()
+        assert fut.result(WAIT).changed == 64
+    target = {k: torch.zeros_like(v) for k, v in expected.items()}
+    ds.DeltaFetcher(store).sync(target, step=1)
+    for k, want in expected.items():
+        assert torch.equal(target[k].view(torch.int16), want.view(torch.int16)), k

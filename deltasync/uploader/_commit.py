@@ -50,6 +50,8 @@ class StepJob:
     total: int = 0
     digests: dict[str, str] = field(default_factory=dict)
     digests_ready: threading.Event = field(default_factory=threading.Event)
+    staged: dict[str, Any] = field(default_factory=dict)  # patch: new flat bits, diffed in the background
+    error: BaseException | None = None
     futures: list[tuple[int, Future[Any]]] = field(default_factory=list)
 
 

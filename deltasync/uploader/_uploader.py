@@ -142,6 +142,7 @@ class DeltaUploader:
         self.store = store
         self.config = replace(config or UploaderConfig(), **options)
         self._baseline = Baseline()
+        self._staging: dict[str, torch.Tensor] = {}
         self._digest_cache: dict[str, str] = {}
         self._pushes_since_anchor = 0
         self._last_step: int | None = None
@@ -223,7 +224,9 @@ class DeltaUploader:
     # ------------------------------------------------------------------ push
 
     def _prepare(self, state: Any) -> dict[str, torch.Tensor]:
-        tensors = state_tensors(state)
+        return self._cast(state_tensors(state))
+
+    def _cast(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         cast = self.config.cast_dtype
         if cast is not None:
             tensors = {k: v.to(cast) if v.is_floating_point() and v.dtype != cast else v for k, v in tensors.items()}
@@ -254,9 +257,11 @@ class DeltaUploader:
             raise ProtocolError(f"step must be a non-negative integer, got {step!r}")
         if self._last_step is not None and step <= self._last_step:
             raise ProtocolError(f"step {step} is not after the last step {self._last_step}; steps must increase")
-        tensors = self._prepare(state)
+        state_in = state_tensors(state)
+        tensors = self._cast(state_in)
         inventory = inventory_of(tensors)
-        # the previous step's digests read the baseline: wait for them before mutating it
+        # the previous step's diff and digests read the baseline and the staging buffers:
+        # wait for them before touching either
         if self._prev_job is not None:
             self._prev_job.digests_ready.wait()
         if self.config.on_backlog == "block":
@@ -268,19 +273,8 @@ class DeltaUploader:
         if failed or inventory != self._baseline.inventory or self._anchor_due():
             job = self._snapshot_anchor(step, tensors, inventory, total)
         else:
-            changes: dict[str, TensorChange] = {}
-            for name, t in tensors.items():
-                c = diff_tensor(self._baseline.tensors[name], t)
-                if c is not None:
-                    changes[name] = c
-            job = StepJob(
-                step,
-                "patch",
-                inventory,
-                changes=changes,
-                changed=sum(int(c.idx.size) for c in changes.values()),
-                total=total,
-            )
+            # Only copy here; the diff against the baseline runs on the digest thread.
+            job = StepJob(step, "patch", inventory, staged=self._stage(state_in, tensors), total=total)
             self._pushes_since_anchor += 1
         fut: Future[CommitInfo] = Future()
         fut.set_running_or_notify_cancel()
@@ -289,12 +283,29 @@ class DeltaUploader:
         self._prev_job = job
         with self._cond:
             self._inflight += 1
-        if not self.config.tensor_digests:
-            job.digests_ready.set()
         with self._digest_cv:
             self._digest_q.append(job)
             self._digest_cv.notify()
         return fut
+
+    def _stage(self, given: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Flat bit views of this step's tensors that the caller cannot change any more.
+
+        Tensors that ``cast_dtype`` just made are ours already; the caller's own are
+        copied into reused staging buffers (one memcpy, about one compare pass).
+        """
+        out: dict[str, torch.Tensor] = {}
+        for name, t in tensors.items():
+            bits = flat_bits(t)
+            if t is not given.get(name):
+                out[name] = bits
+                continue
+            buf = self._staging.get(name)
+            if buf is None or buf.dtype != bits.dtype or buf.shape != bits.shape or buf.device != bits.device:
+                buf = self._staging[name] = bits.new_empty(bits.shape)
+            buf.copy_(bits)
+            out[name] = buf
+        return out
 
     def _snapshot_anchor(self, step: int, tensors: dict[str, torch.Tensor], inventory: Any, total: int) -> StepJob:
         same = inventory == self._baseline.inventory
@@ -323,11 +334,14 @@ class DeltaUploader:
             if job is None:
                 return
             try:
+                if job.staged:
+                    self._diff(job)
                 if self.config.tensor_digests:
                     self._digest(job)
-            except Exception:  # noqa: BLE001 - surfaced through the job's future
-                log.exception("hashing step %d failed", job.step)
+            except Exception as exc:  # noqa: BLE001 - surfaced through the job's future
+                log.exception("diffing or hashing step %d failed", job.step)
                 job.digests = {}
+                job.error = exc
             try:
                 with self._cond:
                     full = len(self._pending) >= self.config.max_pending
@@ -341,6 +355,16 @@ class DeltaUploader:
                 # jobs, and this one must already be among them (a merged job shares
                 # this Event, so the commit thread waits for it as well)
                 job.digests_ready.set()
+
+    def _diff(self, job: StepJob) -> None:
+        changes: dict[str, TensorChange] = {}
+        for name, bits in job.staged.items():
+            c = diff_tensor(self._baseline.tensors[name], bits)
+            if c is not None:
+                changes[name] = c
+        job.staged = {}
+        job.changes = changes
+        job.changed = sum(int(c.idx.size) for c in changes.values())
 
     def _digest(self, job: StepJob) -> None:
         for info in job.inventory:
@@ -374,8 +398,8 @@ class DeltaUploader:
                 raise CommitFailed(
                     f"step {job.step}: its parent step was not committed; the next push will be an anchor"
                 )
-            if self.config.tensor_digests and len(job.digests) != len(job.inventory):
-                raise CommitFailed(f"step {job.step}: hashing the state failed (see log)")
+            if job.error is not None or (self.config.tensor_digests and len(job.digests) != len(job.inventory)):
+                raise CommitFailed(f"step {job.step}: diffing or hashing the state failed: {job.error}")
             last = self._last_committed
             committed = write_step(
                 self.store,
