@@ -401,8 +401,9 @@ def test_flush_timeout() -> None:
         up.close()
 
 
+@pytest.mark.parametrize("defer_diff", [True, False])
 def test_push_copies_the_state_so_the_caller_may_change_it_at_once(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, defer_diff: bool
 ) -> None:
     """push() only stages a copy; the diff runs later on the digest thread. Changing the
     caller's tensors (a live module's parameters) right after push must not leak into the step."""
@@ -414,14 +415,15 @@ def test_push_copies_the_state_so_the_caller_may_change_it_at_once(
     real_diff = uupl.diff_tensor
 
     def held_diff(base: Any, new: Any) -> Any:
-        assert may_diff.wait(WAIT)
+        if defer_diff:  # inline, the diff runs inside push(): nothing to hold
+            assert may_diff.wait(WAIT)
         return real_diff(base, new)
 
     monkeypatch.setattr(uupl, "diff_tensor", held_diff)
     store = ds.LocalStore(tmp_path / "s", fsync=False)
     model = torch.nn.Linear(64, 32).to(torch.bfloat16)
     expected = {k: v.clone() for k, v in model.state_dict().items()}
-    with ds.DeltaUploader(store, anchor_every=100) as up:
+    with ds.DeltaUploader(store, anchor_every=100, defer_diff=defer_diff) as up:
         up.push(model, 0).result(WAIT)  # the anchor
         with torch.no_grad():
             model.weight[3] += 1.0

@@ -51,6 +51,10 @@ class UploaderConfig:
         bit-exactness); costs one hashing pass over changed tensors per step.
     signing_key: sign manifests with HMAC-SHA256.
     encode_threads: threads encoding tensors of one step in parallel.
+    defer_diff: push() only copies the state into staging buffers (one memcpy)
+        and the bit-wise diff runs in the background. Costs one more copy of the
+        weights in memory, on their device; False diffs inside push() instead
+        (push takes about 3-4 compare passes, no extra memory).
     """
 
     anchor_every: int = 50
@@ -63,6 +67,7 @@ class UploaderConfig:
     signing_key: bytes | None = None
     encode_threads: int = 2
     run_id: str | None = None
+    defer_diff: bool = True
 
     def __post_init__(self) -> None:
         if self.anchor_every < 1:
@@ -273,8 +278,12 @@ class DeltaUploader:
         if failed or inventory != self._baseline.inventory or self._anchor_due():
             job = self._snapshot_anchor(step, tensors, inventory, total)
         else:
-            # Only copy here; the diff against the baseline runs on the digest thread.
-            job = StepJob(step, "patch", inventory, staged=self._stage(state_in, tensors), total=total)
+            if self.config.defer_diff:
+                # only copy here; the diff against the baseline runs on the digest thread
+                job = StepJob(step, "patch", inventory, staged=self._stage(state_in, tensors), total=total)
+            else:
+                job = StepJob(step, "patch", inventory, staged={k: flat_bits(t) for k, t in tensors.items()}, total=total)
+                self._diff(job)
             self._pushes_since_anchor += 1
         fut: Future[CommitInfo] = Future()
         fut.set_running_or_notify_cancel()
@@ -334,6 +343,8 @@ class DeltaUploader:
             if job is None:
                 return
             try:
+                if job.kind == "anchor" and self.config.defer_diff:
+                    self._prefault_staging()
                 if job.staged:
                     self._diff(job)
                 if self.config.tensor_digests:
@@ -355,6 +366,14 @@ class DeltaUploader:
                 # jobs, and this one must already be among them (a merged job shares
                 # this Event, so the commit thread waits for it as well)
                 job.digests_ready.set()
+
+    def _prefault_staging(self) -> None:
+        """Allocate and touch the staging buffers now, off the caller's thread, so that the
+        next push() copies into warm memory instead of paying the page faults."""
+        for name, base in self._baseline.tensors.items():
+            buf = self._staging.get(name)
+            if buf is None or buf.dtype != base.dtype or buf.shape != base.shape or buf.device != base.device:
+                self._staging[name] = base.new_zeros(base.shape)
 
     def _diff(self, job: StepJob) -> None:
         changes: dict[str, TensorChange] = {}
