@@ -122,8 +122,7 @@ def _unplanes(raw: bytes, count: int, bits: np.dtype[Any]) -> Ints:
 
 PAIR_BASE = 15  # two symbols < 15 share one byte: a * 15 + b (0..224)
 PAIR_ESCAPE = 255
-_PAIR_A = (np.arange(256) // PAIR_BASE).astype(np.uint8)
-_PAIR_B = (np.arange(256) % PAIR_BASE).astype(np.uint8)
+_PAIR_DECODE = ((np.arange(256) // PAIR_BASE) | ((np.arange(256) % PAIR_BASE) << 8)).astype("<u2")
 
 
 def _pair_lut() -> Ints:
@@ -164,15 +163,13 @@ def _decode_pairs(blob: bytes | memoryview, count: int, what: str) -> Ints:
     pairs = np.frombuffer(_decompress(mv[4 : 4 + plen], npairs, what + " pairs"), dtype=np.uint8)
     esc = pairs == PAIR_ESCAPE
     n_esc = int(np.count_nonzero(esc))
-    if bool(np.any((pairs >= PAIR_BASE * PAIR_BASE) & ~esc)):
+    if int(np.count_nonzero(pairs >= PAIR_BASE * PAIR_BASE)) != n_esc:
         raise ProtocolError(f"{what}: invalid pair byte")
-    out = np.empty((npairs, 2), dtype=np.uint8)
-    out[:, 0] = _PAIR_A[pairs]
-    out[:, 1] = _PAIR_B[pairs]
+    both = _PAIR_DECODE[pairs]  # (a, b) as one little-endian u16 per pair
     raw = _decompress(mv[4 + plen :], 2 * n_esc, what + " escaped pairs")
     if n_esc:
-        out[esc] = np.frombuffer(raw, dtype=np.uint8).reshape(n_esc, 2)
-    flat = out.reshape(-1)
+        both[esc] = np.frombuffer(raw, dtype="<u2")
+    flat = both.view(np.uint8)
     if count % 2 and flat[-1] != 0:
         raise ProtocolError(f"{what}: nonzero padding symbol")
     return flat[:count]
