@@ -400,7 +400,9 @@ class S3Store(Store):
         if directory is not None and any(p in ("", ".", "..") for p in directory.split("/")):
             return []  # no valid key starts like this
         found = self._run(
-            self._call(f"list {prefix!r} in", None, lambda: obs.list(self._s3, directory, chunk_size=1000).collect_async())
+            self._call(
+                f"list {prefix!r} in", None, lambda: obs.list(self._s3, directory, chunk_size=1000).collect_async()
+            )
         )
         return sorted(
             (ObjectInfo(o["path"], o["size"]) for o in found if o["path"].startswith(prefix)), key=lambda o: o.key
