@@ -288,6 +288,15 @@ class _FaultHandler(http.server.BaseHTTPRequestHandler):
         if server.status is None:
             server.release.wait(30)
             return
+        if server.status == 200:  # a server that ignores Range headers
+            self.send_response(200)
+            self.send_header("Content-Length", "10")
+            self.send_header("ETag", '"v1"')
+            self.send_header("Last-Modified", "Sun, 22 Nov 2026 03:00:00 GMT")
+            self.end_headers()
+            if self.command == "GET":
+                self.wfile.write(b"0123456789")
+            return
         body = b"<Error><Code>SlowDown</Code><Message>busy</Message></Error>"
         self.send_response(server.status)
         self.send_header("Content-Length", str(len(body)))
@@ -340,4 +349,14 @@ def test_timeouts_are_transient(fault_server: Any) -> None:
     with pytest.raises(TransientStorageError, match="no answer from endpoint"):
         s.get("k")
     assert time.monotonic() - t0 < 10
+    s.close()
+
+
+def test_servers_that_ignore_ranges_still_work(fault_server: Any) -> None:
+    fault_server.status = 200
+    s = _fault_store(fault_server, max_retries=0)
+    assert s.get("k") == b"0123456789"
+    assert s.get_many(["k", "j"]) == {"k": b"0123456789", "j": b"0123456789"}
+    assert s.get_range("k", 2, 5) == b"234"
+    assert s.get_range("k", 4, 4) == b""
     s.close()

@@ -58,6 +58,8 @@ MiB = 1024 * 1024
 _STATUS = re.compile(r"status code: (\d{3})")
 _S3_CODE = re.compile(r"<Code>([^<]+)</Code>")
 _HTTP_ERROR = re.compile(r"HTTP error: ([^\n]+)")
+_RANGE_UNSATISFIABLE = "status code: 416"
+_RANGE_IGNORED = "non-partial response"
 _ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
 _TRUE = ("1", "true", "yes", "on")
 
@@ -338,9 +340,10 @@ class S3Store(Store):
                 try:
                     res = await obs.get_async(self._s3, key, options={"range": (0, chunk)})
                 except Exception as exc:
-                    if "status code: 416" not in str(exc):
+                    if not any(m in str(exc) for m in (_RANGE_UNSATISFIABLE, _RANGE_IGNORED)):
                         raise
-                    res = await obs.get_async(self._s3, key)  # an empty object has no byte 0
+                    # an empty object has no byte 0; some servers answer a ranged GET in full
+                    res = await obs.get_async(self._s3, key)
                 meta = res.meta
                 return await res.bytes_async(), meta["size"], meta.get("e_tag") or ""
 
@@ -377,8 +380,11 @@ class S3Store(Store):
                 try:
                     return bytes(await self._get_part(key, start, end, None))
                 except StorageError as exc:
-                    cause = exc.__cause__
-                    if cause is None or "status code: 416" not in str(cause):
+                    cause = str(exc.__cause__)
+                    if _RANGE_IGNORED in cause:  # the server does not do ranges: read it whole
+                        whole, _ = await self._get_whole(key)
+                        return whole[start:end]
+                    if _RANGE_UNSATISFIABLE not in cause:
                         raise
             await self._call("read", key, lambda: obs.head_async(self._s3, key))  # exists, nothing in range
             return b""
