@@ -21,7 +21,7 @@ What it does, per learning rate:
    commit's Future resolves: diff, encode, write files, manifest, HEAD) and the download time
    (``sync()``: list, manifests, files, verify, apply);
 4. next to it, a full checkpoint: the safetensors file of the last state written with
-   ``store.put`` (a Path payload: multipart on S3) and read back with ``store.get``, three times.
+   ``store.put`` (a Path payload: multipart on S3) and read back with ``store.get``, five times.
 
 Medians over the measured steps (the first ``--warmup`` patch steps are dropped). On loopback
 the S3 column shows the per-request and HTTP overhead of the backend, not a network.
@@ -65,7 +65,8 @@ def _bench_payload() -> Any:
 
 bp = _bench_payload()
 
-#: the default: ~37M params (70 MiB of bf16), a few minutes on 2 cores
+FULL_REPS = 5
+#: the default: ~29M params (70 MiB of bf16), a few minutes on 2 cores
 SMALL = dict(hidden=512, layers=4, intermediate=1536, vocab=16000, heads=8, kv_heads=4, head_dim=64)
 
 
@@ -184,7 +185,7 @@ def measure(
         # a full checkpoint through the same store: one safetensors file, put and get
         ckpt = save_checkpoint(states[-1], tmp / f"full-{uuid.uuid4().hex[:8]}.safetensors")
         ups, downs = [], []
-        for i in range(3):
+        for i in range(FULL_REPS):
             key = f"full/{i}/model.safetensors"
             t0 = time.perf_counter()
             up_store.put(key, ckpt)
@@ -288,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     d = bp.BenchConfig()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--preset", choices=["small", *sorted(bp.PRESETS)], default="small")
-    p.add_argument("--steps", type=int, default=5, help="measured patch steps per lr")
+    p.add_argument("--steps", type=int, default=8, help="measured patch steps per lr")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--lrs", type=float, nargs="+", default=list(d.lrs))
     p.add_argument("--backends", nargs="+", choices=["local", "s3"], default=["local", "s3"])
