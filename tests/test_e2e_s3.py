@@ -39,7 +39,7 @@ class S3Run:
         return {k: torch.zeros_like(v) for k, v in self.pushed[0].items()}
 
 
-def push_run(server: SeaweedFS, lr: float, anchor_every: int = 5) -> S3Run:
+def push_run(server: SeaweedFS, lr: float, anchor_every: int = 5, **options: Any) -> S3Run:
     """Train the tiny Qwen3 and push every step to a new prefix, as tests/test_e2e.py does.
 
     lr >= 1e-4: the trainer pushes its own bf16 view; below, the uploader casts the fp32 module.
@@ -49,7 +49,7 @@ def push_run(server: SeaweedFS, lr: float, anchor_every: int = 5) -> S3Run:
     cast = None if lr >= 1e-4 else torch.bfloat16
     with (
         run.store() as store,
-        ds.DeltaUploader(store, anchor_every=anchor_every, on_backlog="block", cast_dtype=cast) as up,
+        ds.DeltaUploader(store, anchor_every=anchor_every, on_backlog="block", cast_dtype=cast, **options) as up,
     ):
         futs = []
         for step in train_steps(model, STEPS, lr=lr, seed=1 if cast is None else 2):
@@ -117,7 +117,8 @@ def test_fetcher_stops_at_7_and_resumes_at_18(s3_run: S3Run) -> None:
 
 def test_resume_over_a_long_patch_chain(s3_server: SeaweedFS) -> None:
     """With no anchor in between, 7 -> 18 is eleven small patches, not anchor + 18 patches."""
-    long = push_run(s3_server, lr=1e-6, anchor_every=100)  # RL-like: small patches, no byte-budget anchor
+    # RL-like small patches; no anchor by count or by the patch-bytes budget
+    long = push_run(s3_server, lr=1e-6, anchor_every=100, anchor_bytes_fraction=100.0)
     with long.store() as store:
         spy = SpyStore(store)
         f = ds.DeltaFetcher(spy)
@@ -126,4 +127,5 @@ def test_resume_over_a_long_patch_chain(s3_server: SeaweedFS) -> None:
         spy.reset()
         assert f.sync(target, step=18) == 18
         assert_state_equal(target, long.pushed[18])
+        assert [i.kind for i in long.infos] == ["anchor"] + ["patch"] * (STEPS - 1)
         assert {step_of_key(k) for k in spy.data_gets()} == set(range(8, 19))
