@@ -2,7 +2,10 @@
 
 Errors print as one ``error: ...`` line on stderr with a non-zero exit status.
 Environment variables are read here only: DELTASYNC_SIGNING_KEY (HMAC key for
-manifests), XDG_CACHE_HOME (where delta-upload keeps its baseline cache).
+manifests), XDG_CACHE_HOME (where delta-upload keeps its baseline cache). For
+s3:// stores the S3 client takes the usual AWS_* variables: AWS_ENDPOINT_URL
+(or AWS_ENDPOINT_URL_S3), AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
+AWS_SESSION_TOKEN, AWS_REGION, AWS_VIRTUAL_HOSTED_STYLE_REQUEST, AWS_ALLOW_HTTP.
 """
 
 from __future__ import annotations
@@ -193,7 +196,7 @@ def _run(fn: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> i
 
 def _upload_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", help="a .safetensors file or an HF checkpoint dir (with model.safetensors.index.json)")
-    p.add_argument("--store", required=True, help="store URL: a path, file:///..., memory://")
+    p.add_argument("--store", required=True, help="store URL: a path, file:///..., memory://, s3://bucket/prefix")
     p.add_argument("--step", required=True, type=int, help="training step of this checkpoint (must increase)")
     p.add_argument("--anchor-every", type=int, default=50, help="full anchor every N steps (default 50)")
     p.add_argument("--anchor", action="store_true", help="force a full anchor for this step")

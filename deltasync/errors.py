@@ -9,6 +9,7 @@ builtin exception means the same thing, the class also subclasses it, so
     │   ├── ObjectNotFound                (also FileNotFoundError) no object under that key
     │   ├── AlreadyExists                 (also FileExistsError) create-only write hit an existing key
     │   ├── PreconditionFailed            a conditional write lost its race
+    │   ├── TransientStorageError         a timeout, 5xx or lost connection: retrying later may succeed
     │   └── InvalidKey                    (also ValueError) key escapes the store or is malformed
     ├── ProtocolError                     (also ValueError) bytes that are not valid protocol v1
     │   └── UnsupportedVersion            written by a newer (or unknown) format version
@@ -38,6 +39,7 @@ __all__ = [
     "ProtocolError",
     "SignatureMismatch",
     "StorageError",
+    "TransientStorageError",
     "UnsupportedVersion",
     "WriterFenced",
 ]
@@ -71,6 +73,10 @@ class AlreadyExists(StorageError, FileExistsError):
 
 class PreconditionFailed(StorageError):
     """A conditional write's precondition (ETag, generation) did not hold."""
+
+
+class TransientStorageError(StorageError):
+    """The store may succeed later: a timeout, a 5xx/429 reply or a lost connection (after the client's own retries)."""
 
 
 class InvalidKey(StorageError, ValueError):

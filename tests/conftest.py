@@ -202,3 +202,7 @@ def spy_store(tmp_path: Any) -> SpyStore:
 def step_of_key(key: str) -> int:
     """The step number in ``steps/000000000012/...``."""
     return int(key.split("/")[1])
+
+
+# the session-wide S3 server (SeaweedFS on loopback) of the s3:// tests
+from s3server import s3_server  # noqa: E402,F401

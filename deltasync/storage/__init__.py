@@ -3,22 +3,42 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 from urllib.parse import unquote, urlparse
 
 from deltasync.errors import StorageError
 from deltasync.storage._local import LocalStore
 from deltasync.storage._memory import MemoryStore
+from deltasync.storage._s3 import S3Store
 from deltasync.storage.base import Data, ObjectInfo, PutMode, Store, validate_key
 
-__all__ = ["Data", "LocalStore", "MemoryStore", "ObjectInfo", "PutMode", "Store", "open_store", "validate_key"]
+__all__ = [
+    "Data",
+    "LocalStore",
+    "MemoryStore",
+    "ObjectInfo",
+    "PutMode",
+    "S3Store",
+    "Store",
+    "open_store",
+    "validate_key",
+]
 
 
-def open_store(url: str | os.PathLike[str]) -> Store:
+def open_store(url: str | os.PathLike[str], **options: Any) -> Store:
     """Open a store from a URL.
 
     * a plain path or ``file:///abs/path``: :class:`LocalStore` (created if missing)
     * ``memory://name``: a fresh :class:`MemoryStore` (not shared between calls)
+    * ``s3://<bucket>[/<prefix>]``: :class:`S3Store`; ``options`` are its keywords
+      (endpoint, region, credentials, ...), else the ``AWS_*`` environment applies
+
+    ``options`` are accepted by the s3:// backend only.
     """
+    if isinstance(url, str) and url.startswith("s3://"):
+        return S3Store.from_url(url, **options)
+    if options:
+        raise StorageError(f"{url}: store options {sorted(options)} are only accepted for s3:// URLs")
     if isinstance(url, os.PathLike):
         return LocalStore(url)
     if not isinstance(url, str) or not url:
@@ -34,5 +54,5 @@ def open_store(url: str | os.PathLike[str]) -> Store:
         return MemoryStore(url[len("memory://") :])
     raise StorageError(
         f"{url}: unsupported store scheme {parsed.scheme!r}; this build supports local paths, "
-        "file:// and memory:// (hf:// and s3:// backends are not installed yet)"
+        "file://, memory:// and s3:// (the hf:// backend is not installed yet)"
     )

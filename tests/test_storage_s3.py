@@ -1,0 +1,362 @@
+"""S3Store against a real S3 server on loopback (SeaweedFS): the conformance suite and S3 specifics."""
+
+from __future__ import annotations
+
+import http.server
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, ClassVar
+
+import obstore as obs
+import pytest
+from hypothesis import HealthCheck, settings
+from obstore.store import S3Store as RawS3
+
+from deltasync.errors import (
+    AlreadyExists,
+    InvalidKey,
+    ObjectNotFound,
+    PreconditionFailed,
+    StorageError,
+    TransientStorageError,
+)
+from deltasync.storage import S3Store, open_store
+from deltasync.testing.seaweedfs import ACCESS_KEY, REGION, SECRET_KEY, SeaweedFS
+from deltasync.testing.store import StoreTests
+
+MiB = 1024 * 1024
+BUCKET = "test"
+
+
+def raw_client(server: SeaweedFS) -> RawS3:
+    """A plain obstore client on the whole bucket: the 'behind the store's back' path."""
+    return RawS3(
+        BUCKET,
+        endpoint=server.endpoint,
+        access_key_id=ACCESS_KEY,
+        secret_access_key=SECRET_KEY,
+        region=REGION,
+        client_options={"allow_http": True},
+    )
+
+
+def unique_prefix(what: str) -> str:
+    return f"{what}/{uuid.uuid4().hex[:12]}"
+
+
+class TestS3Store(StoreTests[S3Store]):
+    # 5 MiB parts: the multi-MB round trip is a 3-part multipart put and 3 parallel ranged gets
+    big_object_size: ClassVar[int] = 11 * MiB + 7
+    state_machine_settings: ClassVar[settings] = settings(
+        max_examples=25,
+        stateful_step_count=20,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+
+    @pytest.fixture(autouse=True)
+    def _server(self, s3_server: SeaweedFS) -> Iterator[None]:
+        self.server = s3_server
+        self.raw = raw_client(s3_server)
+        yield
+
+    def make_store(self, path: Path) -> S3Store:
+        return self.server.store(BUCKET, unique_prefix("conformance"), part_size=5 * MiB)
+
+    def raw_get(self, store: S3Store, key: str) -> bytes | None:
+        try:
+            return bytes(obs.get(self.raw, f"{store.prefix}/{key}").bytes())
+        except FileNotFoundError:
+            return None
+
+    def raw_put(self, store: S3Store, key: str, data: bytes) -> None:
+        obs.put(self.raw, f"{store.prefix}/{key}", data)
+
+
+@pytest.fixture
+def store(s3_server: SeaweedFS) -> Iterator[S3Store]:
+    with s3_server.store(BUCKET, unique_prefix("specific"), part_size=5 * MiB) as s:
+        assert isinstance(s, S3Store)
+        yield s
+
+
+# -- open_store and configuration ---------------------------------------------------------
+
+
+def test_open_store_with_options(s3_server: SeaweedFS) -> None:
+    prefix = unique_prefix("open")
+    opts = dict(endpoint=s3_server.endpoint, access_key_id=ACCESS_KEY, secret_access_key=SECRET_KEY, environ={})
+    with open_store(f"s3://{BUCKET}/{prefix}/", **opts) as s:
+        assert isinstance(s, S3Store)
+        assert (s.bucket, s.prefix, s.url) == (BUCKET, prefix, f"s3://{BUCKET}/{prefix}")
+        assert s.endpoint == s3_server.endpoint
+        s.put("HEAD.json", b"{}")
+    assert bytes(obs.get(raw_client(s3_server), f"{prefix}/HEAD.json").bytes()) == b"{}"
+    with open_store(f"s3://{BUCKET}", **opts) as root:
+        assert root.url == f"s3://{BUCKET}"
+        assert root.get(f"{prefix}/HEAD.json") == b"{}"
+
+
+def test_open_store_from_aws_environment(s3_server: SeaweedFS, monkeypatch: pytest.MonkeyPatch) -> None:
+    for k, v in s3_server.env.items():
+        monkeypatch.setenv(k, v)
+    prefix = unique_prefix("env")
+    with open_store(f"s3://{BUCKET}/{prefix}") as s:
+        assert isinstance(s, S3Store) and s.endpoint == s3_server.endpoint
+        s.put("k", b"from env")
+        assert s.get("k") == b"from env"
+    # AWS_ENDPOINT_URL_S3 wins over AWS_ENDPOINT_URL
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_server.endpoint)
+    with open_store(f"s3://{BUCKET}/{prefix}") as s:
+        assert s.get("k") == b"from env"
+
+
+@pytest.mark.parametrize(
+    "url", ["s3://", "s3:///prefix", f"s3://{BUCKET}/p?endpoint=x", f"s3://{BUCKET}/p#frag", "s3://b/../escape"]
+)
+def test_bad_s3_urls(url: str) -> None:
+    with pytest.raises(StorageError):
+        open_store(url, environ={})
+
+
+def test_prefix_is_validated() -> None:
+    with pytest.raises(InvalidKey):
+        S3Store(BUCKET, "a//b", endpoint="http://127.0.0.1:9", environ={})
+
+
+def test_options_only_for_s3(tmp_path: Path) -> None:
+    with pytest.raises(StorageError, match="only accepted for s3://"):
+        open_store(str(tmp_path), endpoint="http://127.0.0.1:9")
+
+
+def test_closed_store_refuses_work(s3_server: SeaweedFS) -> None:
+    s = s3_server.store(BUCKET, unique_prefix("closed"))
+    s.put("k", b"v")
+    s.close()
+    s.close()  # idempotent
+    with pytest.raises(StorageError, match="closed"):
+        s.get("k")
+
+
+# -- S3 specifics --------------------------------------------------------------------------
+
+
+def test_etag_conditioned_update(store: S3Store) -> None:
+    store.put("HEAD.json", b"v1")
+    body, etag = store.get_with_etag("HEAD.json")
+    assert body == b"v1" and etag
+    new_etag = store.put_if_match("HEAD.json", b"v2", etag)
+    assert new_etag and new_etag != etag
+    with pytest.raises(PreconditionFailed, match="HEAD.json"):
+        store.put_if_match("HEAD.json", b"stale writer", etag)
+    assert store.get("HEAD.json") == b"v2"
+    # two writers read the same version; exactly one update wins
+    _, cur = store.get_with_etag("HEAD.json")
+    barrier = threading.Barrier(8)
+
+    def attempt(i: int) -> bool:
+        barrier.wait(timeout=30)
+        try:
+            store.put_if_match("HEAD.json", f"writer {i}".encode(), cur)
+        except PreconditionFailed:
+            return False
+        return True
+
+    with ThreadPoolExecutor(8) as pool:
+        wins = list(pool.map(attempt, range(8)))
+    assert sum(wins) == 1
+    assert store.get("HEAD.json") == f"writer {wins.index(True)}".encode()
+
+
+def test_large_objects_multipart_and_ranged(store: S3Store, tmp_path: Path) -> None:
+    blob = bytes(range(256)) * (52 * 1024) + b"tail"  # 13 MiB: 3 parts of 5 MiB
+    src = tmp_path / "big.bin"
+    src.write_bytes(blob)
+    store.put_many({"from-path": src, "from-bytes": blob, "from-view": memoryview(blob)})
+    store.put("created", blob, mode="create")
+    got = store.get_many(["from-path", "from-bytes", "from-view", "created"])
+    assert all(v == blob for v in got.values())
+    assert store.get_range("from-path", 5 * MiB - 3, 10 * MiB + 3) == blob[5 * MiB - 3 : 10 * MiB + 3]
+    assert store.get_range("from-path", len(blob) - 2, len(blob) + 100) == b"il"
+    assert store.get_range("from-path", len(blob) + 5, len(blob) + 10) == b""
+    with pytest.raises(AlreadyExists):
+        store.put("created", src, mode="create")
+
+
+def test_reads_of_a_changing_large_object_are_whole(store: S3Store) -> None:
+    versions = [bytes([v]) * (11 * MiB) for v in (1, 2)]
+    store.put("big", versions[0])
+    stop = threading.Event()
+
+    def writer() -> int:
+        n = 0
+        while not stop.is_set() and n < 40:
+            store.put("big", versions[n % 2])
+            n += 1
+        return n
+
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(writer)
+        try:
+            for _ in range(6):
+                assert store.get("big") in versions
+        finally:
+            stop.set()
+        assert fut.result(timeout=120) >= 1
+
+
+def test_batch_reports_first_error_after_all_finished(store: S3Store) -> None:
+    store.put("b", b"old")
+    with pytest.raises(AlreadyExists, match="b already exists"):
+        store.put_many({"a": b"1", "b": b"2", "c": b"3"}, mode="create")
+    assert store.get_many(["a", "b", "c"]) == {"a": b"1", "b": b"old", "c": b"3"}
+    with pytest.raises(ObjectNotFound, match="missing"):
+        store.get_many(["a", "missing", "c"])
+
+
+def test_keys_with_unusual_characters(store: S3Store) -> None:
+    items = {"sp ace/ü.bin": b"1", "per%20cent": b"2", "hash#tag": b"3", "plus+sign=x": b"4"}
+    store.put_many(items)
+    assert store.get_many(list(items)) == items
+    assert {o.key for o in store.list()} == set(items)
+    store.delete_many(list(items))
+    assert store.list() == []
+
+
+# -- errors: every failure is a deltasync StorageError, in bounded time ---------------------
+
+
+def test_wrong_credentials(s3_server: SeaweedFS) -> None:
+    s = s3_server.store(BUCKET, unique_prefix("creds"), secret_access_key="wrong-secret", max_retries=0)
+    t0 = time.monotonic()
+    for call in (lambda: s.get("k"), lambda: s.list(), lambda: s.put("k", b"v"), lambda: s.exists("k")):
+        with pytest.raises(StorageError, match="access denied.*AWS_ACCESS_KEY_ID") as info:
+            call()
+        assert not isinstance(info.value, (ObjectNotFound, TransientStorageError))
+        assert s3_server.endpoint in str(info.value)
+    assert time.monotonic() - t0 < 10
+    s.close()
+
+
+def test_missing_bucket(s3_server: SeaweedFS) -> None:
+    s = s3_server.store(f"no-such-bucket-{uuid.uuid4().hex[:8]}", "p", max_retries=0)
+    for call in (lambda: s.get("k"), lambda: s.get_many(["k"]), lambda: s.list()):
+        with pytest.raises(StorageError, match="bucket 'no-such-bucket-.*' does not exist") as info:
+            call()
+        assert not isinstance(info.value, ObjectNotFound), "a missing bucket is not a missing object"
+    s.close()
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_unreachable_endpoint_is_transient_and_named() -> None:
+    endpoint = f"http://127.0.0.1:{_closed_port()}"
+    s = S3Store(BUCKET, "p", endpoint=endpoint, access_key_id="k", secret_access_key="s", environ={},
+                max_retries=1, retry_timeout=3, connect_timeout=1)  # fmt: skip
+    t0 = time.monotonic()
+    for call in (lambda: s.get("k"), lambda: s.put("k", b"v"), lambda: s.list(), lambda: s.delete_many(["k"])):
+        with pytest.raises(TransientStorageError, match=f"no answer from endpoint {endpoint}"):
+            call()
+    assert time.monotonic() - t0 < 20
+    s.close()
+
+
+def test_plain_http_needs_opt_in_off_loopback() -> None:
+    s = S3Store(BUCKET, endpoint="http://192.0.2.1:9000", access_key_id="k", secret_access_key="s", environ={})
+    with pytest.raises(StorageError, match="allow_http") as info:
+        s.get("k")
+    assert not isinstance(info.value, TransientStorageError)
+    s.close()
+
+
+class _FaultHandler(http.server.BaseHTTPRequestHandler):
+    """Answers every request with the server's ``status``, or hangs until released."""
+
+    def _answer(self) -> None:
+        server: Any = self.server
+        server.requests += 1
+        if server.status is None:
+            server.release.wait(30)
+            return
+        if server.status == 200:  # a server that ignores Range headers
+            self.send_response(200)
+            self.send_header("Content-Length", "10")
+            self.send_header("ETag", '"v1"')
+            self.send_header("Last-Modified", "Sun, 22 Nov 2026 03:00:00 GMT")
+            self.end_headers()
+            if self.command == "GET":
+                self.wfile.write(b"0123456789")
+            return
+        body = b"<Error><Code>SlowDown</Code><Message>busy</Message></Error>"
+        self.send_response(server.status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_PUT = do_HEAD = do_POST = do_DELETE = _answer
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def fault_server() -> Iterator[Any]:
+    srv: Any = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FaultHandler)
+    srv.daemon_threads = True
+    srv.status, srv.requests, srv.release = 503, 0, threading.Event()
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield srv
+    finally:
+        srv.release.set()
+        srv.shutdown()
+        srv.server_close()
+        thread.join(10)
+
+
+def _fault_store(srv: Any, **kw: Any) -> S3Store:
+    endpoint = f"http://127.0.0.1:{srv.server_address[1]}"
+    return S3Store(BUCKET, "p", endpoint=endpoint, access_key_id="k", secret_access_key="s", environ={}, **kw)
+
+
+def test_server_errors_are_transient_after_retries(fault_server: Any) -> None:
+    s = _fault_store(fault_server, max_retries=2, retry_timeout=10)
+    with pytest.raises(TransientStorageError, match="503 SlowDown"):
+        s.get("k")
+    assert fault_server.requests == 3, "obstore retries a 503 before giving up"
+    fault_server.status = 400
+    with pytest.raises(StorageError, match="HTTP 400") as info:
+        s.put("k", b"v")
+    assert not isinstance(info.value, TransientStorageError), "a 4xx is permanent"
+    s.close()
+
+
+def test_timeouts_are_transient(fault_server: Any) -> None:
+    fault_server.status = None  # accept, never answer
+    s = _fault_store(fault_server, max_retries=0, timeout=1, retry_timeout=2)
+    t0 = time.monotonic()
+    with pytest.raises(TransientStorageError, match="no answer from endpoint"):
+        s.get("k")
+    assert time.monotonic() - t0 < 10
+    s.close()
+
+
+def test_servers_that_ignore_ranges_still_work(fault_server: Any) -> None:
+    fault_server.status = 200
+    s = _fault_store(fault_server, max_retries=0)
+    assert s.get("k") == b"0123456789"
+    assert s.get_many(["k", "j"]) == {"k": b"0123456789", "j": b"0123456789"}
+    assert s.get_range("k", 2, 5) == b"234"
+    assert s.get_range("k", 4, 4) == b""
+    s.close()
