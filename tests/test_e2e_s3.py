@@ -78,11 +78,12 @@ def test_run_is_committed_as_pushed(s3_run: S3Run) -> None:
         assert sorted(ms) == list(range(STEPS))
         for i in infos:
             assert (ms[i.step].kind, ms[i.step].stats.nbytes) == (i.kind, i.nbytes)
-        # what is in the bucket is exactly the files the manifests list, plus HEAD
+        # what is in the bucket is exactly the files the manifests list, plus HEAD and the writer claim
         listed = {o.key: o.size for o in store.list()}
         want = {f"steps/{s:012d}/{fi.path}": fi.size for s, m in ms.items() for fi in m.files}
         want.update({f"steps/{s:012d}/manifest.json": len(store.get(f"steps/{s:012d}/manifest.json")) for s in ms})
-        assert {k: v for k, v in listed.items() if k != "HEAD.json"} == want
+        assert {k: v for k, v in listed.items() if k != "HEAD.json" and not k.startswith("writers/")} == want
+        assert "writers/000000000001.json" in listed
         assert "HEAD.json" in listed
 
 
