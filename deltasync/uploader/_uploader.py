@@ -312,7 +312,10 @@ class DeltaUploader:
             buf = self._staging.get(name)
             if buf is None or buf.dtype != bits.dtype or buf.shape != bits.shape or buf.device != bits.device:
                 buf = self._staging[name] = bits.new_empty(bits.shape)
-            buf.copy_(bits)
+            if buf.device.type == "cpu":
+                np.copyto(buf.numpy(), bits.numpy())  # a plain memcpy; torch's copy_ threads badly under load
+            else:
+                buf.copy_(bits)
             out[name] = buf
         return out
 
