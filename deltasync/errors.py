@@ -16,7 +16,12 @@ builtin exception means the same thing, the class also subclasses it, so
     │   └── SignatureMismatch             the manifest's HMAC signature is missing or wrong
     ├── InventoryMismatch                 (also ValueError) target tensors differ from the manifest
     ├── ChainBroken                       no path of committed steps leads to the requested step
-    └── CommitFailed                      the uploader's background commit gave up
+    ├── CommitFailed                      the uploader's background commit gave up
+    └── SignalError                       the signal server could not be used (never fatal: the store is the truth)
+        ├── SignalUnavailable             unreachable, timed out, or a 5xx: retry later or poll the store
+        ├── SignalRejected                the server refused the request (4xx: bad token, bad input)
+        │   └── SignalConflict            a commit contradicts the run's recorded history (409)
+        └── WebhookVerificationError      (also ValueError) a webhook delivery's signature or timestamp is bad
 
 Every class pickles (it carries only its message), so errors cross process
 and thread-pool boundaries intact.
@@ -35,9 +40,14 @@ __all__ = [
     "ObjectNotFound",
     "PreconditionFailed",
     "ProtocolError",
+    "SignalConflict",
+    "SignalError",
+    "SignalRejected",
+    "SignalUnavailable",
     "SignatureMismatch",
     "StorageError",
     "UnsupportedVersion",
+    "WebhookVerificationError",
 ]
 
 
@@ -101,3 +111,23 @@ class ChainBroken(DeltaSyncError):
 
 class CommitFailed(DeltaSyncError):
     """The uploader's background commit of a step failed; the next push is an anchor."""
+
+
+class SignalError(DeltaSyncError):
+    """The signal server could not be used. A hint only: the store stays the source of truth."""
+
+
+class SignalUnavailable(SignalError):
+    """The signal server is unreachable, timed out or answered 5xx; retry later or poll the store."""
+
+
+class SignalRejected(SignalError):
+    """The signal server refused a request (4xx: missing or wrong token, malformed input)."""
+
+
+class SignalConflict(SignalRejected):
+    """A published commit contradicts the run's history: an older step, or another digest for a step (409)."""
+
+
+class WebhookVerificationError(SignalError, ValueError):
+    """A webhook delivery's signature is missing or wrong, or its timestamp is outside the replay window."""

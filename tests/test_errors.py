@@ -30,6 +30,11 @@ BUILTIN_PARENTS: dict[str, tuple[type[BaseException], ...]] = {
     "InventoryMismatch": (ValueError,),
     "ChainBroken": (Exception,),
     "CommitFailed": (Exception,),
+    "SignalError": (Exception,),
+    "SignalUnavailable": (Exception,),
+    "SignalRejected": (Exception,),
+    "SignalConflict": (Exception,),
+    "WebhookVerificationError": (ValueError,),
 }
 
 #: Each class and its deltasync parent.
@@ -47,6 +52,11 @@ TREE_PARENTS: dict[str, str | None] = {
     "InventoryMismatch": "DeltaSyncError",
     "ChainBroken": "DeltaSyncError",
     "CommitFailed": "DeltaSyncError",
+    "SignalError": "DeltaSyncError",
+    "SignalUnavailable": "SignalError",
+    "SignalRejected": "SignalError",
+    "SignalConflict": "SignalRejected",
+    "WebhookVerificationError": "SignalError",
 }
 
 ids = [cls.__name__ for cls in ALL_CLASSES]
