@@ -66,9 +66,10 @@ class Hub:
     def _cache(self, run: str) -> deque[Commit]:
         cache = self._recent.get(run)
         if cache is None:
+            n = min(_RECENT, self.settings.history)
             head = self.db.head(run)
-            rows = self.db.after(run, head.step - _RECENT, _RECENT) if head else []
-            cache = self._recent[run] = deque(rows, maxlen=_RECENT)
+            rows = self.db.after(run, head.step - n, n) if head else []
+            cache = self._recent[run] = deque(rows, maxlen=n)
         return cache
 
     def head(self, run: str) -> Commit | None:

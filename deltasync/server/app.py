@@ -49,7 +49,7 @@ StepNo = Annotated[int, Field(ge=0, le=MAX_STEP)]
 class CommitIn(BaseModel):
     """Body of ``POST /v1/runs/{run}/commits``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     step: StepNo
     manifest_digest: str = Field(pattern=DIGEST_PATTERN, description="xxh3-128 of the step's manifest.json")
     run_id: str | None = Field(default=None, max_length=128, pattern=r"^[\x21-\x7e]+$")
@@ -70,7 +70,7 @@ class CommitOut(BaseModel):
 class WebhookIn(BaseModel):
     """Body of ``POST /v1/runs/{run}/webhooks``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     url: str = Field(max_length=2048, description="http(s) URL that receives signed POSTs")
     secret: str = Field(min_length=16, max_length=256, description="HMAC-SHA256 key of the signatures")
 
@@ -157,10 +157,6 @@ AUTH_RESPONSES: dict[int | str, dict[str, Any]] = {
 # ------------------------------------------------------ body size limit
 
 
-class _TooLarge(Exception):
-    pass
-
-
 def limit_body(app: ASGIApp, max_bytes: int) -> ASGIApp:
     """ASGI middleware: refuse request bodies over ``max_bytes`` with 413 (declared or streamed)."""
 
@@ -187,26 +183,31 @@ def limit_body(app: ASGIApp, max_bytes: int) -> ASGIApp:
                 return
         seen = 0
         started = False
+        refused = False
 
         async def limited_receive() -> Any:
-            nonlocal seen
+            nonlocal seen, refused
+            if refused:
+                return {"type": "http.disconnect"}
             msg = await receive()
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
                 if seen > max_bytes:
-                    raise _TooLarge
+                    # answer 413 now and tell the app the client went away; whatever it sends is dropped
+                    refused = True
+                    if not started:
+                        await too_large(send)
+                    return {"type": "http.disconnect"}
             return msg
 
-        async def tracking_send(msg: Any) -> None:
+        async def guarded_send(msg: Any) -> None:
             nonlocal started
+            if refused:
+                return
             started = started or msg["type"] == "http.response.start"
             await send(msg)
 
-        try:
-            await app(scope, limited_receive, tracking_send)
-        except _TooLarge:
-            if not started:
-                await too_large(send)
+        await app(scope, limited_receive, guarded_send)
 
     return middleware
 
