@@ -77,7 +77,9 @@ def test_publish_routes_need_the_publish_token(client: TestClient, method: str, 
     assert client.request(method, path, json=body, headers=auth(PUB)).status_code not in (401, 403)
 
 
-@pytest.mark.parametrize("path", ["/v1/runs/r/head", "/v1/runs/r/wait?after=5&timeout=0", "/v1/runs/r/events?limit=1", "/v1/runs/r/commits"])
+@pytest.mark.parametrize(
+    "path", ["/v1/runs/r/head", "/v1/runs/r/wait?after=5&timeout=0", "/v1/runs/r/events?limit=1", "/v1/runs/r/commits"]
+)
 def test_subscribe_routes_take_either_token(client: TestClient, path: str) -> None:
     publish(client, 3, D1)
     assert client.get(path).status_code == 401

@@ -228,7 +228,14 @@ class Hub:
                     retry, why = True, f"{type(exc).__name__}: {exc}"
                 self.metrics.inc("deltasync_webhook_attempts_failed_total")
                 if not retry or attempt == s.webhook_attempts:
-                    log.warning("webhook %s (%s) gave up on step %d after %d attempts: %s", hook.id, hook.url, c.step, attempt, why)
+                    log.warning(
+                        "webhook %s (%s) gave up on step %d after %d attempts: %s",
+                        hook.id,
+                        hook.url,
+                        c.step,
+                        attempt,
+                        why,
+                    )
                     self.metrics.inc("deltasync_webhook_deliveries_total", outcome="failed")
                     return
                 await asyncio.sleep(delay)

@@ -20,7 +20,9 @@ DIGEST_PATTERN = r"^[0-9a-f]{32}$"
 def check_run(run: str) -> str:
     """Return ``run`` if it is a valid run name, else raise ValueError."""
     if not isinstance(run, str) or not _RUN.fullmatch(run):
-        raise ValueError(f"invalid run name {run!r}: use 1-128 characters [A-Za-z0-9._-], starting with a letter or digit")
+        raise ValueError(
+            f"invalid run name {run!r}: use 1-128 characters [A-Za-z0-9._-], starting with a letter or digit"
+        )
     return run
 
 

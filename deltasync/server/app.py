@@ -121,9 +121,7 @@ def _auth_error(status: int, detail: str) -> HTTPException:
 
 
 def _require(scope: Literal["publish", "subscribe"]) -> Callable[..., Awaitable[None]]:
-    async def check(
-        request: Request, cred: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
-    ) -> None:
+    async def check(request: Request, cred: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
         s: Settings = request.app.state.settings
         wanted = [s.publish_token] if scope == "publish" else [s.subscribe_token, s.publish_token]
         if scope == "subscribe" and s.subscribe_token is None:
@@ -448,9 +446,7 @@ def create_app(
         responses={**AUTH_RESPONSES, 404: {"model": Problem}},
         tags=["webhooks"],
     )
-    async def delete_webhook(
-        run: RunName, hook_id: Annotated[str, Path(pattern=r"^[0-9a-f]{16}$")]
-    ) -> Response:
+    async def delete_webhook(run: RunName, hook_id: Annotated[str, Path(pattern=r"^[0-9a-f]{16}$")]) -> Response:
         """Unregister a webhook."""
         if not hub.db.delete_webhook(run, hook_id):
             raise HTTPException(404, f"run {run!r} has no webhook {hook_id}")
@@ -467,7 +463,10 @@ class _BodyLimit:
         self._inner = limit_body(app, max_bytes)
 
     async def __call__(
-        self, scope: MutableMapping[str, Any], receive: Callable[[], Awaitable[Any]], send: Callable[[Any], Awaitable[None]]
+        self,
+        scope: MutableMapping[str, Any],
+        receive: Callable[[], Awaitable[Any]],
+        send: Callable[[Any], Awaitable[None]],
     ) -> None:
         await self._inner(scope, receive, send)
 

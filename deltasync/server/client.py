@@ -260,7 +260,9 @@ class Notifier:
         delay = self.backoff
         for attempt in range(1, self.attempts + 1):
             try:
-                self._client.publish(self.run, job["step"], job["manifest_digest"], run_id=job["run_id"], kind=job["kind"])
+                self._client.publish(
+                    self.run, job["step"], job["manifest_digest"], run_id=job["run_id"], kind=job["kind"]
+                )
                 self.sent += 1
                 return
             except SignalRejected as exc:
