@@ -68,20 +68,35 @@ class Database:
     """A small thread-safe wrapper around one SQLite connection (WAL mode for files)."""
 
     def __init__(self, path: str) -> None:
-        if path != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-        self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self.path = path
         self._lock = threading.Lock()
+        self._db: sqlite3.Connection | None = None
         with self._lock:
-            if path != ":memory:":
-                self._conn.execute("PRAGMA journal_mode=WAL")
-                self._conn.execute("PRAGMA synchronous=NORMAL")
-            self._conn.executescript(_SCHEMA)
+            self._open()
+
+    def _open(self) -> sqlite3.Connection:
+        if self._db is None:
+            if self.path != ":memory:":
+                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            if self.path != ":memory:":
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute("PRAGMA synchronous=NORMAL")
+            conn.executescript(_SCHEMA)
+            self._db = conn
+        return self._db
+
+    @property
+    def _conn(self) -> sqlite3.Connection:
+        # (re)opened on use: an app whose lifespan ended may be started again (test harnesses do)
+        return self._open()
 
     def close(self) -> None:
-        """Close the connection."""
+        """Close the connection (a file database reopens on next use; an in-memory one stays open)."""
         with self._lock:
-            self._conn.close()
+            if self._db is not None and self.path != ":memory:":
+                self._db.close()
+                self._db = None
 
     # -------------------------------------------------------------- commits
 

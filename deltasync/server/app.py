@@ -20,9 +20,12 @@ from urllib.parse import urlsplit
 
 import httpx
 from fastapi import Depends, FastAPI, Header, HTTPException, Path, Query, Request, Response
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, Route
 
 from deltasync.errors import DeltaSyncError
 from deltasync.protocol.keys import MAX_STEP
@@ -40,7 +43,14 @@ ASGIApp = Callable[
     [MutableMapping[str, Any], Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]
 ]
 RunName = Annotated[str, Path(pattern=RUN_PATTERN, max_length=128, description="run name")]
-StepNo = Annotated[int, Field(ge=0, le=MAX_STEP)]
+
+
+def _json_integer(v: Any) -> Any:
+    # JSON Schema counts 7.0 as an integer; strings and fractions stay rejected (strict models)
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+StepNo = Annotated[int, BeforeValidator(_json_integer)]
 
 
 # ---------------------------------------------------------------- models
@@ -50,7 +60,7 @@ class CommitIn(BaseModel):
     """Body of ``POST /v1/runs/{run}/commits``."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    step: StepNo
+    step: StepNo = Field(ge=0, le=MAX_STEP)
     manifest_digest: str = Field(pattern=DIGEST_PATTERN, description="xxh3-128 of the step's manifest.json")
     run_id: str | None = Field(default=None, max_length=128, pattern=r"^[\x21-\x7e]+$")
     kind: Literal["anchor", "patch"] | None = None
@@ -71,7 +81,11 @@ class WebhookIn(BaseModel):
     """Body of ``POST /v1/runs/{run}/webhooks``."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    url: str = Field(max_length=2048, description="http(s) URL that receives signed POSTs")
+    url: str = Field(
+        max_length=2048,
+        pattern=r"^https?://[A-Za-z0-9._~-]+(:[0-9]{1,5})?(/[\x21-\x7e]*)?$",
+        description="http(s) URL that receives signed POSTs",
+    )
     secret: str = Field(min_length=16, max_length=256, description="HMAC-SHA256 key of the signatures")
 
     @field_validator("url")
@@ -146,6 +160,7 @@ Publish = Depends(_require("publish"))
 Subscribe = Depends(_require("subscribe"))
 
 AUTH_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {"model": Problem, "description": "the body is not parseable JSON"},
     401: {"model": Problem, "description": "no bearer token"},
     403: {"model": Problem, "description": "the token lacks this scope"},
     413: {"model": Problem, "description": "request body too large"},
@@ -283,6 +298,19 @@ def create_app(
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.hub = hub
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code != 405:
+            return await http_exception_handler(request, exc)
+        # Starlette names only the first route of the path in Allow; list every method of the path
+        methods: set[str] = set()
+        for route in request.app.router.routes:
+            if isinstance(route, Route) and route.matches(request.scope)[0] != Match.NONE:
+                methods |= route.methods or set()
+        return JSONResponse(
+            {"detail": "Method Not Allowed"}, status_code=405, headers={"Allow": ", ".join(sorted(methods))}
+        )
 
     @app.exception_handler(Conflict)
     async def _conflict(request: Request, exc: Conflict) -> JSONResponse:
