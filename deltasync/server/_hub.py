@@ -60,6 +60,7 @@ class Hub:
         self._recent: dict[str, deque[Commit]] = {}
         self._events: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Event]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self.closing = False
 
     # --------------------------------------------------------------- reads
 
@@ -102,6 +103,8 @@ class Hub:
             head = self.head(run)
             if head is not None and head.step > after:
                 return head
+            if self.closing:
+                return None
             left = deadline - loop.time()
             if left <= 0:
                 return None
@@ -240,6 +243,13 @@ class Hub:
                     return
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 60.0)
+
+    def close_streams(self) -> None:
+        """Make every open SSE stream and long-poll return now (server shutdown). Thread-safe."""
+        self.closing = True
+        for loop, ev in list(self._events.values()):
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(ev.set)
 
     async def aclose(self) -> None:
         """Cancel pending deliveries."""

@@ -509,8 +509,8 @@ async def _stream(hub: Hub, run: str, after: int, limit: int | None, heartbeat: 
     sent = 0
     last = after
     try:
-        yield f"retry: 1000\n: deltasync signal stream of run {run}\n\n".encode()
-        while True:
+        yield b"retry: 1000\n\n"
+        while not hub.closing:
             ev = hub.changed(run)
             for c in hub.commits_after(run, last):
                 yield _sse(c)
