@@ -65,7 +65,9 @@ class ThreadServer:
         wait_healthy(self.url)
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.app.state.hub.close_streams()
         self.server.should_exit = True
         self.thread.join(30)
@@ -101,5 +103,7 @@ class ProcServer:
     def __enter__(self) -> ProcServer:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.kill()

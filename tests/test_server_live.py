@@ -169,7 +169,9 @@ def test_webhooks_over_http(tmp_path: Path) -> None:
             from deltasync.server import sign_webhook
 
             forged = httpx.post(
-                f"http://127.0.0.1:{recv.server_address[1]}/in", content=body, headers=sign_webhook("wrong-secret", body)
+                f"http://127.0.0.1:{recv.server_address[1]}/in",
+                content=body,
+                headers=sign_webhook("wrong-secret", body),
             )
             assert forged.status_code == 400
             pub.close()

@@ -15,6 +15,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
+from functools import lru_cache
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
@@ -499,7 +500,8 @@ class _BodyLimit:
         await self._inner(scope, receive, send)
 
 
-def _sse(c: Commit) -> bytes:
+@lru_cache(maxsize=1024)
+def _sse(c: Commit) -> bytes:  # encoded once per commit, not once per subscriber
     data = json.dumps(c.to_dict(), separators=(",", ":"))
     return f"id: {c.step}\nevent: commit\ndata: {data}\n\n".encode()
 
