@@ -309,3 +309,37 @@ def test_serve_refuses_a_public_address_without_a_token(
     monkeypatch.delenv("DELTASYNC_PUBLISH_TOKEN", raising=False)
     assert main(["serve", "--host", "0.0.0.0", "--port", str(free_port())]) == 1
     assert "refusing to serve on 0.0.0.0" in capsys.readouterr().err
+
+
+def test_default_run_name_is_the_run_id(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    from conftest import assert_state_equal, snapshot
+
+    store = ds.LocalStore(tmp_path / "store")
+    app = create_app(Settings(publish_token=PUB, subscribe_token=SUB, db_path=str(tmp_path / "s.db")), store=store)
+    with ThreadServer(app) as srv:
+        train = _state(2)
+        replica = {k: v.clone().zero_() for k, v in train.items()}
+        stats = FollowStats()
+        with ds.DeltaUploader(store, on_backlog="block", signal_url=srv.url, signal_token=PUB) as up:
+            up.push(train, step=0).result(WAIT)
+            stop = threading.Event()
+            ft = threading.Thread(
+                target=lambda: ds.DeltaFetcher(store).follow(
+                    replica, signal_url=srv.url, token=SUB, until_step=3, stop=stop, heartbeat=0.3, stats=stats
+                ),
+                daemon=True,
+            )
+            ft.start()
+            until(lambda: stats.connected, what="follower to subscribe under the run id")
+            for s in (1, 2, 3):
+                _step(train, s)
+                up.push(train, step=s).result(WAIT)
+            ft.join(WAIT)
+            stop.set()
+            assert not ft.is_alive()
+            with SignalClient(srv.url, SUB) as sub:
+                head = sub.head(up.run_id)
+        assert head is not None and head.step == 3 and head.run_id == up.run_id
+        assert stats.signals >= 1 and stats.polls == 1  # one store read at start; the rest came by signal
+        assert_state_equal(replica, snapshot(train), "follower by run id")
