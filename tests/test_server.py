@@ -388,7 +388,7 @@ def test_client_maps_errors(tmp_path: Path) -> None:
             SignalClient("http://testserver", SUB, transport=transport).publish("r", 5, D1)
         with pytest.raises(SignalRejected, match="401"):
             SignalClient("http://testserver", transport=transport).head("r")
-        with pytest.raises(ValueError, match="invalid run name"):
+        with pytest.raises(SignalRejected, match="invalid run name"):
             pub.head("../etc")
 
     def down(request: httpx.Request) -> httpx.Response:
@@ -400,3 +400,33 @@ def test_client_maps_errors(tmp_path: Path) -> None:
         SignalClient("http://x", transport=httpx.MockTransport(lambda r: httpx.Response(502))).head("r")
     with pytest.raises(SignalRejected, match="http"):
         SignalClient("ftp://x")
+
+
+def test_notifier_counts_refusals(tmp_path: Path) -> None:
+    from deltasync.server import Notifier
+
+    with TestClient(create_app(Settings(publish_token=PUB))) as tc:
+        n = Notifier("http://testserver", "r", PUB, transport=ViaTestClient(tc))
+        n.notify(5, D1, kind="anchor")
+        assert n.flush(WAIT)
+        n.notify(3, D2)  # older than the head: 409, not retried
+        assert n.flush(WAIT)
+        n.close()
+        assert (n.sent, n.rejected, n.failed) == (1, 1, 0)
+        assert tc.get("/v1/runs/r/head").json()["kind"] == "anchor"
+        bad = Notifier("http://testserver", "r", "wrong-token-123", transport=ViaTestClient(tc))
+        bad.notify(6, D1)
+        bad.close()
+        assert (bad.sent, bad.rejected) == (0, 1)  # 403 is counted, never raised
+
+
+def test_follow_refuses_a_foreign_directory(tmp_path: Path) -> None:
+    from deltasync import DeltaFetcher
+    from deltasync.errors import StorageError
+
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    with pytest.raises(StorageError, match="refusing to follow"):
+        DeltaFetcher(MemoryStore("x")).follow(out, until_step=0)
+    assert (out / "precious.txt").read_text() == "keep me"

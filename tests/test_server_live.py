@@ -269,7 +269,7 @@ def test_follower_reaches_the_trainer_step_with_the_server_killed_midway(tmp_pat
             push_time = time.monotonic() - t0
             want = snapshot(train)
             ft.join(WAIT)
-            notifier = up._notifier
+            notifier = up.notifier
         assert not errors, errors
         assert not ft.is_alive()
         assert result == [11]

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from deltasync.errors import DeltaSyncError, InventoryMismatch, SignalError
+from deltasync.errors import DeltaSyncError, InventoryMismatch, SignalError, SignalRejected, StorageError
 from deltasync.protocol import Head, Manifest, manifest_key
 from deltasync.protocol.keys import HEAD_KEY
 
@@ -94,6 +94,8 @@ def follow(
     st = stats if stats is not None else FollowStats()
     is_dir = isinstance(target, (str, os.PathLike))
     out = Path(target) if is_dir else None
+    if out is not None and out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).is_file())):
+        raise StorageError(f"refusing to follow into {out}: it exists and was not written by deltasync materialize")
     current: int | None = _dir_step(out) if out is not None else fetcher.current_step(target)
     wanted = current
     beat = heartbeat if heartbeat is not None else max(0.2, min(poll_interval, 5.0))
@@ -187,7 +189,9 @@ def follow(
                             check_store()
                 except SignalError as exc:
                     st.signal_failures += 1
-                    if st.connected:
+                    if isinstance(exc, SignalRejected):
+                        log.warning("signal server refused the stream (polling the store meanwhile): %s", exc)
+                    elif st.connected:
                         log.warning("signal stream lost, polling the store meanwhile: %s", exc)
                     else:
                         log.info("signal server unavailable, polling the store: %s", exc)

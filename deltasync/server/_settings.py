@@ -8,6 +8,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from deltasync.errors import SignalRejected
+
 __all__ = ["RUN_PATTERN", "Settings", "check_run", "is_loopback"]
 
 #: A run name as it appears in ``/v1/runs/{run}/...``.
@@ -18,9 +20,9 @@ DIGEST_PATTERN = r"^[0-9a-f]{32}$"
 
 
 def check_run(run: str) -> str:
-    """Return ``run`` if it is a valid run name, else raise ValueError."""
+    """Return ``run`` if it is a valid run name, else raise SignalRejected (the server would refuse it)."""
     if not isinstance(run, str) or not _RUN.fullmatch(run):
-        raise ValueError(
+        raise SignalRejected(
             f"invalid run name {run!r}: use 1-128 characters [A-Za-z0-9._-], starting with a letter or digit"
         )
     return run

@@ -276,6 +276,10 @@ def create_app(
     db = Database(settings.db_path)
     store_for, opened = _store_factory(settings, store)
     hub = Hub(settings, db, store_for, metrics, webhook_transport)
+    for run in db.runs():
+        head0 = db.head(run)
+        if head0 is not None:
+            metrics.set("deltasync_head_step", head0.step, run=run)
     metrics.gauge_callback(
         "deltasync_sse_subscribers",
         "Open SSE streams per run.",

@@ -168,12 +168,12 @@ class DeltaUploader:
         self.run_id = self.config.run_id or (
             self._last_committed.manifest.run_id if self._last_committed else uuid.uuid4().hex[:16]
         )
-        self._notifier: Notifier | None = None
+        self.notifier: Notifier | None = None  # counts sent / failed signals
         if self.config.signal_url:
             from deltasync.server.client import Notifier
 
             run = self.config.signal_run or self.run_id
-            self._notifier = Notifier(self.config.signal_url, run, self.config.signal_token)
+            self.notifier = Notifier(self.config.signal_url, run, self.config.signal_token)
         self._digest_q: deque[StepJob | None] = deque()
         self._digest_cv = threading.Condition()
         self._pool = ThreadPoolExecutor(max(1, self.config.encode_threads), thread_name_prefix="deltasync-encode")
@@ -414,8 +414,8 @@ class DeltaUploader:
                 self._bytes_since_anchor += m.stats.nbytes
             self._inflight -= len(job.futures)
             self._cond.notify_all()
-        if self._notifier is not None:
-            self._notifier.notify(m.step, committed.digest, run_id=self.run_id, kind=m.kind)
+        if self.notifier is not None:
+            self.notifier.notify(m.step, committed.digest, run_id=self.run_id, kind=m.kind)
         secs = time.perf_counter() - t0
         for step, fut in job.futures:
             kind: Literal["anchor", "patch", "skipped"] = m.kind if step == m.step else "skipped"
@@ -470,8 +470,8 @@ class DeltaUploader:
             for t in self._threads:
                 t.join(timeout)
             self._pool.shutdown(wait=True)
-            if self._notifier is not None:
-                self._notifier.close()
+            if self.notifier is not None:
+                self.notifier.close()
 
     def __enter__(self) -> DeltaUploader:
         return self
