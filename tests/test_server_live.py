@@ -343,3 +343,57 @@ def test_default_run_name_is_the_run_id(tmp_path: Path) -> None:
         assert head is not None and head.step == 3 and head.run_id == up.run_id
         assert stats.signals >= 1 and stats.polls == 1  # one store read at start; the rest came by signal
         assert_state_equal(replica, snapshot(train), "follower by run id")
+
+
+def test_follower_resubscribes_when_the_server_comes_back(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    from conftest import assert_state_equal, snapshot
+
+    store = ds.LocalStore(tmp_path / "store")
+    db, port = str(tmp_path / "s.db"), free_port()
+    srv = ProcServer(tmp_path, "--db", db, env=ENV, port=port).start()
+    stop = threading.Event()
+    try:
+        train = _state(3)
+        replica = {k: v.clone().zero_() for k, v in train.items()}
+        stats = FollowStats()
+        reached: list[int] = []
+        ft = threading.Thread(
+            target=lambda: ds.DeltaFetcher(store).follow(
+                replica,
+                signal_url=srv.url,
+                token=SUB,
+                run="r",
+                stop=stop,
+                poll_interval=0.2,
+                heartbeat=0.3,
+                reconnect_backoff=(0.1, 0.3),
+                on_step=reached.append,
+                stats=stats,
+            ),
+            daemon=True,
+        )
+        with ds.DeltaUploader(store, on_backlog="block", signal_url=srv.url, signal_token=PUB, signal_run="r") as up:
+            up.push(train, step=0).result(WAIT)
+            ft.start()
+            until(lambda: stats.connected, what="first subscription")
+            srv.kill()
+            until(lambda: stats.signal_failures >= 1, what="the follower to notice the dead server")
+            _step(train, 1)
+            up.push(train, step=1).result(WAIT)  # reaches the follower by polling
+            until(lambda: bool(reached) and reached[-1] == 1, what="step 1 by polling")
+            srv = ProcServer(tmp_path, "--db", db, env=ENV, port=port).start()
+            until(lambda: stats.connected, what="the follower to resubscribe")
+            before = stats.signals
+            for s in (2, 3):
+                _step(train, s)
+                up.push(train, step=s).result(WAIT)
+            until(lambda: bool(reached) and reached[-1] == 3, what="steps 2-3 after the restart")
+            want = snapshot(train)
+        until(lambda: stats.signals > before, what="signals after the restart")
+        assert_state_equal(replica, want, "follower across a server restart")
+    finally:
+        stop.set()
+        srv.kill()
+    ft.join(WAIT)
+    assert not ft.is_alive()
