@@ -1,4 +1,4 @@
-"""Command line: ``deltasync {fetch,inspect,demo}`` and ``delta-upload``.
+"""Command line: ``deltasync {fetch,follow,inspect,serve,demo}`` and ``delta-upload``.
 
 Errors print as one ``error: ...`` line on stderr with a non-zero exit status.
 Environment variables are read here only: DELTASYNC_SIGNING_KEY (HMAC key for
@@ -6,6 +6,9 @@ manifests), XDG_CACHE_HOME (where delta-upload keeps its baseline cache). For
 s3:// stores the S3 client takes the usual AWS_* variables: AWS_ENDPOINT_URL
 (or AWS_ENDPOINT_URL_S3), AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
 AWS_SESSION_TOKEN, AWS_REGION, AWS_VIRTUAL_HOSTED_STYLE_REQUEST, AWS_ALLOW_HTTP.
+Signal server tokens: DELTASYNC_PUBLISH_TOKEN / DELTASYNC_SUBSCRIBE_TOKEN (
+``serve`` requires them, ``delta-upload --signal`` sends the publish token,
+``follow --signal`` the subscribe token, or the publish token when that is unset).
 """
 
 from __future__ import annotations
@@ -123,7 +126,15 @@ def cmd_upload(args: argparse.Namespace) -> int:
         state = {k: v.to(cast) if v.is_floating_point() else v for k, v in state.items()}
     with open_store(args.store) as store:
         cache = _cache_dir(store.url, args.cache)
-        up = DeltaUploader(store, anchor_every=args.anchor_every, on_backlog="block", signing_key=_signing_key())
+        up = DeltaUploader(
+            store,
+            anchor_every=args.anchor_every,
+            on_backlog="block",
+            signing_key=_signing_key(),
+            signal_url=args.signal,
+            signal_token=os.environ.get("DELTASYNC_PUBLISH_TOKEN") or None,
+            signal_run=args.run,
+        )
         try:
             latest = up.last_committed_step
             if latest is not None and args.step <= latest:
@@ -171,6 +182,64 @@ def _baseline(store: Any, cache: Path, step: int) -> dict[str, Any]:
     return load_checkpoint(out)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from deltasync.server import Settings, create_app, is_loopback
+
+    settings = Settings.from_env(db_path=args.db, store_url=args.store)
+    if not settings.secured and not is_loopback(args.host) and not args.insecure:
+        raise DeltaSyncError(
+            f"refusing to serve on {args.host} without DELTASYNC_PUBLISH_TOKEN: anyone could publish; "
+            "set the token, bind 127.0.0.1, or pass --insecure"
+        )
+    scopes = ", ".join(
+        f"{name}: {'token' if tok else 'open'}"
+        for name, tok in (("publish", settings.publish_token), ("subscribe", settings.subscribe_token))
+    )
+    print(
+        f"deltasync signal server on http://{args.host}:{args.port} ({scopes}; db {settings.db_path}"
+        + (f"; store {settings.store_url}" if settings.store_url else "")
+        + ")",
+        file=sys.stderr,
+        flush=True,
+    )
+    app = create_app(settings)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            app.state.hub.close_streams()  # SSE streams would otherwise hold the shutdown
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=2)
+    Server(config).run()
+    return 0
+
+
+def cmd_follow(args: argparse.Namespace) -> int:
+    from deltasync.fetcher import DeltaFetcher
+
+    token = os.environ.get("DELTASYNC_SUBSCRIBE_TOKEN") or os.environ.get("DELTASYNC_PUBLISH_TOKEN") or None
+    with open_store(args.store) as store:
+        fetcher = DeltaFetcher(store, verify=not args.no_verify, signing_key=_signing_key())
+        t0 = time.perf_counter()
+
+        def on_step(step: int) -> None:
+            print(f"step {step} -> {args.out} (+{time.perf_counter() - t0:.2f} s)", flush=True)
+
+        step = fetcher.follow(
+            args.out,
+            signal_url=args.signal,
+            token=token,
+            run=args.run,
+            until_step=args.until,
+            poll_interval=args.poll_interval,
+            on_step=on_step,
+        )
+    print(f"stopped at step {step}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from deltasync.demo import run_demo
 
@@ -202,6 +271,8 @@ def _upload_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--anchor", action="store_true", help="force a full anchor for this step")
     p.add_argument("--cast", choices=["bfloat16", "float16", "float32"], help="cast floating tensors before diffing")
     p.add_argument("--cache", help="baseline cache dir (default: $XDG_CACHE_HOME/deltasync/upload/<store hash>)")
+    p.add_argument("--signal", metavar="URL", help="signal server to notify (token: $DELTASYNC_PUBLISH_TOKEN)")
+    p.add_argument("--run", help="run name at the signal server (default: the store's run id)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -221,6 +292,23 @@ def build_parser() -> argparse.ArgumentParser:
     u = sub.add_parser("upload", help="same as delta-upload")
     _upload_parser(u)
     u.set_defaults(fn=cmd_upload)
+    s = sub.add_parser("serve", help="run the signal server (FastAPI + uvicorn)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--db", default="deltasync-signal.db", help="SQLite file for heads and webhooks")
+    s.add_argument("--store", help="store URL to check commits against ({run} is replaced by the run name)")
+    s.add_argument("--insecure", action="store_true", help="allow a non-loopback host without a publish token")
+    s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    s.set_defaults(fn=cmd_serve)
+    fo = sub.add_parser("follow", help="materialize each new step into a dir as it is committed")
+    fo.add_argument("--store", required=True)
+    fo.add_argument("--out", required=True, help="checkpoint dir, rewritten atomically at each step")
+    fo.add_argument("--signal", metavar="URL", help="signal server (SSE); without it the store is polled")
+    fo.add_argument("--run", help="run name at the signal server (default: the store's run id)")
+    fo.add_argument("--until", type=int, help="exit once this step is reached")
+    fo.add_argument("--poll-interval", type=float, default=2.0, help="seconds between store polls (default 2)")
+    fo.add_argument("--no-verify", action="store_true", help="skip checksum and digest verification")
+    fo.set_defaults(fn=cmd_follow)
     d = sub.add_parser("demo", help="train a small model and sync it live through a local store")
     d.add_argument("--store", default="deltasync-demo", help="store URL (default: ./deltasync-demo, wiped first)")
     d.add_argument("--steps", type=int, default=60)

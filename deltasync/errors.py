@@ -17,8 +17,13 @@ builtin exception means the same thing, the class also subclasses it, so
     │   └── SignatureMismatch             the manifest's HMAC signature is missing or wrong
     ├── InventoryMismatch                 (also ValueError) target tensors differ from the manifest
     ├── ChainBroken                       no path of committed steps leads to the requested step
-    └── CommitFailed                      the uploader's background commit gave up
-        └── WriterFenced                  another uploader took over the run prefix
+    ├── CommitFailed                      the uploader's background commit gave up
+    │   └── WriterFenced                  another uploader took over the run prefix
+    └── SignalError                       the signal server could not be used (never fatal: the store is the truth)
+        ├── SignalUnavailable             unreachable, timed out, or a 5xx: retry later or poll the store
+        ├── SignalRejected                the server refused the request (4xx: bad token, bad input)
+        │   └── SignalConflict            a commit contradicts the run's recorded history (409)
+        └── WebhookVerificationError      (also ValueError) a webhook delivery's signature or timestamp is bad
 
 Every class pickles (it carries only its message), so errors cross process
 and thread-pool boundaries intact.
@@ -37,10 +42,15 @@ __all__ = [
     "ObjectNotFound",
     "PreconditionFailed",
     "ProtocolError",
+    "SignalConflict",
+    "SignalError",
+    "SignalRejected",
+    "SignalUnavailable",
     "SignatureMismatch",
     "StorageError",
     "TransientStorageError",
     "UnsupportedVersion",
+    "WebhookVerificationError",
     "WriterFenced",
 ]
 
@@ -113,3 +123,21 @@ class CommitFailed(DeltaSyncError):
 
 class WriterFenced(CommitFailed):
     """A newer uploader claimed this run prefix (a higher writer epoch); this one may not commit."""
+class SignalError(DeltaSyncError):
+    """The signal server could not be used. A hint only: the store stays the source of truth."""
+
+
+class SignalUnavailable(SignalError):
+    """The signal server is unreachable, timed out or answered 5xx; retry later or poll the store."""
+
+
+class SignalRejected(SignalError):
+    """The signal server refused a request (4xx: missing or wrong token, malformed input)."""
+
+
+class SignalConflict(SignalRejected):
+    """A published commit contradicts the run's history: an older step, or another digest for a step (409)."""
+
+
+class WebhookVerificationError(SignalError, ValueError):
+    """A webhook delivery's signature is missing or wrong, or its timestamp is outside the replay window."""

@@ -32,6 +32,11 @@ BUILTIN_PARENTS: dict[str, tuple[type[BaseException], ...]] = {
     "ChainBroken": (Exception,),
     "CommitFailed": (Exception,),
     "WriterFenced": (Exception,),
+    "SignalError": (Exception,),
+    "SignalUnavailable": (Exception,),
+    "SignalRejected": (Exception,),
+    "SignalConflict": (Exception,),
+    "WebhookVerificationError": (ValueError,),
 }
 
 #: Each class and its deltasync parent.
@@ -51,6 +56,11 @@ TREE_PARENTS: dict[str, str | None] = {
     "ChainBroken": "DeltaSyncError",
     "CommitFailed": "DeltaSyncError",
     "WriterFenced": "CommitFailed",
+    "SignalError": "DeltaSyncError",
+    "SignalUnavailable": "SignalError",
+    "SignalRejected": "SignalError",
+    "SignalConflict": "SignalRejected",
+    "WebhookVerificationError": "SignalError",
 }
 
 ids = [cls.__name__ for cls in ALL_CLASSES]

@@ -15,6 +15,7 @@ import numpy as np
 from deltasync._tensors import flat_bits, inventory_of, numpy_bits, state_tensors
 from deltasync.errors import ChainBroken, ChecksumMismatch, DeltaSyncError, ObjectNotFound, ProtocolError, StorageError
 from deltasync.fetcher._apply import NumpySlot, Slot, TorchSlot, apply_anchor, apply_patch, check_inventory
+from deltasync.fetcher._follow import follow as _follow
 from deltasync.fetcher._reader import StepReader
 from deltasync.protocol import FetchPlan, TensorInfo, plan_fetch, superseded_by
 from deltasync.protocol.checkpoint import INDEX_NAME, build_checkpoint
@@ -172,6 +173,13 @@ class DeltaFetcher:
 
         self._run(slots, inventory, plan, on_step)
         return target_step
+
+    def follow(self, target: Any, **options: Any) -> int | None:
+        """Apply each new step to ``target`` as it is signalled (SSE), polling the store when the
+        signal server is unreachable. Options: see :func:`deltasync.fetcher._follow.follow`
+        (``signal_url``, ``token``, ``run``, ``until_step``, ``stop``, ``poll_interval``, ``on_step``).
+        """
+        return _follow(self, target, **options)
 
     def current_step(self, target: Any) -> int | None:
         """The step this fetcher last brought ``target`` to, if any."""

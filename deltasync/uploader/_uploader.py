@@ -27,6 +27,8 @@ from deltasync.uploader._diff import Baseline, TensorChange, diff_tensor, invent
 if TYPE_CHECKING:
     import torch
 
+    from deltasync.server.client import Notifier
+
 __all__ = ["CommitInfo", "DeltaUploader", "UploaderConfig"]
 
 log = logging.getLogger("deltasync.uploader")
@@ -50,6 +52,9 @@ class UploaderConfig:
     tensor_digests: record xxh3-128 of every post-step tensor (lets fetchers prove
         bit-exactness); costs one hashing pass over changed tensors per step.
     signing_key: sign manifests with HMAC-SHA256.
+    signal_url / signal_token / signal_run: after each commit, tell this signal
+        server (publish token; run name, default the run id) from a background
+        thread; a down server is logged and counted, never raised.
     encode_threads: threads encoding tensors of one step in parallel.
     defer_diff: push() only copies the state into staging buffers (one memcpy)
         and the bit-wise diff runs in the background. Costs one more copy of the
@@ -68,6 +73,9 @@ class UploaderConfig:
     encode_threads: int = 2
     run_id: str | None = None
     defer_diff: bool = True
+    signal_url: str | None = None
+    signal_token: str | None = None
+    signal_run: str | None = None
 
     def __post_init__(self) -> None:
         if self.anchor_every < 1:
@@ -171,6 +179,12 @@ class DeltaUploader:
         # single writer per run prefix: claim the next epoch; a newer claim fences this uploader off
         self.writer_id = uuid.uuid4().hex[:16]
         self.epoch = claim_epoch(store, self.writer_id, self._last_step)
+        self.notifier: Notifier | None = None  # counts sent / failed signals
+        if self.config.signal_url:
+            from deltasync.server.client import Notifier
+
+            run = self.config.signal_run or self.run_id
+            self.notifier = Notifier(self.config.signal_url, run, self.config.signal_token)
         self._digest_q: deque[StepJob | None] = deque()
         self._digest_cv = threading.Condition()
         self._pool = ThreadPoolExecutor(max(1, self.config.encode_threads), thread_name_prefix="deltasync-encode")
@@ -461,6 +475,8 @@ class DeltaUploader:
                 self._bytes_since_anchor += m.stats.nbytes
             self._inflight -= len(job.futures)
             self._cond.notify_all()
+        if self.notifier is not None:
+            self.notifier.notify(m.step, committed.digest, run_id=self.run_id, kind=m.kind)
         secs = time.perf_counter() - t0
         for step, fut in job.futures:
             kind: Literal["anchor", "patch", "skipped"] = m.kind if step == m.step else "skipped"
@@ -524,6 +540,8 @@ class DeltaUploader:
             for t in self._threads:
                 t.join(timeout)
             self._pool.shutdown(wait=True)
+            if self.notifier is not None:
+                self.notifier.close()
 
     def __enter__(self) -> DeltaUploader:
         return self

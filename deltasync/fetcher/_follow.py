@@ -1,0 +1,214 @@
+"""Follow a run: apply each new committed step as soon as it is signalled.
+
+The signal server (SSE) is a fast hint; the store is the truth. When the server
+is unreachable, the follower polls the store's ``HEAD.json`` (and now and then
+the manifest listing) every ``poll_interval`` seconds and keeps reconnecting
+with backoff; a resumed stream replays the commits it missed (``Last-Event-ID``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from deltasync.errors import DeltaSyncError, InventoryMismatch, SignalError, SignalRejected, StorageError
+from deltasync.protocol import Head, Manifest, manifest_key
+from deltasync.protocol.keys import HEAD_KEY
+
+if TYPE_CHECKING:
+    from deltasync.fetcher._fetcher import DeltaFetcher
+
+__all__ = ["FollowStats", "follow"]
+
+log = logging.getLogger("deltasync.follow")
+MARKER = ".deltasync.json"
+
+
+@dataclass(slots=True)
+class FollowStats:
+    """Counters of one :func:`follow` call (pass an instance as ``stats=`` to read them)."""
+
+    applied: int = 0
+    signals: int = 0
+    polls: int = 0
+    signal_failures: int = 0
+    apply_failures: int = 0
+    connected: bool = False
+
+
+def _dir_step(out: Path) -> int | None:
+    try:
+        return int(json.loads((out / MARKER).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def follow(
+    fetcher: DeltaFetcher,
+    target: Any,
+    *,
+    signal_url: str | None = None,
+    token: str | None = None,
+    run: str | None = None,
+    until_step: int | None = None,
+    stop: threading.Event | None = None,
+    poll_interval: float = 2.0,
+    on_step: Callable[[int], None] | None = None,
+    heartbeat: float | None = None,
+    store_check_interval: float = 30.0,
+    reconnect_backoff: tuple[float, float] = (0.5, 15.0),
+    transport: httpx.BaseTransport | None = None,
+    stats: FollowStats | None = None,
+) -> int | None:
+    """Keep ``target`` at the newest committed step until ``until_step`` is reached or ``stop`` is set.
+
+    target: an nn.Module / dict of tensors (updated in place with
+        :meth:`DeltaFetcher.sync`) or a directory path (rewritten with
+        :meth:`DeltaFetcher.materialize`).
+    signal_url, token, run: the signal server, a subscribe token, and the run
+        name (default: the store's run id, read from ``HEAD.json`` or the newest
+        manifest). Without ``signal_url`` the store is polled.
+    poll_interval: seconds between store polls while the server is unreachable.
+    heartbeat: keep-alive interval asked of the server (default
+        ``min(poll_interval, 5)``); also bounds how late ``stop`` is noticed.
+    store_check_interval: while the stream is up, the store's HEAD is still
+        read this often, in case a signal was lost.
+    on_step: called with each step reached.
+
+    Returns the step the target is at (None if the run never had a step).
+    Errors of one apply are logged and retried; an :class:`InventoryMismatch`
+    (the target cannot hold this run) is raised.
+    """
+    from deltasync.server.client import SignalClient
+
+    stop = stop or threading.Event()
+    st = stats if stats is not None else FollowStats()
+    is_dir = isinstance(target, (str, os.PathLike))
+    out = Path(target) if is_dir else None
+    if out is not None and out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).is_file())):
+        raise StorageError(f"refusing to follow into {out}: it exists and was not written by deltasync materialize")
+    current: int | None = _dir_step(out) if out is not None else fetcher.current_step(target)
+    wanted = current
+    beat = heartbeat if heartbeat is not None else max(0.2, min(poll_interval, 5.0))
+    last_store_check = float("-inf")
+    polls = 0
+
+    def done() -> bool:
+        return stop.is_set() or (until_step is not None and current is not None and current >= until_step)
+
+    def apply(step: int) -> None:
+        nonlocal current
+        if current is not None and step <= current:
+            return
+        try:
+            if out is not None:
+                fetcher.materialize(out, step=step)
+            else:
+                fetcher.sync(target, step=step)
+        except InventoryMismatch:
+            raise
+        except DeltaSyncError as exc:
+            st.apply_failures += 1
+            log.warning("cannot apply step %d yet (will retry): %s", step, exc)
+            return
+        current = step
+        st.applied += 1
+        if on_step is not None:
+            on_step(step)
+
+    def store_latest() -> int | None:
+        nonlocal polls
+        polls += 1
+        st.polls += 1
+        try:
+            if polls % 10 != 1:  # HEAD is one small read; the listing (the truth) every tenth poll
+                return Head.from_json(fetcher.store.get(HEAD_KEY)).step
+        except DeltaSyncError:
+            pass
+        try:
+            return fetcher.latest_step()
+        except DeltaSyncError as exc:
+            log.warning("cannot list the store: %s", exc)
+            return None
+
+    def check_store() -> None:
+        nonlocal wanted, last_store_check
+        last_store_check = time.monotonic()
+        latest = store_latest()
+        if latest is not None and (wanted is None or latest > wanted):
+            wanted = latest
+        if wanted is not None:
+            apply(wanted)
+
+    def run_name() -> str | None:
+        if run is not None:
+            return run
+        try:
+            return Head.from_json(fetcher.store.get(HEAD_KEY)).run_id
+        except DeltaSyncError:
+            pass
+        try:
+            latest = fetcher.latest_step()
+            if latest is not None:
+                return Manifest.from_json(fetcher.store.get(manifest_key(latest))).run_id
+        except DeltaSyncError:
+            pass
+        return None
+
+    client = SignalClient(signal_url, token, transport=transport) if signal_url else None
+    backoff = reconnect_backoff[0]
+    next_connect = 0.0
+    try:
+        check_store()
+        while not done():
+            name = run_name() if client is not None and time.monotonic() >= next_connect else None
+            if client is not None and name is not None:
+                try:
+                    for ev in client.events(name, last_event_id=current, heartbeat=beat):
+                        st.connected = True
+                        backoff = reconnect_backoff[0]
+                        if ev is not None:
+                            st.signals += 1
+                            if wanted is None or ev.step > wanted:
+                                wanted = ev.step
+                            apply(ev.step)
+                        elif wanted is not None and (current is None or wanted > current):
+                            apply(wanted)  # a signalled step the store did not show yet
+                        if done():
+                            break
+                        if time.monotonic() - last_store_check >= store_check_interval:
+                            check_store()
+                except SignalError as exc:
+                    st.signal_failures += 1
+                    if isinstance(exc, SignalRejected):
+                        log.warning("signal server refused the stream (polling the store meanwhile): %s", exc)
+                    elif st.connected:
+                        log.warning("signal stream lost, polling the store meanwhile: %s", exc)
+                    else:
+                        log.info("signal server unavailable, polling the store: %s", exc)
+                    st.connected = False
+                    next_connect = time.monotonic() + backoff
+                    backoff = min(backoff * 2, reconnect_backoff[1])
+                if done():
+                    break
+            check_store()
+            if done():
+                break
+            wait = poll_interval
+            if client is not None:
+                wait = max(0.0, min(poll_interval, next_connect - time.monotonic()))
+            stop.wait(wait)
+    finally:
+        st.connected = False
+        if client is not None:
+            client.close()
+    return current

@@ -1,0 +1,259 @@
+"""The signal server's state: heads, commit history, waiters, store checks and webhook deliveries.
+
+All mutation happens on the event loop without an ``await`` inside the critical
+section, so two concurrent publishes of one run cannot both pass the checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from deltasync.errors import DeltaSyncError, ObjectNotFound
+from deltasync.protocol import Manifest, manifest_key, parse_manifest_key, xxh3_128
+from deltasync.protocol.keys import STEPS_PREFIX
+from deltasync.server._db import Commit, Database, Webhook
+from deltasync.server._metrics import Metrics
+from deltasync.server._settings import Settings
+from deltasync.server.webhooks import DELIVERY_HEADER, EVENT_HEADER, sign_webhook
+from deltasync.storage import Store
+
+__all__ = ["Conflict", "Hub", "NotInStore"]
+
+log = logging.getLogger("deltasync.server")
+_RECENT = 256
+
+
+class Conflict(Exception):
+    """A publish contradicts the run's history (409)."""
+
+
+class NotInStore(Exception):
+    """A published step has no manifest in the configured store (422)."""
+
+
+class Hub:
+    """Runs, their heads and the tasks that tell subscribers."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        db: Database,
+        store_for: Callable[[str], Store] | None,
+        metrics: Metrics,
+        webhook_transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.settings = settings
+        self.db = db
+        self.store_for = store_for
+        self.metrics = metrics
+        self.webhook_transport = webhook_transport
+        self.subscribers: dict[str, int] = {}
+        self._recent: dict[str, deque[Commit]] = {}
+        self._events: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Event]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.closing = False
+
+    # --------------------------------------------------------------- reads
+
+    def _cache(self, run: str) -> deque[Commit]:
+        cache = self._recent.get(run)
+        if cache is None:
+            n = min(_RECENT, self.settings.history)
+            head = self.db.head(run)
+            rows = self.db.after(run, head.step - n, n) if head else []
+            cache = self._recent[run] = deque(rows, maxlen=n)
+        return cache
+
+    def head(self, run: str) -> Commit | None:
+        """The newest signalled commit of ``run``."""
+        cache = self._cache(run)
+        return cache[-1] if cache else None
+
+    def commits_after(self, run: str, step: int | None, limit: int = 1000) -> list[Commit]:
+        """Commits newer than ``step`` (all retained ones when None), oldest first."""
+        cache = self._cache(run)
+        floor = -1 if step is None else step
+        if cache and floor >= cache[0].step - 1:
+            return [c for c in cache if c.step > floor][:limit]
+        return self.db.after(run, floor, limit)
+
+    def changed(self, run: str) -> asyncio.Event:
+        """An Event set at the next commit of ``run`` (fresh after each commit)."""
+        loop = asyncio.get_running_loop()
+        cur = self._events.get(run)
+        if cur is None or cur[0] is not loop:
+            cur = self._events[run] = (loop, asyncio.Event())
+        return cur[1]
+
+    async def wait_after(self, run: str, after: int, timeout: float) -> Commit | None:
+        """The head once it is newer than ``after``, or None after ``timeout`` seconds."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            ev = self.changed(run)
+            head = self.head(run)
+            if head is not None and head.step > after:
+                return head
+            if self.closing:
+                return None
+            left = deadline - loop.time()
+            if left <= 0:
+                return None
+            try:
+                await asyncio.wait_for(ev.wait(), left)
+            except asyncio.TimeoutError:
+                return None
+
+    # --------------------------------------------------------------- store
+
+    def _read_manifest(self, run: str, step: int) -> tuple[str, Manifest] | None:
+        assert self.store_for is not None
+        store = self.store_for(run)
+        try:
+            body = store.get(manifest_key(step))
+        except ObjectNotFound:
+            return None
+        return xxh3_128(body), Manifest.from_json(body)
+
+    def _latest_in_store(self, run: str) -> tuple[str, Manifest] | None:
+        assert self.store_for is not None
+        store = self.store_for(run)
+        steps = [s for o in store.list(STEPS_PREFIX) if (s := parse_manifest_key(o.key)) is not None]
+        for step in sorted(steps, reverse=True):
+            found = self._read_manifest(run, step)
+            if found is not None:
+                return found
+        return None
+
+    async def check_in_store(self, run: str, step: int, digest: str) -> None:
+        """Raise NotInStore / Conflict unless the store holds manifest ``step`` with ``digest``."""
+        if self.store_for is None:
+            return
+        try:
+            found = await asyncio.to_thread(self._read_manifest, run, step)
+        except DeltaSyncError as exc:
+            raise NotInStore(f"cannot read step {step}'s manifest from the store: {exc}") from exc
+        if found is None:
+            raise NotInStore(f"step {step} is not committed in the store (no manifest)")
+        if found[0] != digest:
+            raise Conflict(f"step {step}'s manifest in the store has digest {found[0]}, not {digest}")
+
+    async def rederive(self, run: str) -> Commit | None:
+        """Record the store's newest committed step as the head when it is newer than ours."""
+        if self.store_for is None:
+            return self.head(run)
+        found = await asyncio.to_thread(self._latest_in_store, run)
+        if found is not None:
+            digest, m = found
+            head = self.head(run)
+            if head is None or m.step > head.step:
+                self._record(run, m.step, digest, m.run_id, m.kind, source="store")
+        return self.head(run)
+
+    async def head_or_derive(self, run: str) -> Commit | None:
+        """The head; for a run we know nothing of, derived from the store when one is configured."""
+        head = self.head(run)
+        if head is None and self.store_for is not None:
+            try:
+                head = await self.rederive(run)
+            except DeltaSyncError as exc:
+                log.warning("cannot derive the head of run %s from the store: %s", run, exc)
+        return head
+
+    # ------------------------------------------------------------- publish
+
+    def publish(self, run: str, step: int, digest: str, run_id: str | None, kind: str | None) -> tuple[Commit, bool]:
+        """Record a commit; returns it and whether it is new. Idempotent for the same (step, digest)."""
+        existing = self.db.get_commit(run, step)
+        if existing is not None:
+            if existing.manifest_digest != digest:
+                self.metrics.inc("deltasync_commits_rejected_total", reason="digest")
+                raise Conflict(
+                    f"step {step} of run {run!r} was already published with digest {existing.manifest_digest}"
+                )
+            return existing, False
+        head = self.head(run)
+        if head is not None and step < head.step:
+            self.metrics.inc("deltasync_commits_rejected_total", reason="stale")
+            raise Conflict(f"step {step} is older than run {run!r}'s head step {head.step}")
+        return self._record(run, step, digest, run_id, kind, source="publish"), True
+
+    def _record(self, run: str, step: int, digest: str, run_id: str | None, kind: str | None, source: str) -> Commit:
+        c = Commit(run, step, digest, run_id, kind, time.time())
+        self.db.add_commit(c, self.settings.history)
+        self._cache(run).append(c)
+        self.metrics.inc("deltasync_commits_total", source=source)
+        self.metrics.set("deltasync_head_step", step, run=run)
+        ev = self._events.pop(run, None)
+        if ev is not None and ev[0] is asyncio.get_running_loop():
+            ev[1].set()  # an Event of another (finished) loop has nobody waiting on it
+        for hook in self.db.webhooks(run):
+            self._spawn(self._deliver(hook, c))
+        return c
+
+    # ------------------------------------------------------------ webhooks
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _deliver(self, hook: Webhook, c: Commit) -> None:
+        s = self.settings
+        delivery = secrets.token_hex(16)
+        body = json.dumps({"event": "commit", "delivery": delivery, **c.to_dict()}, separators=(",", ":")).encode()
+        delay = s.webhook_backoff_s
+        async with httpx.AsyncClient(timeout=s.webhook_timeout_s, transport=self.webhook_transport) as client:
+            for attempt in range(1, s.webhook_attempts + 1):
+                headers = {
+                    "Content-Type": "application/json",
+                    EVENT_HEADER: "commit",
+                    DELIVERY_HEADER: delivery,
+                    **sign_webhook(hook.secret, body),
+                }
+                try:
+                    r = await client.post(hook.url, content=body, headers=headers)
+                    if r.status_code < 300:
+                        self.metrics.inc("deltasync_webhook_deliveries_total", outcome="ok")
+                        return
+                    retry = r.status_code >= 500 or r.status_code in (408, 425, 429)
+                    why = f"HTTP {r.status_code}"
+                except httpx.HTTPError as exc:
+                    retry, why = True, f"{type(exc).__name__}: {exc}"
+                self.metrics.inc("deltasync_webhook_attempts_failed_total")
+                if not retry or attempt == s.webhook_attempts:
+                    log.warning(
+                        "webhook %s (%s) gave up on step %d after %d attempts: %s",
+                        hook.id,
+                        hook.url,
+                        c.step,
+                        attempt,
+                        why,
+                    )
+                    self.metrics.inc("deltasync_webhook_deliveries_total", outcome="failed")
+                    return
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 60.0)
+
+    def close_streams(self) -> None:
+        """Make every open SSE stream and long-poll return now (server shutdown). Thread-safe."""
+        self.closing = True
+        for loop, ev in list(self._events.values()):
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(ev.set)
+
+    async def aclose(self) -> None:
+        """Cancel pending deliveries."""
+        for t in list(self._tasks):
+            t.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)

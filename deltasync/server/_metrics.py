@@ -1,0 +1,70 @@
+"""A tiny Prometheus text-format registry (counters and gauges with labels)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+__all__ = ["Metrics"]
+
+Labels = tuple[tuple[str, str], ...]
+
+
+def _escape(v: str) -> str:
+    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+class Metrics:
+    """Counters and gauges rendered in the Prometheus text exposition format 0.0.4."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._help: dict[str, tuple[str, str]] = {}
+        self._values: dict[str, dict[Labels, float]] = {}
+        self._callbacks: dict[str, Callable[[], dict[Labels, float]]] = {}
+
+    def declare(self, name: str, kind: str, help_text: str) -> None:
+        """Register a metric family (``kind`` is "counter" or "gauge")."""
+        self._help[name] = (kind, help_text)
+        self._values.setdefault(name, {})
+
+    def gauge_callback(self, name: str, help_text: str, fn: Callable[[], dict[Labels, float]]) -> None:
+        """A gauge whose samples are computed when scraped."""
+        self._help[name] = ("gauge", help_text)
+        self._callbacks[name] = fn
+
+    def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
+        """Add to a counter (or gauge)."""
+        key = tuple(sorted(labels.items()))
+        with self._lock:
+            family = self._values[name]
+            family[key] = family.get(key, 0.0) + amount
+
+    def set(self, name: str, value: float, **labels: str) -> None:
+        """Set a gauge."""
+        with self._lock:
+            self._values[name][tuple(sorted(labels.items()))] = value
+
+    def value(self, name: str, **labels: str) -> float:
+        """Current value of one sample (0 when never touched)."""
+        with self._lock:
+            return self._values.get(name, {}).get(tuple(sorted(labels.items())), 0.0)
+
+    def render(self) -> str:
+        """The exposition text."""
+        lines: list[str] = []
+        with self._lock:
+            snapshot = {n: dict(v) for n, v in self._values.items()}
+        for name, fn in self._callbacks.items():
+            snapshot[name] = fn()
+        for name in sorted(self._help):
+            kind, help_text = self._help[name]
+            lines.append(f"# HELP {name} {help_text}")
+            lines.append(f"# TYPE {name} {kind}")
+            samples = snapshot.get(name, {})
+            if not samples and kind == "counter":
+                samples = {(): 0.0}
+            for labels, v in sorted(samples.items()):
+                lab = ",".join(f'{k}="{_escape(val)}"' for k, val in labels)
+                lines.append(f"{name}{{{lab}}} {v:g}" if lab else f"{name} {v:g}")
+        return "\n".join(lines) + "\n"

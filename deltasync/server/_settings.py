@@ -1,0 +1,101 @@
+"""Signal server settings: one frozen dataclass, read from the environment only in :meth:`Settings.from_env`."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from deltasync.errors import SignalRejected
+
+__all__ = ["RUN_PATTERN", "Settings", "check_run", "is_loopback"]
+
+#: A run name as it appears in ``/v1/runs/{run}/...``.
+RUN_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+_RUN = re.compile(RUN_PATTERN)
+#: ``xxh3-128`` of a manifest, as in the wire format.
+DIGEST_PATTERN = r"^[0-9a-f]{32}$"
+
+
+def check_run(run: str) -> str:
+    """Return ``run`` if it is a valid run name, else raise SignalRejected (the server would refuse it)."""
+    if not isinstance(run, str) or not _RUN.fullmatch(run):
+        raise SignalRejected(
+            f"invalid run name {run!r}: use 1-128 characters [A-Za-z0-9._-], starting with a letter or digit"
+        )
+    return run
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` only exposes the server to this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Signal server options.
+
+    publish_token: bearer token of the ``publish`` scope (POST commits, webhooks,
+        rederive); it also grants ``subscribe``. None leaves publishing open,
+        which :func:`deltasync.server.serve` allows on loopback addresses only.
+    subscribe_token: bearer token of the ``subscribe`` scope (head, events,
+        wait). None leaves reading open.
+    db_path: SQLite file that keeps heads, commit history and webhooks across
+        restarts (``":memory:"`` keeps nothing).
+    store_url: optional store URL; ``{run}`` in it is replaced by the run name.
+        With a store the server checks that a published manifest exists with
+        the published digest, and derives a run's head from it when it has none.
+    max_body_bytes: requests with a larger body are refused with 413.
+    heartbeat_s: an SSE comment line is sent after this many idle seconds.
+    max_wait_s: upper bound of ``/wait``'s ``timeout``.
+    history: commits kept per run for SSE replay (older ones are pruned).
+    webhook_attempts / webhook_backoff_s / webhook_timeout_s: delivery retries
+        (exponential backoff starting at ``webhook_backoff_s``).
+    """
+
+    publish_token: str | None = None
+    subscribe_token: str | None = None
+    db_path: str = ":memory:"
+    store_url: str | None = None
+    max_body_bytes: int = 16 * 1024
+    heartbeat_s: float = 15.0
+    max_wait_s: float = 60.0
+    history: int = 10_000
+    webhook_attempts: int = 6
+    webhook_backoff_s: float = 0.5
+    webhook_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in ("publish_token", "subscribe_token"):
+            tok = getattr(self, name)
+            if tok is not None and (not isinstance(tok, str) or len(tok) < 8 or not tok.isprintable() or " " in tok):
+                raise ValueError(f"{name} must be at least 8 printable characters without spaces")
+        if self.max_body_bytes < 256:
+            raise ValueError("max_body_bytes must be >= 256")
+        if self.heartbeat_s <= 0 or self.max_wait_s <= 0:
+            raise ValueError("heartbeat_s and max_wait_s must be positive")
+        if self.history < 1 or self.webhook_attempts < 1:
+            raise ValueError("history and webhook_attempts must be >= 1")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Settings:
+        """Settings with tokens from ``DELTASYNC_PUBLISH_TOKEN`` / ``DELTASYNC_SUBSCRIBE_TOKEN``."""
+        env = os.environ if env is None else env
+        values: dict[str, object] = {
+            "publish_token": env.get("DELTASYNC_PUBLISH_TOKEN") or None,
+            "subscribe_token": env.get("DELTASYNC_SUBSCRIBE_TOKEN") or None,
+        }
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)  # type: ignore[arg-type]
+
+    @property
+    def secured(self) -> bool:
+        """Whether publishing needs a token."""
+        return self.publish_token is not None
