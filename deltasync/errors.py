@@ -9,6 +9,7 @@ builtin exception means the same thing, the class also subclasses it, so
     │   ├── ObjectNotFound                (also FileNotFoundError) no object under that key
     │   ├── AlreadyExists                 (also FileExistsError) create-only write hit an existing key
     │   ├── PreconditionFailed            a conditional write lost its race
+    │   ├── TransientStorageError         throttling, 5xx, timeout, partial batch: retrying may succeed
     │   └── InvalidKey                    (also ValueError) key escapes the store or is malformed
     ├── ProtocolError                     (also ValueError) bytes that are not valid protocol v1
     │   └── UnsupportedVersion            written by a newer (or unknown) format version
@@ -37,6 +38,7 @@ __all__ = [
     "ProtocolError",
     "SignatureMismatch",
     "StorageError",
+    "TransientStorageError",
     "UnsupportedVersion",
 ]
 
@@ -69,6 +71,10 @@ class AlreadyExists(StorageError, FileExistsError):
 
 class PreconditionFailed(StorageError):
     """A conditional write's precondition (ETag, generation) did not hold."""
+
+
+class TransientStorageError(StorageError):
+    """A store failed in a way that may pass on retry (throttled, 5xx, timeout, partial batch)."""
 
 
 class InvalidKey(StorageError, ValueError):

@@ -6,11 +6,12 @@ import os
 from urllib.parse import unquote, urlparse
 
 from deltasync.errors import StorageError
+from deltasync.storage._hf import HFBucketStore, open_hf_url
 from deltasync.storage._local import LocalStore
 from deltasync.storage._memory import MemoryStore
 from deltasync.storage.base import Data, ObjectInfo, PutMode, Store, validate_key
 
-__all__ = ["Data", "LocalStore", "MemoryStore", "ObjectInfo", "PutMode", "Store", "open_store", "validate_key"]
+__all__ = ["Data", "HFBucketStore", "LocalStore", "MemoryStore", "ObjectInfo", "PutMode", "Store", "open_store", "validate_key"]
 
 
 def open_store(url: str | os.PathLike[str]) -> Store:
@@ -18,6 +19,8 @@ def open_store(url: str | os.PathLike[str]) -> Store:
 
     * a plain path or ``file:///abs/path``: :class:`LocalStore` (created if missing)
     * ``memory://name``: a fresh :class:`MemoryStore` (not shared between calls)
+    * ``hf://buckets/<ns>/<bucket>[/<prefix>]``: :class:`~deltasync.storage._hf.HFBucketStore`
+      (needs the ``hf`` extra; endpoint from ``DELTASYNC_HF_ENDPOINT`` or ``HF_ENDPOINT``)
     """
     if isinstance(url, os.PathLike):
         return LocalStore(url)
@@ -32,7 +35,9 @@ def open_store(url: str | os.PathLike[str]) -> Store:
         return LocalStore(unquote(parsed.path))
     if parsed.scheme == "memory":
         return MemoryStore(url[len("memory://") :])
+    if parsed.scheme == "hf":
+        return open_hf_url(url)
     raise StorageError(
         f"{url}: unsupported store scheme {parsed.scheme!r}; this build supports local paths, "
-        "file:// and memory:// (hf:// and s3:// backends are not installed yet)"
+        "file://, memory:// and hf://buckets/ (the s3:// backend is not installed yet)"
     )
