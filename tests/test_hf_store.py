@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import pytest
 from fakehub import FakeHub, shard_file_sizes
-from hfhub_fixtures import TOKEN, fake_hub, hf_bucket, hf_env, hf_store, new_bucket, raw_path  # noqa: F401
+from hfhub_fixtures import TOKEN, hf_store, new_bucket, raw_path
 from hypothesis import HealthCheck, settings
 
 from deltasync.errors import (
@@ -28,6 +28,8 @@ from deltasync.errors import (
 from deltasync.storage import HFBucketStore, open_store
 from deltasync.storage._hf import parse_hf_url, translate_hf_error
 from deltasync.testing.store import StoreTests
+
+pytest_plugins = ["hfhub_fixtures"]
 
 
 def _api(hub: FakeHub) -> Any:

@@ -249,7 +249,7 @@ class HFBucketStore(Store):
             if remote not in infos:
                 raise ObjectNotFound(f"{self.url}: no object {key}")
         out: dict[str, bytes] = {}
-        todo: list[tuple[Any, Path]] = []
+        todo: list[tuple[Any, str | Path]] = []
         dest = Path(tempfile.mkdtemp(prefix="get-", dir=self._tmpdir()))
         try:
             local: dict[str, Path] = {}

@@ -30,6 +30,7 @@ from deltasync.protocol.keys import HEAD_KEY
 from deltasync.protocol.safetensors_io import TensorBytes, to_bytes
 from deltasync.storage import Store
 from deltasync.uploader._diff import TensorChange
+from deltasync.uploader._retry import RetryPolicy, put_idempotent, with_retries
 
 __all__ = ["StepJob", "build_patch", "write_step"]
 Bits = np.ndarray[Any, np.dtype[Any]]
@@ -92,8 +93,14 @@ def write_step(
     pool: Executor | None,
     signing_key: bytes | None,
     progress: Callable[[str], None] | None = None,
+    retry: RetryPolicy | None = None,
 ) -> Committed:
-    """Encode, write data files (create-only), then the manifest (create-only), then HEAD."""
+    """Encode, write data files (create-only), then the manifest (create-only), then HEAD.
+
+    Each of the three writes is retried on TransientStorageError under ``retry``; a
+    repeated create-only write that finds its own bytes already stored is harmless.
+    The manifest is only written once every data file is.
+    """
     if job.kind == "patch":
         files, entries_p = build_patch(job, shard_bytes, pool)
         entries: tuple[PatchEntry, ...] | tuple[AnchorEntry, ...] = tuple(entries_p)
@@ -119,9 +126,14 @@ def write_step(
         manifest = manifest.signed(signing_key)
     if progress:
         progress(f"step {job.step}: writing {len(files)} files")
-    store.put_many({file_key(job.step, n): d for n, d in files.items()}, mode="create")
+    policy = retry or RetryPolicy(retries=0)
+    what = f"step {job.step}"
+    data = {file_key(job.step, n): d for n, d in files.items()}
+    with_retries(lambda: put_idempotent(store, data), policy, f"{what}: writing {len(data)} data files")
     body = manifest.to_json()
-    store.put(manifest_key(job.step), body, mode="create")
+    mkey = manifest_key(job.step)
+    with_retries(lambda: put_idempotent(store, {mkey: body}), policy, f"{what}: writing its manifest")
     digest = xxh3_128(body)
-    store.put(HEAD_KEY, Head(job.step, digest, run_id).to_json())
+    head = Head(job.step, digest, run_id).to_json()
+    with_retries(lambda: store.put(HEAD_KEY, head), policy, f"{what}: writing HEAD.json")
     return Committed(manifest, digest)

@@ -22,6 +22,7 @@ from deltasync.protocol.keys import STEPS_PREFIX
 from deltasync.storage import Store
 from deltasync.uploader._commit import StepJob, write_step
 from deltasync.uploader._diff import Baseline, TensorChange, diff_tensor, inventory_of
+from deltasync.uploader._retry import RetryPolicy
 
 if TYPE_CHECKING:
     import torch
@@ -50,6 +51,10 @@ class UploaderConfig:
         bit-exactness); costs one hashing pass over changed tensors per step.
     signing_key: sign manifests with HMAC-SHA256.
     encode_threads: threads encoding tensors of one step in parallel.
+    retries: extra attempts of each store write of a commit after a transient
+        storage error (throttling, 5xx, timeout, partial batch); then the step's
+        Future raises CommitFailed and the next push is an anchor.
+    retry_backoff: seconds before the first retry, doubling each time (max 30 s).
     """
 
     anchor_every: int = 50
@@ -62,6 +67,8 @@ class UploaderConfig:
     signing_key: bytes | None = None
     encode_threads: int = 2
     run_id: str | None = None
+    retries: int = 4
+    retry_backoff: float = 0.5
 
     def __post_init__(self) -> None:
         if self.anchor_every < 1:
@@ -70,6 +77,7 @@ class UploaderConfig:
             raise ValueError("max_pending must be >= 1")
         if self.on_backlog not in ("coalesce", "block"):
             raise ValueError("on_backlog must be 'coalesce' or 'block'")
+        RetryPolicy(self.retries, self.retry_backoff)  # validates
 
 
 @dataclass(frozen=True, slots=True)
@@ -375,6 +383,7 @@ class DeltaUploader:
                 shard_bytes=self.config.shard_bytes,
                 pool=self._pool,
                 signing_key=self.config.signing_key,
+                retry=RetryPolicy(self.config.retries, self.config.retry_backoff),
             )
         except Exception as exc:  # noqa: BLE001 - re-raised into the futures
             self.failures += 1
