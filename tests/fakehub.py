@@ -15,28 +15,31 @@ makes ``/batch`` report some operations as failed (and apply the others), and
 :meth:`FakeHub.slow` delays matching requests. Every request is recorded in
 :attr:`FakeHub.requests`.
 
-Limits: the local CAS takes an exclusive lock per transfer, so all transfers must
-come from one process at a time. Nothing here exercises hf_xet's network client,
+Limits: hf_xet's local CAS is a database that the first process whose Xet session
+opens it keeps locked ("Database already open"), so all transfers against one CAS
+directory must come from one process (a test that runs CLI subprocesses starts its
+own FakeHub with its own CAS). Nothing here exercises hf_xet's network client,
 CDN redirects, token refresh or the real Hub's listing consistency.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import struct
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from email.utils import formatdate
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, quote, unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
-__all__ = ["FakeHub", "Fault"]
+from deltasync.storage import HFBucketStore
+
+__all__ = ["TOKEN", "FakeHub", "Fault", "hf_store", "new_bucket", "raw_path", "shard_file_sizes"]
 
 TOKEN_TTL = 3600
 
@@ -480,10 +483,24 @@ class _Handler(BaseHTTPRequestHandler):
         )
 
 
-def iter_requests(hub: FakeHub, method: str) -> Iterator[str]:
-    """Paths of the recorded requests with this method."""
-    with hub._lock:
-        yield from [p for m, p in hub.requests if m == method]
+# ------------------------------------------------------------ test helpers
+
+TOKEN = "hf_fake_token"
+_bucket_names = itertools.count()
 
 
-_ = (formatdate, quote)
+def new_bucket(hub: FakeHub) -> str:
+    """A fresh, empty bucket id on ``hub``."""
+    bucket_id = f"ns/bucket-{next(_bucket_names)}"
+    hub.create_bucket(bucket_id)
+    return bucket_id
+
+
+def hf_store(hub: FakeHub, bucket_id: str, prefix: str = "run", **kw: Any) -> HFBucketStore:
+    """An HFBucketStore on the fake Hub with the right token."""
+    return HFBucketStore(bucket_id, prefix, endpoint=hub.endpoint, token=TOKEN, **kw)
+
+
+def raw_path(store: HFBucketStore, key: str) -> str:
+    """The bucket path of ``key`` in ``store``."""
+    return f"{store.prefix}/{key}" if store.prefix else key

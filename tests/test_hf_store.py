@@ -13,8 +13,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
-from fakehub import FakeHub, shard_file_sizes
-from hfhub_fixtures import TOKEN, hf_store, new_bucket, raw_path
+from fakehub import TOKEN, FakeHub, hf_store, new_bucket, raw_path, shard_file_sizes
 from hypothesis import HealthCheck, settings
 
 from deltasync.errors import (
@@ -168,11 +167,17 @@ def test_listing_pages(fake_hub: FakeHub, hf_bucket: str) -> None:
     items = {f"steps/{i:012d}/manifest.json": bytes([i]) * i for i in range(130)}  # page_size is 50
     store.put_many(items)
     assert {o.key: o.size for o in store.list("steps/")} == {k: len(v) for k, v in items.items()}
-    assert [o.key for o in store.list("steps/00000000012")] == [f"steps/{i:012d}/manifest.json" for i in range(120, 130)]
+    assert [o.key for o in store.list("steps/00000000012")] == [
+        f"steps/{i:012d}/manifest.json" for i in range(120, 130)
+    ]
 
 
 def test_prefixes_isolate_runs(fake_hub: FakeHub, hf_bucket: str) -> None:
-    a, ab, root = hf_store(fake_hub, hf_bucket, "a"), hf_store(fake_hub, hf_bucket, "a/b"), hf_store(fake_hub, hf_bucket, "")
+    a, ab, root = (
+        hf_store(fake_hub, hf_bucket, "a"),
+        hf_store(fake_hub, hf_bucket, "a/b"),
+        hf_store(fake_hub, hf_bucket, ""),
+    )
     a.put("x", b"1")
     ab.put("x", b"2")
     root.put("ab", b"3")
