@@ -130,6 +130,8 @@ class FakeHub:
         self.page_size = page_size
         self.buckets: dict[str, _Bucket] = {}
         self.requests: list[tuple[str, str]] = []
+        self.http_bytes_in = 0  # request bodies received (JSON, NDJSON: never file bytes)
+        self.http_bytes_out = 0  # response bodies sent
         self._faults: list[Fault] = []
         self._batch_failures: list[tuple[re.Pattern[str], int]] = []
         self._sizes: dict[str, int] = {}
@@ -215,6 +217,14 @@ class FakeHub:
             f = self.buckets[bucket_id].files.get(path)
             return (f.xet_hash, f.size) if f else None
 
+    def cas_bytes(self) -> int:
+        """Bytes of xorbs and shards in the local CAS: what hf_xet uploaded (after dedup and compression)."""
+        return sum(
+            p.stat().st_size
+            for p in self.cas_dir.rglob("*")
+            if p.is_file() and p.parent.name in ("xorbs", "shards") and p.suffix not in (".tagset", ".redb")
+        )
+
     def count(self, method: str, pattern: str) -> int:
         rx = re.compile(pattern)
         with self._lock:
@@ -265,7 +275,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _body(self) -> bytes:
         n = int(self.headers.get("Content-Length") or 0)
-        return self.rfile.read(n) if n else b""
+        data = self.rfile.read(n) if n else b""
+        with self.server_hub._lock:
+            self.server_hub.http_bytes_in += len(data)
+        return data
 
     def _send(self, status: int, body: Any = None, headers: dict[str, str] | None = None) -> None:
         data = b"" if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
@@ -278,6 +291,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(data)
+            with self.server_hub._lock:
+                self.server_hub.http_bytes_out += len(data)
 
     def _error(self, status: int, message: str, code: str | None = None) -> None:
         headers = {"X-Error-Message": message}
