@@ -11,7 +11,17 @@ from deltasync.storage._local import LocalStore
 from deltasync.storage._memory import MemoryStore
 from deltasync.storage.base import Data, ObjectInfo, PutMode, Store, validate_key
 
-__all__ = ["Data", "HFBucketStore", "LocalStore", "MemoryStore", "ObjectInfo", "PutMode", "Store", "open_store", "validate_key"]
+__all__ = [
+    "Data",
+    "HFBucketStore",
+    "LocalStore",
+    "MemoryStore",
+    "ObjectInfo",
+    "PutMode",
+    "Store",
+    "open_store",
+    "validate_key",
+]
 
 
 def open_store(url: str | os.PathLike[str]) -> Store:
