@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,9 +66,13 @@ def hf_run(fake_hub: FakeHub) -> HFRun:
 
 
 def assert_no_torn_manifest(store: ds.Store) -> list[int]:
-    """Every committed step lists only files that exist with the listed sizes; returns the steps."""
-    listing = {o.key: o.size for o in store.list("steps/")}
+    """Every committed step lists only files that exist with the listed sizes; returns the steps.
+
+    Steps first, then the listing: a manifest seen earlier had all its files before it, so a
+    later listing must show them even while an uploader is writing.
+    """
     steps = ds.DeltaFetcher(store).steps()
+    listing = {o.key: o.size for o in store.list("steps/")}
     for s in steps:
         m = Manifest.from_json(store.get(manifest_key(s)))
         for fi in m.files:
@@ -140,6 +145,24 @@ def test_faults_are_retried_and_nothing_is_torn(fake_hub: FakeHub, hf_bucket: st
     store = hf_store(fake_hub, hf_bucket)
     ss = _states(8)
     up = ds.DeltaUploader(store, anchor_every=100, retries=4, retry_backoff=0.01, on_backlog="block")
+    # a reader polls the bucket all along: it must never see a manifest whose files are missing
+    stop, seen, problems = threading.Event(), set(), []
+
+    def watch() -> None:
+        reader = hf_store(fake_hub, hf_bucket)
+        for _ in range(10_000):
+            if stop.is_set():
+                return
+            try:
+                seen.update(assert_no_torn_manifest(reader))
+            except AssertionError as exc:
+                problems.append(str(exc))
+                return
+            except ds.errors.StorageError:
+                continue  # an injected fault hit the reader: fine, try again
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     try:
         assert up.push(ss[0], 0).result(WAIT).kind == "anchor"
         fake_hub.fail_batch_paths(r"steps/000000000001/patch-")  # step 1: data batch partly fails
@@ -155,6 +178,10 @@ def test_faults_are_retried_and_nothing_is_torn(fake_hub: FakeHub, hf_bucket: st
         assert up.failures == 0
     finally:
         up.close()
+        stop.set()
+        watcher.join(60)
+    assert not problems, problems
+    assert seen, "the watcher never saw a committed step"
     assert assert_no_torn_manifest(store) == [0, 1, 2, 3, 4, 5]
     _check_fetchable(store, dict(enumerate(ss[:6])))
 

@@ -50,11 +50,12 @@ class TestHFBucketStore(StoreTests[HFBucketStore]):
     def _hub(self, fake_hub: FakeHub) -> None:
         self.hub = fake_hub
 
+    at_bucket_root: ClassVar[bool] = False
+
     def make_store(self, path: Path) -> HFBucketStore:
-        # a fresh bucket per store; half the time under a prefix, half at the bucket root
-        bucket_id = new_bucket(self.hub)
-        prefix = "" if bucket_id.endswith(("0", "2", "4", "6", "8")) else f"runs/{path.name}"
-        return hf_store(self.hub, bucket_id, prefix)
+        # a fresh bucket per store, the run under a prefix (or at the bucket's root, below)
+        prefix = "" if self.at_bucket_root else f"runs/{path.name}"
+        return hf_store(self.hub, new_bucket(self.hub), prefix)
 
     def raw_get(self, store: HFBucketStore, key: str) -> bytes | None:
         api = _api(self.hub)
@@ -100,6 +101,12 @@ class TestHFBucketStore(StoreTests[HFBucketStore]):
         assert got in [p for p, w in zip(payloads, won, strict=True) if w]
         with pytest.raises(AlreadyExists):
             store.put("steps/000000000001/manifest.json", b"late", mode="create")
+
+
+class TestHFBucketStoreAtBucketRoot(TestHFBucketStore):
+    """The same suite with keys at the bucket's root (no prefix)."""
+
+    at_bucket_root = True
 
 
 # -- URLs and open_store ------------------------------------------------------------

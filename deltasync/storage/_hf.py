@@ -34,6 +34,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -172,6 +173,7 @@ class HFBucketStore(Store):
         self.spill_bytes = spill_bytes
         self._api = hf_api if hf_api is not None else HfApi(endpoint=self.endpoint, token=token)
         self._tmp: Path | None = None
+        self._lock = threading.Lock()
         if create:
             with self._errors("cannot create bucket"):
                 self._api.create_bucket(bucket_id, private=private, exist_ok=True)
@@ -189,9 +191,10 @@ class HFBucketStore(Store):
         return remote[len(self.prefix) + 1 :] if self.prefix else remote
 
     def _tmpdir(self) -> Path:
-        if self._tmp is None or not self._tmp.is_dir():
-            self._tmp = Path(tempfile.mkdtemp(prefix="deltasync-hf-"))
-        return self._tmp
+        with self._lock:
+            if self._tmp is None or not self._tmp.is_dir():
+                self._tmp = Path(tempfile.mkdtemp(prefix="deltasync-hf-"))
+            return self._tmp
 
     def _infos(self, remotes: Sequence[str]) -> dict[str, Any]:
         """remote path -> BucketFile for the paths that exist (one request per 1000 paths)."""
@@ -215,21 +218,16 @@ class HFBucketStore(Store):
             taken = [key for key, remote in remotes.items() if remote in present]
             if taken:
                 raise AlreadyExists(f"{self.url}: {taken[0]} already exists (create-only write)")
-        spill = Path(tempfile.mkdtemp(prefix="put-", dir=self._tmpdir()))
+        spill: Path | None = None
         try:
             add: list[tuple[str | Path | bytes, str]] = []
             for i, (key, data) in enumerate(items.items()):
                 if isinstance(data, Path):
-                    # a private copy: the caller may change its file while hf_xet reads it
-                    src = spill / f"{i}.bin"
-                    try:
-                        shutil.copyfile(data, src)
-                    except OSError as exc:
-                        raise StorageError(f"{self.url}: cannot read the payload of {key}: {exc}") from exc
-                    add.append((src, remotes[key]))
+                    add.append((data, remotes[key]))  # hf_xet reads the file itself
                     continue
                 view = memoryview(data).cast("B")
-                if view.nbytes > self.spill_bytes:
+                if view.nbytes > self.spill_bytes:  # big buffers go through a file (hf_xet copes better)
+                    spill = spill or Path(tempfile.mkdtemp(prefix="put-", dir=self._tmpdir()))
                     src = spill / f"{i}.bin"
                     with open(src, "wb") as f:
                         f.write(view)
@@ -238,8 +236,11 @@ class HFBucketStore(Store):
                     add.append((view.tobytes(), remotes[key]))
             with self._errors(f"cannot write {len(add)} object(s)"):
                 self._api.batch_bucket_files(self.bucket_id, add=add)
+        except OSError as exc:
+            raise StorageError(f"{self.url}: cannot spill a payload to a temp file: {exc}") from exc
         finally:
-            shutil.rmtree(spill, ignore_errors=True)
+            if spill is not None:
+                shutil.rmtree(spill, ignore_errors=True)
 
     def get_many(self, keys: Sequence[str]) -> dict[str, bytes]:
         # docstring inherited
@@ -288,8 +289,14 @@ class HFBucketStore(Store):
         if any(seg in ("", ".", "..") for seg in prefix.split("/")[:-1]):
             return []  # a complete segment no key can have
         full = f"{self.prefix}/{prefix}" if self.prefix else prefix
-        with self._errors(f"cannot list {prefix!r}"):
-            entries = list(self._api.list_bucket_tree(self.bucket_id, prefix=full or None, recursive=True))
+        last = full.rsplit("/", 1)[-1]
+        # "." / ".." would be resolved away in the URL: ask for the folder, filter here
+        ask = full[: len(full) - len(last)] if last in (".", "..") else full
+        try:
+            with self._errors(f"cannot list {prefix!r}"):
+                entries = list(self._api.list_bucket_tree(self.bucket_id, prefix=ask or None, recursive=True))
+        except ObjectNotFound:  # a tree endpoint may answer 404 for a prefix that names nothing
+            return []
         seen: dict[str, int] = {}
         for e in entries:
             if getattr(e, "type", "") != "file" or not e.path.startswith(full):
@@ -316,9 +323,10 @@ class HFBucketStore(Store):
 
     def close(self) -> None:
         # docstring inherited
-        if self._tmp is not None:
-            shutil.rmtree(self._tmp, ignore_errors=True)
-            self._tmp = None
+        with self._lock:
+            if self._tmp is not None:
+                shutil.rmtree(self._tmp, ignore_errors=True)
+                self._tmp = None
 
 
 def open_hf_url(url: str) -> HFBucketStore:
