@@ -67,6 +67,7 @@ def _load_bench_payload() -> Any:
 bp = _load_bench_payload()
 
 PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(hidden=64, layers=2, intermediate=128, vocab=512, heads=4, kv_heads=2, head_dim=16),  # smoke test
     "small": dict(hidden=256, layers=4, intermediate=768, vocab=8192, heads=4, kv_heads=2, head_dim=64),
     "medium": dict(hidden=512, layers=8, intermediate=1536, vocab=32000, heads=8, kv_heads=4, head_dim=64),
 }

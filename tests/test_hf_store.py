@@ -164,9 +164,14 @@ def test_one_batch_call_per_put_many(fake_hub: FakeHub, hf_bucket: str, tmp_path
         "steps/000000000001/b": b"s" * 4000,
         "steps/000000000001/c": b"p" * 5000,
     }
-    # one write token fetch per batch at most, and the spilled temp files are gone
+    # the spilled temp file is gone; reading three objects is one paths-info + one download group
     assert list(Path(store._tmpdir()).iterdir()) == []
+    n_info, n_resolve = fake_hub.count("POST", r"/paths-info$"), fake_hub.count("HEAD", r"/resolve/")
+    store.get_many(["steps/000000000001/a", "steps/000000000001/b", "steps/000000000001/c"])
+    assert fake_hub.count("POST", r"/paths-info$") == n_info + 1
+    assert fake_hub.count("HEAD", r"/resolve/") == n_resolve + 1
     store.close()
+    assert not store._tmp
 
 
 def test_listing_pages(fake_hub: FakeHub, hf_bucket: str) -> None:
