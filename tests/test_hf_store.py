@@ -268,8 +268,9 @@ def test_translate_errors() -> None:
 
     req = httpx2.Request("GET", "http://127.0.0.1/api/buckets/a/b/tree")
 
-    def http(status: int, cls: type[Exception] = hf.HfHubHTTPError) -> Exception:
-        return cls(f"{status} error", response=httpx2.Response(status, request=req))  # type: ignore[call-arg]
+    def http(status: int, cls: type[Exception] = hf.HfHubHTTPError, url: str = "/api/buckets/a/b/tree") -> Exception:
+        response = httpx2.Response(status, request=httpx2.Request("GET", f"http://127.0.0.1{url}"))
+        return cls(f"{status} error", response=response)  # type: ignore[call-arg]
 
     cases: list[tuple[Exception, type[DeltaSyncError]]] = [
         (http(500), TransientStorageError),
@@ -279,6 +280,9 @@ def test_translate_errors() -> None:
         (http(401), StorageError),
         (http(403), StorageError),
         (http(404), ObjectNotFound),
+        (http(404, url="/buckets/a/b/resolve/k"), ObjectNotFound),
+        (http(404, url="/api/buckets/a/b/paths-info"), StorageError),
+        (http(404, url="/api/buckets/a/b/xet-write-token"), StorageError),
         (http(400), StorageError),
         (http(404, hf.RemoteEntryNotFoundError), ObjectNotFound),
         (httpx2.ConnectError("refused", request=req), TransientStorageError),

@@ -117,9 +117,11 @@ def translate_hf_error(exc: Exception, what: str, bucket_id: str) -> StorageErro
         return StorageError(f"{what}: HF_HUB_OFFLINE is set; unset it to reach {bucket_id}")
     if status in (401, 403) or name == "XetAuthenticationError":
         return StorageError(f"{what}: access to bucket {bucket_id} denied ({status or name}); {TOKEN_HINT}")
-    if status == 404 and ("/xet-read-token" in str(exc) or "/xet-write-token" in str(exc)):
-        return StorageError(f"{what}: bucket {bucket_id} not found or not accessible; {TOKEN_HINT}")
     if status == 404:
+        request = getattr(getattr(exc, "response", None), "request", None)
+        url = str(getattr(request, "url", "")) or str(exc)
+        if "/api/buckets/" in url and "/tree" not in url:  # a bucket endpoint (tokens, batch, paths-info)
+            return StorageError(f"{what}: bucket {bucket_id} not found or not accessible; {TOKEN_HINT}")
         return ObjectNotFound(f"{what}: not found: {first_line}")
     if status in _TRANSIENT_STATUS or (status is not None and status >= 500):
         return TransientStorageError(f"{what}: HTTP {status} from the Hub (transient): {first_line}")
