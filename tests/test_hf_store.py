@@ -289,12 +289,15 @@ def test_translate_errors() -> None:
         (httpx2.ReadTimeout("slow", request=req), TransientStorageError),
         (RuntimeError("xet: connection reset"), TransientStorageError),
         (ValueError("odd"), StorageError),
+        (hf.OfflineModeIsEnabled("offline"), StorageError),
+        (hf.BucketBatchError("partial", response=httpx2.Response(200, request=req)), TransientStorageError),
     ]
     for exc, want in cases:
         got = translate_hf_error(exc, "op", "a/b")
         assert type(got) is want, (exc, got)
         assert "op" in str(got)
     assert "HF_TOKEN" in str(translate_hf_error(http(401), "op", "a/b"))
+    assert "HF_HUB_OFFLINE" in str(translate_hf_error(hf.OfflineModeIsEnabled("x"), "op", "a/b"))
 
 
 def test_shard_parser_matches_uploaded_sizes(fake_hub: FakeHub, hf_bucket: str) -> None:
