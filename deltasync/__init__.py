@@ -9,7 +9,7 @@ ds.DeltaFetcher(store).sync(inference_model)
 
 from deltasync import errors
 from deltasync.fetcher import DeltaFetcher
-from deltasync.storage import LocalStore, MemoryStore, ObjectInfo, Store, open_store
+from deltasync.storage import HFBucketStore, LocalStore, MemoryStore, ObjectInfo, Store, open_store
 from deltasync.uploader import CommitInfo, DeltaUploader, UploaderConfig
 
 __version__ = "0.1.0"
@@ -18,6 +18,7 @@ __all__ = [
     "CommitInfo",
     "DeltaFetcher",
     "DeltaUploader",
+    "HFBucketStore",
     "LocalStore",
     "MemoryStore",
     "ObjectInfo",

@@ -265,7 +265,9 @@ def _run(fn: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> i
 
 def _upload_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", help="a .safetensors file or an HF checkpoint dir (with model.safetensors.index.json)")
-    p.add_argument("--store", required=True, help="store URL: a path, file:///..., memory://, s3://bucket/prefix")
+    p.add_argument(
+        "--store", required=True, help="store URL: a path, file:///..., memory://, s3://bucket/prefix, hf://buckets/..."
+    )
     p.add_argument("--step", required=True, type=int, help="training step of this checkpoint (must increase)")
     p.add_argument("--anchor-every", type=int, default=50, help="full anchor every N steps (default 50)")
     p.add_argument("--anchor", action="store_true", help="force a full anchor for this step")

@@ -9,7 +9,7 @@ builtin exception means the same thing, the class also subclasses it, so
     │   ├── ObjectNotFound                (also FileNotFoundError) no object under that key
     │   ├── AlreadyExists                 (also FileExistsError) create-only write hit an existing key
     │   ├── PreconditionFailed            a conditional write lost its race
-    │   ├── TransientStorageError         a timeout, 5xx or lost connection: retrying later may succeed
+    │   ├── TransientStorageError         throttling, 5xx, timeout, lost connection, partial batch: retry may succeed
     │   └── InvalidKey                    (also ValueError) key escapes the store or is malformed
     ├── ProtocolError                     (also ValueError) bytes that are not valid protocol v1
     │   └── UnsupportedVersion            written by a newer (or unknown) format version
@@ -86,7 +86,8 @@ class PreconditionFailed(StorageError):
 
 
 class TransientStorageError(StorageError):
-    """The store may succeed later: a timeout, a 5xx/429 reply or a lost connection (after the client's own retries)."""
+    """The store may succeed later: throttled (429), a 5xx, a timeout, a lost connection or a partial batch
+    (after the client's own retries)."""
 
 
 class InvalidKey(StorageError, ValueError):
@@ -123,6 +124,8 @@ class CommitFailed(DeltaSyncError):
 
 class WriterFenced(CommitFailed):
     """A newer uploader claimed this run prefix (a higher writer epoch); this one may not commit."""
+
+
 class SignalError(DeltaSyncError):
     """The signal server could not be used. A hint only: the store stays the source of truth."""
 

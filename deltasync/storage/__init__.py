@@ -7,6 +7,7 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 from deltasync.errors import StorageError
+from deltasync.storage._hf import HFBucketStore, open_hf_url
 from deltasync.storage._local import LocalStore
 from deltasync.storage._memory import MemoryStore
 from deltasync.storage._s3 import S3Store
@@ -14,6 +15,7 @@ from deltasync.storage.base import Data, ObjectInfo, PutMode, Store, validate_ke
 
 __all__ = [
     "Data",
+    "HFBucketStore",
     "LocalStore",
     "MemoryStore",
     "ObjectInfo",
@@ -32,6 +34,8 @@ def open_store(url: str | os.PathLike[str], **options: Any) -> Store:
     * ``memory://name``: a fresh :class:`MemoryStore` (not shared between calls)
     * ``s3://<bucket>[/<prefix>]``: :class:`S3Store`; ``options`` are its keywords
       (endpoint, region, credentials, ...), else the ``AWS_*`` environment applies
+    * ``hf://buckets/<ns>/<bucket>[/<prefix>]``: :class:`HFBucketStore`
+      (needs the ``hf`` extra; endpoint from ``DELTASYNC_HF_ENDPOINT`` or ``HF_ENDPOINT``)
 
     ``options`` are accepted by the s3:// backend only.
     """
@@ -52,7 +56,9 @@ def open_store(url: str | os.PathLike[str], **options: Any) -> Store:
         return LocalStore(unquote(parsed.path))
     if parsed.scheme == "memory":
         return MemoryStore(url[len("memory://") :])
+    if parsed.scheme == "hf":
+        return open_hf_url(url)
     raise StorageError(
         f"{url}: unsupported store scheme {parsed.scheme!r}; this build supports local paths, "
-        "file://, memory:// and s3:// (the hf:// backend is not installed yet)"
+        "file://, memory://, s3:// and hf://buckets/"
     )

@@ -32,6 +32,7 @@ from deltasync.protocol.manifest import Writer
 from deltasync.protocol.safetensors_io import TensorBytes, to_bytes
 from deltasync.storage import Store
 from deltasync.uploader._diff import TensorChange
+from deltasync.uploader._retry import RetryPolicy, put_idempotent, with_retries
 
 __all__ = ["StepJob", "build_patch", "write_step"]
 Bits = np.ndarray[Any, np.dtype[Any]]
@@ -98,11 +99,15 @@ def write_step(
     writer: Writer | None = None,
     fence: Callable[[], None] | None = None,
     progress: Callable[[str], None] | None = None,
+    retry: RetryPolicy | None = None,
 ) -> Committed:
     """Encode, write data files (create-only), then the manifest (create-only), then HEAD.
 
     ``fence`` runs after the data files and before the manifest: it raises when
     another uploader has taken over the run, so this one commits nothing more.
+    Each write is retried on TransientStorageError under ``retry``; a repeated
+    create-only write that finds its own bytes already stored is harmless. The
+    manifest is only written once every data file is.
     """
     if job.kind == "patch":
         files, entries_p = build_patch(job, shard_bytes, pool)
@@ -130,19 +135,27 @@ def write_step(
         manifest = manifest.signed(signing_key)
     if progress:
         progress(f"step {job.step}: writing {len(files)} files")
-    items = {file_key(job.step, n): d for n, d in files.items()}
-    try:
-        store.put_many(items, mode="create")
-    except AlreadyExists:
-        # Leftovers of a commit that never got its manifest (a crash, or a writer fenced
-        # off at this step): no manifest refers to them, so they may be replaced.
-        if store.exists(manifest_key(job.step)):
-            raise
-        store.put_many(items, mode="overwrite")
+    policy = retry or RetryPolicy(retries=0)
+    what = f"step {job.step}"
+    data = {file_key(job.step, n): d for n, d in files.items()}
+    mkey = manifest_key(job.step)
+
+    def put_files() -> None:
+        try:
+            put_idempotent(store, data)
+        except AlreadyExists:
+            # Leftovers of a commit that never got its manifest (a crash, or a writer fenced
+            # off at this step): no manifest refers to them, so they may be replaced.
+            if store.exists(mkey):
+                raise
+            store.put_many(data, mode="overwrite")
+
+    with_retries(put_files, policy, f"{what}: writing {len(data)} data files")
     if fence is not None:
-        fence()
+        with_retries(fence, policy, f"{what}: checking the writer fence")
     body = manifest.to_json()
-    store.put(manifest_key(job.step), body, mode="create")
+    with_retries(lambda: put_idempotent(store, {mkey: body}), policy, f"{what}: writing its manifest")
     digest = xxh3_128(body)
-    store.put(HEAD_KEY, Head(job.step, digest, run_id).to_json())
+    head = Head(job.step, digest, run_id).to_json()
+    with_retries(lambda: store.put(HEAD_KEY, head), policy, f"{what}: writing HEAD.json")
     return Committed(manifest, digest)

@@ -23,6 +23,7 @@ from deltasync.storage import Store
 from deltasync.storage._claims import claim_epoch, is_fenced, read_claims
 from deltasync.uploader._commit import StepJob, write_step
 from deltasync.uploader._diff import Baseline, TensorChange, diff_tensor, inventory_of
+from deltasync.uploader._retry import RetryPolicy
 
 if TYPE_CHECKING:
     import torch
@@ -60,6 +61,10 @@ class UploaderConfig:
         and the bit-wise diff runs in the background. Costs one more copy of the
         weights in memory, on their device; False diffs inside push() instead
         (push takes about 3-4 compare passes, no extra memory).
+    retries: extra attempts of each store write of a commit after a transient
+        storage error (throttling, 5xx, timeout, partial batch); then the step's
+        Future raises CommitFailed and the next push is an anchor.
+    retry_backoff: seconds before the first retry, doubling each time (max 30 s).
     """
 
     anchor_every: int = 50
@@ -76,6 +81,8 @@ class UploaderConfig:
     signal_url: str | None = None
     signal_token: str | None = None
     signal_run: str | None = None
+    retries: int = 4
+    retry_backoff: float = 0.5
 
     def __post_init__(self) -> None:
         if self.anchor_every < 1:
@@ -84,6 +91,7 @@ class UploaderConfig:
             raise ValueError("max_pending must be >= 1")
         if self.on_backlog not in ("coalesce", "block"):
             raise ValueError("on_backlog must be 'coalesce' or 'block'")
+        RetryPolicy(self.retries, self.retry_backoff)  # validates
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,7 +304,9 @@ class DeltaUploader:
                 # only copy here; the diff against the baseline runs on the digest thread
                 job = StepJob(step, "patch", inventory, staged=self._stage(state_in, tensors), total=total)
             else:
-                job = StepJob(step, "patch", inventory, staged={k: flat_bits(t) for k, t in tensors.items()}, total=total)
+                job = StepJob(
+                    step, "patch", inventory, staged={k: flat_bits(t) for k, t in tensors.items()}, total=total
+                )
                 self._diff(job)
             self._pushes_since_anchor += 1
         fut: Future[CommitInfo] = Future()
@@ -448,6 +458,7 @@ class DeltaUploader:
                 signing_key=self.config.signing_key,
                 writer=Writer(self.writer_id, self.epoch),
                 fence=self._check_fence,
+                retry=RetryPolicy(self.config.retries, self.config.retry_backoff),
             )
         except Exception as exc:  # noqa: BLE001 - re-raised into the futures
             self.failures += 1
