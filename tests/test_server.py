@@ -209,7 +209,7 @@ def test_store_checks_published_steps_and_derives_heads(tmp_path: Path) -> None:
         # the head of a run the server never heard of comes from the store
         assert c.get("/v1/runs/r/head").json() == {**c.get("/v1/runs/r/head").json(), "step": 3, "manifest_digest": d3}
         r = publish(c, 5, D1)
-        assert r.status_code == 422 and "not committed" in r.json()["detail"]
+        assert r.status_code == 422 and "not committed" in r.json()["detail"][0]["msg"]
         d5 = _commit_to(store, 5)
         r = publish(c, 5, D1)
         assert r.status_code == 409 and d5 in r.json()["detail"]
@@ -430,3 +430,9 @@ def test_follow_refuses_a_foreign_directory(tmp_path: Path) -> None:
     with pytest.raises(StorageError, match="refusing to follow"):
         DeltaFetcher(MemoryStore("x")).follow(out, until_step=0)
     assert (out / "precious.txt").read_text() == "keep me"
+
+
+def test_unknown_query_parameters_are_refused(client: TestClient) -> None:
+    r = client.get("/v1/runs/r/wait", params={"afer": 3, "timeout": 0}, headers=auth(SUB))
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["query", "afer"]
+    assert client.get("/v1/runs/r/wait", params={"after": 3, "timeout": 0}, headers=auth(SUB)).status_code == 204
