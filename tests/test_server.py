@@ -436,3 +436,45 @@ def test_unknown_query_parameters_are_refused(client: TestClient) -> None:
     r = client.get("/v1/runs/r/wait", params={"afer": 3, "timeout": 0}, headers=auth(SUB))
     assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["query", "afer"]
     assert client.get("/v1/runs/r/wait", params={"after": 3, "timeout": 0}, headers=auth(SUB)).status_code == 204
+
+
+def test_follow_with_an_unreachable_server_polls_at_its_interval() -> None:
+    from deltasync import DeltaFetcher
+    from deltasync.fetcher._follow import FollowStats
+
+    def down(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    stop = threading.Event()
+    stats = FollowStats()
+    timer = threading.Timer(0.6, stop.set)
+    timer.start()
+    got = DeltaFetcher(MemoryStore("empty")).follow(
+        {},
+        signal_url="http://127.0.0.1:9",
+        stop=stop,
+        poll_interval=0.1,
+        reconnect_backoff=(0.05, 0.2),
+        transport=httpx.MockTransport(down),
+        stats=stats,
+    )
+    timer.join()
+    assert got is None  # an empty run: nothing to apply, no error
+    assert 1 <= stats.polls <= 12  # paced by poll_interval, not a busy loop
+    # with a run name the stream is tried (and fails) with backoff, polling in between
+    stop.clear()
+    stats = FollowStats()
+    timer = threading.Timer(0.6, stop.set)
+    timer.start()
+    DeltaFetcher(MemoryStore("empty")).follow(
+        {},
+        signal_url="http://127.0.0.1:9",
+        run="r",
+        stop=stop,
+        poll_interval=0.1,
+        reconnect_backoff=(0.05, 0.2),
+        transport=httpx.MockTransport(down),
+        stats=stats,
+    )
+    timer.join()
+    assert 1 <= stats.signal_failures <= 12 and 1 <= stats.polls <= 20
