@@ -220,6 +220,26 @@ def test_store_checks_published_steps_and_derives_heads(tmp_path: Path) -> None:
         assert 'reason="not_in_store"' in c.get("/metrics").text
 
 
+def test_publish_is_503_while_the_store_cannot_be_read(tmp_path: Path) -> None:
+    from deltasync.errors import StorageError
+
+    class Flaky(MemoryStore):
+        down = True
+
+        def get_many(self, keys: Any) -> dict[str, bytes]:
+            if self.down:
+                raise StorageError("connection reset")
+            return super().get_many(keys)
+
+    store = Flaky("flaky")
+    d1 = _commit_to(store, 1)
+    with TestClient(create_app(Settings(publish_token=PUB), store=store)) as c:
+        r = publish(c, 1, d1)
+        assert r.status_code == 503 and "cannot read" in r.json()["detail"]
+        store.down = False
+        assert publish(c, 1, d1).status_code == 201
+
+
 def test_rederive_without_store_is_404(client: TestClient) -> None:
     assert client.post("/v1/runs/r/rederive", headers=auth(PUB)).status_code == 404
 

@@ -33,7 +33,7 @@ from starlette.routing import Match, Route
 from deltasync.errors import DeltaSyncError
 from deltasync.protocol.keys import MAX_STEP
 from deltasync.server._db import Commit, Database, Webhook
-from deltasync.server._hub import Conflict, Hub, NotInStore
+from deltasync.server._hub import Conflict, Hub, NotInStore, StoreUnavailable
 from deltasync.server._metrics import Metrics
 from deltasync.server._settings import DIGEST_PATTERN, RUN_PATTERN, Settings
 from deltasync.storage import Store, open_store
@@ -356,6 +356,10 @@ def create_app(
     async def _conflict(request: Request, exc: Conflict) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=409)
 
+    @app.exception_handler(StoreUnavailable)
+    async def _store_down(request: Request, exc: StoreUnavailable) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=503)
+
     @app.exception_handler(NotInStore)
     async def _not_in_store(request: Request, exc: NotInStore) -> JSONResponse:
         hub.metrics.inc("deltasync_commits_rejected_total", reason="not_in_store")
@@ -382,6 +386,7 @@ def create_app(
             200: {"model": CommitOut, "description": "already recorded (idempotent repeat)"},
             409: {"model": Problem, "description": "older than the head, or another digest for this step"},
             422: {"description": "invalid body, or the step is not committed in the configured store"},
+            503: {"model": Problem, "description": "the configured store could not be read; retry"},
         },
         tags=["publish"],
     )
