@@ -209,7 +209,7 @@ def test_store_checks_published_steps_and_derives_heads(tmp_path: Path) -> None:
         # the head of a run the server never heard of comes from the store
         assert c.get("/v1/runs/r/head").json() == {**c.get("/v1/runs/r/head").json(), "step": 3, "manifest_digest": d3}
         r = publish(c, 5, D1)
-        assert r.status_code == 422 and "not committed" in r.json()["detail"]
+        assert r.status_code == 422 and "not committed" in r.json()["detail"][0]["msg"]
         d5 = _commit_to(store, 5)
         r = publish(c, 5, D1)
         assert r.status_code == 409 and d5 in r.json()["detail"]
@@ -218,6 +218,26 @@ def test_store_checks_published_steps_and_derives_heads(tmp_path: Path) -> None:
         r = c.post("/v1/runs/r/rederive", headers=auth(PUB))
         assert r.json()["step"] == 9 and r.json()["manifest_digest"] == d9
         assert 'reason="not_in_store"' in c.get("/metrics").text
+
+
+def test_publish_is_503_while_the_store_cannot_be_read(tmp_path: Path) -> None:
+    from deltasync.errors import StorageError
+
+    class Flaky(MemoryStore):
+        down = True
+
+        def get_many(self, keys: Any) -> dict[str, bytes]:
+            if self.down:
+                raise StorageError("connection reset")
+            return super().get_many(keys)
+
+    store = Flaky("flaky")
+    d1 = _commit_to(store, 1)
+    with TestClient(create_app(Settings(publish_token=PUB), store=store)) as c:
+        r = publish(c, 1, d1)
+        assert r.status_code == 503 and "cannot read" in r.json()["detail"]
+        store.down = False
+        assert publish(c, 1, d1).status_code == 201
 
 
 def test_rederive_without_store_is_404(client: TestClient) -> None:
@@ -430,3 +450,51 @@ def test_follow_refuses_a_foreign_directory(tmp_path: Path) -> None:
     with pytest.raises(StorageError, match="refusing to follow"):
         DeltaFetcher(MemoryStore("x")).follow(out, until_step=0)
     assert (out / "precious.txt").read_text() == "keep me"
+
+
+def test_unknown_query_parameters_are_refused(client: TestClient) -> None:
+    r = client.get("/v1/runs/r/wait", params={"afer": 3, "timeout": 0}, headers=auth(SUB))
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["query", "afer"]
+    assert client.get("/v1/runs/r/wait", params={"after": 3, "timeout": 0}, headers=auth(SUB)).status_code == 204
+
+
+def test_follow_with_an_unreachable_server_polls_at_its_interval() -> None:
+    from deltasync import DeltaFetcher
+    from deltasync.fetcher._follow import FollowStats
+
+    def down(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    stop = threading.Event()
+    stats = FollowStats()
+    timer = threading.Timer(0.6, stop.set)
+    timer.start()
+    got = DeltaFetcher(MemoryStore("empty")).follow(
+        {},
+        signal_url="http://127.0.0.1:9",
+        stop=stop,
+        poll_interval=0.1,
+        reconnect_backoff=(0.05, 0.2),
+        transport=httpx.MockTransport(down),
+        stats=stats,
+    )
+    timer.join()
+    assert got is None  # an empty run: nothing to apply, no error
+    assert 1 <= stats.polls <= 12  # paced by poll_interval, not a busy loop
+    # with a run name the stream is tried (and fails) with backoff, polling in between
+    stop.clear()
+    stats = FollowStats()
+    timer = threading.Timer(0.6, stop.set)
+    timer.start()
+    DeltaFetcher(MemoryStore("empty")).follow(
+        {},
+        signal_url="http://127.0.0.1:9",
+        run="r",
+        stop=stop,
+        poll_interval=0.1,
+        reconnect_backoff=(0.05, 0.2),
+        transport=httpx.MockTransport(down),
+        stats=stats,
+    )
+    timer.join()
+    assert 1 <= stats.signal_failures <= 12 and 1 <= stats.polls <= 20

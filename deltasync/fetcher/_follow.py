@@ -204,9 +204,10 @@ def follow(
             if done():
                 break
             wait = poll_interval
-            if client is not None:
-                wait = max(0.0, min(poll_interval, next_connect - time.monotonic()))
-            stop.wait(wait)
+            now = time.monotonic()
+            if client is not None and next_connect > now:
+                wait = min(poll_interval, next_connect - now)  # reconnect as soon as the backoff allows
+            stop.wait(max(0.01, wait))
     finally:
         st.connected = False
         if client is not None:

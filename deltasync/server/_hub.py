@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from deltasync.errors import DeltaSyncError, ObjectNotFound
+from deltasync.errors import DeltaSyncError, ObjectNotFound, StorageError
 from deltasync.protocol import Manifest, manifest_key, parse_manifest_key, xxh3_128
 from deltasync.protocol.keys import STEPS_PREFIX
 from deltasync.server._db import Commit, Database, Webhook
@@ -26,7 +26,7 @@ from deltasync.server._settings import Settings
 from deltasync.server.webhooks import DELIVERY_HEADER, EVENT_HEADER, sign_webhook
 from deltasync.storage import Store
 
-__all__ = ["Conflict", "Hub", "NotInStore"]
+__all__ = ["Conflict", "Hub", "NotInStore", "StoreUnavailable"]
 
 log = logging.getLogger("deltasync.server")
 _RECENT = 256
@@ -34,6 +34,10 @@ _RECENT = 256
 
 class Conflict(Exception):
     """A publish contradicts the run's history (409)."""
+
+
+class StoreUnavailable(Exception):
+    """The configured store could not be read to check a publish (503: the publisher retries)."""
 
 
 class NotInStore(Exception):
@@ -140,8 +144,10 @@ class Hub:
             return
         try:
             found = await asyncio.to_thread(self._read_manifest, run, step)
+        except StorageError as exc:
+            raise StoreUnavailable(f"cannot read step {step}'s manifest from the store: {exc}") from exc
         except DeltaSyncError as exc:
-            raise NotInStore(f"cannot read step {step}'s manifest from the store: {exc}") from exc
+            raise NotInStore(f"step {step}'s manifest in the store is not valid: {exc}") from exc
         if found is None:
             raise NotInStore(f"step {step} is not committed in the store (no manifest)")
         if found[0] != digest:

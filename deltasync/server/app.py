@@ -22,7 +22,9 @@ from urllib.parse import urlsplit
 import httpx
 from fastapi import Depends, FastAPI, Header, HTTPException, Path, Query, Request, Response
 from fastapi.exception_handlers import http_exception_handler
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -31,7 +33,7 @@ from starlette.routing import Match, Route
 from deltasync.errors import DeltaSyncError
 from deltasync.protocol.keys import MAX_STEP
 from deltasync.server._db import Commit, Database, Webhook
-from deltasync.server._hub import Conflict, Hub, NotInStore
+from deltasync.server._hub import Conflict, Hub, NotInStore, StoreUnavailable
 from deltasync.server._metrics import Metrics
 from deltasync.server._settings import DIGEST_PATTERN, RUN_PATTERN, Settings
 from deltasync.storage import Store, open_store
@@ -135,8 +137,41 @@ def _auth_error(status: int, detail: str) -> HTTPException:
     return HTTPException(status, detail, headers={"WWW-Authenticate": 'Bearer realm="deltasync"'})
 
 
+_ALLOWED_QUERY: dict[int, frozenset[str]] = {}
+
+
+def _no_unknown_query(request: Request) -> None:
+    """422 for query parameters the route does not declare (a typo like ``?afer=`` must not pass silently)."""
+    route = request.scope.get("route")
+    if not request.query_params or not isinstance(route, APIRoute):
+        return
+    allowed = _ALLOWED_QUERY.get(id(route))
+    if allowed is None:
+        names: set[str] = set()
+        todo = [route.dependant]
+        while todo:
+            dep = todo.pop()
+            names.update(p.alias for p in dep.query_params)
+            todo.extend(dep.dependencies)
+        allowed = _ALLOWED_QUERY[id(route)] = frozenset(names)
+    unknown = sorted(set(request.query_params) - allowed)
+    if unknown:
+        raise RequestValidationError(
+            [
+                {
+                    "type": "extra_forbidden",
+                    "loc": ("query", name),
+                    "msg": f"unknown query parameter; this route takes {sorted(allowed)}",
+                    "input": request.query_params[name],
+                }
+                for name in unknown
+            ]
+        )
+
+
 def _require(scope: Literal["publish", "subscribe"]) -> Callable[..., Awaitable[None]]:
     async def check(request: Request, cred: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
+        _no_unknown_query(request)
         s: Settings = request.app.state.settings
         wanted = [s.publish_token] if scope == "publish" else [s.subscribe_token, s.publish_token]
         if scope == "subscribe" and s.subscribe_token is None:
@@ -321,10 +356,16 @@ def create_app(
     async def _conflict(request: Request, exc: Conflict) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=409)
 
+    @app.exception_handler(StoreUnavailable)
+    async def _store_down(request: Request, exc: StoreUnavailable) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=503)
+
     @app.exception_handler(NotInStore)
     async def _not_in_store(request: Request, exc: NotInStore) -> JSONResponse:
         hub.metrics.inc("deltasync_commits_rejected_total", reason="not_in_store")
-        return JSONResponse({"detail": str(exc)}, status_code=422)
+        # the shape of FastAPI's validation errors, so that 422 has one documented schema
+        detail = [{"type": "not_in_store", "loc": ["body", "step"], "msg": str(exc), "input": None}]
+        return JSONResponse({"detail": detail}, status_code=422)
 
     @app.get("/healthz", tags=["ops"])
     async def healthz() -> dict[str, str]:
@@ -345,6 +386,7 @@ def create_app(
             200: {"model": CommitOut, "description": "already recorded (idempotent repeat)"},
             409: {"model": Problem, "description": "older than the head, or another digest for this step"},
             422: {"description": "invalid body, or the step is not committed in the configured store"},
+            503: {"model": Problem, "description": "the configured store could not be read; retry"},
         },
         tags=["publish"],
     )

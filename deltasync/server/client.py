@@ -61,6 +61,8 @@ def _check(r: httpx.Response) -> httpx.Response:
     try:
         r.read()
         detail = r.json().get("detail", r.text)
+        if isinstance(detail, list):  # validation errors: [{"loc": [...], "msg": ...}, ...]
+            detail = "; ".join(f"{'.'.join(map(str, d.get('loc', [])))}: {d.get('msg')}" for d in detail)
     except (ValueError, AttributeError, httpx.HTTPError):
         detail = r.text if r.is_stream_consumed else ""
     msg = f"signal server: {r.request.method} {r.request.url.path} -> HTTP {r.status_code}: {detail}"
