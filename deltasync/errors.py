@@ -16,7 +16,8 @@ builtin exception means the same thing, the class also subclasses it, so
     │   └── SignatureMismatch             the manifest's HMAC signature is missing or wrong
     ├── InventoryMismatch                 (also ValueError) target tensors differ from the manifest
     ├── ChainBroken                       no path of committed steps leads to the requested step
-    └── CommitFailed                      the uploader's background commit gave up
+    ├── CommitFailed                      the uploader's background commit gave up
+    └── DemoError                         (also ValueError) `deltasync demo` cannot start as asked
 
 Every class pickles (it carries only its message), so errors cross process
 and thread-pool boundaries intact.
@@ -30,6 +31,7 @@ __all__ = [
     "ChecksumMismatch",
     "CommitFailed",
     "DeltaSyncError",
+    "DemoError",
     "InvalidKey",
     "InventoryMismatch",
     "ObjectNotFound",
@@ -101,3 +103,7 @@ class ChainBroken(DeltaSyncError):
 
 class CommitFailed(DeltaSyncError):
     """The uploader's background commit of a step failed; the next push is an anchor."""
+
+
+class DemoError(DeltaSyncError, ValueError):
+    """``deltasync demo`` cannot start as asked (port taken, web stack missing...)."""

@@ -30,6 +30,7 @@ BUILTIN_PARENTS: dict[str, tuple[type[BaseException], ...]] = {
     "InventoryMismatch": (ValueError,),
     "ChainBroken": (Exception,),
     "CommitFailed": (Exception,),
+    "DemoError": (ValueError,),
 }
 
 #: Each class and its deltasync parent.
@@ -47,6 +48,7 @@ TREE_PARENTS: dict[str, str | None] = {
     "InventoryMismatch": "DeltaSyncError",
     "ChainBroken": "DeltaSyncError",
     "CommitFailed": "DeltaSyncError",
+    "DemoError": "DeltaSyncError",
 }
 
 ids = [cls.__name__ for cls in ALL_CLASSES]

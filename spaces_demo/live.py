@@ -1,0 +1,376 @@
+"""The live system behind the page: a trainer thread and an inference follower.
+
+Self-contained mode (nothing configured): the trainer trains a tiny Qwen3 with
+AdamW (fp32 master weights) and pushes the bf16 view of every step through a
+:class:`~deltasync.DeltaUploader` into the store; the follower waits for a new
+step, reads its manifest, brings a separate bf16 inference copy there with
+:meth:`~deltasync.DeltaFetcher.sync` and records what it now answers.
+
+Follower mode (``train=False``): only the follower runs, against a store that a
+trainer elsewhere writes to.
+
+How the follower learns about new steps is one pluggable piece,
+:func:`connect_signal` (the seam for the signal server).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from deltasync.errors import DeltaSyncError, ObjectNotFound
+from deltasync.fetcher import DeltaFetcher
+from deltasync.fetcher._reader import StepReader
+from deltasync.protocol import Manifest
+from deltasync.storage import Store
+from deltasync.uploader import CommitInfo, DeltaUploader
+from spaces_demo.hub import Hub
+from spaces_demo.toy import PROMPT, TARGET, build_model, greedy, layer_groups, training_batch
+
+__all__ = ["DEMO_KEY", "DemoOptions", "DemoRun", "StepSignal", "connect_signal", "manifest_row"]
+
+log = logging.getLogger("deltasync.demo")
+
+DEMO_KEY = "demo.json"
+"""Store key where the trainer records which toy model it trains (read by followers)."""
+
+MAX_NEW_MANIFESTS = 64  # a follower far behind reads only the newest manifests for the charts
+
+
+@dataclass(frozen=True, slots=True)
+class DemoOptions:
+    """What ``deltasync demo`` runs (see its --help)."""
+
+    store_url: str
+    train: bool = True
+    steps: int = 400
+    lr: float = 1e-3
+    model: str = "small"
+    anchor_every: int = 50
+    step_interval: float = 0.25
+    poll_interval: float = 0.5
+    signal_url: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError("--steps must be >= 1")
+        if not self.lr > 0:
+            raise ValueError("--lr must be > 0")
+        if self.anchor_every < 1:
+            raise ValueError("--anchor-every must be >= 1")
+        if self.step_interval < 0 or not self.poll_interval > 0:
+            raise ValueError("--step-interval must be >= 0 and the poll interval > 0")
+
+
+# ------------------------------------------------------------------ signal
+
+
+class StepSignal:
+    """Wakes the follower when a step is committed.
+
+    ``notify(step)`` is called by whoever learns of a commit first (the uploader's
+    Future callbacks in-process, or a signal-server client). ``wait`` returns early
+    on a notification and otherwise after ``timeout``, so a follower that nobody
+    notifies falls back to polling the store at that interval.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._latest: int | None = None
+        self._closed = False
+        self.source = "store polling"
+
+    def notify(self, step: int) -> None:
+        """A step up to ``step`` is committed."""
+        with self._cond:
+            if self._latest is None or step > self._latest:
+                self._latest = step
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Wake every waiter for good."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def wait(self, after: int | None, timeout: float) -> bool:
+        """Wait until a step newer than ``after`` is announced; False on timeout (then poll)."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: self._closed or (self._latest is not None and (after is None or self._latest > after)),
+                timeout=timeout,
+            )
+
+
+def connect_signal(app: Any, store: Store, options: DemoOptions) -> StepSignal:
+    """THE SEAM for the signal server: where new-step notifications come from.
+
+    Today: self-contained mode wakes the follower from the uploader's Future
+    callbacks (wired in :class:`DemoRun`), and every mode polls
+    ``DeltaFetcher.latest_step()`` every ``options.poll_interval`` seconds as a
+    fallback. ``app`` is the demo's FastAPI app.
+
+    To plug in the signal server (deltasync.server), replace the body with:
+    in self-contained mode, mount ``create_app(settings, store)`` on ``app`` (e.g.
+    at ``/signal``) and give the uploader its ``signal_url``; when
+    ``options.signal_url`` is set, start a thread that follows the server's SSE
+    ``/v1/runs/{run}/events`` stream and calls ``signal.notify(step)`` per commit.
+    """
+    signal = StepSignal()
+    if options.signal_url:
+        log.warning("signal server client not wired in yet; polling %s every %.1f s", store.url, options.poll_interval)
+        signal.source = f"store polling (signal server {options.signal_url} not wired yet)"
+    elif options.train:
+        signal.source = "in-process uploader callbacks + store polling"
+    return signal
+
+
+# --------------------------------------------------------------- manifests
+
+
+def manifest_row(m: Manifest, groups: list[tuple[str, list[str]]]) -> dict[str, Any]:
+    """One committed step as the page's timeline row: kind, bytes, density, per-layer change."""
+    numel = {t.name: _numel(t.shape) for t in m.inventory}
+    full = sum(t.nbytes for t in m.inventory)
+    layers: list[float | None]
+    if m.kind == "anchor":
+        layers = [None] * len(groups)
+    else:
+        counts: dict[str, int] = {}
+        for e in m.entries:
+            name = getattr(e, "tensor", "")
+            counts[name] = counts.get(name, 0) + int(getattr(e, "count", 0))
+        layers = []
+        for _, names in groups:
+            total = sum(numel.get(n, 0) for n in names)
+            layers.append(sum(counts.get(n, 0) for n in names) / total if total else 0.0)
+    return {
+        "step": m.step,
+        "kind": m.kind,
+        "parent": m.parent_step,
+        "anchor": m.anchor_step,
+        "nbytes": m.stats.nbytes,
+        "changed": m.stats.changed,
+        "total": m.stats.total,
+        "full_bytes": full,
+        "layers": layers,
+    }
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+# -------------------------------------------------------------------- run
+
+
+class DemoRun:
+    """Owns the trainer and follower threads; ``start()`` then ``stop()``."""
+
+    def __init__(self, store: Store, options: DemoOptions, *, app: Any = None) -> None:
+        import torch
+
+        self.store = store
+        self.options = options
+        self._torch = torch
+        self.hub = Hub(
+            {
+                "mode": "self-contained" if options.train else "follower",
+                "store": store.url,
+                "prompt": PROMPT,
+                "target": TARGET,
+                "steps": options.steps if options.train else None,
+                "model": None,
+                "groups": [],
+                "bit_exact": None,
+            }
+        )
+        self.signal = connect_signal(app, store, options)
+        self.hub.set_info(signal=self.signal.source)
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.finished = threading.Event()
+        self.bit_exact: bool | None = None
+        self._trainer_done = threading.Event()
+        self._final: tuple[int, dict[str, Any]] | None = None
+
+    # --------------------------------------------------------------- control
+
+    def start(self) -> None:
+        """Start the threads (idempotent only in the sense that a second call is an error)."""
+        if self._threads:
+            raise RuntimeError("DemoRun already started")
+        if self.options.train:
+            self._threads.append(threading.Thread(target=self._guard(self._train), name="demo-trainer", daemon=True))
+        self._threads.append(threading.Thread(target=self._guard(self._follow), name="demo-follower", daemon=True))
+        for t in self._threads:
+            t.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop both threads and end the pages' streams."""
+        self._stop.set()
+        self.signal.close()
+        for t in self._threads:
+            t.join(timeout)
+        self.hub.close()
+
+    def _guard(self, fn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001 - shown on the page, the server keeps running
+                log.exception("%s failed", threading.current_thread().name)
+                self.hub.set_error(f"{threading.current_thread().name}: {type(exc).__name__}: {exc}")
+                self.hub.set_status("failed")
+                self.finished.set()
+
+        return run
+
+    # --------------------------------------------------------------- trainer
+
+    def _train(self) -> None:
+        torch = self._torch
+        opts = self.options
+        toy, model = build_model(opts.model, seed=opts.seed)
+        model.train()
+        ids, mask, labels = training_batch(toy.tokenizer)
+        opt = torch.optim.AdamW(model.parameters(), lr=opts.lr, weight_decay=0.0)
+        self.store.put(DEMO_KEY, json.dumps({"model": opts.model, "prompt": PROMPT}).encode())
+        self.hub.set_status("training")
+
+        def on_commit(fut: Future[CommitInfo]) -> None:
+            try:
+                info = fut.result()
+            except DeltaSyncError as exc:
+                self.hub.set_error(f"commit failed: {exc}")
+                return
+            if info.kind != "skipped":
+                self.signal.notify(info.step)
+            self.hub.trainer_update(committed=info.committed_step, last_kind=info.kind)
+
+        with DeltaUploader(self.store, anchor_every=opts.anchor_every, cast_dtype=torch.bfloat16) as up:
+            last = up.last_committed_step
+            first = 0 if last is None else last + 1
+            loss_v: float | None = None
+            for i in range(opts.steps + 1):
+                if self._stop.is_set():
+                    break
+                t0 = time.perf_counter()
+                step = first + i
+                if i:
+                    loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    opt.step()
+                    loss_v = float(loss.detach())
+                t1 = time.perf_counter()
+                fut = up.push(model, step)
+                push_ms = 1000 * (time.perf_counter() - t1)
+                self.hub.trainer_step(step, loss=loss_v, lr=opts.lr, train_ms=1000 * (t1 - t0), push_ms=push_ms)
+                fut.add_done_callback(on_commit)
+                self._stop.wait(max(0.0, opts.step_interval - (time.perf_counter() - t0)))
+        self.hub.trainer_update(done=True)
+        self._final_check(model)
+
+    def _final_check(self, model: Any) -> None:
+        """Hand the follower the trainer's last weights, to compare once it holds that step."""
+        torch = self._torch
+        last = self.hub.trainer
+        if last is not None and last.get("step") is not None:
+            state = {k: v.detach().to(torch.bfloat16).clone() for k, v in model.state_dict().items()}
+            self._final = (int(last["step"]), state)
+        self._trainer_done.set()
+
+    def _maybe_finish(self, infer: Any, seen: int | None) -> None:
+        if self.finished.is_set() or not self._trainer_done.is_set():
+            return
+        final = self._final
+        if final is None or infer is None or seen != final[0]:
+            return
+        torch = self._torch
+        got = infer.state_dict()
+        want = final[1]
+        self.bit_exact = sorted(got) == sorted(want) and all(
+            torch.equal(got[k].view(torch.int16), want[k].view(torch.int16)) for k in want
+        )
+        self.hub.set_info(bit_exact=self.bit_exact)
+        self.hub.set_status("done" if self.bit_exact else "MISMATCH")
+        self.finished.set()
+
+    # -------------------------------------------------------------- follower
+
+    def _follow(self) -> None:
+        opts = self.options
+        fetcher = DeltaFetcher(self.store, verify=True)
+        reader = StepReader(self.store, verify=False, signing_key=None)
+        infer: Any = None
+        toy: Any = None
+        groups: list[tuple[str, list[str]]] = []
+        seen: int | None = None
+        last_tick = 0.0
+        if not opts.train:
+            self.hub.set_status("waiting for a trainer")
+        while not self._stop.is_set():
+            self.signal.wait(seen, opts.poll_interval)
+            if self._stop.is_set():
+                break
+            if time.monotonic() - last_tick >= 1.0:
+                self.hub.tick()
+                last_tick = time.monotonic()
+            self._maybe_finish(infer, seen)
+            try:
+                steps = fetcher.steps()
+                new = [s for s in steps if seen is None or s > seen]
+                if not new:
+                    continue
+                if infer is None:
+                    toy, infer = self._inference_copy()
+                    groups = layer_groups(list(infer.state_dict()))
+                    full = sum(v.numel() * v.element_size() for v in infer.state_dict().values())
+                    params = sum(v.numel() for v in infer.state_dict().values())
+                    self.hub.set_info(
+                        model={"name": toy.name, "arch": "Qwen3ForCausalLM", "params": params, "full_bytes": full,
+                               "layers": toy.config.num_hidden_layers, "hidden": toy.config.hidden_size},
+                        groups=[g for g, _ in groups],
+                    )
+                for s in new[-MAX_NEW_MANIFESTS:]:
+                    self.hub.committed(manifest_row(reader.committed(s).manifest, groups))
+                target = new[-1]
+                t0 = time.perf_counter()
+                fetcher.sync(infer, step=target)
+                sync_ms = 1000 * (time.perf_counter() - t0)
+                seen = target
+                t1 = time.perf_counter()
+                text = greedy(infer, toy.tokenizer)
+                gen_ms = 1000 * (time.perf_counter() - t1)
+                self.hub.applied(target, sync_ms=sync_ms, gen_ms=gen_ms, text=text, verified=True)
+                self.hub.set_error(None)
+                if self.hub.trainer is None or not self.hub.trainer.get("done"):
+                    self.hub.set_status("training" if opts.train else "following")
+            except DeltaSyncError as exc:
+                # a bad or unreachable step: the inference copy stays at its last good state
+                log.warning("sync failed: %s", exc)
+                self.hub.set_error(f"{type(exc).__name__}: {exc}")
+
+    def _inference_copy(self) -> tuple[Any, Any]:
+        torch = self._torch
+        name = self.options.model
+        try:
+            meta = json.loads(self.store.get(DEMO_KEY))
+            name = str(meta.get("model", name))
+        except ObjectNotFound:
+            pass
+        except ValueError:
+            log.warning("%s in %s is not valid JSON; using --model %s", DEMO_KEY, self.store.url, name)
+        # a different seed than the trainer: everything it holds comes from the store
+        return build_model(name, seed=self.options.seed + 1, dtype=torch.bfloat16)
