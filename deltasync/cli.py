@@ -173,7 +173,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         from spaces_demo.app import run_demo
         from spaces_demo.live import DemoOptions
     except ImportError as exc:
-        raise DemoError(f"the demo needs its extra dependencies ({exc.name} is missing): pip install 'deltasync[demo]'") from exc
+        raise DemoError(
+            f"the demo needs its extra dependencies ({exc.name} is missing): pip install 'deltasync[demo]'"
+        ) from exc
 
     options = DemoOptions(
         store_url=args.store,
@@ -235,7 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     _upload_parser(u)
     u.set_defaults(fn=cmd_upload)
     d = sub.add_parser("demo", help="train a tiny Qwen3 and watch patches land live at http://127.0.0.1:7860")
-    d.add_argument("--store", default="deltasync-demo", help="store URL (default: ./deltasync-demo, wiped first when training)")
+    d.add_argument(
+        "--store", default="deltasync-demo", help="store URL (default: ./deltasync-demo, wiped first when training)"
+    )
     d.add_argument("--signal-url", help="signal server to wait on for new steps (default: in-process + store polling)")
     d.add_argument("--no-train", action="store_true", help="follower mode: only apply what a trainer elsewhere commits")
     d.add_argument("--host", default="127.0.0.1", help="address to serve the page on (0.0.0.0 in a Space)")
@@ -243,10 +247,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--no-browser", action="store_true", help="do not open a browser")
     d.add_argument("--steps", type=int, default=400, help="training steps (default 400)")
     d.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
-    d.add_argument("--model", choices=["small", "tiny"], default="small", help="toy Qwen3 shape (default small, 0.4M params)")
+    d.add_argument(
+        "--model", choices=["small", "tiny"], default="small", help="toy Qwen3 shape (default small, 0.4M params)"
+    )
     d.add_argument("--anchor-every", type=int, default=50)
     d.add_argument("--step-interval", type=float, default=0.25, help="minimum seconds per training step (default 0.25)")
-    d.add_argument("--exit-when-done", action="store_true", help="exit once the last step is applied (status 1 unless bit-exact)")
+    d.add_argument(
+        "--exit-when-done", action="store_true", help="exit once the last step is applied (status 1 unless bit-exact)"
+    )
     d.set_defaults(fn=cmd_demo)
     return p
 

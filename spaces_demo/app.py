@@ -44,6 +44,7 @@ def _static_dir() -> Path:
 
 def create_app(run: DemoRun, *, start: bool = True) -> FastAPI:
     """The FastAPI app serving ``run``'s page; starts/stops ``run`` with the app when ``start``."""
+
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         if start:
@@ -151,8 +152,10 @@ def _console(run: DemoRun, print_: Callable[[str], None]) -> Callable[[], None]:
             if a is not None and a.get("text") != last_text:
                 last_text = a.get("text")
                 lag = s["staleness"]
-                print_(f"step {a['step']:>4}  applied in {a['sync_ms']:.1f} ms  (lag {lag['steps']} steps)  "
-                       f"inference copy answers {last_text!r}")
+                print_(
+                    f"step {a['step']:>4}  applied in {a['sync_ms']:.1f} ms  (lag {lag['steps']} steps)  "
+                    f"inference copy answers {last_text!r}"
+                )
 
     t = threading.Thread(target=loop, name="demo-console", daemon=True)
     t.start()

@@ -58,6 +58,7 @@ class Hub:
         self._commits: deque[dict[str, Any]] = deque(maxlen=MAX_COMMITS)
         self._generations: deque[dict[str, Any]] = deque(maxlen=MAX_GENERATIONS)
         self._lag: deque[dict[str, Any]] = deque(maxlen=MAX_LAG_POINTS)
+        self._applied_steps: deque[int] = deque(maxlen=MAX_COMMITS)
         self._pending_since: dict[int, float] = {}  # step -> when it was produced or first seen
         self._info = dict(info)
         self._trainer: dict[str, Any] | None = None
@@ -86,6 +87,7 @@ class Hub:
                 "staleness": self._staleness_locked(),
                 "commits": list(self._commits),
                 "generations": list(self._generations),
+                "applied_steps": list(self._applied_steps),
                 "lag": list(self._lag),
             }
 
@@ -183,6 +185,14 @@ class Hub:
             self._trainer = {**(self._trainer or {}), **data}
             self._emit_locked("trainer", self._trainer)
 
+    def set_head(self, step: int) -> None:
+        """The newest committed step seen in the store (before the follower applies it)."""
+        with self._lock:
+            self._pending_since.setdefault(step, self._clock())
+            if self._head is None or step > self._head:
+                self._head = step
+                self._emit_locked("head", {"head": step})
+
     def committed(self, commit: dict[str, Any]) -> None:
         """The store holds a new committed step (read from its manifest)."""
         with self._lock:
@@ -190,6 +200,8 @@ class Hub:
             self._pending_since.setdefault(step, self._clock())
             commit = {**commit, "seen": self._clock()}
             self._commits.append(commit)
+            if commit.get("held"):
+                self._applied_steps.append(step)
             self._head = step if self._head is None else max(self._head, step)
             self._emit_locked("commit", commit)
 
@@ -199,6 +211,8 @@ class Hub:
             now = self._clock()
             produced = self._pending_since.get(step)
             self._applied = {"step": step, "t": now, "latency": None if produced is None else now - produced, **data}
+            if not self._applied_steps or self._applied_steps[-1] != step:
+                self._applied_steps.append(step)
             for s in [s for s in self._pending_since if s <= step]:
                 del self._pending_since[s]
             text = data.get("text")

@@ -24,7 +24,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from deltasync.errors import DeltaSyncError, ObjectNotFound
+from deltasync.errors import DeltaSyncError, DemoError, ObjectNotFound
 from deltasync.fetcher import DeltaFetcher
 from deltasync.fetcher._reader import StepReader
 from deltasync.protocol import Manifest
@@ -33,7 +33,16 @@ from deltasync.uploader import CommitInfo, DeltaUploader
 from spaces_demo.hub import Hub
 from spaces_demo.toy import PROMPT, TARGET, build_model, greedy, layer_groups, training_batch
 
-__all__ = ["DEMO_KEY", "DemoOptions", "DemoRun", "StepSignal", "connect_signal", "manifest_row"]
+__all__ = [
+    "DEMO_KEY",
+    "DemoOptions",
+    "DemoRun",
+    "StepSignal",
+    "bit_snapshot",
+    "connect_signal",
+    "layer_change",
+    "manifest_row",
+]
 
 log = logging.getLogger("deltasync.demo")
 
@@ -41,6 +50,7 @@ DEMO_KEY = "demo.json"
 """Store key where the trainer records which toy model it trains (read by followers)."""
 
 MAX_NEW_MANIFESTS = 64  # a follower far behind reads only the newest manifests for the charts
+STEP_THROUGH = 16  # up to this many new steps are applied one by one (exact per-step heatmap), more are jumped
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,13 +70,13 @@ class DemoOptions:
 
     def __post_init__(self) -> None:
         if self.steps < 1:
-            raise ValueError("--steps must be >= 1")
+            raise DemoError("--steps must be >= 1")
         if not self.lr > 0:
-            raise ValueError("--lr must be > 0")
+            raise DemoError("--lr must be > 0")
         if self.anchor_every < 1:
-            raise ValueError("--anchor-every must be >= 1")
+            raise DemoError("--anchor-every must be >= 1")
         if self.step_interval < 0 or not self.poll_interval > 0:
-            raise ValueError("--step-interval must be >= 0 and the poll interval > 0")
+            raise DemoError("--step-interval must be >= 0 and the poll interval > 0")
 
 
 # ------------------------------------------------------------------ signal
@@ -135,22 +145,8 @@ def connect_signal(app: Any, store: Store, options: DemoOptions) -> StepSignal:
 # --------------------------------------------------------------- manifests
 
 
-def manifest_row(m: Manifest, groups: list[tuple[str, list[str]]]) -> dict[str, Any]:
-    """One committed step as the page's timeline row: kind, bytes, density, per-layer change."""
-    numel = {t.name: _numel(t.shape) for t in m.inventory}
-    full = sum(t.nbytes for t in m.inventory)
-    layers: list[float | None]
-    if m.kind == "anchor":
-        layers = [None] * len(groups)
-    else:
-        counts: dict[str, int] = {}
-        for e in m.entries:
-            name = getattr(e, "tensor", "")
-            counts[name] = counts.get(name, 0) + int(getattr(e, "count", 0))
-        layers = []
-        for _, names in groups:
-            total = sum(numel.get(n, 0) for n in names)
-            layers.append(sum(counts.get(n, 0) for n in names) / total if total else 0.0)
+def manifest_row(m: Manifest) -> dict[str, Any]:
+    """One committed step as the page's timeline row: kind, parent, bytes and density."""
     return {
         "step": m.step,
         "kind": m.kind,
@@ -159,9 +155,30 @@ def manifest_row(m: Manifest, groups: list[tuple[str, list[str]]]) -> dict[str, 
         "nbytes": m.stats.nbytes,
         "changed": m.stats.changed,
         "total": m.stats.total,
-        "full_bytes": full,
-        "layers": layers,
+        "full_bytes": sum(t.nbytes for t in m.inventory),
     }
+
+
+def bit_snapshot(model: Any) -> dict[str, Any]:
+    """Copies of a bf16 model's raw bits (int16), to diff against after a sync."""
+    import torch
+
+    return {k: v.detach().view(torch.int16).clone() for k, v in model.state_dict().items()}
+
+
+def layer_change(before: dict[str, Any], model: Any, groups: list[tuple[str, list[str]]]) -> tuple[list[float], int]:
+    """Fraction of each group's elements whose bits differ from ``before``, and the changed count."""
+    import torch
+
+    after = model.state_dict()
+    fractions: list[float] = []
+    changed = 0
+    for _, names in groups:
+        n = sum(int((before[k] != after[k].detach().view(torch.int16)).sum()) for k in names)
+        total = sum(before[k].numel() for k in names)
+        fractions.append(n / total if total else 0.0)
+        changed += n
+    return fractions, changed
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -339,21 +356,42 @@ class DemoRun:
                     full = sum(v.numel() * v.element_size() for v in infer.state_dict().values())
                     params = sum(v.numel() for v in infer.state_dict().values())
                     self.hub.set_info(
-                        model={"name": toy.name, "arch": "Qwen3ForCausalLM", "params": params, "full_bytes": full,
-                               "layers": toy.config.num_hidden_layers, "hidden": toy.config.hidden_size},
+                        model={
+                            "name": toy.name,
+                            "arch": "Qwen3ForCausalLM",
+                            "params": params,
+                            "full_bytes": full,
+                            "layers": toy.config.num_hidden_layers,
+                            "hidden": toy.config.hidden_size,
+                        },
                         groups=[g for g, _ in groups],
                     )
-                for s in new[-MAX_NEW_MANIFESTS:]:
-                    self.hub.committed(manifest_row(reader.committed(s).manifest, groups))
-                target = new[-1]
+                self.hub.set_head(new[-1])
                 t0 = time.perf_counter()
-                fetcher.sync(infer, step=target)
+                jumped = len(new) > STEP_THROUGH
+                if jumped:
+                    # far behind: jump (the fetcher picks patches or the nearest anchor); the
+                    # skipped steps are on the timeline but were never held by this copy
+                    for s in new[-MAX_NEW_MANIFESTS:-1]:
+                        self.hub.committed({**manifest_row(reader.committed(s).manifest), "layers": None})
+                    new = new[-1:]
+                for s in new:
+                    # the copy holds the store's previous committed step (unless it just jumped):
+                    # diffing its bits before and after gives this step's exact per-layer change
+                    before = bit_snapshot(infer) if seen is not None and not jumped else None
+                    fetcher.sync(infer, step=s)
+                    row = manifest_row(reader.committed(s).manifest)
+                    row["layers"] = None
+                    if before is not None:
+                        row["layers"], row["observed_changed"] = layer_change(before, infer, groups)
+                    self.hub.committed({**row, "held": True})
+                    seen = s
+                target = new[-1]
                 sync_ms = 1000 * (time.perf_counter() - t0)
-                seen = target
                 t1 = time.perf_counter()
                 text = greedy(infer, toy.tokenizer)
                 gen_ms = 1000 * (time.perf_counter() - t1)
-                self.hub.applied(target, sync_ms=sync_ms, gen_ms=gen_ms, text=text, verified=True)
+                self.hub.applied(target, sync_ms=sync_ms, gen_ms=gen_ms, text=text, verified=True, steps=len(new))
                 self.hub.set_error(None)
                 if self.hub.trainer is None or not self.hub.trainer.get("done"):
                     self.hub.set_status("training" if opts.train else "following")

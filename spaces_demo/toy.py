@@ -42,9 +42,23 @@ TARGET = " " + QA[0][1]
 
 MODELS: dict[str, dict[str, Any]] = {
     # ~0.4M parameters: visibly learns in well under a minute on 2 CPU cores
-    "small": dict(hidden_size=96, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=24),
+    "small": dict(
+        hidden_size=96,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+    ),
     # for tests: a few seconds
-    "tiny": dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=24),
+    "tiny": dict(
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=24,
+    ),
 }
 """Named Qwen3 shapes (``--model``)."""
 
@@ -109,7 +123,7 @@ def build_model(name: str, *, seed: int = 0, dtype: Any = None) -> tuple[ToyMode
     model = Qwen3ForCausalLM(config)
     if dtype is not None:
         model = model.to(dtype)
-    model.eval()
+    model.train(False)
     return ToyModel(name, config, tok), model
 
 

@@ -43,15 +43,19 @@ function apply(ev) {
     case "error": S.error = d.error; break;
     case "info": Object.assign(S, d); break;
     case "trainer": S.trainer = d; break;
+    case "head": S.head = S.head == null ? d.head : Math.max(S.head, d.head); break;
     case "commit":
       S.commits.push(d);
       if (S.commits.length > 2000) S.commits.shift();
       S.head = S.head == null ? d.step : Math.max(S.head, d.step);
+      if (d.held) S.applied_steps.push(d.step);
       break;
     case "applied": {
       const prev = S.applied;
       S.applied = d;
       S.staleness = d.staleness;
+      if (S.applied_steps[S.applied_steps.length - 1] !== d.step) S.applied_steps.push(d.step);
+      if (S.applied_steps.length > 2000) S.applied_steps.shift();
       const g = S.generations;
       if (d.text != null && (!g.length || g[g.length - 1].text !== d.text)) {
         g.push({ step: d.step, t: d.t, text: d.text });
@@ -130,9 +134,8 @@ function renderKpis() {
   $("applied-sub").textContent = a ? `sync ${a.sync_ms.toFixed(1)} ms · verified ✓` : "waiting";
   const s = S.staleness || {};
   $("lag-steps").textContent = s.steps == null ? "–" : `${s.steps} step${s.steps === 1 ? "" : "s"}`;
-  $("lag-sub").textContent = a && a.latency != null
-    ? `behind ${(s.seconds || 0).toFixed(1)} s · push→applied ${(1000 * a.latency).toFixed(0)} ms`
-    : `behind ${(s.seconds || 0).toFixed(1)} s`;
+  $("lag-sub").textContent = `${(s.seconds || 0).toFixed(1)} s behind` +
+    (a && a.latency != null ? ` · last push→applied ${(1000 * a.latency).toFixed(0)} ms` : "");
   const patches = S.commits.filter((c) => c.kind === "patch");
   const lp = patches.length ? patches[patches.length - 1] : null;
   $("patch-bytes").textContent = lp ? fmtBytes(lp.nbytes) : "–";
@@ -190,7 +193,7 @@ function timeline(commits) {
   s.setAttribute("data-points", String(commits.length));
   if (!commits.length) return;
   const { bw, x } = xScale(commits, W, 4, 4);
-  const applied = new Set(S.generations.map((g) => g.step));
+  const applied = new Set(S.applied_steps);
   const cur = S.applied ? S.applied.step : -1;
   commits.forEach((c, i) => {
     const anchor = c.kind === "anchor";
@@ -273,7 +276,7 @@ function heatColor(f) {
 
 function heatmap(commits) {
   const groups = S.groups || [];
-  const W = 600, L = 58, R = 8, T = 4, B = 16, rowH = 16;
+  const W = 600, L = 58, R = 8, T = 5, B = 16, rowH = 16;
   const H = T + B + rowH * Math.max(groups.length, 1);
   const s = svg($("heatmap"), W, H);
   s.setAttribute("data-points", String(commits.length));
@@ -281,14 +284,21 @@ function heatmap(commits) {
   const { bw, x } = xScale(commits, W, L, R);
   groups.forEach((g, r) => s.appendChild(el("text", { x: L - 4, y: T + r * rowH + rowH / 2 + 3, "text-anchor": "end" }, g)));
   commits.forEach((c, i) => {
-    (c.layers || []).forEach((f, r) => {
+    if (!c.layers) {
+      s.appendChild(el("rect", { x: x(i), y: T, width: Math.max(bw - 0.5, 0.5), height: rowH * groups.length - 1, fill: "var(--line)" }));
+      return;
+    }
+    c.layers.forEach((f, r) => {
       const cell = el("rect", {
         x: x(i), y: T + r * rowH, width: Math.max(bw - 0.5, 0.5), height: rowH - 1,
-        fill: f == null ? "var(--anchor)" : heatColor(f), opacity: f == null ? 0.35 : 1,
+        fill: heatColor(f),
       });
-      cell.appendChild(el("title", {}, `step ${c.step} · ${groups[r]}: ${f == null ? "anchor (full)" : pct(f) + " changed"}`));
+      cell.appendChild(el("title", {}, `step ${c.step} (${c.kind}) · ${groups[r]}: ${pct(f)} of its bf16 weights changed`));
       s.appendChild(cell);
     });
+    if (c.kind === "anchor") {
+      s.appendChild(el("rect", { x: x(i), y: T - 3, width: Math.max(bw - 0.5, 0.5), height: 2, fill: "var(--anchor)" }));
+    }
   });
   s.appendChild(el("text", { x: L, y: H - 3 }, "step " + commits[0].step));
   s.appendChild(el("text", { x: W - R, y: H - 3, "text-anchor": "end" }, "0% " + "\u2192" + " 100% (sqrt color scale)"));
