@@ -275,7 +275,11 @@ class DemoRun:
                 self.signal.notify(info.step)
             self.hub.trainer_update(committed=info.committed_step, last_kind=info.kind)
 
-        with DeltaUploader(self.store, anchor_every=opts.anchor_every, cast_dtype=torch.bfloat16) as up:
+        # anchors on a fixed cadence (plus whenever the patches since the last one add up to a
+        # full checkpoint, which happens early on, when Adam still moves most weights)
+        with DeltaUploader(
+            self.store, anchor_every=opts.anchor_every, anchor_bytes_fraction=1.0, cast_dtype=torch.bfloat16
+        ) as up:
             last = up.last_committed_step
             first = 0 if last is None else last + 1
             loss_v: float | None = None
