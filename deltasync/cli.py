@@ -2,7 +2,9 @@
 
 Errors print as one ``error: ...`` line on stderr with a non-zero exit status.
 Environment variables are read here only: DELTASYNC_SIGNING_KEY (HMAC key for
-manifests), XDG_CACHE_HOME (where delta-upload keeps its baseline cache).
+manifests), XDG_CACHE_HOME (where delta-upload keeps its baseline cache),
+DELTASYNC_DEMO_FOLLOW and DELTASYNC_SIGNAL_URL (``deltasync demo`` in a Space:
+follow that store / signal server instead of training here).
 """
 
 from __future__ import annotations
@@ -177,15 +179,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
             f"the demo needs its extra dependencies ({exc.name} is missing): pip install 'deltasync[demo]'"
         ) from exc
 
+    # a Space configures follower mode through its variables; flags win over them
+    follow = os.environ.get("DELTASYNC_DEMO_FOLLOW") or None
+    train = not args.no_train and not (follow and args.store is None)
     options = DemoOptions(
-        store_url=args.store,
-        train=not args.no_train,
+        store_url=args.store or follow or "deltasync-demo",
+        train=train,
         steps=args.steps,
         lr=args.lr,
         model=args.model,
         anchor_every=args.anchor_every,
         step_interval=args.step_interval,
-        signal_url=args.signal_url,
+        signal_url=args.signal_url or os.environ.get("DELTASYNC_SIGNAL_URL") or None,
     )
     return run_demo(
         options, host=args.host, port=args.port, open_browser=not args.no_browser, exit_when_done=args.exit_when_done
@@ -238,7 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     u.set_defaults(fn=cmd_upload)
     d = sub.add_parser("demo", help="train a tiny Qwen3 and watch patches land live at http://127.0.0.1:7860")
     d.add_argument(
-        "--store", default="deltasync-demo", help="store URL (default: ./deltasync-demo, wiped first when training)"
+        "--store",
+        help="store URL (default: ./deltasync-demo, wiped first when training; $DELTASYNC_DEMO_FOLLOW follows that store)",
     )
     d.add_argument("--signal-url", help="signal server to wait on for new steps (default: in-process + store polling)")
     d.add_argument("--no-train", action="store_true", help="follower mode: only apply what a trainer elsewhere commits")

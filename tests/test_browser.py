@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-from test_demo_cli import START_TIMEOUT, Demo, demo_factory  # noqa: F401 - the fixture is used by name
+from demo_process import START_TIMEOUT, Demo
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="the test extra installs playwright")
 
@@ -77,14 +77,26 @@ def artifacts_dir() -> Path:
     return d
 
 
-def test_page_shows_steps_charts_and_a_changing_answer(page: Any, demo_factory: Callable[..., Demo]) -> None:
+@pytest.fixture
+def demo(tmp_path: Path) -> Iterator[Demo]:
     # a slower pace than the CLI tests, so that the page sees the answer change while it watches
-    demo = demo_factory("--store", "store", "--model", "tiny", "--steps", "80", "--step-interval", "0.2", "--lr", "3e-3", "--no-browser")
+    args = ["--store", "store", "--model", "tiny", "--steps", "80", "--step-interval", "0.2", "--lr", "3e-3"]
+    d = Demo([*args, "--no-browser"], tmp_path)
+    try:
+        yield d
+    finally:
+        d.stop(signal.SIGKILL)
+
+
+def test_page_shows_steps_charts_and_a_changing_answer(page: Any, demo: Demo) -> None:
     demo.wait_until("/healthz", lambda: demo.client.get("/healthz").status_code == 200, START_TIMEOUT)
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
     external: list[str] = []
-    page.on("request", lambda r: None if r.url.startswith(demo.base) or r.url.startswith("data:") else external.append(r.url))
+    page.on(
+        "request",
+        lambda r: None if r.url.startswith(demo.base) or r.url.startswith("data:") else external.append(r.url),
+    )
     page.goto(demo.base + "/")
 
     # the live stream connected and the first step was applied
@@ -101,9 +113,7 @@ def test_page_shows_steps_charts_and_a_changing_answer(page: Any, demo_factory: 
     page.wait_for_function("document.querySelectorAll('#heatmap svg rect').length >= 10")
     assert page.locator("#timeline svg rect").count() >= 5
     # the inference copy's answer changes as patches land
-    page.wait_for_function(
-        "(t) => document.getElementById('generation').textContent !== t", arg=first_text
-    )
+    page.wait_for_function("(t) => document.getElementById('generation').textContent !== t", arg=first_text)
     page.wait_for_function("document.querySelectorAll('#history li').length >= 2")
     assert page.text_content("#mode") == "self-contained: trainer + store + inference here"
     applied = int(page.text_content("#applied-step") or "-1")

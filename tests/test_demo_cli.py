@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
-import sys
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,91 +14,15 @@ import pytest
 
 httpx = pytest.importorskip("httpx", reason="the test extra installs httpx")
 
-START_TIMEOUT = 90.0  # importing torch + transformers on a busy 2-core machine
-RUN_TIMEOUT = 120.0
-
-# what a test run adds to the Space's command: a free port, a tiny model, a short run
-FAST = ["--model", "tiny", "--steps", "25", "--step-interval", "0.05", "--no-browser"]
-
-
-def deltasync_cmd() -> list[str]:
-    """The installed ``deltasync`` console script (what the Dockerfile's CMD runs)."""
-    script = Path(sys.executable).with_name("deltasync")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "deltasync.cli"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Demo:
-    """A ``deltasync demo`` subprocess and an HTTP client for it."""
-
-    def __init__(self, args: list[str], tmp: Path) -> None:
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.out = tmp / f"demo-{self.port}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        env.pop("DISPLAY", None)
-        self._log = self.out.open("wb")
-        self.proc = subprocess.Popen(
-            [*deltasync_cmd(), "demo", "--host", "127.0.0.1", "--port", str(self.port), *args],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            cwd=tmp,
-            env=env,
-        )
-        self.client = httpx.Client(base_url=self.base, timeout=10.0)
-
-    def log(self) -> str:
-        return self.out.read_text(errors="replace")
-
-    def wait_until(self, what: str, pred: Callable[[], bool], timeout: float) -> None:
-        """Poll ``pred`` until true; fail early if the process died, or after ``timeout`` seconds."""
-        done = threading.Event()
-        timer = threading.Timer(timeout, done.set)
-        timer.start()
-        try:
-            while not done.is_set():
-                if self.proc.poll() is not None:
-                    pytest.fail(f"demo exited ({self.proc.returncode}) while waiting for {what}:\n{self.log()}")
-                try:
-                    if pred():
-                        return
-                except httpx.TransportError:
-                    pass
-                done.wait(0.2)
-            pytest.fail(f"timed out after {timeout} s waiting for {what}:\n{self.log()}")
-        finally:
-            timer.cancel()
-
-    def state(self) -> dict[str, Any]:
-        r = self.client.get("/api/state")
-        r.raise_for_status()
-        return dict(r.json())
-
-    def stop(self, sig: int = signal.SIGINT) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self.client.close()
-        self._log.close()
-        return self.proc.returncode
+from demo_process import FAST, RUN_TIMEOUT, START_TIMEOUT, Demo, deltasync_cmd, free_port  # noqa: E402
 
 
 @pytest.fixture
 def demo_factory(tmp_path: Path) -> Iterator[Callable[..., Demo]]:
     started: list[Demo] = []
 
-    def start(*args: str) -> Demo:
-        d = Demo(list(args), tmp_path)
+    def start(*args: str, env: dict[str, str] | None = None) -> Demo:
+        d = Demo(list(args), tmp_path, env)
         started.append(d)
         return d
 
@@ -156,13 +77,23 @@ def test_exit_when_done_then_a_follower_on_the_same_store(demo_factory: Callable
     assert "bit-exact with the trainer's" in trainer.log()
     assert (tmp_path / "shared" / "demo.json").exists()
 
-    follower = demo_factory("--store", str(tmp_path / "shared"), "--no-train", "--no-browser")
-    follower.wait_until("the follower to apply step 25", lambda: (follower.state()["applied"] or {}).get("step") == 25, START_TIMEOUT)
+    # the Space's configuration: its variables name the store and the signal server, no flags
+    space_env = {"DELTASYNC_DEMO_FOLLOW": str(tmp_path / "shared"), "DELTASYNC_SIGNAL_URL": "http://127.0.0.1:9/unused"}
+    follower = demo_factory(env=space_env)
+    follower.wait_until(
+        "the follower to apply step 25", lambda: (follower.state()["applied"] or {}).get("step") == 25, START_TIMEOUT
+    )
     s = follower.state()
     assert s["mode"] == "follower" and s["trainer"] is None and s["error"] is None
+    assert s["store"] == (tmp_path / "shared").as_uri()
+    assert "store polling" in s["signal"]  # the signal-server client is not wired in yet: polling fallback
     assert s["model"]["name"] == "tiny"  # read from the store, not from --model
+    committed = sorted(int(p.name) for p in (tmp_path / "shared" / "steps").iterdir())
+    assert committed[0] == 0 and committed[-1] == 25  # (steps may be coalesced while the store is busy)
+    assert [c["step"] for c in s["commits"]] == committed
     assert (tmp_path / "shared" / "steps").is_dir()  # a follower never wipes the store
     follower.stop()
+    assert not (tmp_path / "deltasync-demo").exists()  # nothing trained in the default store
 
 
 def test_a_taken_port_is_a_one_line_error(tmp_path: Path) -> None:
