@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from importlib import resources
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlparse
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
@@ -109,8 +110,9 @@ def prepare_store(url: str, *, wipe: bool) -> Store:
 
     A non-empty local directory that is not a deltasync store is never touched.
     """
-    if wipe and "://" not in url or url.startswith("file://") and wipe:
-        path = Path(url[len("file://") :] if url.startswith("file://") else url)
+    local = "://" not in url or url.startswith("file://")
+    if wipe and local:
+        path = Path(unquote(urlparse(url).path) if url.startswith("file://") else url)
         if path.exists() and not path.is_dir():
             raise StorageError(f"{path} is a file, not a store directory; pass --store to pick another dir")
         if path.is_dir() and any(path.iterdir()):

@@ -249,12 +249,12 @@ function densityChart(commits) {
   s.setAttribute("data-points", String(pts.length));
   if (!pts.length) return;
   const maxD = Math.max(...pts.map(([, c]) => c.changed / c.total), 0.01);
-  const top = maxD > 0.5 ? 1 : Math.ceil(maxD * 10) / 10 || 0.1;
+  const top = [0.01, 0.02, 0.04, 0.1, 0.2, 0.4, 0.6, 0.8, 1].find((v) => v >= maxD) || 1;
   const y = (v) => T + (H - T - B) * (1 - v / top);
   for (let k = 0; k <= 4; k++) {
     const v = (top * k) / 4, yy = y(v);
     s.appendChild(el("line", { x1: L, x2: W - R, y1: yy, y2: yy, class: "axis" }));
-    s.appendChild(el("text", { x: L - 4, y: yy + 3, "text-anchor": "end" }, (100 * v).toFixed(0) + "%"));
+    s.appendChild(el("text", { x: L - 4, y: yy + 3, "text-anchor": "end" }, +(100 * v).toFixed(2) + "%"));
   }
   const { bw, x } = xScale(commits, W, L, R);
   const line = pts.map(([i, c]) => `${x(i) + bw / 2},${y(c.changed / c.total)}`).join(" ");
