@@ -32,7 +32,7 @@ from deltasync.errors import DemoError, StorageError
 from deltasync.storage import Store, open_store
 from spaces_demo.live import DemoOptions, DemoRun
 
-__all__ = ["create_app", "prepare_store", "run_demo"]
+__all__ = ["connect_signal", "create_app", "prepare_store", "run_demo"]
 
 log = logging.getLogger("deltasync.demo")
 
@@ -41,6 +41,28 @@ KEEPALIVE_S = 15.0
 
 def _static_dir() -> Path:
     return Path(str(resources.files("spaces_demo") / "static"))
+
+
+def connect_signal(app: FastAPI, run: DemoRun) -> None:
+    """THE SEAM for the signal server (deltasync.server): where new-step notifications come from.
+
+    Today the follower is woken by ``run.signal``, which self-contained mode feeds from the
+    uploader's Future callbacks (``DemoRun._train``), and it polls
+    ``DeltaFetcher.latest_step()`` every ``options.poll_interval`` seconds in every mode.
+
+    To plug the signal server in, replace this body: in self-contained mode mount
+    ``create_app(settings, run.store)`` on ``app`` (e.g. ``app.mount("/signal", ...)``) and give
+    the demo's ``DeltaUploader`` its ``signal_url``; when ``run.options.signal_url`` is set,
+    start a daemon thread that follows the server's SSE ``/v1/runs/{run}/events`` (or
+    ``DeltaFetcher.follow``) and calls ``run.signal.notify(step)`` for each commit, and set
+    ``run.signal.source`` to say so. Polling stays as the fallback.
+    """
+    del app  # nothing is mounted yet
+    url = run.options.signal_url
+    if url:
+        log.warning("signal server client not wired in yet; polling %s instead of %s", run.store.url, url)
+        run.signal.source = f"store polling (signal server {url} not wired in yet)"
+        run.hub.set_info(signal=run.signal.source)
 
 
 def create_app(run: DemoRun, *, start: bool = True) -> FastAPI:
@@ -57,6 +79,7 @@ def create_app(run: DemoRun, *, start: bool = True) -> FastAPI:
                 await asyncio.to_thread(run.stop)
 
     app = FastAPI(title="deltasync demo", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    connect_signal(app, run)
     static = _static_dir()
     app.mount("/static", StaticFiles(directory=static), name="static")
 

@@ -10,7 +10,8 @@ Follower mode (``train=False``): only the follower runs, against a store that a
 trainer elsewhere writes to.
 
 How the follower learns about new steps is one pluggable piece,
-:func:`connect_signal` (the seam for the signal server).
+:class:`StepSignal`, fed by :func:`spaces_demo.app.connect_signal` (the seam for the
+signal server).
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ __all__ = [
     "DemoRun",
     "StepSignal",
     "bit_snapshot",
-    "connect_signal",
     "layer_change",
     "manifest_row",
 ]
@@ -119,29 +119,6 @@ class StepSignal:
             )
 
 
-def connect_signal(app: Any, store: Store, options: DemoOptions) -> StepSignal:
-    """THE SEAM for the signal server: where new-step notifications come from.
-
-    Today: self-contained mode wakes the follower from the uploader's Future
-    callbacks (wired in :class:`DemoRun`), and every mode polls
-    ``DeltaFetcher.latest_step()`` every ``options.poll_interval`` seconds as a
-    fallback. ``app`` is the demo's FastAPI app.
-
-    To plug in the signal server (deltasync.server), replace the body with:
-    in self-contained mode, mount ``create_app(settings, store)`` on ``app`` (e.g.
-    at ``/signal``) and give the uploader its ``signal_url``; when
-    ``options.signal_url`` is set, start a thread that follows the server's SSE
-    ``/v1/runs/{run}/events`` stream and calls ``signal.notify(step)`` per commit.
-    """
-    signal = StepSignal()
-    if options.signal_url:
-        log.warning("signal server client not wired in yet; polling %s every %.1f s", store.url, options.poll_interval)
-        signal.source = f"store polling (signal server {options.signal_url} not wired yet)"
-    elif options.train:
-        signal.source = "in-process uploader callbacks + store polling"
-    return signal
-
-
 # --------------------------------------------------------------- manifests
 
 
@@ -194,7 +171,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 class DemoRun:
     """Owns the trainer and follower threads; ``start()`` then ``stop()``."""
 
-    def __init__(self, store: Store, options: DemoOptions, *, app: Any = None) -> None:
+    def __init__(self, store: Store, options: DemoOptions) -> None:
         import torch
 
         self.store = store
@@ -212,7 +189,9 @@ class DemoRun:
                 "bit_exact": None,
             }
         )
-        self.signal = connect_signal(app, store, options)
+        # in-process: the uploader's Future callbacks notify it (see _train); plus store polling
+        self.signal = StepSignal()
+        self.signal.source = "in-process uploader callbacks + store polling" if options.train else "store polling"
         self.hub.set_info(signal=self.signal.source)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
