@@ -3,7 +3,9 @@
 # (and optionally DELTASYNC_SIGNAL_URL) to follow a trainer that runs elsewhere.
 FROM python:3.11-slim
 
-ENV PYTHONDONTWRITEBYTECODE=1 \
+# DELTASYNC_DEMO_LOOP: a Space runs for days, so when a run is done it starts over after 30 s
+ENV DELTASYNC_DEMO_LOOP=30 \
+    PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1

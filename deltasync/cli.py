@@ -3,8 +3,8 @@
 Errors print as one ``error: ...`` line on stderr with a non-zero exit status.
 Environment variables are read here only: DELTASYNC_SIGNING_KEY (HMAC key for
 manifests), XDG_CACHE_HOME (where delta-upload keeps its baseline cache),
-DELTASYNC_DEMO_FOLLOW and DELTASYNC_SIGNAL_URL (``deltasync demo`` in a Space:
-follow that store / signal server instead of training here).
+DELTASYNC_DEMO_FOLLOW, DELTASYNC_SIGNAL_URL and DELTASYNC_DEMO_LOOP (``deltasync demo``
+in a Space: follow that store / signal server instead of training here; retrain after N s).
 """
 
 from __future__ import annotations
@@ -170,6 +170,14 @@ def _baseline(store: Any, cache: Path, step: int) -> dict[str, Any]:
     return load_checkpoint(out)
 
 
+def _env_seconds(name: str) -> float:
+    raw = os.environ.get(name) or "0"
+    try:
+        return float(raw)
+    except ValueError:
+        raise DemoError(f"${name} must be a number of seconds, got {raw!r}") from None
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     try:
         from spaces_demo.app import run_demo
@@ -191,6 +199,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         anchor_every=args.anchor_every,
         step_interval=args.step_interval,
         signal_url=args.signal_url or os.environ.get("DELTASYNC_SIGNAL_URL") or None,
+        loop=args.loop if args.loop is not None else _env_seconds("DELTASYNC_DEMO_LOOP") if train else 0.0,
     )
     return run_demo(
         options, host=args.host, port=args.port, open_browser=not args.no_browser, exit_when_done=args.exit_when_done
@@ -260,6 +269,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--step-interval", type=float, default=0.25, help="minimum seconds per training step (default 0.25)")
     d.add_argument(
         "--exit-when-done", action="store_true", help="exit once the last step is applied (status 1 unless bit-exact)"
+    )
+    d.add_argument(
+        "--loop",
+        type=float,
+        metavar="SECONDS",
+        help="when training is done, wait this long, empty the store and train again (default 0: off; $DELTASYNC_DEMO_LOOP)",
     )
     d.set_defaults(fn=cmd_demo)
     return p

@@ -152,6 +152,24 @@ class Hub:
             "seconds": max(0.0, self._clock() - min(behind)) if behind else 0.0,
         }
 
+    def reset(self) -> None:
+        """Forget the run (a new one starts); every page gets a fresh snapshot."""
+        with self._lock:
+            self._commits.clear()
+            self._generations.clear()
+            self._lag.clear()
+            self._applied_steps.clear()
+            self._pending_since.clear()
+            self._trainer = self._applied = self._head = self._error = None
+            self._info.update(bit_exact=None)
+            self._status = "starting"
+            self._seq += 1
+            event = {"type": "snapshot", "seq": self._seq, "now": self._clock(), "data": None}
+        snap = self.snapshot()
+        with self._lock:
+            for s in self._subs:
+                s.put({**event, "data": snap})
+
     def set_status(self, status: str) -> None:
         """A one-word state for the header (waiting, training, following, done...)."""
         with self._lock:

@@ -67,6 +67,7 @@ class DemoOptions:
     poll_interval: float = 0.5
     signal_url: str | None = None
     seed: int = 0
+    loop: float = 0.0
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -77,6 +78,12 @@ class DemoOptions:
             raise DemoError("--anchor-every must be >= 1")
         if self.step_interval < 0 or not self.poll_interval > 0:
             raise DemoError("--step-interval must be >= 0 and the poll interval > 0")
+        if self.loop < 0:
+            raise DemoError("--loop must be >= 0 seconds")
+        if self.loop and not self.train:
+            raise DemoError("--loop restarts training: it cannot be combined with --no-train")
+        if self.loop and "://" in self.store_url and not self.store_url.startswith(("file://", "memory://")):
+            raise DemoError("--loop empties the store before each new run: use it with a local store only")
 
 
 # ------------------------------------------------------------------ signal
@@ -189,12 +196,20 @@ class DemoRun:
                 "bit_exact": None,
             }
         )
+        self.episode = 0
+        self._lock = threading.Lock()
+        self._closed = False
+        self._threads: list[threading.Thread] = []
+        self._loop_stop = threading.Event()
+        self._loop_thread: threading.Thread | None = None
+        self._new_episode()
+
+    def _new_episode(self) -> None:
         # in-process: the uploader's Future callbacks notify it (see _train); plus store polling
         self.signal = StepSignal()
-        self.signal.source = "in-process uploader callbacks + store polling" if options.train else "store polling"
-        self.hub.set_info(signal=self.signal.source)
+        self.signal.source = "in-process uploader callbacks + store polling" if self.options.train else "store polling"
+        self.hub.set_info(signal=self.signal.source, episode=self.episode)
         self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
         self.finished = threading.Event()
         self.bit_exact: bool | None = None
         self._trainer_done = threading.Event()
@@ -203,22 +218,66 @@ class DemoRun:
     # --------------------------------------------------------------- control
 
     def start(self) -> None:
-        """Start the threads (idempotent only in the sense that a second call is an error)."""
-        if self._threads:
-            raise RuntimeError("DemoRun already started")
+        """Start the trainer (self-contained mode) and follower threads; once."""
+        with self._lock:
+            if self._threads or self._closed:
+                raise RuntimeError("DemoRun already started")
+            self._start_threads()
+            if self.options.loop:
+                self._loop_thread = threading.Thread(target=self._loop, name="demo-loop", daemon=True)
+                self._loop_thread.start()
+
+    def _start_threads(self) -> None:
+        self._threads = []
         if self.options.train:
             self._threads.append(threading.Thread(target=self._guard(self._train), name="demo-trainer", daemon=True))
         self._threads.append(threading.Thread(target=self._guard(self._follow), name="demo-follower", daemon=True))
         for t in self._threads:
             t.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop both threads and end the pages' streams."""
+    def _stop_threads(self, timeout: float) -> None:
         self._stop.set()
         self.signal.close()
         for t in self._threads:
             t.join(timeout)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop every thread and end the pages' streams."""
+        self._loop_stop.set()
+        if self._loop_thread is not None:
+            self._loop_thread.join(timeout)
+        with self._lock:
+            self._closed = True
+            self._stop_threads(timeout)
         self.hub.close()
+
+    def restart(self, timeout: float = 30.0) -> None:
+        """Train again from a fresh model in an emptied store (``--loop``); pages get a new snapshot."""
+        with self._lock:
+            if self._closed:
+                return
+            self._stop_threads(timeout)
+            # everything under the store is the demo's own: prepare_store() emptied it at start
+            keys = [o.key for o in self.store.list("")]
+            if keys:
+                self.store.delete_many(keys)
+            self.episode += 1
+            self.hub.reset()
+            self._new_episode()
+            self._start_threads()
+
+    def _loop(self) -> None:
+        while not self._loop_stop.is_set():
+            if not self.finished.wait(0.5):
+                continue
+            if self._loop_stop.wait(self.options.loop):
+                return
+            try:
+                self.restart()
+            except Exception as exc:  # noqa: BLE001 - shown on the page; the loop stops
+                log.exception("restarting the demo failed")
+                self.hub.set_error(f"restart failed: {type(exc).__name__}: {exc}")
+                return
 
     def _guard(self, fn: Callable[[], None]) -> Callable[[], None]:
         def run() -> None:
@@ -237,7 +296,7 @@ class DemoRun:
     def _train(self) -> None:
         torch = self._torch
         opts = self.options
-        toy, model = build_model(opts.model, seed=opts.seed)
+        toy, model = build_model(opts.model, seed=opts.seed + self.episode)
         model.train()
         ids, mask, labels = training_batch(toy.tokenizer)
         opt = torch.optim.AdamW(model.parameters(), lr=opts.lr, weight_decay=0.0)

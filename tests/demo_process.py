@@ -41,13 +41,18 @@ class Demo:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.out = tmp / f"demo-{self.port}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        given = dict(env or {})
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **given}
+        # the demo's own variables come only from the test, never from the outer environment
         for var in (
             "DISPLAY",
             "WAYLAND_DISPLAY",
-            *(() if "DELTASYNC_DEMO_FOLLOW" in env else ("DELTASYNC_DEMO_FOLLOW",)),
+            "DELTASYNC_DEMO_FOLLOW",
+            "DELTASYNC_SIGNAL_URL",
+            "DELTASYNC_DEMO_LOOP",
         ):
-            env.pop(var, None)
+            if var not in given:
+                full_env.pop(var, None)
         self._log = self.out.open("wb")
         self.proc = subprocess.Popen(
             [*deltasync_cmd(), "demo", "--host", "127.0.0.1", "--port", str(self.port), *args],
@@ -55,7 +60,7 @@ class Demo:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             cwd=tmp,
-            env=env,
+            env=full_env,
         )
         self.client = httpx.Client(base_url=self.base, timeout=10.0)
 

@@ -244,6 +244,35 @@ def test_follower_mode_applies_what_a_trainer_elsewhere_committed(tmp_path: Path
     assert snap["applied"]["text"] == trainer.hub.snapshot()["applied"]["text"]
 
 
+def test_loop_empties_the_store_and_trains_again() -> None:
+    store = ds.MemoryStore()
+    run = DemoRun(store, DemoOptions(store_url="memory://l", model="tiny", steps=3, step_interval=0.0, loop=0.01))
+
+    async def collect() -> list[dict[str, Any]]:
+        sub = run.hub.subscribe(asyncio.get_running_loop())
+        run.start()
+        got: list[dict[str, Any]] = []
+        while sum(e["type"] == "snapshot" for e in got) < 2:
+            e = await asyncio.wait_for(sub.queue.get(), RUN_TIMEOUT)
+            assert e is not None
+            got.append(e)
+        return got
+
+    try:
+        events = asyncio.run(collect())
+        assert _wait_for(lambda: run.episode >= 1 and run.finished.is_set())
+        snap = run.hub.snapshot()
+    finally:
+        run.stop()
+    # the first run finished bit-exact before the page was told to start over
+    assert any(e["type"] == "status" and e["data"]["status"] == "done" for e in events)
+    assert events[-1]["type"] == "snapshot" and events[-1]["data"]["commits"] == []
+    assert snap["episode"] >= 1 and snap["bit_exact"] is True
+    steps = ds.DeltaFetcher(store).steps()
+    assert steps[0] == 0 and steps[-1] == 3  # the store was emptied: the second run starts at step 0 again
+    assert [c["step"] for c in snap["commits"]] == steps
+
+
 def _wait_for(pred: Any, timeout: float = RUN_TIMEOUT) -> bool:
     ev = threading.Event()
     deadline = threading.Timer(timeout, ev.set)
@@ -291,11 +320,14 @@ def test_follower_shows_an_inventory_mismatch_and_keeps_serving(tmp_path: Path) 
         ({"lr": 0.0}, "--lr"),
         ({"anchor_every": 0}, "--anchor-every"),
         ({"step_interval": -1.0}, "--step-interval"),
+        ({"loop": -1.0}, "--loop must be"),
+        ({"loop": 5.0, "train": False}, "cannot be combined with --no-train"),
+        ({"loop": 5.0, "store_url": "s3://bucket/run"}, "local store only"),
     ],
 )
 def test_bad_options_raise_demo_error(kw: dict[str, Any], match: str) -> None:
     with pytest.raises(DemoError, match=match):
-        DemoOptions(store_url="x", **kw)
+        DemoOptions(**{"store_url": "x", **kw})
 
 
 # ------------------------------------------------------------------ app

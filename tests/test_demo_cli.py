@@ -46,7 +46,8 @@ def read_sse(demo: Demo, want: Callable[[list[dict[str, Any]]], bool], timeout: 
 
 
 def test_entrypoint_serves_page_state_and_live_events(demo_factory: Callable[..., Demo]) -> None:
-    demo = demo_factory("--store", "store", *FAST)
+    # as in the Space: the Dockerfile sets DELTASYNC_DEMO_LOOP, so a finished run starts over
+    demo = demo_factory("--store", "store", *FAST, env={"DELTASYNC_DEMO_LOOP": "3"})
     demo.wait_until("/healthz", lambda: demo.client.get("/healthz").status_code == 200, START_TIMEOUT)
     page = demo.client.get("/")
     assert page.status_code == 200 and "deltasync" in page.text
@@ -64,6 +65,10 @@ def test_entrypoint_serves_page_state_and_live_events(demo_factory: Callable[...
     assert s["trainer"]["step"] == 25 and s["applied"]["step"] == 25 and s["head"] == 25
     assert s["commits"][0]["kind"] == "anchor" and s["commits"][-1]["step"] == 25
     assert s["model"]["arch"] == "Qwen3ForCausalLM" and s["model"]["name"] == "tiny"
+    assert s["episode"] == 0
+    demo.wait_until("the second run", lambda: demo.state()["episode"] == 1, RUN_TIMEOUT)
+    demo.wait_until("the second run to finish", lambda: demo.state()["bit_exact"] is True, RUN_TIMEOUT)
+    assert demo.state()["commits"][0]["step"] == 0
     rc = demo.stop(signal.SIGINT)
     assert rc in (0, 130), demo.log()
     out = demo.log()

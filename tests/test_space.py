@@ -46,6 +46,8 @@ def test_dockerfile_is_a_cpu_space_running_the_demo_as_a_non_root_user() -> None
     users = [arg for word, arg in ins if word == "USER"]
     assert users and users[-1] not in ("0", "root")
     assert users[-1] == "1000"  # the uid Spaces run containers as
+    envs = " ".join(arg for word, arg in ins if word == "ENV")
+    assert "DELTASYNC_DEMO_LOOP=30" in envs  # a long-running Space trains again after each run
     runs = " ".join(arg for word, arg in ins if word == "RUN")
     assert "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in runs
     assert '".[demo]"' in runs

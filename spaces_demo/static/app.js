@@ -103,7 +103,7 @@ function render() {
   const st = $("status");
   st.textContent = S.bit_exact === true ? "done · bit-exact ✓" : S.status;
   st.className = "pill " + (S.bit_exact === true ? "done" : S.status);
-  $("store").textContent = "store: " + S.store;
+  $("store").textContent = "store: " + S.store + (S.episode ? ` · run ${S.episode + 1}` : "");
   $("signal").textContent = S.signal ? "· new steps via " + S.signal : "";
   const m = S.model;
   $("model").textContent = m ? `· ${m.arch} ${m.layers} layers, hidden ${m.hidden}, ${(m.params / 1e6).toFixed(2)}M params, bf16 checkpoint ${fmtBytes(m.full_bytes)}` : "";
@@ -153,7 +153,9 @@ function renderGeneration() {
   $("target").textContent = JSON.stringify(S.target);
   const a = S.applied;
   const g = $("generation");
-  if (a && a.text != null && g.dataset.step !== String(a.step)) {
+  const key = `${S.episode || 0}:${a ? a.step : ""}`;
+  if (a && a.text != null && g.dataset.key !== key) {
+    g.dataset.key = key;
     g.dataset.step = String(a.step);
     g.replaceChildren();
     const want = S.target || "";
@@ -165,12 +167,17 @@ function renderGeneration() {
     }
     if (!a.text.length) g.textContent = "(empty answer)";
     $("gen-step").textContent = `· step ${a.step}`;
+  } else if (!a && g.dataset.key !== key) {
+    g.dataset.key = key;
+    g.dataset.step = "";
+    g.textContent = "waiting for the first step…";
+    $("gen-step").textContent = "";
   }
   const h = $("history");
   const items = S.generations.slice().reverse();
-  if (h.dataset.n !== String(S.generations.length) || h.dataset.last !== String(items.length ? items[0].step : "")) {
-    h.dataset.n = String(S.generations.length);
-    h.dataset.last = String(items.length ? items[0].step : "");
+  const hkey = `${S.episode || 0}:${S.generations.length}:${items.length ? items[0].step : ""}`;
+  if (h.dataset.key !== hkey) {
+    h.dataset.key = hkey;
     h.replaceChildren(...items.map((it) => {
       const li = document.createElement("li");
       const s = document.createElement("span"); s.className = "s"; s.textContent = "step " + it.step;
