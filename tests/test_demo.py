@@ -62,6 +62,13 @@ def test_layer_groups_order_and_cover_every_tensor() -> None:
     assert sorted(n for _, ns in groups for n in ns) == sorted(names)
 
 
+def test_default_model_is_a_small_qwen3() -> None:
+    toy, model = build_model("small")
+    assert type(model).__name__ == "Qwen3ForCausalLM" and toy.config.model_type == "qwen3"
+    assert sum(p.numel() for p in model.parameters()) == 425_376  # the README's "0.4M parameters"
+    assert toy.config.vocab_size == CharTokenizer().vocab_size == 98
+
+
 def test_unknown_model_name_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="unknown demo model 'huge'"):
         build_model("huge")
