@@ -9,6 +9,8 @@ AWS_SESSION_TOKEN, AWS_REGION, AWS_VIRTUAL_HOSTED_STYLE_REQUEST, AWS_ALLOW_HTTP.
 Signal server tokens: DELTASYNC_PUBLISH_TOKEN / DELTASYNC_SUBSCRIBE_TOKEN (
 ``serve`` requires them, ``delta-upload --signal`` sends the publish token,
 ``follow --signal`` the subscribe token, or the publish token when that is unset).
+DELTASYNC_DEMO_FOLLOW, DELTASYNC_SIGNAL_URL and DELTASYNC_DEMO_LOOP (``deltasync demo``
+in a Space: follow that store / signal server instead of training here; retrain after N s).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from deltasync.errors import DeltaSyncError
+from deltasync.errors import DeltaSyncError, DemoError
 from deltasync.protocol import xxh3_128
 from deltasync.storage import open_store
 
@@ -240,10 +242,40 @@ def cmd_follow(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    from deltasync.demo import run_demo
+def _env_seconds(name: str) -> float:
+    raw = os.environ.get(name) or "0"
+    try:
+        return float(raw)
+    except ValueError:
+        raise DemoError(f"${name} must be a number of seconds, got {raw!r}") from None
 
-    return run_demo(store_url=args.store, steps=args.steps, lr=args.lr, anchor_every=args.anchor_every)
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    try:
+        from spaces_demo.app import run_demo
+        from spaces_demo.live import DemoOptions
+    except ImportError as exc:
+        raise DemoError(
+            f"the demo needs its extra dependencies ({exc.name} is missing): pip install 'deltasync[demo]'"
+        ) from exc
+
+    # a Space configures follower mode through its variables; flags win over them
+    follow = os.environ.get("DELTASYNC_DEMO_FOLLOW") or None
+    train = not args.no_train and not (follow and args.store is None)
+    options = DemoOptions(
+        store_url=args.store or follow or "deltasync-demo",
+        train=train,
+        steps=args.steps,
+        lr=args.lr,
+        model=args.model,
+        anchor_every=args.anchor_every,
+        step_interval=args.step_interval,
+        signal_url=args.signal_url or os.environ.get("DELTASYNC_SIGNAL_URL") or None,
+        loop=args.loop if args.loop is not None else _env_seconds("DELTASYNC_DEMO_LOOP") if train else 0.0,
+    )
+    return run_demo(
+        options, host=args.host, port=args.port, open_browser=not args.no_browser, exit_when_done=args.exit_when_done
+    )
 
 
 # ------------------------------------------------------------------ parsers
@@ -311,11 +343,32 @@ def build_parser() -> argparse.ArgumentParser:
     fo.add_argument("--poll-interval", type=float, default=2.0, help="seconds between store polls (default 2)")
     fo.add_argument("--no-verify", action="store_true", help="skip checksum and digest verification")
     fo.set_defaults(fn=cmd_follow)
-    d = sub.add_parser("demo", help="train a small model and sync it live through a local store")
-    d.add_argument("--store", default="deltasync-demo", help="store URL (default: ./deltasync-demo, wiped first)")
-    d.add_argument("--steps", type=int, default=60)
-    d.add_argument("--lr", type=float, default=3e-3)
-    d.add_argument("--anchor-every", type=int, default=20)
+    d = sub.add_parser("demo", help="train a tiny Qwen3 and watch patches land live at http://127.0.0.1:7860")
+    d.add_argument(
+        "--store",
+        help="store URL (default: ./deltasync-demo, wiped first when training; $DELTASYNC_DEMO_FOLLOW follows that store)",
+    )
+    d.add_argument("--signal-url", help="signal server to wait on for new steps (default: in-process + store polling)")
+    d.add_argument("--no-train", action="store_true", help="follower mode: only apply what a trainer elsewhere commits")
+    d.add_argument("--host", default="127.0.0.1", help="address to serve the page on (0.0.0.0 in a Space)")
+    d.add_argument("--port", type=int, default=7860)
+    d.add_argument("--no-browser", action="store_true", help="do not open a browser")
+    d.add_argument("--steps", type=int, default=400, help="training steps (default 400)")
+    d.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    d.add_argument(
+        "--model", choices=["small", "tiny"], default="small", help="toy Qwen3 shape (default small, 0.4M params)"
+    )
+    d.add_argument("--anchor-every", type=int, default=50)
+    d.add_argument("--step-interval", type=float, default=0.25, help="minimum seconds per training step (default 0.25)")
+    d.add_argument(
+        "--exit-when-done", action="store_true", help="exit once the last step is applied (status 1 unless bit-exact)"
+    )
+    d.add_argument(
+        "--loop",
+        type=float,
+        metavar="SECONDS",
+        help="when training is done, wait this long, empty the store and train again (default 0: off; $DELTASYNC_DEMO_LOOP)",
+    )
     d.set_defaults(fn=cmd_demo)
     return p
 

@@ -19,11 +19,12 @@ builtin exception means the same thing, the class also subclasses it, so
     ├── ChainBroken                       no path of committed steps leads to the requested step
     ├── CommitFailed                      the uploader's background commit gave up
     │   └── WriterFenced                  another uploader took over the run prefix
-    └── SignalError                       the signal server could not be used (never fatal: the store is the truth)
-        ├── SignalUnavailable             unreachable, timed out, or a 5xx: retry later or poll the store
-        ├── SignalRejected                the server refused the request (4xx: bad token, bad input)
-        │   └── SignalConflict            a commit contradicts the run's recorded history (409)
-        └── WebhookVerificationError      (also ValueError) a webhook delivery's signature or timestamp is bad
+    ├── SignalError                       the signal server could not be used (never fatal: the store is the truth)
+    │   ├── SignalUnavailable             unreachable, timed out, or a 5xx: retry later or poll the store
+    │   ├── SignalRejected                the server refused the request (4xx: bad token, bad input)
+    │   │   └── SignalConflict            a commit contradicts the run's recorded history (409)
+    │   └── WebhookVerificationError      (also ValueError) a webhook delivery's signature or timestamp is bad
+    └── DemoError                         (also ValueError) `deltasync demo` cannot start as asked
 
 Every class pickles (it carries only its message), so errors cross process
 and thread-pool boundaries intact.
@@ -37,6 +38,7 @@ __all__ = [
     "ChecksumMismatch",
     "CommitFailed",
     "DeltaSyncError",
+    "DemoError",
     "InvalidKey",
     "InventoryMismatch",
     "ObjectNotFound",
@@ -144,3 +146,7 @@ class SignalConflict(SignalRejected):
 
 class WebhookVerificationError(SignalError, ValueError):
     """A webhook delivery's signature is missing or wrong, or its timestamp is outside the replay window."""
+
+
+class DemoError(DeltaSyncError, ValueError):
+    """``deltasync demo`` cannot start as asked (port taken, web stack missing...)."""

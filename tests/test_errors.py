@@ -37,6 +37,7 @@ BUILTIN_PARENTS: dict[str, tuple[type[BaseException], ...]] = {
     "SignalRejected": (Exception,),
     "SignalConflict": (Exception,),
     "WebhookVerificationError": (ValueError,),
+    "DemoError": (ValueError,),
 }
 
 #: Each class and its deltasync parent.
@@ -61,6 +62,7 @@ TREE_PARENTS: dict[str, str | None] = {
     "SignalRejected": "SignalError",
     "SignalConflict": "SignalRejected",
     "WebhookVerificationError": "SignalError",
+    "DemoError": "DeltaSyncError",
 }
 
 ids = [cls.__name__ for cls in ALL_CLASSES]

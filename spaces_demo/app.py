@@ -1,0 +1,238 @@
+"""The demo web app (FastAPI) and ``deltasync demo``'s entry point.
+
+Routes: ``/`` the page, ``/static/*`` its script and style (nothing from a CDN),
+``/api/state`` a JSON snapshot, ``/api/events`` the live Server-Sent Events
+stream (a ``snapshot`` event first, then one event per change), ``/healthz``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import json
+import logging
+import os
+import shutil
+import socket
+import sys
+import threading
+import webbrowser
+from collections.abc import AsyncIterator, Callable
+from importlib import resources
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi.staticfiles import StaticFiles
+
+from deltasync.errors import DemoError, StorageError
+from deltasync.storage import Store, open_store
+from spaces_demo.live import DemoOptions, DemoRun
+
+__all__ = ["connect_signal", "create_app", "prepare_store", "run_demo"]
+
+log = logging.getLogger("deltasync.demo")
+
+KEEPALIVE_S = 15.0
+
+
+def _static_dir() -> Path:
+    return Path(str(resources.files("spaces_demo") / "static"))
+
+
+def connect_signal(app: FastAPI, run: DemoRun) -> None:
+    """THE SEAM for the signal server (deltasync.server): where new-step notifications come from.
+
+    Today the follower is woken by ``run.signal``, which self-contained mode feeds from the
+    uploader's Future callbacks (``DemoRun._train``), and it polls
+    ``DeltaFetcher.latest_step()`` every ``options.poll_interval`` seconds in every mode.
+
+    To plug the signal server in, replace this body: in self-contained mode mount
+    ``create_app(settings, run.store)`` on ``app`` (e.g. ``app.mount("/signal", ...)``) and give
+    the demo's ``DeltaUploader`` its ``signal_url``; when ``run.options.signal_url`` is set,
+    start a daemon thread that follows the server's SSE ``/v1/runs/{run}/events`` (or
+    ``DeltaFetcher.follow``) and calls ``run.signal.notify(step)`` for each commit, and set
+    ``run.signal.source`` to say so. Polling stays as the fallback.
+    """
+    del app  # nothing is mounted yet
+    url = run.options.signal_url
+    if url:
+        log.warning("signal server client not wired in yet; polling %s instead of %s", run.store.url, url)
+        run.signal.source = f"store polling (signal server {url} not wired in yet)"
+        run.hub.set_info(signal=run.signal.source)
+
+
+def create_app(run: DemoRun, *, start: bool = True) -> FastAPI:
+    """The FastAPI app serving ``run``'s page; starts/stops ``run`` with the app when ``start``."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        if start:
+            run.start()
+        try:
+            yield
+        finally:
+            if start:
+                await asyncio.to_thread(run.stop)
+
+    app = FastAPI(title="deltasync demo", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    connect_signal(app, run)
+    static = _static_dir()
+    app.mount("/static", StaticFiles(directory=static), name="static")
+
+    @app.get("/", include_in_schema=False)
+    async def index() -> FileResponse:
+        return FileResponse(static / "index.html", headers={"Cache-Control": "no-cache"})
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        return {"ok": True, "status": run.hub.snapshot()["status"]}
+
+    @app.get("/api/state")
+    async def state() -> JSONResponse:
+        return JSONResponse(run.hub.snapshot(), headers={"Cache-Control": "no-store"})
+
+    @app.get("/api/events")
+    async def events(request: Request) -> StreamingResponse:
+        sub = run.hub.subscribe(asyncio.get_running_loop())
+
+        async def stream() -> AsyncIterator[str]:
+            try:
+                yield "retry: 1000\n\n"
+                while True:
+                    try:
+                        event = await asyncio.wait_for(sub.queue.get(), KEEPALIVE_S)
+                    except asyncio.TimeoutError:
+                        if await request.is_disconnected():
+                            return
+                        yield ": keep-alive\n\n"
+                        continue
+                    if event is None:
+                        return
+                    yield f"data: {json.dumps(event, separators=(',', ':'))}\n\n"
+            finally:
+                run.hub.unsubscribe(sub)
+
+        return StreamingResponse(
+            stream(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
+        )
+
+    return app
+
+
+# ------------------------------------------------------------------ entry
+
+
+def prepare_store(url: str, *, wipe: bool) -> Store:
+    """Open the store; with ``wipe``, empty a local demo store left by an earlier run first.
+
+    A non-empty local directory that is not a deltasync store is never touched.
+    """
+    local = "://" not in url or url.startswith("file://")
+    if wipe and local:
+        path = Path(unquote(urlparse(url).path) if url.startswith("file://") else url)
+        if path.exists() and not path.is_dir():
+            raise StorageError(f"{path} is a file, not a store directory; pass --store to pick another dir")
+        if path.is_dir() and any(path.iterdir()):
+            if not ((path / "steps").is_dir() or (path / "HEAD.json").exists() or (path / "demo.json").exists()):
+                raise StorageError(f"{path} exists and is not a deltasync store; pass --store to pick another dir")
+            shutil.rmtree(path)
+    return open_store(url)
+
+
+def _check_port(host: str, port: int) -> None:
+    if not 0 <= port <= 65535:
+        raise DemoError(f"--port {port} is not a TCP port")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise DemoError(f"{host}:{port} is already in use; pass --port to pick another") from exc
+            raise DemoError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+
+
+def _can_open_browser() -> bool:
+    if sys.platform in ("darwin", "win32"):
+        return True
+    return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
+
+
+def _console(run: DemoRun, print_: Callable[[str], None]) -> Callable[[], None]:
+    """Print one line per change of the inference copy's answer; returns a stopper."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        last_text: str | None = None
+        while not stop.wait(0.5):
+            s = run.hub.snapshot()
+            a = s["applied"]
+            if a is not None and a.get("text") != last_text:
+                last_text = a.get("text")
+                lag = s["staleness"]
+                print_(
+                    f"step {a['step']:>4}  applied in {a['sync_ms']:.1f} ms  (lag {lag['steps']} steps)  "
+                    f"inference copy answers {last_text!r}"
+                )
+
+    t = threading.Thread(target=loop, name="demo-console", daemon=True)
+    t.start()
+    return stop.set
+
+
+def run_demo(
+    options: DemoOptions,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 7860,
+    open_browser: bool = True,
+    exit_when_done: bool = False,
+    print_: Callable[[str], None] = print,
+) -> int:
+    """Serve the demo until interrupted (or, with ``exit_when_done``, until training is applied); exit status."""
+    import torch
+    import uvicorn
+
+    # the trainer and the follower each get one core: on a 2-core machine, torch's
+    # intra-op threads in both would mostly wait on each other
+    torch.set_num_threads(1)
+    _check_port(host, port)
+    store = prepare_store(options.store_url, wipe=options.train)
+    run = DemoRun(store, options)
+    app = create_app(run)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=2, lifespan="on")
+    server = uvicorn.Server(config)
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    url = f"http://{shown}:{port}"
+    mode = "self-contained: trainer, store, fetcher" if options.train else "follower: no trainer here"
+    print_(f"deltasync demo ({mode}); store {store.url}")
+    print_(f"open {url} to watch patches land (Ctrl-C to stop)")
+    stop_console = _console(run, print_)
+
+    def watch() -> None:
+        if open_browser and _can_open_browser():
+            with contextlib.suppress(Exception):
+                webbrowser.open(url)
+        if exit_when_done:
+            run.finished.wait()
+            server.should_exit = True
+
+    threading.Thread(target=watch, name="demo-watch", daemon=True).start()
+    try:
+        server.run()
+    finally:
+        stop_console()
+        store.close()
+    if run.finished.is_set():
+        ok = "bit-exact with the trainer's" if run.bit_exact else "NOT bit-exact with the trainer's"
+        print_(f"done: the inference copy holds step {run.hub.applied_step}, {ok}")
+    if run.hub.error and run.bit_exact is None and exit_when_done:
+        return 1
+    return 0 if run.bit_exact is not False else 1

@@ -1,0 +1,456 @@
+"""The live system behind the page: a trainer thread and an inference follower.
+
+Self-contained mode (nothing configured): the trainer trains a tiny Qwen3 with
+AdamW (fp32 master weights) and pushes the bf16 view of every step through a
+:class:`~deltasync.DeltaUploader` into the store; the follower waits for a new
+step, reads its manifest, brings a separate bf16 inference copy there with
+:meth:`~deltasync.DeltaFetcher.sync` and records what it now answers.
+
+Follower mode (``train=False``): only the follower runs, against a store that a
+trainer elsewhere writes to.
+
+How the follower learns about new steps is one pluggable piece,
+:class:`StepSignal`, fed by :func:`spaces_demo.app.connect_signal` (the seam for the
+signal server).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from deltasync.errors import DeltaSyncError, DemoError, ObjectNotFound
+from deltasync.fetcher import DeltaFetcher
+from deltasync.fetcher._reader import StepReader
+from deltasync.protocol import Manifest
+from deltasync.storage import Store
+from deltasync.uploader import CommitInfo, DeltaUploader
+from spaces_demo.hub import Hub
+from spaces_demo.toy import PROMPT, TARGET, build_model, greedy, layer_groups, training_batch
+
+__all__ = [
+    "DEMO_KEY",
+    "DemoOptions",
+    "DemoRun",
+    "StepSignal",
+    "bit_snapshot",
+    "layer_change",
+    "manifest_row",
+]
+
+log = logging.getLogger("deltasync.demo")
+
+DEMO_KEY = "demo.json"
+"""Store key where the trainer records which toy model it trains (read by followers)."""
+
+MAX_NEW_MANIFESTS = 64  # a follower far behind reads only the newest manifests for the charts
+STEP_THROUGH = 16  # up to this many new steps are applied one by one (exact per-step heatmap), more are jumped
+
+
+@dataclass(frozen=True, slots=True)
+class DemoOptions:
+    """What ``deltasync demo`` runs (see its --help)."""
+
+    store_url: str
+    train: bool = True
+    steps: int = 400
+    lr: float = 1e-3
+    model: str = "small"
+    anchor_every: int = 50
+    step_interval: float = 0.25
+    poll_interval: float = 0.5
+    signal_url: str | None = None
+    seed: int = 0
+    loop: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise DemoError("--steps must be >= 1")
+        if not self.lr > 0:
+            raise DemoError("--lr must be > 0")
+        if self.anchor_every < 1:
+            raise DemoError("--anchor-every must be >= 1")
+        if self.step_interval < 0 or not self.poll_interval > 0:
+            raise DemoError("--step-interval must be >= 0 and the poll interval > 0")
+        if self.loop < 0:
+            raise DemoError("--loop must be >= 0 seconds")
+        if self.loop and not self.train:
+            raise DemoError("--loop restarts training: it cannot be combined with --no-train")
+        if self.loop and "://" in self.store_url and not self.store_url.startswith(("file://", "memory://")):
+            raise DemoError("--loop empties the store before each new run: use it with a local store only")
+
+
+# ------------------------------------------------------------------ signal
+
+
+class StepSignal:
+    """Wakes the follower when a step is committed.
+
+    ``notify(step)`` is called by whoever learns of a commit first (the uploader's
+    Future callbacks in-process, or a signal-server client). ``wait`` returns early
+    on a notification and otherwise after ``timeout``, so a follower that nobody
+    notifies falls back to polling the store at that interval.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._latest: int | None = None
+        self._closed = False
+        self.source = "store polling"
+
+    def notify(self, step: int) -> None:
+        """A step up to ``step`` is committed."""
+        with self._cond:
+            if self._latest is None or step > self._latest:
+                self._latest = step
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Wake every waiter for good."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def wait(self, after: int | None, timeout: float) -> bool:
+        """Wait until a step newer than ``after`` is announced; False on timeout (then poll)."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: self._closed or (self._latest is not None and (after is None or self._latest > after)),
+                timeout=timeout,
+            )
+
+
+# --------------------------------------------------------------- manifests
+
+
+def manifest_row(m: Manifest) -> dict[str, Any]:
+    """One committed step as the page's timeline row: kind, parent, bytes and density."""
+    return {
+        "step": m.step,
+        "kind": m.kind,
+        "parent": m.parent_step,
+        "anchor": m.anchor_step,
+        "nbytes": m.stats.nbytes,
+        "changed": m.stats.changed,
+        "total": m.stats.total,
+        "full_bytes": sum(t.nbytes for t in m.inventory),
+    }
+
+
+def bit_snapshot(model: Any) -> dict[str, Any]:
+    """Copies of a bf16 model's raw bits (int16), to diff against after a sync."""
+    import torch
+
+    return {k: v.detach().view(torch.int16).clone() for k, v in model.state_dict().items()}
+
+
+def layer_change(before: dict[str, Any], model: Any, groups: list[tuple[str, list[str]]]) -> tuple[list[float], int]:
+    """Fraction of each group's elements whose bits differ from ``before``, and the changed count."""
+    import torch
+
+    after = model.state_dict()
+    fractions: list[float] = []
+    changed = 0
+    for _, names in groups:
+        n = sum(int((before[k] != after[k].detach().view(torch.int16)).sum()) for k in names)
+        total = sum(before[k].numel() for k in names)
+        fractions.append(n / total if total else 0.0)
+        changed += n
+    return fractions, changed
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+# -------------------------------------------------------------------- run
+
+
+class DemoRun:
+    """Owns the trainer and follower threads; ``start()`` then ``stop()``."""
+
+    def __init__(self, store: Store, options: DemoOptions) -> None:
+        import torch
+
+        self.store = store
+        self.options = options
+        self._torch = torch
+        self.hub = Hub(
+            {
+                "mode": "self-contained" if options.train else "follower",
+                "store": store.url,
+                "prompt": PROMPT,
+                "target": TARGET,
+                "steps": options.steps if options.train else None,
+                "model": None,
+                "groups": [],
+                "bit_exact": None,
+            }
+        )
+        self.episode = 0
+        self._lock = threading.Lock()
+        self._closed = False
+        self._threads: list[threading.Thread] = []
+        self._loop_stop = threading.Event()
+        self._loop_thread: threading.Thread | None = None
+        self._new_episode()
+
+    def _new_episode(self) -> None:
+        # in-process: the uploader's Future callbacks notify it (see _train); plus store polling
+        self.signal = StepSignal()
+        self.signal.source = "in-process uploader callbacks + store polling" if self.options.train else "store polling"
+        self.hub.set_info(signal=self.signal.source, episode=self.episode)
+        self._stop = threading.Event()
+        self.finished = threading.Event()
+        self.bit_exact: bool | None = None
+        self._trainer_done = threading.Event()
+        self._final: tuple[int, dict[str, Any]] | None = None
+
+    # --------------------------------------------------------------- control
+
+    def start(self) -> None:
+        """Start the trainer (self-contained mode) and follower threads; once."""
+        with self._lock:
+            if self._threads or self._closed:
+                raise RuntimeError("DemoRun already started")
+            self._start_threads()
+            if self.options.loop:
+                self._loop_thread = threading.Thread(target=self._loop, name="demo-loop", daemon=True)
+                self._loop_thread.start()
+
+    def _start_threads(self) -> None:
+        self._threads = []
+        if self.options.train:
+            self._threads.append(threading.Thread(target=self._guard(self._train), name="demo-trainer", daemon=True))
+        self._threads.append(threading.Thread(target=self._guard(self._follow), name="demo-follower", daemon=True))
+        for t in self._threads:
+            t.start()
+
+    def _stop_threads(self, timeout: float) -> None:
+        self._stop.set()
+        self.signal.close()
+        for t in self._threads:
+            t.join(timeout)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop every thread and end the pages' streams."""
+        self._loop_stop.set()
+        if self._loop_thread is not None:
+            self._loop_thread.join(timeout)
+        with self._lock:
+            self._closed = True
+            self._stop_threads(timeout)
+        self.hub.close()
+
+    def restart(self, timeout: float = 30.0) -> None:
+        """Train again from a fresh model in an emptied store (``--loop``); pages get a new snapshot."""
+        with self._lock:
+            if self._closed:
+                return
+            self._stop_threads(timeout)
+            # everything under the store is the demo's own: prepare_store() emptied it at start
+            keys = [o.key for o in self.store.list("")]
+            if keys:
+                self.store.delete_many(keys)
+            self.episode += 1
+            self.hub.reset()
+            self._new_episode()
+            self._start_threads()
+
+    def _loop(self) -> None:
+        while not self._loop_stop.is_set():
+            if not self.finished.wait(0.5):
+                continue
+            if self._loop_stop.wait(self.options.loop):
+                return
+            try:
+                self.restart()
+            except Exception as exc:  # noqa: BLE001 - shown on the page; the loop stops
+                log.exception("restarting the demo failed")
+                self.hub.set_error(f"restart failed: {type(exc).__name__}: {exc}")
+                return
+
+    def _guard(self, fn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001 - shown on the page, the server keeps running
+                log.exception("%s failed", threading.current_thread().name)
+                self.hub.set_error(f"{threading.current_thread().name}: {type(exc).__name__}: {exc}")
+                self.hub.set_status("failed")
+                self.finished.set()
+
+        return run
+
+    # --------------------------------------------------------------- trainer
+
+    def _train(self) -> None:
+        torch = self._torch
+        opts = self.options
+        toy, model = build_model(opts.model, seed=opts.seed + self.episode)
+        model.train()
+        ids, mask, labels = training_batch(toy.tokenizer)
+        opt = torch.optim.AdamW(model.parameters(), lr=opts.lr, weight_decay=0.0)
+        self.store.put(DEMO_KEY, json.dumps({"model": opts.model, "prompt": PROMPT}).encode())
+        self.hub.set_status("training")
+
+        def on_commit(fut: Future[CommitInfo]) -> None:
+            try:
+                info = fut.result()
+            except DeltaSyncError as exc:
+                self.hub.set_error(f"commit failed: {exc}")
+                return
+            if info.kind != "skipped":
+                self.signal.notify(info.step)
+            self.hub.trainer_update(committed=info.committed_step, last_kind=info.kind)
+
+        # anchors on a fixed cadence (plus whenever the patches since the last one add up to a
+        # full checkpoint, which happens early on, when Adam still moves most weights)
+        with DeltaUploader(
+            self.store, anchor_every=opts.anchor_every, anchor_bytes_fraction=1.0, cast_dtype=torch.bfloat16
+        ) as up:
+            last = up.last_committed_step
+            first = 0 if last is None else last + 1
+            loss_v: float | None = None
+            for i in range(opts.steps + 1):
+                if self._stop.is_set():
+                    break
+                t0 = time.perf_counter()
+                step = first + i
+                if i:
+                    loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    opt.step()
+                    loss_v = float(loss.detach())
+                t1 = time.perf_counter()
+                fut = up.push(model, step)
+                push_ms = 1000 * (time.perf_counter() - t1)
+                self.hub.trainer_step(step, loss=loss_v, lr=opts.lr, train_ms=1000 * (t1 - t0), push_ms=push_ms)
+                fut.add_done_callback(on_commit)
+                self._stop.wait(max(0.0, opts.step_interval - (time.perf_counter() - t0)))
+        self.hub.trainer_update(done=True)
+        self._final_check(model)
+
+    def _final_check(self, model: Any) -> None:
+        """Hand the follower the trainer's last weights, to compare once it holds that step."""
+        torch = self._torch
+        last = self.hub.trainer
+        if last is not None and last.get("step") is not None:
+            state = {k: v.detach().to(torch.bfloat16).clone() for k, v in model.state_dict().items()}
+            self._final = (int(last["step"]), state)
+        self._trainer_done.set()
+
+    def _maybe_finish(self, infer: Any, seen: int | None) -> None:
+        if self.finished.is_set() or not self._trainer_done.is_set():
+            return
+        final = self._final
+        if final is None or infer is None or seen != final[0]:
+            return
+        torch = self._torch
+        got = infer.state_dict()
+        want = final[1]
+        self.bit_exact = sorted(got) == sorted(want) and all(
+            torch.equal(got[k].view(torch.int16), want[k].view(torch.int16)) for k in want
+        )
+        self.hub.set_info(bit_exact=self.bit_exact)
+        self.hub.set_status("done" if self.bit_exact else "MISMATCH")
+        self.finished.set()
+
+    # -------------------------------------------------------------- follower
+
+    def _follow(self) -> None:
+        opts = self.options
+        fetcher = DeltaFetcher(self.store, verify=True)
+        reader = StepReader(self.store, verify=False, signing_key=None)
+        infer: Any = None
+        toy: Any = None
+        groups: list[tuple[str, list[str]]] = []
+        seen: int | None = None
+        last_tick = 0.0
+        if not opts.train:
+            self.hub.set_status("waiting for a trainer")
+        while not self._stop.is_set():
+            self.signal.wait(seen, opts.poll_interval)
+            if self._stop.is_set():
+                break
+            if time.monotonic() - last_tick >= 1.0:
+                self.hub.tick()
+                last_tick = time.monotonic()
+            self._maybe_finish(infer, seen)
+            try:
+                steps = fetcher.steps()
+                new = [s for s in steps if seen is None or s > seen]
+                if not new:
+                    continue
+                if infer is None:
+                    toy, infer = self._inference_copy()
+                    groups = layer_groups(list(infer.state_dict()))
+                    full = sum(v.numel() * v.element_size() for v in infer.state_dict().values())
+                    params = sum(v.numel() for v in infer.state_dict().values())
+                    self.hub.set_info(
+                        model={
+                            "name": toy.name,
+                            "arch": "Qwen3ForCausalLM",
+                            "params": params,
+                            "full_bytes": full,
+                            "layers": toy.config.num_hidden_layers,
+                            "hidden": toy.config.hidden_size,
+                        },
+                        groups=[g for g, _ in groups],
+                    )
+                self.hub.set_head(new[-1])
+                t0 = time.perf_counter()
+                jumped = len(new) > STEP_THROUGH
+                if jumped:
+                    # far behind: jump (the fetcher picks patches or the nearest anchor); the
+                    # skipped steps are on the timeline but were never held by this copy
+                    for s in new[-MAX_NEW_MANIFESTS:-1]:
+                        self.hub.committed({**manifest_row(reader.committed(s).manifest), "layers": None})
+                    new = new[-1:]
+                for s in new:
+                    # the copy holds the store's previous committed step (unless it just jumped):
+                    # diffing its bits before and after gives this step's exact per-layer change
+                    before = bit_snapshot(infer) if seen is not None and not jumped else None
+                    fetcher.sync(infer, step=s)
+                    row = manifest_row(reader.committed(s).manifest)
+                    row["layers"] = None
+                    if before is not None:
+                        row["layers"], row["observed_changed"] = layer_change(before, infer, groups)
+                    self.hub.committed({**row, "held": True})
+                    seen = s
+                target = new[-1]
+                sync_ms = 1000 * (time.perf_counter() - t0)
+                t1 = time.perf_counter()
+                text = greedy(infer, toy.tokenizer)
+                gen_ms = 1000 * (time.perf_counter() - t1)
+                self.hub.applied(target, sync_ms=sync_ms, gen_ms=gen_ms, text=text, verified=True, steps=len(new))
+                self.hub.set_error(None)
+                if self.hub.trainer is None or not self.hub.trainer.get("done"):
+                    self.hub.set_status("training" if opts.train else "following")
+            except DeltaSyncError as exc:
+                # a bad or unreachable step: the inference copy stays at its last good state
+                log.warning("sync failed: %s", exc)
+                self.hub.set_error(f"{type(exc).__name__}: {exc}")
+
+    def _inference_copy(self) -> tuple[Any, Any]:
+        torch = self._torch
+        name = self.options.model
+        try:
+            meta = json.loads(self.store.get(DEMO_KEY))
+            name = str(meta.get("model", name))
+        except ObjectNotFound:
+            pass
+        except ValueError:
+            log.warning("%s in %s is not valid JSON; using --model %s", DEMO_KEY, self.store.url, name)
+        # a different seed than the trainer: everything it holds comes from the store
+        return build_model(name, seed=self.options.seed + 1, dtype=torch.bfloat16)

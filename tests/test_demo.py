@@ -1,0 +1,384 @@
+"""The demo's pieces in-process: toy task, hub state, manifest rows, trainer + follower, the web app."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import deltasync as ds
+from deltasync.errors import DemoError, StorageError
+
+pytest.importorskip("fastapi", reason="the demo extra is part of the test extra")
+
+from spaces_demo.hub import Hub  # noqa: E402
+from spaces_demo.live import (  # noqa: E402
+    DEMO_KEY,
+    DemoOptions,
+    DemoRun,
+    StepSignal,
+    bit_snapshot,
+    layer_change,
+    manifest_row,
+)
+from spaces_demo.toy import PROMPT, QA, TARGET, CharTokenizer, build_model, greedy, layer_groups, training_batch  # noqa: E402
+
+RUN_TIMEOUT = 120.0
+
+
+# ------------------------------------------------------------------- toy
+
+
+def test_tokenizer_round_trips_the_task_and_stops_at_eos() -> None:
+    tok = CharTokenizer()
+    for q, a in QA:
+        text = f"Q: {q}\nA: {a}"
+        assert tok.decode(tok.encode(text)) == text
+    assert tok.decode([*tok.encode("ab"), tok.EOS, *tok.encode("cd")]) == "ab"
+    assert tok.decode(tok.encode("é")) == "?"
+    assert PROMPT.startswith("Q: ") and " " + QA[0][1] == TARGET
+
+
+def test_training_batch_masks_the_prompts() -> None:
+    tok = CharTokenizer()
+    ids, mask, labels = training_batch(tok)
+    assert ids.shape == mask.shape == labels.shape and ids.shape[0] == len(QA)
+    first = tok.decode([int(i) for i in ids[0] if int(i) != tok.PAD])
+    assert first == PROMPT + TARGET
+    supervised = [int(t) for t in labels[0] if int(t) != -100]
+    assert tok.decode(supervised) == TARGET  # the answer, then EOS; the prompt carries no loss
+    assert supervised[-1] == tok.EOS
+
+
+def test_layer_groups_order_and_cover_every_tensor() -> None:
+    _, model = build_model("tiny")
+    names = list(model.state_dict())
+    groups = layer_groups(names)
+    assert [g for g, _ in groups] == ["embed", "layer 0", "layer 1", "norm", "lm_head"]
+    assert sorted(n for _, ns in groups for n in ns) == sorted(names)
+
+
+def test_default_model_is_a_small_qwen3() -> None:
+    toy, model = build_model("small")
+    assert type(model).__name__ == "Qwen3ForCausalLM" and toy.config.model_type == "qwen3"
+    assert sum(p.numel() for p in model.parameters()) == 425_376  # the README's "0.4M parameters"
+    assert toy.config.vocab_size == CharTokenizer().vocab_size == 98
+
+
+def test_unknown_model_name_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="unknown demo model 'huge'"):
+        build_model("huge")
+
+
+def test_greedy_is_deterministic_and_bounded() -> None:
+    import torch
+
+    toy, model = build_model("tiny", dtype=torch.bfloat16)
+    a = greedy(model, toy.tokenizer, max_new=8)
+    assert a == greedy(model, toy.tokenizer, max_new=8)
+    assert len(a) <= 8 and "\n" not in a
+
+
+# ------------------------------------------------------------------- hub
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_hub_staleness_counts_steps_and_seconds_behind() -> None:
+    clock = FakeClock()
+    hub = Hub({"mode": "self-contained"}, clock=clock)
+    hub.trainer_step(0, loss=None)
+    assert hub.snapshot()["staleness"] == {"newest": 0, "applied": None, "steps": 1, "seconds": 0.0}
+    clock.t += 2
+    hub.trainer_step(1, loss=1.0)
+    st = hub.snapshot()["staleness"]
+    assert st["steps"] == 2 and st["seconds"] == pytest.approx(2.0)
+    hub.applied(0, text="a", sync_ms=1.0)
+    clock.t += 0.5
+    st = hub.snapshot()["staleness"]
+    assert (st["steps"], st["seconds"]) == (1, pytest.approx(0.5))  # step 1 waits since t=1002
+    assert hub.snapshot()["applied"]["latency"] == pytest.approx(2.0)
+    hub.applied(1, text="a", sync_ms=1.0)
+    st = hub.snapshot()["staleness"]
+    assert (st["steps"], st["seconds"]) == (0, 0.0)
+    snap = hub.snapshot()
+    assert [g["step"] for g in snap["generations"]] == [0]  # same text: one history entry
+    assert snap["applied_steps"] == [0, 1]
+
+
+def test_hub_broadcasts_snapshot_then_events_in_order() -> None:
+    async def main() -> list[dict[str, Any]]:
+        hub = Hub({"mode": "follower"})
+        sub = hub.subscribe(asyncio.get_running_loop())
+        t = threading.Thread(target=lambda: (hub.committed({"step": 3, "kind": "anchor"}), hub.set_status("x")))
+        t.start()
+        t.join()
+        got = [await asyncio.wait_for(sub.queue.get(), 5) for _ in range(3)]
+        hub.close()
+        assert await asyncio.wait_for(sub.queue.get(), 5) is None
+        return [g for g in got if g is not None]
+
+    events = asyncio.run(main())
+    assert [e["type"] for e in events] == ["snapshot", "commit", "status"]
+    assert events[1]["data"]["step"] == 3 and events[1]["seq"] < events[2]["seq"]
+
+
+def test_step_signal_wakes_on_notify_and_times_out_otherwise() -> None:
+    sig = StepSignal()
+    assert sig.wait(None, 0.01) is False
+    threading.Timer(0.05, sig.notify, args=(4,)).start()
+    assert sig.wait(3, 10.0) is True
+    assert sig.wait(4, 0.01) is False  # nothing newer than 4
+    sig.close()
+    assert sig.wait(99, 10.0) is True
+
+
+# ------------------------------------------------------------ manifests
+
+
+def test_manifest_row_and_layer_change_match_a_bitwise_diff() -> None:
+    import torch
+
+    toy, model = build_model("tiny")
+    store = ds.MemoryStore()
+    ids, mask, labels = training_batch(toy.tokenizer)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    _, infer = build_model("tiny", seed=5, dtype=torch.bfloat16)
+    fetcher = ds.DeltaFetcher(store)
+    with ds.DeltaUploader(store, cast_dtype=torch.bfloat16) as up:
+        up.push(model, 0).result()
+        before = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        opt.step()
+        info = up.push(model, 1).result()
+    after = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
+    assert info.kind == "patch"
+    from deltasync.fetcher._reader import StepReader
+
+    reader = StepReader(store, verify=True, signing_key=None)
+    anchor = manifest_row(reader.committed(0).manifest)
+    assert anchor["kind"] == "anchor" and anchor["changed"] == anchor["total"]
+    row = manifest_row(reader.committed(1).manifest)
+    assert row["kind"] == "patch" and row["parent"] == 0 and row["anchor"] == 0
+    assert (row["changed"], row["nbytes"]) == (info.changed, info.nbytes)
+    assert row["full_bytes"] == sum(v.numel() * 2 for v in after.values())
+
+    groups = layer_groups(list(after))
+    fetcher.sync(infer, step=0)
+    snap = bit_snapshot(infer)
+    fetcher.sync(infer, step=1)
+    fractions, changed = layer_change(snap, infer, groups)
+    assert changed == info.changed  # the copy saw exactly the manifest's changed elements
+    for (_, names), frac in zip(groups, fractions, strict=True):
+        n = sum(int((before[k].view(torch.int16) != after[k].view(torch.int16)).sum()) for k in names)
+        assert frac == pytest.approx(n / sum(before[k].numel() for k in names))
+    assert 0 < changed < row["total"]
+
+
+# ------------------------------------------------------- trainer + follower
+
+
+def _run_until_done(run: DemoRun) -> None:
+    run.start()
+    try:
+        assert run.finished.wait(RUN_TIMEOUT), f"demo did not finish: {run.hub.snapshot()['status']}"
+    finally:
+        run.stop()
+
+
+def test_self_contained_run_ends_bit_exact_and_reports_every_commit() -> None:
+    store = ds.MemoryStore()
+    run = DemoRun(store, DemoOptions(store_url="memory://t", model="tiny", steps=12, step_interval=0.0, anchor_every=5))
+    _run_until_done(run)
+    snap = run.hub.snapshot()
+    assert run.bit_exact is True and snap["bit_exact"] is True and snap["status"] == "done"
+    assert snap["error"] is None
+    steps = ds.DeltaFetcher(store).steps()
+    assert steps[0] == 0 and steps[-1] == 12  # (the uploader may coalesce steps while the store is busy)
+    assert [c["step"] for c in snap["commits"]] == steps  # the follower read every manifest
+    assert snap["commits"][0]["kind"] == "anchor" and snap["commits"][0]["layers"] is None
+    # every later step was applied one by one: its heatmap column is measured on the copy, and
+    # for a patch the copy's changed elements are exactly the manifest's count
+    for c in snap["commits"][1:]:
+        assert c["held"] and len(c["layers"]) == len(snap["groups"])
+        assert all(0.0 <= f <= 1.0 for f in c["layers"])
+        if c["kind"] == "patch":
+            assert c["observed_changed"] == c["changed"]
+    assert snap["applied_steps"] == steps
+    assert snap["applied"]["step"] == 12 and snap["applied"]["verified"] is True
+    assert isinstance(snap["applied"]["text"], str) and snap["generations"]
+    assert snap["trainer"]["done"] is True and snap["trainer"]["step"] == 12
+    assert snap["staleness"]["steps"] == 0
+    assert json.loads(store.get(DEMO_KEY))["model"] == "tiny"
+    assert snap["model"]["params"] == sum(c["total"] for c in snap["commits"][:1])
+
+
+def test_follower_mode_applies_what_a_trainer_elsewhere_committed(tmp_path: Path) -> None:
+    url = str(tmp_path / "store")
+    trainer = DemoRun(ds.open_store(url), DemoOptions(store_url=url, model="tiny", steps=6, step_interval=0.0))
+    _run_until_done(trainer)
+    # the follower has no trainer: it learns the model from demo.json, not from --model
+    follower = DemoRun(ds.open_store(url), DemoOptions(store_url=url, train=False, model="small", poll_interval=0.05))
+    follower.start()
+    try:
+        done = threading.Event()
+
+        def check() -> None:
+            while not done.wait(0.05):
+                if follower.hub.applied_step == 6:
+                    done.set()
+
+        t = threading.Thread(target=check)
+        t.start()
+        t.join(RUN_TIMEOUT)
+        assert done.is_set(), follower.hub.snapshot()
+    finally:
+        follower.stop()
+    snap = follower.hub.snapshot()
+    assert snap["mode"] == "follower" and snap["trainer"] is None and snap["error"] is None
+    assert snap["model"]["name"] == "tiny"
+    assert [c["step"] for c in snap["commits"]] == ds.DeltaFetcher(ds.open_store(url)).steps()
+    assert snap["applied"]["text"] == trainer.hub.snapshot()["applied"]["text"]
+
+
+def test_loop_empties_the_store_and_trains_again() -> None:
+    store = ds.MemoryStore()
+    run = DemoRun(store, DemoOptions(store_url="memory://l", model="tiny", steps=3, step_interval=0.0, loop=0.01))
+
+    async def collect() -> list[dict[str, Any]]:
+        sub = run.hub.subscribe(asyncio.get_running_loop())
+        run.start()
+        got: list[dict[str, Any]] = []
+        while sum(e["type"] == "snapshot" for e in got) < 2:
+            e = await asyncio.wait_for(sub.queue.get(), RUN_TIMEOUT)
+            assert e is not None
+            got.append(e)
+        return got
+
+    try:
+        events = asyncio.run(collect())
+        assert _wait_for(lambda: run.episode >= 1 and run.finished.is_set())
+        snap = run.hub.snapshot()
+    finally:
+        run.stop()
+    # the first run finished bit-exact before the page was told to start over
+    assert any(e["type"] == "status" and e["data"]["status"] == "done" for e in events)
+    assert events[-1]["type"] == "snapshot" and events[-1]["data"]["commits"] == []
+    assert snap["episode"] >= 1 and snap["bit_exact"] is True
+    steps = ds.DeltaFetcher(store).steps()
+    assert steps[0] == 0 and steps[-1] == 3  # the store was emptied: the second run starts at step 0 again
+    assert [c["step"] for c in snap["commits"]] == steps
+
+
+def _wait_for(pred: Any, timeout: float = RUN_TIMEOUT) -> bool:
+    ev = threading.Event()
+    deadline = threading.Timer(timeout, ev.set)
+    deadline.start()
+    try:
+        while not ev.is_set():
+            if pred():
+                return True
+            ev.wait(0.05)
+        return bool(pred())
+    finally:
+        deadline.cancel()
+
+
+def test_follower_on_an_empty_store_waits_without_error() -> None:
+    run = DemoRun(ds.MemoryStore(), DemoOptions(store_url="memory://e", train=False, poll_interval=0.02))
+    run.start()
+    try:
+        assert _wait_for(lambda: len(run.hub.snapshot()["lag"]) >= 1, 10)
+    finally:
+        run.stop()
+    snap = run.hub.snapshot()
+    assert snap["status"] == "waiting for a trainer" and snap["error"] is None and snap["applied"] is None
+
+
+def test_follower_shows_an_inventory_mismatch_and_keeps_serving(tmp_path: Path) -> None:
+    url = str(tmp_path / "store")
+    _run_until_done(DemoRun(ds.open_store(url), DemoOptions(store_url=url, model="tiny", steps=2, step_interval=0.0)))
+    store = ds.open_store(url)
+    store.put(DEMO_KEY, json.dumps({"model": "small"}).encode())  # lies about the model
+    run = DemoRun(store, DemoOptions(store_url=url, train=False, poll_interval=0.02))
+    run.start()
+    try:
+        assert _wait_for(lambda: run.hub.error is not None, 60)
+    finally:
+        run.stop()
+    assert "InventoryMismatch" in str(run.hub.error)
+    assert run.hub.applied_step is None
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"steps": 0}, "--steps"),
+        ({"lr": 0.0}, "--lr"),
+        ({"anchor_every": 0}, "--anchor-every"),
+        ({"step_interval": -1.0}, "--step-interval"),
+        ({"loop": -1.0}, "--loop must be"),
+        ({"loop": 5.0, "train": False}, "cannot be combined with --no-train"),
+        ({"loop": 5.0, "store_url": "s3://bucket/run"}, "local store only"),
+    ],
+)
+def test_bad_options_raise_demo_error(kw: dict[str, Any], match: str) -> None:
+    with pytest.raises(DemoError, match=match):
+        DemoOptions(**{"store_url": "x", **kw})
+
+
+# ------------------------------------------------------------------ app
+
+
+def test_prepare_store_wipes_only_an_old_demo_store(tmp_path: Path) -> None:
+    from spaces_demo.app import prepare_store
+
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "precious.txt").write_text("keep")
+    with pytest.raises(StorageError, match="not a deltasync store"):
+        prepare_store(str(other), wipe=True)
+    assert (other / "precious.txt").read_text() == "keep"
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(StorageError, match="is a file"):
+        prepare_store(str(tmp_path / "file"), wipe=True)
+    old = tmp_path / "old"
+    store = ds.open_store(str(old))
+    store.put(DEMO_KEY, b"{}")
+    store.put("steps/000000000000/manifest.json", b"{}")
+    prepare_store(f"file://{old}", wipe=True)
+    assert not (old / "steps").exists()
+    store = ds.open_store(str(old))
+    store.put("steps/x", b"1")
+    prepare_store(str(old), wipe=False)  # a follower never wipes
+    assert (old / "steps" / "x").exists()
+
+
+def test_app_serves_page_assets_and_state() -> None:
+    from fastapi.testclient import TestClient
+
+    from spaces_demo.app import create_app
+
+    run = DemoRun(ds.MemoryStore(), DemoOptions(store_url="memory://a", train=False))
+    with TestClient(create_app(run, start=False)) as client:
+        page = client.get("/")
+        assert page.status_code == 200 and 'id="generation"' in page.text
+        for asset in ("/static/app.js", "/static/style.css"):
+            r = client.get(asset)
+            assert r.status_code == 200 and len(r.content) > 1000
+        # nothing is loaded from another host
+        assert "http" not in page.text.replace("http://www.w3.org", "")
+        assert "https://" not in client.get("/static/app.js").text
+        state = client.get("/api/state").json()
+        assert state["mode"] == "follower" and state["prompt"] == PROMPT and state["commits"] == []
+        assert client.get("/healthz").json() == {"ok": True, "status": "starting"}

@@ -1,0 +1,137 @@
+"""``deltasync demo`` as a user (and the Space's Dockerfile) runs it: a real process serving real HTTP on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+httpx = pytest.importorskip("httpx", reason="the test extra installs httpx")
+
+from demo_process import FAST, RUN_TIMEOUT, START_TIMEOUT, Demo, deltasync_cmd, free_port  # noqa: E402
+
+
+@pytest.fixture
+def demo_factory(tmp_path: Path) -> Iterator[Callable[..., Demo]]:
+    started: list[Demo] = []
+
+    def start(*args: str, env: dict[str, str] | None = None) -> Demo:
+        d = Demo(list(args), tmp_path, env)
+        started.append(d)
+        return d
+
+    yield start
+    for d in started:
+        d.stop(signal.SIGKILL)
+
+
+def read_sse(demo: Demo, want: Callable[[list[dict[str, Any]]], bool], timeout: float) -> list[dict[str, Any]]:
+    """Events from ``/api/events`` until ``want(events)``, bounded by ``timeout`` per read."""
+    events: list[dict[str, Any]] = []
+    with demo.client.stream("GET", "/api/events", timeout=httpx.Timeout(timeout)) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[len("data: ") :]))
+                if want(events):
+                    return events
+    pytest.fail(f"event stream ended after {len(events)} events")
+
+
+def test_entrypoint_serves_page_state_and_live_events(demo_factory: Callable[..., Demo]) -> None:
+    # as in the Space: the Dockerfile sets DELTASYNC_DEMO_LOOP, so a finished run starts over
+    demo = demo_factory("--store", "store", *FAST, env={"DELTASYNC_DEMO_LOOP": "3"})
+    demo.wait_until("/healthz", lambda: demo.client.get("/healthz").status_code == 200, START_TIMEOUT)
+    page = demo.client.get("/")
+    assert page.status_code == 200 and "deltasync" in page.text
+    assert demo.client.get("/static/app.js").status_code == 200
+
+    events = read_sse(demo, lambda evs: any(e["type"] == "applied" for e in evs), RUN_TIMEOUT)
+    assert events[0]["type"] == "snapshot" and events[0]["data"]["mode"] == "self-contained"
+    assert [e["seq"] for e in events[1:]] == sorted(e["seq"] for e in events[1:])
+    applied = next(e for e in events if e["type"] == "applied")["data"]
+    assert applied["verified"] is True and isinstance(applied["text"], str)
+
+    demo.wait_until("training to finish and be applied", lambda: demo.state()["bit_exact"] is True, RUN_TIMEOUT)
+    s = demo.state()
+    assert s["status"] == "done" and s["error"] is None
+    assert s["trainer"]["step"] == 25 and s["applied"]["step"] == 25 and s["head"] == 25
+    assert s["commits"][0]["kind"] == "anchor" and s["commits"][-1]["step"] == 25
+    assert s["model"]["arch"] == "Qwen3ForCausalLM" and s["model"]["name"] == "tiny"
+    assert s["episode"] == 0
+    demo.wait_until("the second run", lambda: demo.state()["episode"] == 1, RUN_TIMEOUT)
+    demo.wait_until("the second run to finish", lambda: demo.state()["bit_exact"] is True, RUN_TIMEOUT)
+    assert demo.state()["commits"][0]["step"] == 0
+    rc = demo.stop(signal.SIGINT)
+    assert rc in (0, 130), demo.log()
+    out = demo.log()
+    assert f"open http://127.0.0.1:{demo.port}" in out
+    assert "Traceback" not in out
+
+
+def test_exit_when_done_then_a_follower_on_the_same_store(demo_factory: Callable[..., Demo], tmp_path: Path) -> None:
+    trainer = demo_factory("--store", "shared", "--exit-when-done", *FAST)
+    assert trainer.proc.wait(timeout=START_TIMEOUT + RUN_TIMEOUT) == 0, trainer.log()
+    assert "bit-exact with the trainer's" in trainer.log()
+    assert (tmp_path / "shared" / "demo.json").exists()
+
+    # the Space's configuration: its variables name the store and the signal server, no flags
+    space_env = {"DELTASYNC_DEMO_FOLLOW": str(tmp_path / "shared"), "DELTASYNC_SIGNAL_URL": "http://127.0.0.1:9/unused"}
+    follower = demo_factory(env=space_env)
+    follower.wait_until(
+        "the follower to apply step 25", lambda: (follower.state()["applied"] or {}).get("step") == 25, START_TIMEOUT
+    )
+    s = follower.state()
+    assert s["mode"] == "follower" and s["trainer"] is None and s["error"] is None
+    assert s["store"] == (tmp_path / "shared").as_uri()
+    assert "store polling" in s["signal"]  # the signal-server client is not wired in yet: polling fallback
+    assert s["model"]["name"] == "tiny"  # read from the store, not from --model
+    committed = sorted(int(p.name) for p in (tmp_path / "shared" / "steps").iterdir())
+    assert committed[0] == 0 and committed[-1] == 25  # (steps may be coalesced while the store is busy)
+    assert [c["step"] for c in s["commits"]] == committed
+    assert (tmp_path / "shared" / "steps").is_dir()  # a follower never wipes the store
+    follower.stop()
+    assert not (tmp_path / "deltasync-demo").exists()  # nothing trained in the default store
+
+
+def test_a_taken_port_is_a_one_line_error(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        r = subprocess.run(
+            [*deltasync_cmd(), "demo", "--port", str(port), "--no-browser", "--store", str(tmp_path / "st")],
+            capture_output=True,
+            text=True,
+            timeout=START_TIMEOUT,
+            stdin=subprocess.DEVNULL,
+        )
+    assert r.returncode == 1
+    assert r.stderr.strip() == f"error: 127.0.0.1:{port} is already in use; pass --port to pick another"
+    assert not (tmp_path / "st").exists()  # nothing was created or wiped
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--steps", "0"], "error: --steps must be >= 1"),
+        (["--store", "ftp://host/x"], "unsupported store scheme 'ftp'"),
+    ],
+)
+def test_bad_options_are_one_line_errors(args: list[str], message: str, tmp_path: Path) -> None:
+    r = subprocess.run(
+        [*deltasync_cmd(), "demo", "--port", str(free_port()), "--no-browser", *args],
+        capture_output=True,
+        text=True,
+        timeout=START_TIMEOUT,
+        stdin=subprocess.DEVNULL,
+        cwd=tmp_path,
+    )
+    assert r.returncode == 1 and message in r.stderr and "Traceback" not in r.stderr
