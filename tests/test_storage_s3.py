@@ -360,3 +360,40 @@ def test_servers_that_ignore_ranges_still_work(fault_server: Any) -> None:
     assert s.get_range("k", 2, 5) == b"234"
     assert s.get_range("k", 4, 4) == b""
     s.close()
+
+
+_STREAM_PROBE = """
+import json, resource, sys
+from pathlib import Path
+from deltasync.storage import S3Store
+endpoint, key_id, secret, prefix, src = sys.argv[1:]
+store = S3Store("test", prefix, endpoint=endpoint, access_key_id=key_id, secret_access_key=secret,
+                environ={}, part_size=5 * 2**20, max_concurrency=4)
+store.put("warm", b"x")
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+store.put("big", Path(src))
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"grew_kib": after - before}))
+"""
+
+
+def test_path_payloads_are_streamed_not_loaded(s3_server: SeaweedFS, tmp_path: Path) -> None:
+    """A 160 MiB file goes up in 5 MiB parts, 4 at a time: the process never holds the whole file."""
+    import json
+    import subprocess
+    import sys
+
+    src = tmp_path / "big.bin"
+    with open(src, "wb") as f:
+        for i in range(160):
+            f.write(bytes([i]) * MiB)
+    prefix = unique_prefix("stream")
+    args = [s3_server.endpoint, ACCESS_KEY, SECRET_KEY, prefix, str(src)]
+    out = subprocess.run(
+        [sys.executable, "-c", _STREAM_PROBE, *args], capture_output=True, text=True, timeout=300, check=True
+    )
+    grew_mib = json.loads(out.stdout)["grew_kib"] / 1024
+    assert grew_mib < 80, f"peak memory grew by {grew_mib:.0f} MiB while uploading a 160 MiB file"
+    with s3_server.store(BUCKET, prefix) as s:
+        assert s.list("big") == [s.list("big")[0]] and s.list("big")[0].size == 160 * MiB
+        assert s.get_range("big", 100 * MiB - 1, 100 * MiB + 1) == bytes([99, 100])

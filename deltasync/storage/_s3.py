@@ -5,8 +5,9 @@ All requests run on one private asyncio loop thread per store, so a batch
 Large puts are multipart (obstore; a :class:`~pathlib.Path` payload is streamed
 from disk), large gets are split into parallel ranged GETs pinned to the
 object's ETag. ``mode="create"`` is a single PUT with ``If-None-Match: *``, so
-racing creators have exactly one winner; :meth:`S3Store.put_if_match` is the
-ETag-conditioned update. Every obstore/HTTP error is translated into
+racing creators have exactly one winner (a single PUT: obstore sends preconditions
+only there, so a create-mode payload is held in memory whole, at most 5 GiB on AWS);
+:meth:`S3Store.put_if_match` is the ETag-conditioned update. Every obstore/HTTP error is translated into
 :mod:`deltasync.errors` in :meth:`S3Store._translate`.
 
 Configuration: explicit keyword arguments win; otherwise the usual ``AWS_*``
