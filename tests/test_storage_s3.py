@@ -397,3 +397,20 @@ def test_path_payloads_are_streamed_not_loaded(s3_server: SeaweedFS, tmp_path: P
     with s3_server.store(BUCKET, prefix) as s:
         assert s.list("big") == [s.list("big")[0]] and s.list("big")[0].size == 160 * MiB
         assert s.get_range("big", 100 * MiB - 1, 100 * MiB + 1) == bytes([99, 100])
+
+
+def test_close_while_a_request_hangs(fault_server: Any) -> None:
+    """close() does not leave a caller blocked forever: its request ends with a StorageError."""
+    fault_server.status = None  # accept, never answer
+    s = _fault_store(fault_server, max_retries=0, timeout=60)
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(s.get, "k")
+        deadline = time.monotonic() + 10
+        while fault_server.requests == 0 and time.monotonic() < deadline:
+            fault_server.release.wait(0.05)
+        assert fault_server.requests == 1
+        t0 = time.monotonic()
+        s.close()
+        with pytest.raises(StorageError, match="closed while"):
+            fut.result(timeout=10)
+        assert time.monotonic() - t0 < 10

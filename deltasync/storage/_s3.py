@@ -21,6 +21,8 @@ Plain ``http://`` is allowed for loopback endpoints without asking.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import ipaddress
 import os
 import re
@@ -92,9 +94,22 @@ class _LoopThread:
         self.thread.start()
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        try:
+            return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        except concurrent.futures.CancelledError:
+            raise StorageError("the store was closed while this request was in flight") from None
 
     def close(self) -> None:
+        """Cancel what is in flight (its callers get a StorageError), then stop the loop."""
+
+        async def cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(cancel_all(), self.loop).result(timeout=30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join()
         self.loop.close()
