@@ -285,6 +285,7 @@ class _FaultHandler(http.server.BaseHTTPRequestHandler):
     def _answer(self) -> None:
         server: Any = self.server
         server.requests += 1
+        server.paths.append(self.path)
         if server.status is None:
             server.release.wait(30)
             return
@@ -313,7 +314,7 @@ class _FaultHandler(http.server.BaseHTTPRequestHandler):
 def fault_server() -> Iterator[Any]:
     srv: Any = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FaultHandler)
     srv.daemon_threads = True
-    srv.status, srv.requests, srv.release = 503, 0, threading.Event()
+    srv.status, srv.requests, srv.release, srv.paths = 503, 0, threading.Event(), []
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
     try:
@@ -414,3 +415,12 @@ def test_close_while_a_request_hangs(fault_server: Any) -> None:
         with pytest.raises(StorageError, match="closed while"):
             fut.result(timeout=10)
         assert time.monotonic() - t0 < 10
+
+
+def test_endpoint_with_a_path_is_kept(fault_server: Any) -> None:
+    """HF's gateway style, https://s3.hf.co/<namespace>: requests go to /<namespace>/<bucket>/<prefix>/<key>."""
+    fault_server.status = 200
+    endpoint = f"http://127.0.0.1:{fault_server.server_address[1]}/my-namespace"
+    with S3Store("my-bucket", "runs/r1", endpoint=endpoint, access_key_id="k", secret_access_key="s", environ={}) as s:
+        assert s.get("HEAD.json") == b"0123456789"
+    assert fault_server.paths[0] == "/my-namespace/my-bucket/runs/r1/HEAD.json"
