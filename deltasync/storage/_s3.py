@@ -1,12 +1,15 @@
 """S3-compatible object store through obstore: AWS S3, Cloudflare R2, HF's S3 gateway, MinIO, SeaweedFS.
 
-All requests run on one private asyncio loop thread per store, so a batch
-(``put_many``/``get_many``) goes out in parallel, bounded by ``max_concurrency``.
+Requests use obstore's synchronous API (it releases the GIL) on per-store thread
+pools, so a batch (``put_many``/``get_many``) goes out in parallel, bounded by
+``max_concurrency``. (obstore's asyncio API on a private loop thread was tried
+first: processes using it sometimes died with SIGABRT at interpreter exit.)
 Large puts are multipart (obstore; a :class:`~pathlib.Path` payload is streamed
 from disk), large gets are split into parallel ranged GETs pinned to the
 object's ETag. ``mode="create"`` is a single PUT with ``If-None-Match: *``, so
-racing creators have exactly one winner; :meth:`S3Store.put_if_match` is the
-ETag-conditioned update. Every obstore/HTTP error is translated into
+racing creators have exactly one winner (a single PUT: obstore sends preconditions
+only there, so a create-mode payload is held in memory whole, at most 5 GiB on AWS);
+:meth:`S3Store.put_if_match` is the ETag-conditioned update. Every obstore/HTTP error is translated into
 :mod:`deltasync.errors` in :meth:`S3Store._translate`.
 
 Configuration: explicit keyword arguments win; otherwise the usual ``AWS_*``
@@ -19,12 +22,13 @@ Plain ``http://`` is allowed for loopback endpoints without asking.
 
 from __future__ import annotations
 
-import asyncio
+import concurrent.futures
+import functools
 import ipaddress
 import os
 import re
-import threading
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -80,23 +84,6 @@ def _buffer(data: bytes | bytearray | memoryview) -> bytes | memoryview:
         return data
     view = memoryview(data)
     return view.cast("B") if view.c_contiguous else view.tobytes()
-
-
-class _LoopThread:
-    """An asyncio loop in a daemon thread; synchronous callers block on coroutines run there."""
-
-    def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join()
-        self.loop.close()
 
 
 class S3Store(Store):
@@ -190,9 +177,11 @@ class S3Store(Store):
             raise StorageError(f"{self.url}: invalid S3 configuration: {exc}") from exc
         self._part_size = part_size
         self._concurrency = max_concurrency
-        self._sem = asyncio.Semaphore(max_concurrency)
-        self._loop: _LoopThread | None = _LoopThread(f"deltasync-s3-{bucket}")
-        self._lock = threading.Lock()
+        self._closed = False
+        # whole objects of a batch on one pool, the ranged parts of large objects on another
+        # (a part never waits for the pool it runs on, so neither can deadlock)
+        self._batch = ThreadPoolExecutor(max_concurrency, thread_name_prefix="deltasync-s3")
+        self._parts = ThreadPoolExecutor(max_concurrency, thread_name_prefix="deltasync-s3-part")
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> S3Store:
@@ -203,13 +192,6 @@ class S3Store(Store):
         return cls(parsed.netloc, parsed.path, **options)
 
     # -- plumbing -----------------------------------------------------------------
-
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        loop = self._loop
-        if loop is None:
-            coro.close()
-            raise StorageError(f"{self.url}: store is closed")
-        return loop.run(coro)
 
     def _translate(self, exc: BaseException, what: str, key: str | None, *, reading: bool) -> DeltaSyncError:
         """The deltasync error for an obstore/HTTP failure of ``what`` on ``key``."""
@@ -249,29 +231,36 @@ class S3Store(Store):
             return StorageError(f"{where}: cannot read the payload: {exc.strerror or head}")
         return StorageError(f"{where}: {reply}")
 
-    async def _call(self, what: str, key: str | None, make: Callable[[], Awaitable[T]], *, reading: bool = True) -> T:
-        """Await ``make()`` (called on the loop: obstore binds its futures there), errors translated."""
-        async with self._sem:
+    def _call(self, what: str, key: str | None, fn: Callable[[], T], *, reading: bool = True) -> T:
+        """``fn()``, its obstore/HTTP errors translated."""
+        if self._closed:
+            raise StorageError(f"{self.url}: store is closed")
+        try:
+            return fn()
+        except Exception as exc:
+            raise self._translate(exc, what, key, reading=reading) from exc
+
+    def _fan_out(self, pool: ThreadPoolExecutor, fns: Sequence[Callable[[], T]]) -> list[T]:
+        """Run ``fns`` in parallel on ``pool``, wait for all, raise the first error (in input order)."""
+        if self._closed:
+            raise StorageError(f"{self.url}: store is closed")
+        if len(fns) == 1:
+            return [fns[0]()]  # no thread hop for a single request
+        try:
+            futs = [pool.submit(fn) for fn in fns]
+        except RuntimeError:  # shut down meanwhile
+            raise StorageError(f"{self.url}: store is closed") from None
+        results: list[T] = []
+        first: BaseException | None = None
+        for fut in futs:
             try:
-                return await make()
-            except Exception as exc:
-                raise self._translate(exc, what, key, reading=reading) from exc
-
-    def _gather(self, coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
-        """Run coroutines in parallel, wait for all, raise the first error (in input order)."""
-
-        async def all_of() -> list[Any]:
-            out: list[Any] = await asyncio.gather(*coros, return_exceptions=True)
-            return out
-
-        if self._loop is None:
-            for c in coros:
-                c.close()
-
-        results = self._run(all_of())
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
+                results.append(fut.result())
+            except concurrent.futures.CancelledError:
+                first = first or StorageError(f"{self.url}: the store was closed while this request was queued")
+            except BaseException as exc:
+                first = first or exc
+        if first is not None:
+            raise first
         return results
 
     # -- writes -------------------------------------------------------------------
@@ -285,11 +274,11 @@ class S3Store(Store):
             return data
         return _buffer(data)
 
-    async def _put(self, key: str, payload: Path | bytes | memoryview, mode: Any) -> str:
-        result = await self._call(
+    def _put(self, key: str, payload: Path | bytes | memoryview, mode: Any) -> str:
+        result = self._call(
             "write",
             key,
-            lambda: obs.put_async(
+            lambda: obs.put(
                 self._s3,
                 key,
                 payload,
@@ -307,7 +296,7 @@ class S3Store(Store):
         if mode not in ("overwrite", "create"):
             raise StorageError(f"unknown put mode {mode!r}")
         payloads = [(validate_key(k), self._payload(k, d)) for k, d in items.items()]
-        self._gather([self._put(k, p, mode) for k, p in payloads])
+        self._fan_out(self._batch, [functools.partial(self._put, k, p, mode) for k, p in payloads])
 
     def put_if_match(self, key: str, data: Data, etag: str) -> str:
         """Overwrite ``key`` only if its ETag is still ``etag``; return the new ETag.
@@ -316,86 +305,78 @@ class S3Store(Store):
         object is gone); pair it with :meth:`get_with_etag`.
         """
         payload = self._payload(validate_key(key), data)
-        return self._run(self._put(key, payload, {"e_tag": etag}))
+        return self._put(key, payload, {"e_tag": etag})
 
     # -- reads --------------------------------------------------------------------
 
-    async def _get_part(self, key: str, start: int, end: int, etag: str | None) -> Any:
+    def _get_part(self, key: str, start: int, end: int, etag: str | None) -> Any:
         opts: dict[str, Any] = {"range": (start, end)}
         if etag:
             opts["if_match"] = etag
+        return self._call("read", key, lambda: obs.get(self._s3, key, options=opts).bytes())  # type: ignore[arg-type]
 
-        async def go() -> Any:
-            res = await obs.get_async(self._s3, key, options=opts)  # type: ignore[arg-type]
-            return await res.bytes_async()
+    def _get_first(self, key: str) -> tuple[Any, int, str]:
+        """The first part of an object, its size and ETag."""
+        try:
+            res = obs.get(self._s3, key, options={"range": (0, self._part_size)})
+        except Exception as exc:
+            if not any(m in str(exc) for m in (_RANGE_UNSATISFIABLE, _RANGE_IGNORED)):
+                raise
+            # an empty object has no byte 0; some servers answer a ranged GET in full
+            res = obs.get(self._s3, key)
+        meta = res.meta
+        return res.bytes(), meta["size"], meta.get("e_tag") or ""
 
-        return await self._call("read", key, go)
-
-    async def _get_whole(self, key: str) -> tuple[bytes, str]:
+    def _get_whole(self, key: str) -> tuple[bytes, str]:
         """The object and its ETag: one ranged GET, then parallel ranged GETs for the rest."""
         chunk = self._part_size
         for _ in range(3):
-
-            async def first() -> tuple[Any, int, str]:
-                try:
-                    res = await obs.get_async(self._s3, key, options={"range": (0, chunk)})
-                except Exception as exc:
-                    if not any(m in str(exc) for m in (_RANGE_UNSATISFIABLE, _RANGE_IGNORED)):
-                        raise
-                    # an empty object has no byte 0; some servers answer a ranged GET in full
-                    res = await obs.get_async(self._s3, key)
-                meta = res.meta
-                return await res.bytes_async(), meta["size"], meta.get("e_tag") or ""
-
-            head, size, etag = await self._call("read", key, first)
+            head, size, etag = self._call("read", key, lambda: self._get_first(key))
             if size <= len(head):
                 return bytes(head), etag
+            parts = [
+                functools.partial(self._get_part, key, s, min(s + chunk, size), etag)
+                for s in range(len(head), size, chunk)
+            ]
             try:
-                parts = await asyncio.gather(
-                    *(self._get_part(key, s, min(s + chunk, size), etag) for s in range(len(head), size, chunk))
-                )
+                rest = self._fan_out(self._parts, parts)
             except PreconditionFailed:
                 continue  # overwritten while we read it: start over
-            return b"".join([head, *parts]), etag
+            return b"".join([head, *rest]), etag
         raise TransientStorageError(f"{self.url}: {key} kept changing while it was read")
 
     def get_many(self, keys: Sequence[str]) -> dict[str, bytes]:
         # docstring inherited
         unique = list(dict.fromkeys(validate_key(k) for k in keys))
-        blobs = self._gather([self._get_whole(k) for k in unique])
+        blobs = self._fan_out(self._batch, [functools.partial(self._get_whole, k) for k in unique])
         return {k: b for k, (b, _) in zip(unique, blobs, strict=True)}
 
     def get_with_etag(self, key: str) -> tuple[bytes, str]:
         """An object and its ETag, for a later :meth:`put_if_match`."""
-        return self._run(self._get_whole(validate_key(key)))
+        return self._get_whole(validate_key(key))
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
         # docstring inherited
         validate_key(key)
         if start < 0 or end < 0:
             return self.get(key)[start:end]
-
-        async def go() -> bytes:
-            if end > start:
-                try:
-                    return bytes(await self._get_part(key, start, end, None))
-                except StorageError as exc:
-                    cause = str(exc.__cause__)
-                    if _RANGE_IGNORED in cause:  # the server does not do ranges: read it whole
-                        whole, _ = await self._get_whole(key)
-                        return whole[start:end]
-                    if _RANGE_UNSATISFIABLE not in cause:
-                        raise
-            await self._call("read", key, lambda: obs.head_async(self._s3, key))  # exists, nothing in range
-            return b""
-
-        return self._run(go())
+        if end > start:
+            try:
+                return bytes(self._get_part(key, start, end, None))
+            except StorageError as exc:
+                cause = str(exc.__cause__)
+                if _RANGE_IGNORED in cause:  # the server does not do ranges: read it whole
+                    return self._get_whole(key)[0][start:end]
+                if _RANGE_UNSATISFIABLE not in cause:
+                    raise
+        self._call("read", key, lambda: obs.head(self._s3, key))  # it exists, with nothing in that range
+        return b""
 
     def exists(self, key: str) -> bool:
         # docstring inherited
         validate_key(key)
         try:
-            self._run(self._call("read", key, lambda: obs.head_async(self._s3, key)))
+            self._call("read", key, lambda: obs.head(self._s3, key))
         except ObjectNotFound:
             return False
         return True
@@ -405,10 +386,8 @@ class S3Store(Store):
         directory = prefix.rsplit("/", 1)[0] if "/" in prefix else None
         if directory is not None and any(p in ("", ".", "..") for p in directory.split("/")):
             return []  # no valid key starts like this
-        found = self._run(
-            self._call(
-                f"list {prefix!r} in", None, lambda: obs.list(self._s3, directory, chunk_size=1000).collect_async()
-            )
+        found = self._call(
+            f"list {prefix!r} in", None, lambda: obs.list(self._s3, directory, chunk_size=1000).collect()
         )
         return sorted(
             (ObjectInfo(o["path"], o["size"]) for o in found if o["path"].startswith(prefix)), key=lambda o: o.key
@@ -418,11 +397,11 @@ class S3Store(Store):
         # docstring inherited
         unique = list(dict.fromkeys(validate_key(k) for k in keys))
         if unique:
-            self._run(self._call("delete", unique[0], lambda: obs.delete_async(self._s3, unique), reading=False))
+            self._call("delete", unique[0], lambda: obs.delete(self._s3, unique), reading=False)
 
     def close(self) -> None:
         # docstring inherited
-        with self._lock:
-            loop, self._loop = self._loop, None
-        if loop is not None:
-            loop.close()
+        self._closed = True
+        # queued work is cancelled (its callers get a StorageError); requests on the wire end by their timeouts
+        for pool in (self._batch, self._parts):
+            pool.shutdown(wait=False, cancel_futures=True)
