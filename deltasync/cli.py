@@ -271,6 +271,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         anchor_every=args.anchor_every,
         step_interval=args.step_interval,
         signal_url=args.signal_url or os.environ.get("DELTASYNC_SIGNAL_URL") or None,
+        signal_run=args.signal_run or os.environ.get("DELTASYNC_SIGNAL_RUN") or None,
         loop=args.loop if args.loop is not None else _env_seconds("DELTASYNC_DEMO_LOOP") if train else 0.0,
     )
     return run_demo(
@@ -349,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="store URL (default: ./deltasync-demo, wiped first when training; $DELTASYNC_DEMO_FOLLOW follows that store)",
     )
     d.add_argument("--signal-url", help="signal server to wait on for new steps (default: in-process + store polling)")
+    d.add_argument("--signal-run", help="run name at the signal server (default demo-<episode>; $DELTASYNC_SIGNAL_RUN)")
     d.add_argument("--no-train", action="store_true", help="follower mode: only apply what a trainer elsewhere commits")
     d.add_argument("--host", default="127.0.0.1", help="address to serve the page on (0.0.0.0 in a Space)")
     d.add_argument("--port", type=int, default=7860)

@@ -43,30 +43,81 @@ def _static_dir() -> Path:
     return Path(str(resources.files("spaces_demo") / "static"))
 
 
-def connect_signal(app: FastAPI, run: DemoRun) -> None:
-    """THE SEAM for the signal server (deltasync.server): where new-step notifications come from.
+def connect_signal(app: FastAPI, run: DemoRun, base_url: str | None = None) -> None:
+    """Wire the signal server in: where the trainer publishes and the follower hears commits.
 
-    Today the follower is woken by ``run.signal``, which self-contained mode feeds from the
-    uploader's Future callbacks (``DemoRun._train``), and it polls
-    ``DeltaFetcher.latest_step()`` every ``options.poll_interval`` seconds in every mode.
+    * self-contained (training here, no ``--signal-url``) and served at ``base_url``:
+      an in-process signal server (``deltasync.server.create_app``) is mounted at
+      ``/signal``; the trainer's uploader publishes every commit to it and the
+      follower listens to its Server-Sent Events;
+    * ``--signal-url``: the follower listens there (a trainer here publishes there too);
+    * otherwise (in-process tests): the uploader's Future callbacks wake the follower.
 
-    To plug the signal server in, replace this body: in self-contained mode mount
-    ``create_app(settings, run.store)`` on ``app`` (e.g. ``app.mount("/signal", ...)``) and give
-    the demo's ``DeltaUploader`` its ``signal_url``; when ``run.options.signal_url`` is set,
-    start a daemon thread that follows the server's SSE ``/v1/runs/{run}/events`` (or
-    ``DeltaFetcher.follow``) and calls ``run.signal.notify(step)`` for each commit, and set
-    ``run.signal.source`` to say so. Polling stays as the fallback.
+    In every mode the follower also polls the store, so a silent or dead signal server
+    only costs latency. Tokens come from ``DELTASYNC_PUBLISH_TOKEN`` /
+    ``DELTASYNC_SUBSCRIBE_TOKEN`` for an external server.
     """
-    del app  # nothing is mounted yet
     url = run.options.signal_url
-    if url:
-        log.warning("signal server client not wired in yet; polling %s instead of %s", run.store.url, url)
-        run.signal.source = f"store polling (signal server {url} not wired in yet)"
-        run.hub.set_info(signal=run.signal.source)
+    if url is None and run.options.train and base_url is not None:
+        from deltasync.server import Settings
+        from deltasync.server import create_app as create_signal_app
+
+        signal_app = create_signal_app(Settings(db_path=":memory:"), run.store)
+        app.mount("/signal", signal_app)
+        app.state.close_signal_streams = signal_app.state.hub.close_streams  # before a shutdown
+        url = base_url.rstrip("/") + "/signal"
+        token = None
+    else:
+        token = os.environ.get("DELTASYNC_SUBSCRIBE_TOKEN") or os.environ.get("DELTASYNC_PUBLISH_TOKEN") or None
+    if url is None:
+        return
+    if run.options.train:
+        run.publish_url = url
+        run.publish_token = (
+            None
+            if url.endswith("/signal") and run.options.signal_url is None
+            else (os.environ.get("DELTASYNC_PUBLISH_TOKEN") or None)
+        )
+    source = f"signal server {url} (SSE) + store polling"
+    run.hub.set_info(signal=source)
+    threading.Thread(target=_listen, args=(run, url, token, source), name="demo-signal", daemon=True).start()
 
 
-def create_app(run: DemoRun, *, start: bool = True) -> FastAPI:
-    """The FastAPI app serving ``run``'s page; starts/stops ``run`` with the app when ``start``."""
+def _listen(run: DemoRun, url: str, token: str | None, source: str) -> None:
+    """Follow the signal server's SSE stream and wake the follower; reconnect with backoff."""
+    from deltasync.errors import SignalError
+    from deltasync.server.client import SignalClient
+
+    pause = threading.Event()
+    delay = 0.2
+    last: int | None = None
+    episode = run.episode
+    with SignalClient(url, token, timeout=5.0) as client:
+        while not run.closed:
+            if run.episode != episode:
+                episode, last = run.episode, None
+                run.hub.set_info(signal=source)
+            name = run.signal_run
+            run.signal.source = source
+            try:
+                for ev in client.events(name, last_event_id=last, heartbeat=1.0):
+                    delay = 0.2
+                    if ev is not None:
+                        last = ev.step
+                        run.signal.notify(ev.step)
+                    if run.closed or run.episode != episode:
+                        break  # a new episode is a new run name
+            except SignalError as exc:
+                log.debug("signal stream: %s; retrying in %.1f s", exc, delay)
+                pause.wait(delay)
+                delay = min(delay * 2, 5.0)
+
+
+def create_app(run: DemoRun, *, start: bool = True, base_url: str | None = None) -> FastAPI:
+    """The FastAPI app serving ``run``'s page; starts/stops ``run`` with the app when ``start``.
+
+    ``base_url``: where this app will be reachable; mounts the in-process signal server (see
+    :func:`connect_signal`)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -79,7 +130,7 @@ def create_app(run: DemoRun, *, start: bool = True) -> FastAPI:
                 await asyncio.to_thread(run.stop)
 
     app = FastAPI(title="deltasync demo", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    connect_signal(app, run)
+    connect_signal(app, run, base_url)
     static = _static_dir()
     app.mount("/static", StaticFiles(directory=static), name="static")
 
@@ -187,6 +238,13 @@ def _console(run: DemoRun, print_: Callable[[str], None]) -> Callable[[], None]:
     return stop.set
 
 
+def _close_streams(app: FastAPI) -> None:
+    """End the in-process signal server's SSE streams, which would otherwise hold a shutdown."""
+    close = getattr(app.state, "close_signal_streams", None)
+    if close is not None:
+        close()
+
+
 def run_demo(
     options: DemoOptions,
     *,
@@ -206,9 +264,16 @@ def run_demo(
     _check_port(host, port)
     store = prepare_store(options.store_url, wipe=options.train)
     run = DemoRun(store, options)
-    app = create_app(run)
+    local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    app = create_app(run, base_url=f"http://{local}:{port}")
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=2, lifespan="on")
-    server = uvicorn.Server(config)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            _close_streams(app)
+            super().handle_exit(sig, frame)
+
+    server = Server(config)
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     url = f"http://{shown}:{port}"
     mode = "self-contained: trainer, store, fetcher" if options.train else "follower: no trainer here"
@@ -222,6 +287,7 @@ def run_demo(
                 webbrowser.open(url)
         if exit_when_done:
             run.finished.wait()
+            _close_streams(app)
             server.should_exit = True
 
     threading.Thread(target=watch, name="demo-watch", daemon=True).start()

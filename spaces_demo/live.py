@@ -66,6 +66,7 @@ class DemoOptions:
     step_interval: float = 0.25
     poll_interval: float = 0.5
     signal_url: str | None = None
+    signal_run: str | None = None
     seed: int = 0
     loop: float = 0.0
 
@@ -197,12 +198,25 @@ class DemoRun:
             }
         )
         self.episode = 0
+        # set by spaces_demo.app.connect_signal: where the trainer publishes its commits
+        self.publish_url: str | None = None
+        self.publish_token: str | None = None
         self._lock = threading.Lock()
         self._closed = False
         self._threads: list[threading.Thread] = []
         self._loop_stop = threading.Event()
         self._loop_thread: threading.Thread | None = None
         self._new_episode()
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`stop` ran."""
+        return self._closed
+
+    @property
+    def signal_run(self) -> str:
+        """The run name at the signal server: given, or one per episode (a new run restarts at step 0)."""
+        return self.options.signal_run or f"demo-{self.episode}"
 
     def _new_episode(self) -> None:
         # in-process: the uploader's Future callbacks notify it (see _train); plus store polling
@@ -316,7 +330,13 @@ class DemoRun:
         # anchors on a fixed cadence (plus whenever the patches since the last one add up to a
         # full checkpoint, which happens early on, when Adam still moves most weights)
         with DeltaUploader(
-            self.store, anchor_every=opts.anchor_every, anchor_bytes_fraction=1.0, cast_dtype=torch.bfloat16
+            self.store,
+            anchor_every=opts.anchor_every,
+            anchor_bytes_fraction=1.0,
+            cast_dtype=torch.bfloat16,
+            signal_url=self.publish_url,
+            signal_token=self.publish_token,
+            signal_run=self.signal_run,
         ) as up:
             last = up.last_committed_step
             first = 0 if last is None else last + 1

@@ -66,6 +66,10 @@ def test_entrypoint_serves_page_state_and_live_events(demo_factory: Callable[...
     assert s["commits"][0]["kind"] == "anchor" and s["commits"][-1]["step"] == 25
     assert s["model"]["arch"] == "Qwen3ForCausalLM" and s["model"]["name"] == "tiny"
     assert s["episode"] == 0
+    # the in-process signal server heard every commit and the follower listens to it
+    assert s["signal"].startswith(f"signal server http://127.0.0.1:{demo.port}/signal (SSE)")
+    head = demo.client.get("/signal/v1/runs/demo-0/head")
+    assert head.status_code == 200 and head.json()["step"] == 25, head.text
     demo.wait_until("the second run", lambda: demo.state()["episode"] == 1, RUN_TIMEOUT)
     demo.wait_until("the second run to finish", lambda: demo.state()["bit_exact"] is True, RUN_TIMEOUT)
     assert demo.state()["commits"][0]["step"] == 0
@@ -91,7 +95,8 @@ def test_exit_when_done_then_a_follower_on_the_same_store(demo_factory: Callable
     s = follower.state()
     assert s["mode"] == "follower" and s["trainer"] is None and s["error"] is None
     assert s["store"] == (tmp_path / "shared").as_uri()
-    assert "store polling" in s["signal"]  # the signal-server client is not wired in yet: polling fallback
+    # the named signal server is unreachable: the follower keeps going by polling the store
+    assert s["signal"] == "signal server http://127.0.0.1:9/unused (SSE) + store polling"
     assert s["model"]["name"] == "tiny"  # read from the store, not from --model
     committed = sorted(int(p.name) for p in (tmp_path / "shared" / "steps").iterdir())
     assert committed[0] == 0 and committed[-1] == 25  # (steps may be coalesced while the store is busy)
