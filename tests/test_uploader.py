@@ -438,3 +438,24 @@ def test_push_copies_the_state_so_the_caller_may_change_it_at_once(
     ds.DeltaFetcher(store).sync(target, step=1)
     for k, want in expected.items():
         assert torch.equal(target[k].view(torch.int16), want.view(torch.int16)), k
+
+
+def test_a_bytes_triggered_anchor_is_not_repeated_while_it_is_in_flight(spy_store: SpyStore) -> None:
+    """The patch-bytes budget restarts when an anchor is pushed, not when it is committed:
+    a push that comes while that anchor still waits for the store is a patch, not a second anchor."""
+    ss = states(4)
+    up = ds.DeltaUploader(spy_store, anchor_every=100, anchor_bytes_fraction=1e-6, on_backlog="block")
+    try:
+        assert up.push(ss[0], 0).result(WAIT).kind == "anchor"
+        assert up.push(ss[1], 1).result(WAIT).kind == "patch"  # now over the (tiny) budget
+        gate = threading.Event()
+        spy_store.gate = gate
+        f2 = up.push(ss[2], 2)  # the budget-triggered anchor, held at the gate
+        f3 = up.push(ss[3], 3)
+        gate.set()
+        assert [f2.result(WAIT).kind, f3.result(WAIT).kind] == ["anchor", "patch"]
+    finally:
+        if spy_store.gate is not None:
+            spy_store.gate.set()
+        up.close()
+    fetch_all(spy_store, dict(enumerate(ss)))

@@ -358,6 +358,8 @@ class DeltaUploader:
         self._digest_cache.clear()
         self._needs_anchor = False
         self._pushes_since_anchor = 0
+        with self._cond:  # count patch bytes from this anchor on, not from its commit (no double anchors)
+            self._bytes_since_anchor = 0
         return StepJob(step, "anchor", inventory, snapshot=snapshot, changed=total, total=total)
 
     # -------------------------------------------------------------- digests
