@@ -60,6 +60,7 @@ from __future__ import annotations
 import itertools
 import random
 import threading
+from abc import ABC, abstractmethod
 from array import array
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -129,7 +130,7 @@ def _listing(store: Store, prefix: str = "") -> dict[str, int]:
     return {o.key: o.size for o in infos}
 
 
-class StoreTests(Generic[S]):
+class StoreTests(ABC, Generic[S]):
     """Conformance tests for a :class:`~deltasync.storage.Store` backend (see the module docstring)."""
 
     #: size of the multi-MB object of the round-trip tests
@@ -144,17 +145,17 @@ class StoreTests(Generic[S]):
 
     # -- hooks ------------------------------------------------------------
 
+    @abstractmethod
     def make_store(self, path: Path) -> S:
         """A new, empty store; ``path`` is a fresh, not yet existing directory it may use."""
-        raise NotImplementedError(f"{type(self).__name__} must implement make_store(path)")
 
+    @abstractmethod
     def raw_get(self, store: S, key: str) -> bytes | None:
         """The bytes really stored under ``key``, read behind the store's back; None if absent."""
-        raise NotImplementedError(f"{type(self).__name__} must implement raw_get(store, key)")
 
+    @abstractmethod
     def raw_put(self, store: S, key: str, data: bytes) -> None:
         """Store ``data`` under ``key`` behind the store's back."""
-        raise NotImplementedError(f"{type(self).__name__} must implement raw_put(store, key, data)")
 
     @pytest.fixture
     def store(self, tmp_path: Path) -> Iterator[S]:

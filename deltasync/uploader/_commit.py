@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -34,7 +34,7 @@ from deltasync.storage import Store
 from deltasync.uploader._diff import TensorChange
 from deltasync.uploader._retry import RetryPolicy, put_idempotent, with_retries
 
-__all__ = ["StepJob", "build_patch", "write_step"]
+__all__ = ["StepJob", "build_patch", "merge_jobs", "write_step"]
 Bits = np.ndarray[Any, np.dtype[Any]]
 
 
@@ -159,3 +159,41 @@ def write_step(
     head = Head(job.step, digest, run_id).to_json()
     with_retries(lambda: store.put(HEAD_KEY, head), policy, f"{what}: writing HEAD.json")
     return Committed(manifest, digest)
+
+
+# ------------------------------------------------------------ coalescing
+
+
+def _merge_changes(a: TensorChange, b: TensorChange) -> TensorChange | None:
+    idx = np.concatenate([a.idx, b.idx])
+    order = np.argsort(idx, kind="stable")
+    idx_s = idx[order]
+    first = np.ones(idx_s.size, dtype=bool)
+    first[1:] = idx_s[1:] != idx_s[:-1]
+    last = np.ones(idx_s.size, dtype=bool)
+    last[:-1] = first[1:]
+    old = np.concatenate([a.old, b.old])[order][first]
+    new = np.concatenate([a.new, b.new])[order][last]
+    keep = old != new
+    if not keep.any():
+        return None
+    return TensorChange(idx_s[first][keep], old[keep], new[keep])
+
+
+def merge_jobs(a: StepJob, b: StepJob) -> StepJob:
+    """Fold waiting job ``a`` and newer job ``b`` into one job at ``b.step``."""
+    futures = a.futures + b.futures
+    if b.kind == "anchor":
+        return replace(b, futures=futures)
+    if a.kind == "anchor":
+        for name, c in b.changes.items():
+            a.snapshot[name][c.idx] = c.new
+        return replace(b, kind="anchor", snapshot=a.snapshot, changes={}, changed=b.total, futures=futures)
+    changes = dict(a.changes)
+    for name, c in b.changes.items():
+        merged = _merge_changes(changes[name], c) if name in changes else c
+        if merged is None:
+            changes.pop(name, None)
+        else:
+            changes[name] = merged
+    return replace(b, changes=changes, changed=sum(int(c.idx.size) for c in changes.values()), futures=futures)

@@ -8,7 +8,7 @@ import time
 import uuid
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -21,7 +21,8 @@ from deltasync.protocol.digests import xxh3_128_array
 from deltasync.protocol.keys import STEPS_PREFIX
 from deltasync.storage import Store
 from deltasync.storage._claims import claim_epoch, is_fenced, read_claims
-from deltasync.uploader._commit import StepJob, write_step
+from deltasync.uploader._commit import StepJob, merge_jobs, write_step
+from deltasync.uploader._config import CommitInfo, UploaderConfig
 from deltasync.uploader._diff import Baseline, TensorChange, diff_tensor, inventory_of
 from deltasync.uploader._retry import RetryPolicy
 
@@ -33,120 +34,6 @@ if TYPE_CHECKING:
 __all__ = ["CommitInfo", "DeltaUploader", "UploaderConfig"]
 
 log = logging.getLogger("deltasync.uploader")
-
-
-@dataclass(frozen=True, slots=True)
-class UploaderConfig:
-    """Uploader options (all keyword arguments of :class:`DeltaUploader`).
-
-    anchor_every: a full anchor every N pushes (and on the first push, after a
-        failed commit, and whenever the tensor inventory changes).
-    anchor_bytes_fraction: also an anchor once the patch bytes written since the
-        last anchor exceed this fraction of that anchor's size (0 disables).
-    cast_dtype: cast floating-point tensors to this torch dtype before diffing
-        (fp32 master weights -> bf16 inference weights).
-    max_pending: steps waiting for the store before ``on_backlog`` applies.
-    on_backlog: "coalesce" folds a new step into the newest waiting one (push
-        never blocks on the store; skipped steps resolve with kind "skipped");
-        "block" makes push wait until a slot frees.
-    shard_bytes: maximum size of one anchor shard / patch file.
-    tensor_digests: record xxh3-128 of every post-step tensor (lets fetchers prove
-        bit-exactness); costs one hashing pass over changed tensors per step.
-    signing_key: sign manifests with HMAC-SHA256.
-    signal_url / signal_token / signal_run: after each commit, tell this signal
-        server (publish token; run name, default the run id) from a background
-        thread; a down server is logged and counted, never raised.
-    encode_threads: threads encoding tensors of one step in parallel.
-    defer_diff: push() only copies the state into staging buffers (one memcpy)
-        and the bit-wise diff runs in the background. Costs one more copy of the
-        weights in memory, on their device; False diffs inside push() instead
-        (push takes about 3-4 compare passes, no extra memory).
-    retries: extra attempts of each store write of a commit after a transient
-        storage error (throttling, 5xx, timeout, partial batch); then the step's
-        Future raises CommitFailed and the next push is an anchor.
-    retry_backoff: seconds before the first retry, doubling each time (max 30 s).
-    """
-
-    anchor_every: int = 50
-    anchor_bytes_fraction: float = 0.5
-    cast_dtype: Any = None
-    max_pending: int = 4
-    on_backlog: Literal["coalesce", "block"] = "coalesce"
-    shard_bytes: int = 2 << 30
-    tensor_digests: bool = True
-    signing_key: bytes | None = None
-    encode_threads: int = 2
-    run_id: str | None = None
-    defer_diff: bool = True
-    signal_url: str | None = None
-    signal_token: str | None = None
-    signal_run: str | None = None
-    retries: int = 4
-    retry_backoff: float = 0.5
-
-    def __post_init__(self) -> None:
-        if self.anchor_every < 1:
-            raise ValueError("anchor_every must be >= 1")
-        if self.max_pending < 1:
-            raise ValueError("max_pending must be >= 1")
-        if self.on_backlog not in ("coalesce", "block"):
-            raise ValueError("on_backlog must be 'coalesce' or 'block'")
-        RetryPolicy(self.retries, self.retry_backoff)  # validates
-
-
-@dataclass(frozen=True, slots=True)
-class CommitInfo:
-    """What happened to one pushed step.
-
-    kind is "anchor" or "patch" when the step was committed, "skipped" when the
-    writer was behind and its changes were folded into ``committed_step``.
-    ``nbytes`` is the payload written for the committed step.
-    """
-
-    step: int
-    kind: Literal["anchor", "patch", "skipped"]
-    nbytes: int
-    changed: int
-    total: int
-    anchor_step: int
-    manifest_digest: str
-    committed_step: int
-    seconds: float
-
-
-def _merge_changes(a: TensorChange, b: TensorChange) -> TensorChange | None:
-    idx = np.concatenate([a.idx, b.idx])
-    order = np.argsort(idx, kind="stable")
-    idx_s = idx[order]
-    first = np.ones(idx_s.size, dtype=bool)
-    first[1:] = idx_s[1:] != idx_s[:-1]
-    last = np.ones(idx_s.size, dtype=bool)
-    last[:-1] = first[1:]
-    old = np.concatenate([a.old, b.old])[order][first]
-    new = np.concatenate([a.new, b.new])[order][last]
-    keep = old != new
-    if not keep.any():
-        return None
-    return TensorChange(idx_s[first][keep], old[keep], new[keep])
-
-
-def _merge(a: StepJob, b: StepJob) -> StepJob:
-    """Fold waiting job ``a`` and newer job ``b`` into one job at ``b.step``."""
-    futures = a.futures + b.futures
-    if b.kind == "anchor":
-        return replace(b, futures=futures)
-    if a.kind == "anchor":
-        for name, c in b.changes.items():
-            a.snapshot[name][c.idx] = c.new
-        return replace(b, kind="anchor", snapshot=a.snapshot, changes={}, changed=b.total, futures=futures)
-    changes = dict(a.changes)
-    for name, c in b.changes.items():
-        merged = _merge_changes(changes[name], c) if name in changes else c
-        if merged is None:
-            changes.pop(name, None)
-        else:
-            changes[name] = merged
-    return replace(b, changes=changes, changed=sum(int(c.idx.size) for c in changes.values()), futures=futures)
 
 
 class DeltaUploader:
@@ -386,7 +273,7 @@ class DeltaUploader:
                 with self._cond:
                     full = len(self._pending) >= self.config.max_pending
                     if self._pending and full and self.config.on_backlog == "coalesce":
-                        self._pending[-1] = _merge(self._pending[-1], job)
+                        self._pending[-1] = merge_jobs(self._pending[-1], job)
                     else:
                         self._pending.append(job)
                     self._cond.notify_all()

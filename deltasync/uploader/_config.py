@@ -1,0 +1,89 @@
+"""Uploader options and per-step results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from deltasync.uploader._retry import RetryPolicy
+
+__all__ = ["CommitInfo", "UploaderConfig"]
+
+
+@dataclass(frozen=True, slots=True)
+class UploaderConfig:
+    """Uploader options (all keyword arguments of :class:`DeltaUploader`).
+
+    anchor_every: a full anchor every N pushes (and on the first push, after a
+        failed commit, and whenever the tensor inventory changes).
+    anchor_bytes_fraction: also an anchor once the patch bytes written since the
+        last anchor exceed this fraction of that anchor's size (0 disables).
+    cast_dtype: cast floating-point tensors to this torch dtype before diffing
+        (fp32 master weights -> bf16 inference weights).
+    max_pending: steps waiting for the store before ``on_backlog`` applies.
+    on_backlog: "coalesce" folds a new step into the newest waiting one (push
+        never blocks on the store; skipped steps resolve with kind "skipped");
+        "block" makes push wait until a slot frees.
+    shard_bytes: maximum size of one anchor shard / patch file.
+    tensor_digests: record xxh3-128 of every post-step tensor (lets fetchers prove
+        bit-exactness); costs one hashing pass over changed tensors per step.
+    signing_key: sign manifests with HMAC-SHA256.
+    signal_url / signal_token / signal_run: after each commit, tell this signal
+        server (publish token; run name, default the run id) from a background
+        thread; a down server is logged and counted, never raised.
+    encode_threads: threads encoding tensors of one step in parallel.
+    defer_diff: push() only copies the state into staging buffers (one memcpy)
+        and the bit-wise diff runs in the background. Costs one more copy of the
+        weights in memory, on their device; False diffs inside push() instead
+        (push takes about 3-4 compare passes, no extra memory).
+    retries: extra attempts of each store write of a commit after a transient
+        storage error (throttling, 5xx, timeout, partial batch); then the step's
+        Future raises CommitFailed and the next push is an anchor.
+    retry_backoff: seconds before the first retry, doubling each time (max 30 s).
+    """
+
+    anchor_every: int = 50
+    anchor_bytes_fraction: float = 0.5
+    cast_dtype: Any = None
+    max_pending: int = 4
+    on_backlog: Literal["coalesce", "block"] = "coalesce"
+    shard_bytes: int = 2 << 30
+    tensor_digests: bool = True
+    signing_key: bytes | None = None
+    encode_threads: int = 2
+    run_id: str | None = None
+    defer_diff: bool = True
+    signal_url: str | None = None
+    signal_token: str | None = None
+    signal_run: str | None = None
+    retries: int = 4
+    retry_backoff: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.anchor_every < 1:
+            raise ValueError("anchor_every must be >= 1")
+        if self.max_pending < 1:
+            raise ValueError("max_pending must be >= 1")
+        if self.on_backlog not in ("coalesce", "block"):
+            raise ValueError("on_backlog must be 'coalesce' or 'block'")
+        RetryPolicy(self.retries, self.retry_backoff)  # validates
+
+
+@dataclass(frozen=True, slots=True)
+class CommitInfo:
+    """What happened to one pushed step.
+
+    kind is "anchor" or "patch" when the step was committed, "skipped" when the
+    writer was behind and its changes were folded into ``committed_step``.
+    ``nbytes`` is the payload written for the committed step.
+    """
+
+    step: int
+    kind: Literal["anchor", "patch", "skipped"]
+    nbytes: int
+    changed: int
+    total: int
+    anchor_step: int
+    manifest_digest: str
+    committed_step: int
+    seconds: float
