@@ -7,6 +7,7 @@ builtin exception means the same thing, the class also subclasses it, so
     DeltaSyncError
     ├── StorageError                      a store could not do what was asked
     │   ├── ObjectNotFound                (also FileNotFoundError) no object under that key
+    │   │   └── RunNotFound               the store holds no run there (nothing committed, no writer claim)
     │   ├── AlreadyExists                 (also FileExistsError) create-only write hit an existing key
     │   ├── PreconditionFailed            a conditional write lost its race
     │   ├── TransientStorageError         throttling, 5xx, timeout, lost connection, partial batch: retry may succeed
@@ -44,6 +45,7 @@ __all__ = [
     "ObjectNotFound",
     "PreconditionFailed",
     "ProtocolError",
+    "RunNotFound",
     "SignalConflict",
     "SignalError",
     "SignalRejected",
@@ -77,6 +79,10 @@ class StorageError(DeltaSyncError):
 
 class ObjectNotFound(StorageError, FileNotFoundError):
     """No object exists under the requested key."""
+
+
+class RunNotFound(ObjectNotFound):
+    """The store holds no run under that URL: no committed step and no writer claim (a typo?)."""
 
 
 class AlreadyExists(StorageError, FileExistsError):
