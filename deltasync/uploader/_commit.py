@@ -26,10 +26,10 @@ from deltasync.protocol import (
     manifest_key,
     xxh3_128,
 )
-from deltasync.protocol.checkpoint import build_checkpoint, group_by_size, shard_layout
+from deltasync.protocol.checkpoint import build_checkpoint
 from deltasync.protocol.keys import HEAD_KEY
 from deltasync.protocol.manifest import Writer
-from deltasync.protocol.safetensors_io import TensorBytes, to_bytes
+from deltasync.protocol.patchfile import build_patch_files
 from deltasync.storage import Store
 from deltasync.uploader._diff import TensorChange
 from deltasync.uploader._retry import RetryPolicy, put_idempotent, with_retries
@@ -57,7 +57,8 @@ class StepJob:
 
 
 def build_patch(job: StepJob, shard_bytes: int, pool: Executor | None) -> tuple[dict[str, bytes], list[PatchEntry]]:
-    """Encode every changed tensor and pack the blobs into ``patch-NNNNN.safetensors`` files."""
+    """Encode every changed tensor and pack the blobs into ``patch-NNNNN.safetensors`` files
+    (layout: :func:`deltasync.protocol.patchfile.build_patch_files`)."""
     numel = {t.name: t.numel for t in job.inventory}
     names = sorted(job.changes)
 
@@ -66,24 +67,8 @@ def build_patch(job: StepJob, shard_bytes: int, pool: Executor | None) -> tuple[
         return encode_changes(numel[name], c.idx, c.old, c.new)
 
     encoded = list(pool.map(enc, names)) if pool is not None and len(names) > 1 else [enc(n) for n in names]
-    # one unit per tensor: positions and values always land in the same file
-    files: dict[str, bytes] = {}
-    entries: list[PatchEntry] = []
-    meta = {"format": "deltasync-patch", "step": str(job.step)}
-    for i, group in enumerate(group_by_size([e.nbytes for e in encoded], shard_bytes)):
-        fname = f"patch-{i:05d}.safetensors"
-        shard: list[TensorBytes] = []
-        for j in group:
-            e = encoded[j]
-            shard.append(TensorBytes(f"{names[j]}/positions", "U8", (len(e.pos_blob),), e.pos_blob))
-            shard.append(TensorBytes(f"{names[j]}/values", "U8", (len(e.val_blob),), e.val_blob))
-        ranges = shard_layout(shard, meta)
-        files[fname] = to_bytes(shard, meta)
-        for j in group:
-            e, name = encoded[j], names[j]
-            pos_r, val_r = ranges[f"{name}/positions"], ranges[f"{name}/values"]
-            entries.append(PatchEntry(name, fname, e.count, e.positions, e.rice_k, e.values, pos_r, val_r))
-    return files, entries
+    # the layout (entry names, metadata, one file per group of tensors) is the protocol's
+    return build_patch_files(job.step, list(zip(names, encoded, strict=True)), shard_bytes)
 
 
 def write_step(

@@ -1,0 +1,200 @@
+"""The layout of patch files (SPEC.md, "Patches"): entry names, metadata, building and checking them.
+
+A patch step's data files are ``patch-{i:05d}.safetensors``. Each holds, for every
+changed tensor ``T`` it carries, two ``U8`` 1-D entries ``T/positions`` and
+``T/values`` (the coded blobs), and ``__metadata__`` ``{"format": "deltasync-patch",
+"step": "<step>"}``. The manifest's patch entries give the blobs' absolute byte
+ranges; a reader checks that they are exactly the entries' data spans.
+
+Writers call :func:`build_patch_files`; readers call :func:`check_patch_file` on
+each downloaded file (or :func:`decode_patch` for the whole step), then
+:func:`decode_patch_entry` per entry. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from deltasync.errors import ProtocolError
+from deltasync.protocol.checkpoint import group_by_size, shard_layout
+from deltasync.protocol.dtypes import dtype_info
+from deltasync.protocol.encoding import EncodedTensor, decode_positions, decode_values
+from deltasync.protocol.manifest import Manifest, PatchEntry, TensorInfo
+from deltasync.protocol.safetensors_io import StFile, TensorBytes, parse_safetensors, to_bytes
+
+__all__ = [
+    "PATCH_FORMAT",
+    "DecodedEntry",
+    "build_patch_file",
+    "build_patch_files",
+    "check_patch_file",
+    "decode_patch",
+    "decode_patch_entry",
+    "patch_entry_names",
+    "patch_file_name",
+    "patch_metadata",
+]
+
+PATCH_FORMAT = "deltasync-patch"
+Ints = np.ndarray[Any, np.dtype[Any]]
+
+
+def patch_file_name(index: int) -> str:
+    """``patch-{index:05d}.safetensors``: the name of a step's ``index``-th patch file (from 0)."""
+    return f"patch-{index:05d}.safetensors"
+
+
+def patch_metadata(step: int) -> dict[str, str]:
+    """The ``__metadata__`` of every patch file of ``step``."""
+    return {"format": PATCH_FORMAT, "step": str(step)}
+
+
+def patch_entry_names(tensor: str) -> tuple[str, str]:
+    """Safetensors entry names of ``tensor``'s position blob and value blob in a patch file."""
+    return f"{tensor}/positions", f"{tensor}/values"
+
+
+def build_patch_file(
+    step: int, file_name: str, items: Sequence[tuple[str, EncodedTensor]]
+) -> tuple[bytes, list[PatchEntry]]:
+    """One patch file holding ``items`` (tensor name, coded change) in that order, and their entries."""
+    meta = patch_metadata(step)
+    shard: list[TensorBytes] = []
+    for name, e in items:
+        pos_name, val_name = patch_entry_names(name)
+        shard.append(TensorBytes(pos_name, "U8", (len(e.pos_blob),), e.pos_blob))
+        shard.append(TensorBytes(val_name, "U8", (len(e.val_blob),), e.val_blob))
+    ranges = shard_layout(shard, meta)
+    entries = []
+    for name, e in items:
+        pos_name, val_name = patch_entry_names(name)
+        entries.append(
+            PatchEntry(name, file_name, e.count, e.positions, e.rice_k, e.values, ranges[pos_name], ranges[val_name])
+        )
+    return to_bytes(shard, meta), entries
+
+
+def build_patch_files(
+    step: int, items: Sequence[tuple[str, EncodedTensor]], shard_bytes: int
+) -> tuple[dict[str, bytes], list[PatchEntry]]:
+    """Pack coded changes into ``patch-NNNNN.safetensors`` files of about ``shard_bytes`` each.
+
+    Items stay in the given order; a tensor's two blobs always share a file. Returns
+    the files by name and the manifest's patch entries.
+    """
+    files: dict[str, bytes] = {}
+    entries: list[PatchEntry] = []
+    # no items still makes one (empty) file: a patch step has at least one file
+    for i, group in enumerate(group_by_size([e.nbytes for _, e in items], shard_bytes)):
+        fname = patch_file_name(i)
+        files[fname], ents = build_patch_file(step, fname, [items[j] for j in group])
+        entries.extend(ents)
+    return files, entries
+
+
+def check_patch_file(m: Manifest, file_name: str, data: bytes | bytearray | memoryview) -> StFile:
+    """Parse one downloaded patch file of ``m`` and check its layout against the manifest.
+
+    The file must be a valid safetensors file with the patch metadata of ``m.step``
+    whose entries are exactly the ``T/positions`` and ``T/values`` pairs of the
+    patch entries naming this file, ``U8`` and 1-D, spanning exactly the entries'
+    ranges. Anything else is a ProtocolError.
+    """
+    what = f"step {m.step} {file_name}"
+    st = parse_safetensors(data, what=what)
+    if dict(st.metadata) != patch_metadata(m.step):
+        raise ProtocolError(f"{what}: patch file metadata {dict(st.metadata)!r} is not {patch_metadata(m.step)!r}")
+    expected: dict[str, tuple[int, int]] = {}
+    for e in m.entries:
+        if isinstance(e, PatchEntry) and e.file == file_name:
+            pos_name, val_name = patch_entry_names(e.tensor)
+            expected[pos_name] = (e.positions_range.start, e.positions_range.end)
+            expected[val_name] = (e.values_range.start, e.values_range.end)
+    if set(st.entries) != set(expected):
+        extra = sorted(set(st.entries) - set(expected))[:3]
+        missing = sorted(set(expected) - set(st.entries))[:3]
+        raise ProtocolError(f"{what}: entries do not match the manifest (missing {missing}, unexpected {extra})")
+    for name, ent in st.entries.items():
+        if ent.dtype != "U8" or len(ent.shape) != 1 or (ent.start, ent.end) != expected[name]:
+            raise ProtocolError(f"{what}: entry {name!r} is not the U8 blob at the range the manifest gives")
+    return st
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedEntry:
+    """One tensor's decoded change: sorted flat positions and the value stream to combine with old bits."""
+
+    entry: PatchEntry
+    idx: Ints
+    values: Ints
+
+    @property
+    def tensor(self) -> str:
+        """The tensor's name."""
+        return self.entry.tensor
+
+    @property
+    def coding(self) -> str:
+        """The value coding (``xor-rank``: XOR onto old bits; ``raw``: new bits)."""
+        return self.entry.values
+
+
+def decode_patch_entry(
+    m: Manifest, entry: PatchEntry, data: bytes | bytearray | memoryview, info: TensorInfo | None = None
+) -> DecodedEntry:
+    """Decode one patch entry of ``m`` from its (already checked) file's bytes.
+
+    Allocations are bounded by ``entry.count`` and the tensor's ``numel``, which
+    :meth:`Manifest.from_json` checked against each other.
+    """
+    if info is None:
+        found = [t for t in m.inventory if t.name == entry.tensor]
+        if not found:
+            raise ProtocolError(f"step {m.step}: patch entry {entry.tensor!r} is not in the inventory")
+        info = found[0]
+    mv = memoryview(data).cast("B")
+    for r in (entry.positions_range, entry.values_range):
+        if r.end > len(mv):
+            raise ProtocolError(f"step {m.step}: patch entry {entry.tensor!r} points past the end of {entry.file}")
+    what = f"step {m.step} tensor {entry.tensor!r}"
+    idx = decode_positions(
+        mv[entry.positions_range.start : entry.positions_range.end],
+        entry.positions,
+        entry.rice_k,
+        entry.count,
+        info.numel,
+        what,
+    )
+    vals = decode_values(
+        mv[entry.values_range.start : entry.values_range.end],
+        entry.values,
+        entry.count,
+        dtype_info(info.dtype).bits,
+        what,
+    )
+    return DecodedEntry(entry, idx, vals)
+
+
+def decode_patch(m: Manifest, files: Mapping[str, bytes | bytearray | memoryview]) -> list[DecodedEntry]:
+    """Check every patch file of ``m`` (:func:`check_patch_file`) and decode every entry.
+
+    ``files`` maps each file the manifest lists to its downloaded bytes (sizes
+    and digests already checked). Nothing is applied; errors are ProtocolErrors.
+    """
+    if m.kind != "patch":
+        raise ProtocolError(f"step {m.step} is an {m.kind}, not a patch")
+    for f in m.files:
+        if f.path not in files:
+            raise ProtocolError(f"step {m.step}: file {f.path} was not downloaded")
+        check_patch_file(m, f.path, files[f.path])
+    inv = {t.name: t for t in m.inventory}
+    out: list[DecodedEntry] = []
+    for e in m.entries:
+        if not isinstance(e, PatchEntry):
+            raise ProtocolError(f"step {m.step}: a patch lists an anchor entry for {e.tensor!r}")
+        out.append(decode_patch_entry(m, e, files[e.file], inv[e.tensor]))
+    return out
