@@ -88,7 +88,7 @@ def follow(
     Errors of one apply are logged and retried; an :class:`InventoryMismatch`
     (the target cannot hold this run) is raised.
     """
-    from deltasync.server.client import SignalClient
+    from deltasync.signal import SignalClient
 
     stop = stop or threading.Event()
     st = stats if stats is not None else FollowStats()

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from deltasync.server._settings import Settings, is_loopback
-from deltasync.server.client import CommitEvent, Notifier, SignalClient
 from deltasync.server.webhooks import WebhookVerifier, sign_webhook, verify_webhook
+from deltasync.signal import CommitEvent, Notifier, SignalClient
 
 if TYPE_CHECKING:
     from fastapi import FastAPI

@@ -4,28 +4,15 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from deltasync.errors import SignalRejected
+from deltasync.signal._names import RUN_PATTERN, check_run
 
-__all__ = ["RUN_PATTERN", "Settings", "check_run", "is_loopback"]
+__all__ = ["DIGEST_PATTERN", "RUN_PATTERN", "Settings", "check_run", "is_loopback"]
 
-#: A run name as it appears in ``/v1/runs/{run}/...``.
-RUN_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
-_RUN = re.compile(RUN_PATTERN)
 #: ``xxh3-128`` of a manifest, as in the wire format.
 DIGEST_PATTERN = r"^[0-9a-f]{32}$"
-
-
-def check_run(run: str) -> str:
-    """Return ``run`` if it is a valid run name, else raise SignalRejected (the server would refuse it)."""
-    if not isinstance(run, str) or not _RUN.fullmatch(run):
-        raise SignalRejected(
-            f"invalid run name {run!r}: use 1-128 characters [A-Za-z0-9._-], starting with a letter or digit"
-        )
-    return run
 
 
 def is_loopback(host: str) -> bool:

@@ -29,7 +29,7 @@ from deltasync.uploader._retry import RetryPolicy
 if TYPE_CHECKING:
     import torch
 
-    from deltasync.server.client import Notifier
+    from deltasync.signal import Notifier
 
 __all__ = ["CommitInfo", "DeltaUploader", "UploaderConfig"]
 
@@ -76,7 +76,7 @@ class DeltaUploader:
         self.epoch = claim_epoch(store, self.writer_id, self._last_step)
         self.notifier: Notifier | None = None  # counts sent / failed signals
         if self.config.signal_url:
-            from deltasync.server.client import Notifier
+            from deltasync.signal import Notifier
 
             run = self.config.signal_run or self.run_id
             self.notifier = Notifier(self.config.signal_url, run, self.config.signal_token)

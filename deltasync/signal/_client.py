@@ -1,0 +1,300 @@
+"""httpx client of the signal server, and the uploader's background :class:`Notifier`.
+
+Needs only httpx (no FastAPI): the uploader and fetcher import it, never
+``deltasync.server``. Every failure is a :class:`~deltasync.errors.SignalError`:
+``SignalUnavailable`` (network, timeout, 5xx: worth retrying or polling the
+store instead), ``SignalConflict`` (409) or ``SignalRejected`` (other 4xx).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+from deltasync.errors import SignalConflict, SignalError, SignalRejected, SignalUnavailable
+from deltasync.signal._names import check_run
+
+__all__ = ["CommitEvent", "Notifier", "SignalClient"]
+
+log = logging.getLogger("deltasync.signal")
+
+
+@dataclass(frozen=True, slots=True)
+class CommitEvent:
+    """A commit as the server reports it (``GET head``, ``wait``, SSE ``commit`` events)."""
+
+    run: str
+    step: int
+    manifest_digest: str
+    run_id: str | None = None
+    kind: str | None = None
+    time: float = 0.0
+
+    @classmethod
+    def from_json(cls, raw: Any) -> CommitEvent:
+        """Parse a server reply; anything malformed is a SignalUnavailable (a broken server)."""
+        try:
+            step = raw["step"]
+            if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+                raise TypeError("step")
+            return cls(
+                str(raw["run"]),
+                step,
+                str(raw["manifest_digest"]),
+                None if raw.get("run_id") is None else str(raw["run_id"]),
+                None if raw.get("kind") is None else str(raw["kind"]),
+                float(raw.get("time") or 0.0),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SignalUnavailable(f"malformed commit from the signal server: {str(raw)[:200]}") from exc
+
+
+def _check(r: httpx.Response) -> httpx.Response:
+    if r.status_code < 400:
+        return r
+    try:
+        r.read()
+        detail = r.json().get("detail", r.text)
+        if isinstance(detail, list):  # validation errors: [{"loc": [...], "msg": ...}, ...]
+            detail = "; ".join(f"{'.'.join(map(str, d.get('loc', [])))}: {d.get('msg')}" for d in detail)
+    except (ValueError, AttributeError, httpx.HTTPError):
+        detail = r.text if r.is_stream_consumed else ""
+    msg = f"signal server: {r.request.method} {r.request.url.path} -> HTTP {r.status_code}: {detail}"
+    if r.status_code >= 500:
+        raise SignalUnavailable(msg)
+    if r.status_code == 409:
+        raise SignalConflict(msg)
+    raise SignalRejected(msg)
+
+
+class SignalClient:
+    """Synchronous client of one signal server.
+
+    ``token`` is sent as ``Authorization: Bearer``; ``transport`` replaces the
+    network (``httpx.MockTransport`` in tests).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        *,
+        timeout: float = 5.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise SignalRejected(f"signal URL must start with http:// or https://, got {url!r}")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self._client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, transport=transport)
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            return _check(self._client.request(method, path, **kwargs))
+        except httpx.HTTPError as exc:
+            raise SignalUnavailable(f"signal server {self.url} unreachable: {type(exc).__name__}: {exc}") from exc
+
+    def publish(
+        self, run: str, step: int, manifest_digest: str, *, run_id: str | None = None, kind: str | None = None
+    ) -> CommitEvent:
+        """Signal that ``step`` of ``run`` is committed (idempotent for the same digest)."""
+        body: dict[str, Any] = {"step": step, "manifest_digest": manifest_digest}
+        if run_id is not None:
+            body["run_id"] = run_id
+        if kind is not None:
+            body["kind"] = kind
+        return CommitEvent.from_json(self._request("POST", f"/v1/runs/{check_run(run)}/commits", json=body).json())
+
+    def head(self, run: str) -> CommitEvent | None:
+        """The newest signalled step of ``run``, or None when there is none yet."""
+        try:
+            r = self._request("GET", f"/v1/runs/{check_run(run)}/head")
+        except SignalRejected as exc:
+            if "HTTP 404" in str(exc):
+                return None
+            raise
+        return CommitEvent.from_json(r.json())
+
+    def wait(self, run: str, after: int, timeout: float = 30.0) -> CommitEvent | None:
+        """Long-poll: the head once it is newer than ``after``; None when ``timeout`` passes first."""
+        r = self._request(
+            "GET",
+            f"/v1/runs/{check_run(run)}/wait",
+            params={"after": after, "timeout": timeout},
+            timeout=httpx.Timeout(self.timeout, read=timeout + self.timeout),
+        )
+        return None if r.status_code == 204 else CommitEvent.from_json(r.json())
+
+    def events(
+        self, run: str, *, last_event_id: int | None = None, heartbeat: float | None = None
+    ) -> Iterator[CommitEvent | None]:
+        """Follow the run's SSE stream: yields each commit, and None at every heartbeat.
+
+        Resumes after ``last_event_id`` (a step) when given. A silent connection
+        (no byte for three heartbeats) or a dropped one raises SignalUnavailable.
+        """
+        headers = {"Accept": "text/event-stream"}
+        if last_event_id is not None:
+            headers["Last-Event-ID"] = str(last_event_id)
+        params = {"heartbeat": heartbeat} if heartbeat is not None else {}
+        beat = heartbeat if heartbeat is not None else 15.0
+        timeout = httpx.Timeout(self.timeout, read=3 * beat + self.timeout)
+        try:
+            with self._client.stream(
+                "GET", f"/v1/runs/{check_run(run)}/events", headers=headers, params=params, timeout=timeout
+            ) as r:
+                _check(r)
+                data: list[str] = []
+                kind = "message"
+                for line in r.iter_lines():
+                    if line.startswith(":"):
+                        yield None
+                    elif line == "":
+                        if data and kind == "commit":
+                            try:
+                                raw = json.loads("\n".join(data))
+                            except ValueError as exc:
+                                raise SignalUnavailable(f"malformed SSE data from {self.url}") from exc
+                            yield CommitEvent.from_json(raw)
+                        data, kind = [], "message"
+                    else:
+                        field, _, value = line.partition(":")
+                        value = value[1:] if value.startswith(" ") else value
+                        if field == "data":
+                            data.append(value)
+                        elif field == "event":
+                            kind = value
+        except httpx.HTTPError as exc:
+            raise SignalUnavailable(f"signal stream from {self.url} broke: {type(exc).__name__}: {exc}") from exc
+        raise SignalUnavailable(f"signal stream from {self.url} ended")
+
+    def register_webhook(self, run: str, url: str, secret: str) -> dict[str, Any]:
+        """Register a webhook for ``run``; returns ``{"id", "run", "url", "created"}``."""
+        r = self._request("POST", f"/v1/runs/{check_run(run)}/webhooks", json={"url": url, "secret": secret})
+        out: dict[str, Any] = r.json()
+        return out
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._client.close()
+
+    def __enter__(self) -> SignalClient:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class Notifier:
+    """Posts commits to the signal server from its own thread; never raises into the caller.
+
+    :meth:`notify` only records the newest commit and returns. The thread posts
+    it with short timeouts, retrying ``attempts`` times with exponential backoff
+    from ``backoff`` seconds; a newer commit supersedes a pending or retrying
+    older one (the server only needs the head). Failures are logged and counted
+    in ``failed`` / ``rejected``; ``sent`` counts successes.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        run: str,
+        token: str | None = None,
+        *,
+        timeout: float = 2.0,
+        attempts: int = 3,
+        backoff: float = 0.2,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.run = check_run(run)
+        self.attempts = max(1, attempts)
+        self.backoff = backoff
+        self.sent = 0
+        self.failed = 0
+        self.rejected = 0
+        self.superseded = 0
+        self._client = SignalClient(url, token, timeout=timeout, transport=transport)
+        self._cond = threading.Condition()
+        self._pending: dict[str, Any] | None = None
+        self._busy = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="deltasync-notify", daemon=True)
+        self._thread.start()
+
+    def notify(self, step: int, manifest_digest: str, *, run_id: str | None = None, kind: str | None = None) -> None:
+        """Queue a commit signal (returns at once)."""
+        with self._cond:
+            if self._stop.is_set():
+                return
+            if self._pending is not None:
+                self.superseded += 1
+            self._pending = {"step": step, "manifest_digest": manifest_digest, "run_id": run_id, "kind": kind}
+            self._cond.notify_all()
+
+    def _newer_pending(self) -> bool:
+        with self._cond:
+            return self._pending is not None
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending is not None or self._stop.is_set())
+                if self._pending is None:
+                    return
+                job, self._pending, self._busy = self._pending, None, True
+            try:
+                self._send(job)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _send(self, job: dict[str, Any]) -> None:
+        delay = self.backoff
+        for attempt in range(1, self.attempts + 1):
+            try:
+                self._client.publish(
+                    self.run, job["step"], job["manifest_digest"], run_id=job["run_id"], kind=job["kind"]
+                )
+                self.sent += 1
+                return
+            except SignalRejected as exc:
+                self.rejected += 1
+                log.warning("signal for step %d refused: %s", job["step"], exc)
+                return
+            except SignalError as exc:
+                if attempt == self.attempts or self._stop.is_set():
+                    self.failed += 1
+                    log.warning("signal for step %d not delivered after %d attempts: %s", job["step"], attempt, exc)
+                    return
+                log.debug("signal for step %d failed (attempt %d): %s", job["step"], attempt, exc)
+            if self._stop.wait(delay) or self._newer_pending():
+                if self._newer_pending():
+                    return  # a newer step will be sent instead; it implies this one
+                self.failed += 1
+                return
+            delay *= 2
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until nothing is pending or in flight; whether that happened within ``timeout``."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._pending is None and not self._busy, timeout=timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Send what is pending (up to ``timeout`` seconds), then stop the thread."""
+        self.flush(timeout)
+        with self._cond:
+            self._stop.set()
+            self._cond.notify_all()
+        self._thread.join(timeout)
+        self._client.close()
