@@ -55,7 +55,7 @@ def test_open_store_plain_path(tmp_path: Path) -> None:
     with open_store(str(root)) as store:
         assert isinstance(store, LocalStore)
         assert store.root == root
-        assert root.is_dir()
+        assert not root.exists()  # created by the first write, not by opening
         store.put("k", b"v")
     assert (root / "k").read_bytes() == b"v"
     with open_store(root) as again:  # os.PathLike
@@ -152,9 +152,9 @@ def test_local_temp_files_are_hidden_and_cleaned_up(local: LocalStore) -> None:
 
 def test_local_stray_temp_files_are_invisible(local: LocalStore) -> None:
     """A temp file left by a crashed writer is neither listed nor reachable as a key."""
+    local.put("k", b"v")
     stray = local.root / TMP_DIR / "0123abcd"
     stray.write_bytes(b"half a file")
-    local.put("k", b"v")
     assert [o.key for o in local.list()] == ["k"]
     for prefix in (".", TMP_DIR, f"{TMP_DIR}/", f"{TMP_DIR}/0123"):
         assert local.list(prefix) == [], prefix
@@ -299,6 +299,28 @@ def test_local_key_under_an_object_is_a_storage_error(local: LocalStore) -> None
     assert local.get("a") == b"file"
     assert [o.key for o in local.list()] == ["a"]
     assert _tmp_files(local) == []
+
+
+def test_local_store_creates_nothing_until_its_first_write(tmp_path: Path) -> None:
+    """Reading a missing (mistyped) root is an empty store and leaves no directory behind."""
+    root = tmp_path / "runs" / "typo"
+    store = open_store(str(root))
+    assert store.list() == [] and store.list("steps/") == []
+    assert not store.exists("HEAD.json")
+    with pytest.raises(ObjectNotFound):
+        store.get("HEAD.json")
+    with pytest.raises(ObjectNotFound):
+        store.get_range("HEAD.json", 0, 4)
+    store.delete_many(["HEAD.json"])
+    with pytest.raises(InvalidKey):
+        store.put_many({"ok": b"1", "../escape": b"2"})  # an invalid batch creates nothing either
+    store.close()
+    assert not (tmp_path / "runs").exists()
+    store.put("steps/k", b"v")  # the first write makes the root and the temp dir
+    assert (root / TMP_DIR).is_dir() and store.get("steps/k") == b"v"
+    shutil.rmtree(root)  # removed behind the store's back: the next write makes it again
+    store.put("k", b"v")
+    assert [o.key for o in store.list()] == ["k"]
 
 
 def test_local_root_that_is_a_file(tmp_path: Path) -> None:

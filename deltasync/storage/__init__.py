@@ -30,7 +30,7 @@ __all__ = [
 def open_store(url: str | os.PathLike[str], **options: Any) -> Store:
     """Open a store from a URL.
 
-    * a plain path or ``file:///abs/path``: :class:`LocalStore` (created if missing)
+    * a plain path or ``file:///abs/path``: :class:`LocalStore` (its directory is made by the first write)
     * ``memory://name``: a fresh :class:`MemoryStore` (not shared between calls)
     * ``s3://<bucket>[/<prefix>]``: :class:`S3Store`; ``options`` are its keywords
       (endpoint, region, credentials, ...), else the ``AWS_*`` environment applies

@@ -39,6 +39,10 @@ class LocalStore(Store):
     Every write goes to a temp file in ``root/.deltasync-tmp``, is fsynced,
     then renamed into place (``os.replace``) or, for create-only writes,
     hard-linked (``os.link`` fails if the key exists: atomic create-if-absent).
+
+    Opening a store creates nothing: ``root`` and its temp dir are made by the
+    first write, so reading a mistyped path leaves no directory behind (a missing
+    root reads as an empty store).
     """
 
     supports_conditional_put = True
@@ -47,6 +51,15 @@ class LocalStore(Store):
         self.root = Path(root).absolute()
         self.url = self.root.as_uri()
         self._fsync = fsync
+        # fail early on a root that can never be a directory (it, or an ancestor, is a file)
+        for p in (self.root, *self.root.parents):
+            if p.exists():
+                if not p.is_dir():
+                    raise StorageError(f"cannot create store directory {self.root}: {p} is not a directory")
+                break
+
+    def _make_dirs(self) -> None:
+        """Create the root and its temp dir (the first write does; idempotent)."""
         with map_os_errors(f"cannot create store directory {self.root}"):
             (self.root / TMP_DIR).mkdir(parents=True, exist_ok=True)
 
@@ -77,8 +90,11 @@ class LocalStore(Store):
 
     def put_many(self, items: Mapping[str, Data], *, mode: PutMode = "overwrite") -> None:
         # docstring inherited
+        finals = {key: self._path(key) for key in items}  # every key is valid before anything is created
+        if finals:
+            self._make_dirs()
         for key, data in items.items():
-            final = self._path(key)
+            final = finals[key]
             with map_os_errors(f"{self.url}: cannot write {key}"):
                 final.parent.mkdir(parents=True, exist_ok=True)
                 tmp = self._write_tmp(data)
