@@ -392,23 +392,27 @@ def test_a_fetcher_recovers_once_a_bad_manifest_is_repaired(plain: Run) -> None:
     assert_state_equal(target, plain.states[2])
 
 
-def test_failure_late_in_a_plan_leaves_the_last_good_step(plain: Run) -> None:
-    """Each step of a plan is all or nothing: a step that fails after earlier ones applied
-    leaves the target at the last applied step, and the fetcher knows which one that is."""
+def test_failure_late_in_a_plan_leaves_the_target_as_it_was(plain: Run) -> None:
+    """A plan is all or nothing: a bad step after good ones leaves the target exactly as it was
+    before the call (here: step 0, reached by another fetcher), and a repaired store then syncs."""
 
     def wrong_digest(o: dict[str, Any]) -> None:
         d = o["tensor_digests"]["a.weight"]
         o["tensor_digests"]["a.weight"] = ("0" if d[0] != "0" else "1") + d[1:]
 
-    with rewritten(plain.path(4, "manifest.json"), edited_manifest(plain, 4, wrong_digest)):
+    for held in (False, True):
         target = snapshot(plain.states[0])
         f = plain.fetcher()
-        with pytest.raises(ChecksumMismatch):
-            f.sync(target, step=4)  # anchor 3, then the bad patch 4
-        assert f.current_step(target) == 3
-        assert_state_equal(target, plain.states[3])
-    f.sync(target, step=4)  # repaired: continues from step 3
-    assert_state_equal(target, plain.states[4])
+        if held:
+            f.sync(target, step=3)  # the plan to 4 is then patch 4 alone, applied in place and rolled back
+        before = snapshot(target)
+        with rewritten(plain.path(4, "manifest.json"), edited_manifest(plain, 4, wrong_digest)):
+            with pytest.raises(ChecksumMismatch):
+                f.sync(target, step=4)  # anchor 3, then the bad patch 4
+            assert_state_equal(target, before)
+            assert f.current_step(target) == (3 if held else None)
+        f.sync(target, step=4)  # repaired
+        assert_state_equal(target, plain.states[4])
 
 
 # -------------------------------------------------------------- inventories

@@ -14,7 +14,19 @@ from deltasync.protocol import Manifest, TensorInfo
 from deltasync.protocol.digests import xxh3_128_array
 from deltasync.protocol.encoding import apply_values
 
-__all__ = ["NumpySlot", "Slot", "TorchSlot", "alias_groups", "apply_anchor", "apply_patch", "check_inventory"]
+__all__ = [
+    "NumpySlot",
+    "Slot",
+    "TorchSlot",
+    "Undo",
+    "alias_groups",
+    "apply_changes",
+    "changed_names",
+    "check_aliases",
+    "check_anchor",
+    "check_digests",
+    "check_inventory",
+]
 
 Bits = np.ndarray[Any, np.dtype[Any]]
 
@@ -129,34 +141,29 @@ def alias_groups(slots: Mapping[str, Slot]) -> dict[str, str]:
     return out
 
 
-def _verify(slots: Mapping[str, Slot], names: Sequence[str], m: Manifest) -> None:
+def changed_names(m: Manifest, parent: Manifest | None, changes: Sequence[DecodedChange]) -> list[str]:
+    """Tensors that step ``m`` changes: those it has entries for, plus every tensor whose digest
+    differs from its parent's (a tensor the manifest says changed but whose entry is missing is
+    still proven). Without the parent's digests every digested tensor counts."""
+    names = {c.tensor for c in changes}
+    for name, want in m.tensor_digests.items():
+        if parent is None or parent.tensor_digests.get(name) != want:
+            names.add(name)
+    return sorted(names)
+
+
+def check_digests(slots: Mapping[str, Slot], names: Sequence[str], m: Manifest) -> None:
+    """Raise ChecksumMismatch unless each named tensor equals step ``m``'s digest of it."""
     for name in names:
         want = m.tensor_digests.get(name)
         if want is not None and slots[name].digest() != want:
             raise ChecksumMismatch(f"step {m.step}: tensor {name!r} is not bit-exact after applying (digest mismatch)")
 
 
-def apply_anchor(slots: Mapping[str, Slot], m: Manifest, arrays: Mapping[str, Bits], *, verify: bool) -> None:
-    """Load a full anchor. Digests are checked on the downloaded bytes before anything is written."""
-    if verify:
-        for name, arr in arrays.items():
-            want = m.tensor_digests.get(name)
-            if want is not None and xxh3_128_array(arr) != want:
-                raise ChecksumMismatch(f"step {m.step}: anchor tensor {name!r} does not match its digest")
-    for name, primary in alias_groups(slots).items():
-        if primary != name and not np.array_equal(arrays[name], arrays[primary]):
-            raise InventoryMismatch(
-                f"target ties {primary!r} and {name!r} to one tensor, but step {m.step} holds different values"
-            )
-    for name, slot in slots.items():
-        slot.load(arrays[name])
-
-
-def apply_patch(slots: Mapping[str, Slot], m: Manifest, changes: Sequence[DecodedChange], *, verify: bool) -> None:
-    """Apply a decoded patch in place; on any error restore every touched element and re-raise."""
-    alias = alias_groups(slots)
+def check_aliases(slots: Mapping[str, Slot], m: Manifest, changes: Sequence[DecodedChange]) -> None:
+    """Tied tensors (one memory, several names) must receive identical changes."""
     by_name = {c.tensor: c for c in changes}
-    for name, primary in alias.items():
+    for name, primary in alias_groups(slots).items():
         if primary != name:
             a, b = by_name.get(primary), by_name.get(name)
             same = (a is None and b is None) or (
@@ -170,18 +177,44 @@ def apply_patch(slots: Mapping[str, Slot], m: Manifest, changes: Sequence[Decode
                 raise InventoryMismatch(
                     f"target ties {primary!r} and {name!r} to one tensor, but step {m.step} changes them differently"
                 )
-    undo: list[tuple[Slot, Bits, Bits]] = []
-    try:
-        for c in changes:
-            if alias[c.tensor] != c.tensor:
-                continue
-            slot = slots[c.tensor]
-            old = slot.take(c.idx)
-            undo.append((slot, c.idx, old))
-            slot.put(c.idx, apply_values(c.coding, old, c.values))
-        if verify:
-            _verify(slots, [c.tensor for c in changes], m)
-    except BaseException:
-        for slot, idx, old in reversed(undo):
+
+
+def check_anchor(slots: Mapping[str, Slot], m: Manifest, arrays: Mapping[str, Bits], *, verify: bool) -> None:
+    """Digests of a downloaded anchor (when verifying) and tied tensors, before anything is written."""
+    if verify:
+        for name, arr in arrays.items():
+            want = m.tensor_digests.get(name)
+            if want is not None and xxh3_128_array(arr) != want:
+                raise ChecksumMismatch(f"step {m.step}: anchor tensor {name!r} does not match its digest")
+    for name, primary in alias_groups(slots).items():
+        if primary != name and not np.array_equal(arrays[name], arrays[primary]):
+            raise InventoryMismatch(
+                f"target ties {primary!r} and {name!r} to one tensor, but step {m.step} holds different values"
+            )
+
+
+class Undo:
+    """Old bits of every element written, so a whole plan can be rolled back."""
+
+    def __init__(self) -> None:
+        self._log: list[tuple[Slot, Bits, Bits]] = []
+
+    def put(self, slot: Slot, idx: Bits, coding: str, values: Bits) -> None:
+        """Apply one decoded change, remembering what it overwrote."""
+        old = slot.take(idx)
+        self._log.append((slot, idx, old))
+        slot.put(idx, apply_values(coding, old, values))
+
+    def rollback(self) -> None:
+        """Restore every element written, newest first."""
+        for slot, idx, old in reversed(self._log):
             slot.put(idx, old)
-        raise
+        self._log.clear()
+
+
+def apply_changes(slots: Mapping[str, Slot], changes: Sequence[DecodedChange], undo: Undo) -> None:
+    """Apply a decoded patch in place (tied names once), logging into ``undo``."""
+    alias = alias_groups(slots)
+    for c in changes:
+        if alias[c.tensor] == c.tensor:
+            undo.put(slots[c.tensor], c.idx, c.coding, c.values)

@@ -6,28 +6,46 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Mapping
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
-from deltasync._tensors import flat_bits, inventory_of, numpy_bits, state_tensors
+from deltasync._tensors import flat_bits, inventory_of, numpy_bits, require_torch, state_tensors
 from deltasync.errors import ChainBroken, ChecksumMismatch, DeltaSyncError, ObjectNotFound, ProtocolError, StorageError
-from deltasync.fetcher._apply import NumpySlot, Slot, TorchSlot, apply_anchor, apply_patch, check_inventory
+from deltasync.fetcher._apply import (
+    NumpySlot,
+    Slot,
+    TorchSlot,
+    Undo,
+    alias_groups,
+    apply_changes,
+    changed_names,
+    check_aliases,
+    check_anchor,
+    check_digests,
+    check_inventory,
+)
 from deltasync.fetcher._follow import follow as _follow
-from deltasync.fetcher._reader import StepReader
-from deltasync.protocol import FetchPlan, TensorInfo, plan_fetch, superseded_by
+from deltasync.fetcher._reader import DecodedChange, StepDecoder, download
+from deltasync.protocol import Committed, FetchPlan, Manifest, TensorInfo
 from deltasync.protocol.checkpoint import INDEX_NAME, build_checkpoint
+from deltasync.protocol.digests import xxh3_128_array
 from deltasync.protocol.dtypes import dtype_info
+from deltasync.protocol.encoding import apply_values
 from deltasync.protocol.safetensors_io import parse_safetensors
-from deltasync.storage import Store
-from deltasync.storage._claims import read_claims
+from deltasync.storage import RunReader, Store
 
-__all__ = ["DeltaFetcher"]
+__all__ = ["DeltaFetcher", "Verify"]
 
 MARKER = ".deltasync.json"
 Bits = np.ndarray[Any, np.dtype[Any]]
+#: ``False``: sizes only; ``True``: file checksums, and every tensor a step changes proven by its
+#: digest; ``"full"``: also every tensor of the target proven after each sync.
+Verify = bool | Literal["full"]
 
 
 def _fsync(path: Path) -> None:
@@ -38,36 +56,110 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _live_tensors(target: Any) -> dict[str, Any]:
+    """The target's tensors as the objects it holds (Parameters for a module), so identity holds."""
+    torch = require_torch()
+    if isinstance(target, torch.nn.Module):
+        return dict(target.state_dict(keep_vars=True))
+    return state_tensors(target)
+
+
+def _version(t: Any) -> int | None:
+    try:
+        return int(t._version)
+    except (AttributeError, RuntimeError):  # inference-mode tensors keep no version counter
+        return None
+
+
+@dataclass(slots=True)
+class _Held:
+    """What this fetcher left in a target: the step, and how to recognise the same tensors unchanged."""
+
+    step: int
+    digest: str
+    target: weakref.ref[Any] | None
+    tensors: dict[str, tuple[weakref.ref[Any], int | None, Any]]
+
+    @classmethod
+    def record(cls, step: int, digest: str, target: Any, live: Mapping[str, Any], slots: Mapping[str, Slot]) -> _Held:
+        try:
+            ref: weakref.ref[Any] | None = weakref.ref(target)
+        except TypeError:  # a dict: its tensors carry the identity
+            ref = None
+        return cls(step, digest, ref, {n: (weakref.ref(t), _version(t), slots[n].key) for n, t in live.items()})
+
+    def gone(self) -> bool:
+        """True once the target (or every tensor it held) was garbage-collected."""
+        if self.target is not None:
+            return self.target() is None
+        return all(ref() is None for ref, _, _ in self.tensors.values())
+
+    def same(self, target: Any, live: Mapping[str, Any], slots: Mapping[str, Slot]) -> bool:
+        """True when ``target`` holds the very tensors this fetcher wrote, unmodified since (by torch's
+        version counters) and at the same memory."""
+        if self.target is not None and self.target() is not target:
+            return False
+        if set(live) != set(self.tensors):
+            return False
+        for name, t in live.items():
+            ref, version, key = self.tensors[name]
+            if ref() is not t or key != slots[name].key:
+                return False
+            if version is not None and _version(t) != version:
+                return False
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class _Loaded:
+    """A plan's steps, downloaded, checked and decoded; nothing applied yet."""
+
+    steps: tuple[Committed, ...]
+    anchor: Mapping[str, Bits] | None
+    patches: tuple[tuple[Manifest, tuple[DecodedChange, ...], tuple[str, ...]], ...]
+
+
 class DeltaFetcher:
     """Fetch committed steps from ``store`` and apply them bit-exactly.
 
-    verify: check every file's xxh3-128 before applying and every touched
-        tensor's digest after (a mismatch undoes the step and raises).
+    verify: ``True`` (default) checks every file's xxh3-128 before applying and,
+        after applying, proves every tensor a step changes (it has an entry, or
+        its digest differs from the parent's) against the manifest's digest.
+        ``"full"`` also proves every tensor of the target after each sync
+        (needs manifests with tensor digests). ``False`` checks sizes only.
+        A failed proof restores the target's previous state and raises.
     signing_key: require manifests signed with this HMAC key.
     progress: a callback ``(bytes_done, bytes_total)`` for downloads.
+    reader: share a :class:`~deltasync.storage.RunReader` (its manifest cache) with other users.
+
+    A sync is all or nothing: the target ends at the step returned, or the call
+    raises with the target as it was.
     """
 
     def __init__(
         self,
         store: Store,
         *,
-        verify: bool = True,
+        verify: Verify = True,
         signing_key: bytes | None = None,
         progress: Callable[[int, int], None] | None = None,
         shard_bytes: int = 2 << 30,
+        reader: RunReader | None = None,
     ) -> None:
+        if verify not in (True, False, "full"):
+            raise ValueError(f"verify must be True, False or 'full', got {verify!r}")
         self.store = store
-        self.verify = verify
+        self.verify: Verify = verify
         self.progress = progress
         self.shard_bytes = shard_bytes
-        self._reader = StepReader(store, verify=verify, signing_key=signing_key)
-        self._have: dict[int, tuple[tuple[Any, ...], int, str]] = {}
+        self.reader = reader if reader is not None else RunReader(store, signing_key=signing_key)
+        self._held: dict[int, _Held] = {}
 
     # ----------------------------------------------------------- discovery
 
     def steps(self) -> list[int]:
         """Committed steps in the store, ascending."""
-        return self._reader.steps()
+        return self.reader.steps()
 
     def latest_step(self) -> int | None:
         """Newest committed step of the run, or None for an empty run.
@@ -75,45 +167,38 @@ class DeltaFetcher:
         Skips steps that a fenced-off writer committed after a newer uploader
         took over the run (SPEC.md "Single writer").
         """
-        steps = self.steps()
-        claims = read_claims(self.store) if steps else []
-        for step in reversed(steps):
-            if superseded_by(self._reader.committed(step).manifest, claims) is None:
-                return step
-        return None
+        return self.reader.latest_step()
+
+    def manifest(self, step: int) -> Manifest:
+        """The manifest of committed ``step`` (cached)."""
+        return self.reader.manifest(step)
 
     def _target_step(self, step: int | None) -> int:
         if step is not None:
             return step
         latest = self.latest_step()
         if latest is None:
+            if not self.reader.exists():
+                self.reader.require()
             raise ChainBroken(f"{self.store.url} has no committed steps yet")
         return latest
 
-    def _plan(self, target: int, have: tuple[int, str] | None) -> FetchPlan:
-        committed = self._reader.chain(target, also=have[0] if have else None)
-        try:
-            return plan_fetch(
-                committed, target, have[0] if have else None, have[1] if have else None, read_claims(self.store)
-            )
-        except ChainBroken:
-            self._reader.forget(committed)  # a cached manifest may be what breaks the chain
-            raise
+    # -------------------------------------------------------------- loading
 
-    # -------------------------------------------------------------- apply
-
-    def _run(
-        self,
-        slots: Mapping[str, Slot],
-        inventory: tuple[TensorInfo, ...],
-        plan: FetchPlan,
-        on_step: Callable[[int, str], None],
-    ) -> None:
-        manifests = [self._reader.committed(s) for s in plan.steps]
-        for c in manifests:
+    def _load(self, plan: FetchPlan, inventory: Sequence[TensorInfo], base: Manifest | None) -> _Loaded:
+        """Download, check and decode every step of ``plan`` (one batch of files); touches no target."""
+        steps = tuple(self.reader.committed(s) for s in plan.steps)
+        final = steps[-1].manifest
+        for c in steps:
             check_inventory(inventory, c.manifest)
-        total = plan.nbytes
-        done = 0
+        if self.verify == "full":
+            missing = sorted({t.name for t in inventory} - set(final.tensor_digests))
+            if missing:
+                raise ChecksumMismatch(
+                    f"step {final.step} carries no tensor digest for {missing[:5]}: verify='full' cannot prove it "
+                    "(the uploader ran with tensor_digests=False; use verify=True)"
+                )
+        total, done = plan.nbytes, 0
 
         def tick(n: int) -> None:
             nonlocal done
@@ -121,57 +206,154 @@ class DeltaFetcher:
             if self.progress:
                 self.progress(done, total)
 
+        files = download(self.store, [c.manifest for c in steps], verify=bool(self.verify), progress=tick)
+        anchor: Mapping[str, Bits] | None = None
+        patches = []
+        parent = base
+        for c, f in zip(steps, files, strict=True):
+            m = c.manifest
+            if m.kind == "anchor":
+                anchor = StepDecoder.anchor_arrays(m, f)
+            else:
+                changes = tuple(StepDecoder.decode_patch(m, f))
+                patches.append((m, changes, tuple(changed_names(m, parent, changes))))
+            parent = m
+        return _Loaded(steps, anchor, tuple(patches))
+
+    def _prove_anchor_plan(self, slots: Mapping[str, Slot], loaded: _Loaded) -> None:
+        """Replay the whole plan tensor by tensor off the target and prove every digest on the way."""
+        assert loaded.anchor is not None
+        anchor_m = loaded.steps[0].manifest
+        final = loaded.steps[-1].manifest
+        check_anchor(slots, anchor_m, loaded.anchor, verify=bool(self.verify))
+        by_step = [({c.tensor: c for c in ch}, set(names)) for _, ch, names in loaded.patches]
+        for m, changes, _ in loaded.patches:
+            check_aliases(slots, m, changes)
+        if not self.verify:
+            return
+        for name, primary in alias_groups(slots).items():
+            if primary != name:
+                continue
+            arr = np.array(loaded.anchor[name])
+            proven = anchor_m.tensor_digests.get(name)  # check_anchor proved it
+            for (m, _, _), (by, names) in zip(loaded.patches, by_step, strict=True):
+                c = by.get(name)
+                if c is not None:
+                    arr[c.idx] = apply_values(c.coding, arr[c.idx], c.values)
+                if name in names:
+                    proven = m.tensor_digests.get(name)
+                    if proven is not None and xxh3_128_array(arr) != proven:
+                        raise ChecksumMismatch(
+                            f"step {m.step}: tensor {name!r} is not bit-exact after applying (digest mismatch)"
+                        )
+            if self.verify == "full":
+                want = final.tensor_digests.get(name)
+                if want is None or (proven != want and xxh3_128_array(arr) != want):
+                    raise ChecksumMismatch(f"step {final.step}: tensor {name!r} does not match its digest")
+
+    def _apply(self, slots: Mapping[str, Slot], loaded: _Loaded) -> None:
+        """Apply a loaded plan in place, all or nothing."""
+        undo = Undo()
         try:
-            # every byte is downloaded and checked before the target is touched
-            files = [self._reader.download(c.manifest, tick) for c in manifests]
-            for c, f in zip(manifests, files, strict=True):
-                m = c.manifest
-                if m.kind == "anchor":
-                    apply_anchor(slots, m, StepReader.anchor_arrays(m, f), verify=self.verify)
-                else:
-                    apply_patch(slots, m, StepReader.decode_patch(m, f), verify=self.verify)
-                on_step(m.step, c.digest)
+            if loaded.anchor is not None:
+                # every digest was proven off the target: from here only the writes are left
+                for name, primary in alias_groups(slots).items():
+                    if primary == name:
+                        slots[name].load(loaded.anchor[name])
+                for _, changes, _ in loaded.patches:
+                    apply_changes(slots, changes, Undo())
+                return
+            for m, changes, names in loaded.patches:
+                check_aliases(slots, m, changes)
+                apply_changes(slots, changes, undo)
+                if self.verify:
+                    check_digests(slots, names, m)
+            if self.verify == "full":
+                final = loaded.steps[-1].manifest
+                check_digests(slots, sorted(slots), final)
+        except BaseException:
+            undo.rollback()
+            raise
+
+    def _execute(
+        self, slots: Mapping[str, Slot], inventory: Sequence[TensorInfo], plan: FetchPlan, base: Manifest | None
+    ) -> Committed:
+        try:
+            loaded = self._load(plan, inventory, base)
+            if loaded.anchor is not None:
+                self._prove_anchor_plan(slots, loaded)
+            self._apply(slots, loaded)
         except (ChecksumMismatch, ProtocolError):
             # the bad bytes may be a cached manifest (read corrupted, or since repaired):
             # read the plan's manifests afresh next time instead of failing forever
-            self._reader.forget(plan.steps)
+            self.reader.forget(plan.steps)
             raise
+        return loaded.steps[-1]
+
+    # ---------------------------------------------------------------- sync
+
+    def _holds(self, slots: Mapping[str, Slot], step: int) -> tuple[int, str] | None:
+        """(step, digest) when every tensor provably equals committed ``step`` (by digests), else None."""
+        try:
+            c = self.reader.committed(step)
+        except ObjectNotFound:
+            return None  # not (or no longer) committed: start from an anchor
+        digests = c.manifest.tensor_digests
+        if set(digests) != set(slots) or any(slots[n].digest() != d for n, d in digests.items()):
+            return None
+        return step, c.digest
 
     def sync(self, target: Any, step: int | None = None, *, have_step: int | None = None) -> int:
         """Bring ``target`` (nn.Module or dict of tensors) in place to ``step`` (default: latest).
 
-        Patches forward from the target's current step when this fetcher put it
-        there (or ``have_step`` says so), else loads the nearest anchor. Each
-        applied step is all or nothing. Returns the step reached.
+        Patches forward when the target provably holds an earlier step of the
+        chain: it holds the very tensors this fetcher last wrote, unmodified
+        since (torch version counters, memory addresses), or ``have_step`` is
+        given and (when verifying) the tensors match its digests. Otherwise
+        loads the nearest anchor. All or nothing: on any error the target is
+        left as it was. Returns the step reached.
         """
-        tensors = state_tensors(target)
-        inventory = inventory_of(tensors)
+        live = _live_tensors(target)
+        inventory = inventory_of(live)
         slots: dict[str, Slot] = {
             n: NumpySlot(numpy_bits(t)) if t.device.type == "cpu" else TorchSlot(flat_bits(t, copy_if_needed=False))
-            for n, t in tensors.items()
+            for n, t in live.items()
         }
-        ident = tuple(sorted((n, s.key) for n, s in slots.items()))
         target_step = self._target_step(step)
-        known = self._have.get(id(target))
+        for key in [k for k, h in self._held.items() if h.gone()]:
+            del self._held[key]  # targets that were collected
+        held = self._held.get(id(target))
         have: tuple[int, str] | None = None
-        if known is not None and known[0] == ident:
-            have = (known[1], known[2])
-        elif have_step is not None:
+        if held is not None and held.same(target, live, slots):
+            have = (held.step, held.digest)
+        elif held is not None:
+            # another object at a reused id, or tensors changed behind our back: prove it or forget it
+            have = self._holds(slots, held.step) if self.verify else None
+            if have is None:
+                del self._held[id(target)]
+        if have is None and have_step is not None:
+            if self.verify:
+                have = self._holds(slots, have_step)
+            else:
+                try:
+                    have = (have_step, self.reader.committed(have_step).digest)
+                except ObjectNotFound:
+                    have = None
+        plan = self.reader.plan(target_step, have)
+        if plan.is_noop:
+            reached = self.reader.committed(target_step)
+        else:
+            base = self.reader.committed(have[0]).manifest if plan.base == "current" and have else None
             try:
-                c = self._reader.committed(have_step)
-            except ObjectNotFound:
-                c = None  # not (or no longer) committed, e.g. garbage-collected: start from an anchor
-            if c is not None:
-                have = (have_step, c.digest)
-                digests = c.manifest.tensor_digests
-                if self.verify and any(slots[n].digest() != d for n, d in digests.items() if n in slots):
-                    have = None  # the claim does not hold: start from an anchor
-        plan = self._plan(target_step, have)
-
-        def on_step(s: int, digest: str) -> None:
-            self._have[id(target)] = (ident, s, digest)
-
-        self._run(slots, inventory, plan, on_step)
+                reached = self._execute(slots, inventory, plan, base)
+            except ChecksumMismatch:
+                # the target may not hold what we believed (changed behind our back): if so, an
+                # anchor is the safe start; if it does hold it, the store's data is what is wrong
+                if plan.base != "current" or have is None or self._holds(slots, have[0]) is not None:
+                    raise
+                plan = self.reader.plan(target_step, None)
+                reached = self._execute(slots, inventory, plan, None)
+        self._held[id(target)] = _Held.record(target_step, reached.digest, target, live, slots)
         return target_step
 
     def follow(self, target: Any, **options: Any) -> int | None:
@@ -182,18 +364,23 @@ class DeltaFetcher:
         return _follow(self, target, **options)
 
     def current_step(self, target: Any) -> int | None:
-        """The step this fetcher last brought ``target`` to, if any."""
-        known = self._have.get(id(target))
-        return known[1] if known else None
+        """The step this fetcher last brought ``target`` to, if it still holds those tensors unchanged."""
+        held = self._held.get(id(target))
+        if held is None:
+            return None
+        live = _live_tensors(target)
+        slots = {n: NumpySlot(numpy_bits(t)) if t.device.type == "cpu" else TorchSlot(flat_bits(t, copy_if_needed=False)) for n, t in live.items()}
+        return held.step if held.same(target, live, slots) else None
 
     # --------------------------------------------------------- materialize
 
-    def _load_dir(self, out: Path) -> tuple[tuple[int, str], dict[str, Bits]] | None:
+    def _load_dir(self, out: Path) -> tuple[tuple[int, str], dict[str, Bits], tuple[TensorInfo, ...]] | None:
         try:
             marker = json.loads((out / MARKER).read_text())
             have = (int(marker["step"]), str(marker["manifest_digest"]))
             index = json.loads((out / INDEX_NAME).read_text())
             arrays: dict[str, Bits] = {}
+            infos: list[TensorInfo] = []
             for fname in sorted(set(index["weight_map"].values())):
                 data = (out / fname).read_bytes()
                 st = parse_safetensors(data, what=str(out / fname))
@@ -204,7 +391,8 @@ class DeltaFetcher:
                         count=(e.end - e.start) // dtype_info(e.dtype).itemsize,
                         offset=e.start,
                     ).copy()
-            return have, arrays
+                    infos.append(TensorInfo(e.name, e.dtype, tuple(e.shape)))
+            return have, arrays, tuple(sorted(infos, key=lambda t: t.name))
         except (OSError, ValueError, KeyError, TypeError, DeltaSyncError):
             return None
 
@@ -215,39 +403,50 @@ class DeltaFetcher:
         (transformers/vLLM load it as is) plus a ``.deltasync.json`` marker. When
         ``out_dir`` already holds an earlier materialized step of this chain, only
         the patches since are downloaded. An existing dir without the marker is
-        never replaced.
+        never replaced. Memory is sized from bytes present (the anchor or the dir),
+        never from a manifest's declared shapes alone.
         """
         out = Path(out_dir).absolute()
         target_step = self._target_step(step)
         if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).is_file())):
             raise StorageError(f"refusing to replace {out}: it exists and was not written by deltasync materialize")
-        loaded = self._load_dir(out) if out.exists() else None
-        have = loaded[0] if loaded else None
-        plan = self._plan(target_step, have)
-        top = self._reader.committed(target_step)
+        top = self.reader.committed(target_step)
         inventory = top.manifest.inventory
-        if plan.base == "current" and loaded is not None:
+        loaded = self._load_dir(out) if out.exists() else None
+        have: tuple[int, str] | None = None
+        arrays: dict[str, Bits] = {}
+        if loaded is not None and loaded[2] == inventory:
             arrays = loaded[1]
-            if set(arrays) != {t.name for t in inventory}:
-                arrays, plan = {}, self._plan(target_step, None)
-        else:
+            slots0 = {n: NumpySlot(a, key=n) for n, a in arrays.items()}
+            have = self._holds(slots0, loaded[0][0]) if self.verify else loaded[0]
+            if have is not None and have[1] != loaded[0][1]:
+                have = None  # the marker names another manifest of that step
+        plan = self.reader.plan(target_step, have)
+        if plan.base == "anchor":
             arrays = {}
-        if not arrays:
-            arrays = {t.name: np.zeros(t.numel, dtype=dtype_info(t.dtype).bits) for t in inventory}
-        if plan.base == "current" and loaded is not None and self.verify and have is not None:
-            base = self._reader.committed(have[0]).manifest
-            if any(NumpySlot(arrays[n]).digest() != d for n, d in base.tensor_digests.items()):
-                arrays = {t.name: np.zeros(t.numel, dtype=dtype_info(t.dtype).bits) for t in inventory}
-                plan = self._plan(target_step, None)
-        slots = {n: NumpySlot(a, key=n) for n, a in arrays.items()}
-        reached: list[tuple[int, str]] = []
-        self._run(slots, inventory, plan, lambda s, d: reached.append((s, d)))
-        if not plan.steps:
-            reached.append((target_step, top.digest))
+        if not plan.is_noop:
+            base = self.reader.committed(have[0]).manifest if plan.base == "current" and have else None
+            try:
+                steps = self._load(plan, inventory, base)
+            except (ChecksumMismatch, ProtocolError):
+                self.reader.forget(plan.steps)
+                raise
+            if steps.anchor is not None:
+                # fresh memory, sized by the anchor's bytes (checked against the inventory)
+                arrays = {n: np.array(a) for n, a in steps.anchor.items()}
+            slots = {n: NumpySlot(a, key=n) for n, a in arrays.items()}
+            try:
+                if steps.anchor is not None:
+                    check_anchor(slots, steps.steps[0].manifest, steps.anchor, verify=bool(self.verify))
+                    steps = _Loaded(steps.steps, None, steps.patches)  # loaded already: only the patches are left
+                self._apply(slots, steps)
+            except (ChecksumMismatch, ProtocolError):
+                self.reader.forget(plan.steps)
+                raise
         files, _ = build_checkpoint(inventory, arrays, self.shard_bytes)
         marker = {
             "step": target_step,
-            "manifest_digest": reached[-1][1],
+            "manifest_digest": top.digest,
             "run_id": top.manifest.run_id,
             "store": self.store.url,
         }

@@ -1,32 +1,28 @@
-"""Reading committed steps: manifests (cached), verified file downloads, decoded changes."""
+"""Downloading a plan's files (one batch, checked) and decoding them. Manifests: :class:`deltasync.storage.RunReader`."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from deltasync.errors import ChecksumMismatch, ObjectNotFound, ProtocolError
+from deltasync.errors import ChecksumMismatch, ProtocolError
 from deltasync.protocol import (
     AnchorEntry,
-    Committed,
     Manifest,
     PatchEntry,
     decode_positions,
     decode_values,
     file_key,
-    manifest_key,
     xxh3_128,
 )
 from deltasync.protocol.dtypes import dtype_info
-from deltasync.protocol.keys import STEPS_PREFIX, parse_manifest_key
 from deltasync.protocol.safetensors_io import parse_safetensors
 from deltasync.storage import Store
 
-__all__ = ["DecodedChange", "StepReader"]
+__all__ = ["DecodedChange", "StepDecoder", "download"]
 
 Bits = np.ndarray[Any, np.dtype[Any]]
 
@@ -41,70 +37,33 @@ class DecodedChange:
     coding: str
 
 
-class StepReader:
-    """Loads and checks what a store holds for one run. Manifests are immutable, so cached."""
+def download(
+    store: Store, manifests: Sequence[Manifest], *, verify: bool, progress: Callable[[int], None] | None = None
+) -> list[dict[str, bytes]]:
+    """All data files of ``manifests`` in one batch, sizes and (when verifying) xxh3-128 checked.
 
-    def __init__(self, store: Store, *, verify: bool, signing_key: bytes | None) -> None:
-        self.store = store
-        self.verify = verify
-        self.signing_key = signing_key
-        self._manifests: dict[int, Committed] = {}
+    Returns one ``{file name: bytes}`` per manifest. Nothing is decoded here.
+    """
+    keys = {file_key(m.step, f.path): (i, f) for i, m in enumerate(manifests) for f in m.files}
+    blobs = store.get_many(list(keys)) if keys else {}
+    out: list[dict[str, bytes]] = [{} for _ in manifests]
+    for key, (i, info) in keys.items():
+        data = blobs[key]
+        step = manifests[i].step
+        if len(data) != info.size:
+            raise ChecksumMismatch(
+                f"step {step}: file {info.path} is {len(data)} bytes, manifest says {info.size} (truncated or replaced)"
+            )
+        if verify and xxh3_128(data) != info.xxh3_128:
+            raise ChecksumMismatch(f"step {step}: file {info.path} fails its xxh3-128 checksum (corrupted)")
+        out[i][info.path] = data
+        if progress:
+            progress(len(data))
+    return out
 
-    def steps(self) -> list[int]:
-        """Committed steps, ascending (a step is committed iff its manifest exists)."""
-        return sorted(s for o in self.store.list(STEPS_PREFIX) if (s := parse_manifest_key(o.key)) is not None)
 
-    def committed(self, step: int) -> Committed:
-        """The parsed manifest of ``step`` and its digest (signature checked when a key is set)."""
-        hit = self._manifests.get(step)
-        if hit is None:
-            body = self.store.get(manifest_key(step))
-            m = Manifest.from_json(body)
-            if m.step != step:
-                raise ProtocolError(f"manifest stored under step {step} says step {m.step}")
-            if self.signing_key is not None:
-                m.check_signature(self.signing_key)
-            hit = self._manifests[step] = Committed(m, xxh3_128(body))
-        return hit
-
-    def forget(self, steps: Iterable[int]) -> None:
-        """Drop cached manifests (after a failure they may be the bad bytes)."""
-        for step in steps:
-            self._manifests.pop(step, None)
-
-    def chain(self, target: int, also: int | None = None) -> dict[int, Committed]:
-        """Manifests along the parent walk from ``target`` down to the first anchor (plus ``also``)."""
-        out: dict[int, Committed] = {}
-        cur: int | None = target
-        while cur is not None and cur not in out:
-            try:
-                c = self.committed(cur)
-            except ObjectNotFound:
-                break
-            out[cur] = c
-            cur = None if c.manifest.kind == "anchor" else c.manifest.parent_step
-        if also is not None and also not in out:
-            with contextlib.suppress(ObjectNotFound):
-                out[also] = self.committed(also)
-        return out
-
-    def download(self, m: Manifest, progress: Callable[[int], None] | None = None) -> dict[str, bytes]:
-        """All data files of a step, sizes and xxh3-128 checked (checksums only when verifying)."""
-        keys = {file_key(m.step, f.path): f for f in m.files}
-        blobs = self.store.get_many(list(keys))
-        out: dict[str, bytes] = {}
-        for key, info in keys.items():
-            data = blobs[key]
-            if len(data) != info.size:
-                raise ChecksumMismatch(
-                    f"step {m.step}: file {info.path} is {len(data)} bytes, manifest says {info.size} (truncated or replaced)"
-                )
-            if self.verify and xxh3_128(data) != info.xxh3_128:
-                raise ChecksumMismatch(f"step {m.step}: file {info.path} fails its xxh3-128 checksum (corrupted)")
-            out[info.path] = data
-            if progress:
-                progress(len(data))
-        return out
+class StepDecoder:
+    """Turns a step's downloaded files into arrays (anchors) or decoded changes (patches)."""
 
     @staticmethod
     def anchor_arrays(m: Manifest, files: dict[str, bytes]) -> dict[str, Bits]:
@@ -133,6 +92,9 @@ class StepReader:
             out[e.tensor] = np.frombuffer(
                 files[e.file], dtype=dtype_info(info.dtype).bits, count=info.numel, offset=e.range.start
             )
+        missing = sorted(set(inv) - set(out))
+        if missing:
+            raise ProtocolError(f"step {m.step}: anchor holds no bytes for tensors {missing[:5]} of its inventory")
         return out
 
     @staticmethod

@@ -393,6 +393,27 @@ class S3Store(Store):
             (ObjectInfo(o["path"], o["size"]) for o in found if o["path"].startswith(prefix)), key=lambda o: o.key
         )
 
+    def list_after(self, prefix: str, start_after: str | None) -> list[ObjectInfo]:
+        # docstring inherited
+        if start_after is None:
+            return self.list(prefix)
+        directory = prefix.rsplit("/", 1)[0] if "/" in prefix else None
+        if directory is not None and any(p in ("", ".", "..") for p in directory.split("/")):
+            return []
+        found = self._call(
+            f"list {prefix!r} in",
+            None,
+            lambda: obs.list(self._s3, directory, offset=start_after, chunk_size=1000).collect(),
+        )
+        return sorted(
+            (
+                ObjectInfo(o["path"], o["size"])
+                for o in found
+                if o["path"].startswith(prefix) and o["path"] > start_after
+            ),
+            key=lambda o: o.key,
+        )
+
     def delete_many(self, keys: Sequence[str]) -> None:
         # docstring inherited
         unique = list(dict.fromkeys(validate_key(k) for k in keys))

@@ -89,6 +89,17 @@ class Store(ABC):
     def delete_many(self, keys: Sequence[str]) -> None:
         """Delete objects; missing keys are ignored."""
 
+    def list_after(self, prefix: str, start_after: str | None) -> list[ObjectInfo]:
+        """Like :meth:`list`, but only keys sorting strictly after ``start_after``.
+
+        Readers use it to list only what is new since their last listing. The
+        default filters a full listing; backends whose API can start a listing
+        at a key (S3 ``start-after``) override it so the request costs only
+        the new keys.
+        """
+        found = self.list(prefix)
+        return found if start_after is None else [o for o in found if o.key > start_after]
+
     def get_range(self, key: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of an object (the default reads it whole)."""
         return self.get(key)[start:end]

@@ -1,0 +1,316 @@
+"""RunReader: the one read-only view of a run (committed steps, manifests, writer claims).
+
+Every reader of a run goes through it: the fetcher, ``follow``, ``inspect``, the
+demo, the signal server's store check and ``DeltaUploader.resume``. Manifests
+and writer claims are immutable, so both are cached for the reader's life, and
+a refresh lists only keys that sort after the newest one already seen. What it
+costs, in store round trips (a ``get_many`` batch counts once):
+
+* a reader that already knows the run, seeing one new step: one listing of
+  ``steps/``, one of ``writers/``, one batch holding the new manifest (and any
+  new claims); a fetcher then downloads the plan's files in one more batch;
+* a fresh reader: ``HEAD.json``, the manifest it names, a listing of the steps
+  from that manifest's anchor on, a listing of the claims newer than its
+  writer epoch, one batch for the chain's manifests.
+
+Neither grows with the run's history or its number of uploader sessions (only
+the size of a listing of a backend that cannot start at a key does). HEAD is a
+hint: it only chooses where the listing starts, every step at or above it is
+seen, and without a usable HEAD the reader lists the whole run.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+
+from deltasync.errors import DeltaSyncError, ObjectNotFound, ProtocolError, RunNotFound
+from deltasync.protocol import (
+    HEAD_KEY,
+    WRITERS_PREFIX,
+    Committed,
+    FetchPlan,
+    Head,
+    Manifest,
+    WriterClaim,
+    manifest_key,
+    parse_manifest_key,
+    parse_writer_key,
+    plan_fetch,
+    superseded_by,
+    writer_key,
+    xxh3_128,
+)
+from deltasync.protocol.keys import STEPS_PREFIX
+from deltasync.storage.base import Store
+
+__all__ = ["RunReader", "get_present"]
+
+#: The most manifests fetched in one prefetch batch of a chain walk.
+MAX_PREFETCH = 1024
+
+
+def get_present(store: Store, keys: Sequence[str]) -> dict[str, bytes]:
+    """``get_many`` that leaves out keys that do not exist (one batch unless one is missing)."""
+    if not keys:
+        return {}
+    try:
+        return store.get_many(list(keys))
+    except ObjectNotFound:
+        out: dict[str, bytes] = {}
+        for key in keys:
+            try:
+                out[key] = store.get(key)
+            except ObjectNotFound:
+                continue
+        return out
+
+
+class RunReader:
+    """A cached, read-only view of the run under ``store``.
+
+    signing_key: when set, every manifest must carry a valid HMAC signature.
+
+    Thread-safe. Nothing here writes to the store.
+    """
+
+    def __init__(self, store: Store, *, signing_key: bytes | None = None) -> None:
+        self.store = store
+        self.signing_key = signing_key
+        self._lock = threading.RLock()
+        self._manifests: dict[int, Committed] = {}
+        self._steps: set[int] = set()
+        # the listing is complete for steps >= _floor (None: never listed)
+        self._floor: int | None = None
+        self._claims: dict[int, WriterClaim] = {}
+        # every claim with an epoch above _claims_above is known (None: never listed)
+        self._claims_above: int | None = None
+
+    def __repr__(self) -> str:
+        return f"RunReader({self.store.url!r})"
+
+    # ------------------------------------------------------------ manifests
+
+    def _parse(self, step: int, body: bytes) -> Committed:
+        m = Manifest.from_json(body)
+        if m.step != step:
+            raise ProtocolError(f"{manifest_key(step)}: the manifest stored under step {step} says step {m.step}")
+        if self.signing_key is not None:
+            m.check_signature(self.signing_key)
+        return Committed(m, xxh3_128(body))
+
+    def committed(self, step: int) -> Committed:
+        """The parsed manifest of committed ``step`` and its digest (cached).
+
+        Raises ObjectNotFound when the step is not committed, ProtocolError (or
+        SignatureMismatch) when its manifest is not valid.
+        """
+        with self._lock:
+            hit = self._manifests.get(step)
+            if hit is None:
+                hit = self._manifests[step] = self._parse(step, self.store.get(manifest_key(step)))
+                self._steps.add(step)
+            return hit
+
+    def manifest(self, step: int) -> Manifest:
+        """The parsed manifest of committed ``step``."""
+        return self.committed(step).manifest
+
+    def committed_many(self, steps: Iterable[int]) -> dict[int, Committed]:
+        """Manifests of ``steps`` that are committed, fetched in one batch (missing ones left out).
+
+        A manifest that does not parse is left out too (its step is reported
+        broken by whoever needs it, through :meth:`committed`).
+        """
+        with self._lock:
+            want = sorted({s for s in steps if s not in self._manifests})
+            bodies = get_present(self.store, [manifest_key(s) for s in want])
+            for s in want:
+                body = bodies.get(manifest_key(s))
+                if body is None:
+                    continue
+                try:
+                    self._manifests[s] = self._parse(s, body)
+                except DeltaSyncError:
+                    continue
+                self._steps.add(s)
+            return {s: self._manifests[s] for s in steps if s in self._manifests}
+
+    def forget(self, steps: Iterable[int]) -> None:
+        """Drop cached manifests (after a failure they may be the bad bytes)."""
+        with self._lock:
+            for step in steps:
+                self._manifests.pop(step, None)
+
+    # -------------------------------------------------------------- listing
+
+    def _list_steps(self, start_after: str | None) -> set[int]:
+        found = self.store.list_after(STEPS_PREFIX, start_after)
+        return {s for o in found if (s := parse_manifest_key(o.key)) is not None}
+
+    def _head_floor(self) -> int | None:
+        """Where a first listing may start: the anchor of the step HEAD names (a hint), or None."""
+        try:
+            head = Head.from_json(self.store.get(HEAD_KEY))
+            top = self.committed(head.step)
+        except DeltaSyncError:
+            return None  # no HEAD, a bad one, or it names nothing committed: list everything
+        return min(top.manifest.anchor_step, head.step)
+
+    def refresh(self, *, full: bool = False) -> list[int]:
+        """List what is new and return every known committed step, ascending.
+
+        The first call starts at the anchor of the step ``HEAD.json`` names
+        (or lists the whole run when HEAD is unusable); ``full=True`` makes
+        sure the whole run is listed once. Later calls list only keys after
+        the newest step known.
+        """
+        with self._lock:
+            if self._floor is None or (full and self._floor > 0):
+                floor = None if full else self._head_floor()
+                start = None if floor is None else f"{STEPS_PREFIX}{floor:012d}"
+                self._steps |= self._list_steps(start)
+                self._floor = floor or 0
+                if not full and self._floor > 0 and not any(s >= self._floor for s in self._steps):
+                    self._steps |= self._list_steps(None)  # HEAD pointed past everything: list it all
+                    self._floor = 0
+            else:
+                known = [s for s in self._steps if s >= self._floor]
+                start = manifest_key(max(known)) if known else None
+                if start is None and self._floor > 0:
+                    start = f"{STEPS_PREFIX}{self._floor:012d}"
+                self._steps |= self._list_steps(start)
+            return sorted(s for s in self._steps if s >= self._floor)
+
+    def steps(self) -> list[int]:
+        """Every committed step of the run, ascending (the whole run is listed once)."""
+        return self.refresh(full=True)
+
+    # --------------------------------------------------------------- claims
+
+    def _fetch_claims(self, start_after: str | None) -> None:
+        found = self.store.list_after(WRITERS_PREFIX, start_after)
+        keys = {o.key: e for o in found if (e := parse_writer_key(o.key)) is not None and e not in self._claims}
+        for key, body in get_present(self.store, sorted(keys)).items():
+            claim = WriterClaim.from_json(body)
+            if claim.epoch == keys[key]:
+                self._claims[claim.epoch] = claim
+
+    def _ensure_claims_above(self, epoch: int) -> None:
+        if self._claims_above is None or epoch < self._claims_above:
+            self._fetch_claims(writer_key(epoch) if epoch >= 1 else None)
+            self._claims_above = epoch
+
+    def _refresh_claims(self) -> None:
+        if self._claims_above is not None:
+            newest = max([self._claims_above, *self._claims])
+            self._fetch_claims(writer_key(newest) if newest >= 1 else None)
+
+    def claims(self) -> list[WriterClaim]:
+        """Every writer claim of the run, newest epoch first (listed in full)."""
+        with self._lock:
+            self._ensure_claims_above(0)
+            self._refresh_claims()
+            return [self._claims[e] for e in sorted(self._claims, reverse=True)]
+
+    def superseded_by(self, step: int) -> WriterClaim | None:
+        """The newer writer claim that fences ``step`` off (SPEC.md "Single writer"), or None."""
+        with self._lock:
+            m = self.committed(step).manifest
+            self._ensure_claims_above(m.epoch)
+            return superseded_by(m, (c for e, c in self._claims.items() if e > m.epoch))
+
+    # ---------------------------------------------------------------- heads
+
+    def latest_step(self) -> int | None:
+        """Newest committed step that belongs to the run (not superseded), or None."""
+        with self._lock:
+            steps = self.refresh()
+            self._refresh_claims()
+            for full in (False, True):
+                # the newest few manifests in one batch; older ones only if those are all superseded
+                candidates = sorted(steps, reverse=True)
+                for i in range(0, len(candidates), 8):
+                    batch = candidates[i : i + 8]
+                    self.committed_many(batch)
+                    for s in batch:
+                        try:
+                            if self.superseded_by(s) is None:
+                                return s
+                        except ObjectNotFound:
+                            continue  # deleted since it was listed
+                if full or self._floor == 0:
+                    return None
+                steps = self.refresh(full=True)
+            return None
+
+    def exists(self) -> bool:
+        """Whether the store holds a run here: a committed step or a writer claim."""
+        with self._lock:
+            return bool(self.refresh()) or bool(self.store.list_after(WRITERS_PREFIX, None))
+
+    def require(self) -> None:
+        """Raise RunNotFound unless :meth:`exists`."""
+        if not self.exists():
+            raise RunNotFound(
+                f"{self.store.url}: no deltasync run here (no committed step and no writer claim); "
+                "check the URL or path, or wait for the trainer's first commit"
+            )
+
+    def run_id(self) -> str | None:
+        """The run id of the newest committed step, or None for an empty run."""
+        latest = self.latest_step()
+        return None if latest is None else self.committed(latest).manifest.run_id
+
+    # ----------------------------------------------------------------- plans
+
+    def chain(self, target: int, also: int | None = None) -> dict[int, Committed]:
+        """Manifests along the parent walk from ``target`` down to its anchor (plus ``also``).
+
+        Fetched in batches: the target first, then every known step between
+        its declared anchor and it, then (only if a link is still missing)
+        one manifest per round trip. Steps that are not committed or whose
+        manifest is bad are left out; the planner reports the broken link.
+        """
+        with self._lock:
+            extra = [] if also is None else [also]
+            top = self.committed_many([target, *extra]).get(target)
+            if top is None:
+                try:
+                    top = self.committed(target)  # raises what is wrong with it, unless it is simply missing
+                except ObjectNotFound:
+                    return {}
+            lo = min(top.manifest.anchor_step, target)
+            known = sorted(s for s in self._steps if lo <= s < target)[-MAX_PREFETCH:]
+            self.committed_many(known)
+            out: dict[int, Committed] = {}
+            cur: Committed | None = top
+            while cur is not None and cur.manifest.step not in out:
+                m = cur.manifest
+                out[m.step] = cur
+                if m.kind == "anchor" or m.parent_step is None or m.parent_step >= m.step:
+                    break
+                cur = self.committed_many([m.parent_step]).get(m.parent_step)
+            if also is not None and also in self._manifests:
+                out[also] = self._manifests[also]
+            return out
+
+    def plan(self, target: int, have: tuple[int, str] | None = None) -> FetchPlan:
+        """The cheapest plan to ``target`` from ``have`` = (step, manifest digest) (pure planner).
+
+        Raises ChainBroken when the target cannot be reached; the manifests read
+        for it are then dropped from the cache (they may be what breaks it).
+        """
+        from deltasync.errors import ChainBroken
+
+        with self._lock:
+            committed = self.chain(target, also=have[0] if have else None)
+            top = committed.get(target)
+            if top is not None:
+                self._ensure_claims_above(top.manifest.epoch)
+            claims = [c for e, c in self._claims.items() if top is not None and e > top.manifest.epoch]
+            try:
+                return plan_fetch(committed, target, have[0] if have else None, have[1] if have else None, claims)
+            except ChainBroken:
+                self.forget(committed)
+                raise
