@@ -261,7 +261,6 @@ class Phases:
 
 def _instrument(phases: Phases, up: Any, fetcher: Any, up_store: Any, fetch_store: Any) -> None:
     """Wrap the functions whose time the breakdown table reports (names as of deltasync 0.1)."""
-    import deltasync.fetcher._apply as fapply
     import deltasync.fetcher._fetcher as ffetcher
     import deltasync.fetcher._reader as freader
     import deltasync.uploader._commit as ucommit
@@ -279,14 +278,14 @@ def _instrument(phases: Phases, up: Any, fetcher: Any, up_store: Any, fetch_stor
     phases.wrap(up_store, "put_many", "bg.store_put_files")
     phases.wrap(up_store, "put", "bg.store_put_manifest_head")
     # fetcher.sync() (caller thread)
-    phases.wrap(fetcher._reader, "chain", "fetch.manifests")
+    phases.wrap(fetcher.reader, "chain", "fetch.manifests")
     phases.wrap(fetch_store, "get_many", "fetch.store_read")
     phases.wrap(freader, "xxh3_128", "fetch.file_xxh3")
-    phases.wrap(freader.StepReader, "decode_patch", "fetch.decode")
+    phases.wrap(freader.StepDecoder, "decode_patch", "fetch.decode")
     phases.wrap(freader, "decode_positions", "fetch.decode_positions")
     phases.wrap(freader, "decode_values", "fetch.decode_values")
-    phases.wrap(ffetcher, "apply_patch", "fetch.apply_patch")
-    phases.wrap(fapply, "_verify", "fetch.verify_digests")
+    phases.wrap(ffetcher, "apply_changes", "fetch.apply_patch")
+    phases.wrap(ffetcher, "check_digests", "fetch.verify_digests")
 
 
 def _log(msg: str, quiet: bool) -> None:

@@ -27,7 +27,6 @@ from typing import Any
 
 from deltasync.errors import DeltaSyncError, DemoError, ObjectNotFound
 from deltasync.fetcher import DeltaFetcher
-from deltasync.fetcher._reader import StepReader
 from deltasync.protocol import Manifest
 from deltasync.storage import Store
 from deltasync.uploader import CommitInfo, DeltaUploader
@@ -391,7 +390,7 @@ class DemoRun:
     def _follow(self) -> None:
         opts = self.options
         fetcher = DeltaFetcher(self.store, verify=True)
-        reader = StepReader(self.store, verify=False, signing_key=None)
+        reader = fetcher.reader
         infer: Any = None
         toy: Any = None
         groups: list[tuple[str, list[str]]] = []

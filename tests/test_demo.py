@@ -163,9 +163,9 @@ def test_manifest_row_and_layer_change_match_a_bitwise_diff() -> None:
         info = up.push(model, 1).result()
     after = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
     assert info.kind == "patch"
-    from deltasync.fetcher._reader import StepReader
+    from deltasync import RunReader
 
-    reader = StepReader(store, verify=True, signing_key=None)
+    reader = RunReader(store)
     anchor = manifest_row(reader.committed(0).manifest)
     assert anchor["kind"] == "anchor" and anchor["changed"] == anchor["total"]
     row = manifest_row(reader.committed(1).manifest)

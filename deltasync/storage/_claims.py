@@ -1,4 +1,6 @@
-"""Writer claims under a run prefix (SPEC.md "Single writer"): reading them and claiming an epoch."""
+"""Writer claims under a run prefix (SPEC.md "Single writer"): claiming an epoch, checking the fence.
+
+Readers get claims through :class:`deltasync.storage.RunReader` (cached, listed incrementally)."""
 
 from __future__ import annotations
 
@@ -6,23 +8,22 @@ from deltasync.errors import AlreadyExists, ObjectNotFound, WriterFenced
 from deltasync.protocol import WRITERS_PREFIX, WriterClaim, parse_writer_key, writer_key
 from deltasync.storage.base import Store
 
-__all__ = ["claim_epoch", "is_fenced", "read_claims"]
+__all__ = ["claim_epoch", "is_fenced", "newest_claim", "newest_epoch"]
 
 MAX_CLAIM_TRIES = 8
 
 
-def read_claims(store: Store) -> list[WriterClaim]:
-    """Every writer claim of the run, newest epoch first."""
-    keys = sorted((e, o.key) for o in store.list(WRITERS_PREFIX) if (e := parse_writer_key(o.key)) is not None)
-    out: list[WriterClaim] = []
-    for epoch, key in reversed(keys):
-        try:
-            claim = WriterClaim.from_json(store.get(key))
-        except ObjectNotFound:
-            continue
-        if claim.epoch == epoch:
-            out.append(claim)
-    return out
+def newest_epoch(store: Store) -> int:
+    """The highest claimed writer epoch (0 for none): one listing, no reads."""
+    return max((e for o in store.list(WRITERS_PREFIX) if (e := parse_writer_key(o.key)) is not None), default=0)
+
+
+def newest_claim(store: Store) -> WriterClaim:
+    """The claim of the highest epoch (ObjectNotFound when the run has none)."""
+    epoch = newest_epoch(store)
+    if not epoch:
+        raise ObjectNotFound(f"{store}: no writer claim")
+    return WriterClaim.from_json(store.get(writer_key(epoch)))
 
 
 def claim_epoch(store: Store, writer: str, after_step: int | None) -> int:
@@ -33,8 +34,7 @@ def claim_epoch(store: Store, writer: str, after_step: int | None) -> int:
     claim is what came back.
     """
     for _ in range(MAX_CLAIM_TRIES):
-        claims = read_claims(store)
-        epoch = (claims[0].epoch if claims else 0) + 1
+        epoch = newest_epoch(store) + 1
         body = WriterClaim(epoch, writer, after_step).to_json()
         try:
             store.put(writer_key(epoch), body, mode="create")

@@ -116,15 +116,19 @@ class RunReader:
         """The parsed manifest of committed ``step``."""
         return self.committed(step).manifest
 
-    def committed_many(self, steps: Iterable[int]) -> dict[int, Committed]:
+    def committed_many(self, steps: Iterable[int], *, also_keys: dict[str, int] | None = None) -> dict[int, Committed]:
         """Manifests of ``steps`` that are committed, fetched in one batch (missing ones left out).
 
         A manifest that does not parse is left out too (its step is reported
-        broken by whoever needs it, through :meth:`committed`).
+        broken by whoever needs it, through :meth:`committed`). ``also_keys``:
+        listed writer claims (key -> epoch) to read in the same batch.
         """
         with self._lock:
+            steps = list(steps)
             want = sorted({s for s in steps if s not in self._manifests})
-            bodies = get_present(self.store, [manifest_key(s) for s in want])
+            claim_keys = also_keys or {}
+            bodies = get_present(self.store, [manifest_key(s) for s in want] + sorted(claim_keys))
+            self._take_claims(claim_keys, bodies)
             for s in want:
                 body = bodies.get(manifest_key(s))
                 if body is None:
@@ -188,23 +192,39 @@ class RunReader:
 
     # --------------------------------------------------------------- claims
 
-    def _fetch_claims(self, start_after: str | None) -> None:
+    def _list_claims(self, start_after: str | None) -> dict[str, int]:
+        """Keys (and epochs) of listed claims not yet known."""
         found = self.store.list_after(WRITERS_PREFIX, start_after)
-        keys = {o.key: e for o in found if (e := parse_writer_key(o.key)) is not None and e not in self._claims}
-        for key, body in get_present(self.store, sorted(keys)).items():
+        return {o.key: e for o in found if (e := parse_writer_key(o.key)) is not None and e not in self._claims}
+
+    def _take_claims(self, keys: dict[str, int], bodies: dict[str, bytes]) -> None:
+        for key, epoch in keys.items():
+            body = bodies.get(key)
+            if body is None:
+                continue
             claim = WriterClaim.from_json(body)
-            if claim.epoch == keys[key]:
-                self._claims[claim.epoch] = claim
+            if claim.epoch == epoch:
+                self._claims[epoch] = claim
+
+    def _fetch_claims(self, start_after: str | None) -> None:
+        keys = self._list_claims(start_after)
+        self._take_claims(keys, get_present(self.store, sorted(keys)))
 
     def _ensure_claims_above(self, epoch: int) -> None:
         if self._claims_above is None or epoch < self._claims_above:
             self._fetch_claims(writer_key(epoch) if epoch >= 1 else None)
             self._claims_above = epoch
 
+    def _new_claim_keys(self) -> dict[str, int]:
+        """Claims listed since the last refresh (not fetched yet); nothing before the first listing."""
+        if self._claims_above is None:
+            return {}
+        newest = max([self._claims_above, *self._claims])
+        return self._list_claims(writer_key(newest) if newest >= 1 else None)
+
     def _refresh_claims(self) -> None:
-        if self._claims_above is not None:
-            newest = max([self._claims_above, *self._claims])
-            self._fetch_claims(writer_key(newest) if newest >= 1 else None)
+        keys = self._new_claim_keys()
+        self._take_claims(keys, get_present(self.store, sorted(keys)))
 
     def claims(self) -> list[WriterClaim]:
         """Every writer claim of the run, newest epoch first (listed in full)."""
@@ -226,13 +246,15 @@ class RunReader:
         """Newest committed step that belongs to the run (not superseded), or None."""
         with self._lock:
             steps = self.refresh()
-            self._refresh_claims()
+            claim_keys = self._new_claim_keys()  # listed after the steps (SPEC.md "Single writer")
             for full in (False, True):
-                # the newest few manifests in one batch; older ones only if those are all superseded
+                # the newest few manifests in one batch (with any new claims); older ones only if
+                # those are all superseded
                 candidates = sorted(steps, reverse=True)
                 for i in range(0, len(candidates), 8):
                     batch = candidates[i : i + 8]
-                    self.committed_many(batch)
+                    self.committed_many(batch, also_keys=claim_keys)
+                    claim_keys = {}
                     for s in batch:
                         try:
                             if self.superseded_by(s) is None:

@@ -16,11 +16,10 @@ import numpy as np
 
 from deltasync._tensors import flat_bits, state_tensors
 from deltasync.errors import ChecksumMismatch, CommitFailed, InventoryMismatch, ProtocolError, WriterFenced
-from deltasync.protocol import Committed, Manifest, Writer, manifest_key, parse_manifest_key, superseded_by, xxh3_128
+from deltasync.protocol import Committed, Writer
 from deltasync.protocol.digests import xxh3_128_array
-from deltasync.protocol.keys import STEPS_PREFIX
-from deltasync.storage import Store
-from deltasync.storage._claims import claim_epoch, is_fenced, read_claims
+from deltasync.storage import RunReader, Store
+from deltasync.storage._claims import claim_epoch, is_fenced, newest_claim
 from deltasync.uploader._commit import StepJob, merge_jobs, write_step
 from deltasync.uploader._config import CommitInfo, UploaderConfig
 from deltasync.uploader._diff import Baseline, TensorChange, diff_tensor, inventory_of
@@ -67,6 +66,7 @@ class DeltaUploader:
         self._inflight = 0
         self.failures = 0
         self._fenced: WriterFenced | None = None
+        self._reader = RunReader(store)
         self._latest_in_store()
         self.run_id = self.config.run_id or (
             self._last_committed.manifest.run_id if self._last_committed else uuid.uuid4().hex[:16]
@@ -94,15 +94,10 @@ class DeltaUploader:
     # ------------------------------------------------------------ store state
 
     def _latest_in_store(self) -> None:
-        steps = sorted(s for o in self.store.list(STEPS_PREFIX) if (s := parse_manifest_key(o.key)) is not None)
-        claims = read_claims(self.store) if steps else []
-        for step in reversed(steps):
-            body = self.store.get(manifest_key(step))
-            committed = Committed(Manifest.from_json(body), xxh3_128(body))
-            if superseded_by(committed.manifest, claims) is None:  # skip a fenced writer's late commits
-                self._last_committed = committed
-                self._last_step = step
-                return
+        latest = self._reader.latest_step()  # skips a fenced writer's late commits
+        if latest is not None:
+            self._last_committed = self._reader.committed(latest)
+            self._last_step = latest
 
     def resume(self, state: Any, step: int) -> None:
         """Continue the chain from committed ``step`` whose weights are ``state`` (no push needed).
@@ -110,8 +105,7 @@ class DeltaUploader:
         The state is checked against the step's inventory and tensor digests; the
         next push is then a patch (unless an anchor is due).
         """
-        body = self.store.get(manifest_key(step))
-        committed = Committed(Manifest.from_json(body), xxh3_128(body))
+        committed = self._reader.committed(step)
         m = committed.manifest
         tensors = self._prepare(state)
         if inventory_of(tensors) != m.inventory:
@@ -129,10 +123,14 @@ class DeltaUploader:
         self._digest_cache = dict(m.tensor_digests)
         self._last_step = step
         self._needs_anchor = False
+        chain = self._reader.chain(step)  # the manifests down to the anchor, in batches
         n, cur = 0, m
         while cur.kind == "patch" and cur.parent_step is not None and n < self.config.anchor_every:
             n += 1
-            cur = Manifest.from_json(self.store.get(manifest_key(cur.parent_step)))
+            parent = chain.get(cur.parent_step)
+            if parent is None:
+                break
+            cur = parent.manifest
         self._pushes_since_anchor = n
 
     # ------------------------------------------------------------------ push
@@ -396,7 +394,7 @@ class DeltaUploader:
 
     def _check_fence(self) -> None:
         if is_fenced(self.store, self.epoch):
-            newer = read_claims(self.store)[0]
+            newer = newest_claim(self.store)
             raise WriterFenced(
                 f"another uploader (writer {newer.writer}, epoch {newer.epoch}) took over run prefix "
                 f"{self.store} after step {newer.after_step}; this uploader (epoch {self.epoch}) stops committing. "
