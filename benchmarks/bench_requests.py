@@ -24,27 +24,18 @@ from deltasync.testing.counting import CountingStore
 NUMEL = 4096
 
 
-def state_at(step: int) -> dict[str, Any]:
-    """Step ``step`` of a deterministic stream: ~1% of the elements change per step."""
+def base_state() -> dict[str, Any]:
+    """Step 0 of the stream."""
     g = torch.Generator().manual_seed(1234)
-    w = torch.randn(NUMEL, generator=g).to(torch.bfloat16)
-    b = torch.randn(16, generator=g)
-    if step:
-        g2 = torch.Generator().manual_seed(step)
-        for s in range(1, step + 1):
-            g2.manual_seed(s)
-            idx = torch.randint(0, NUMEL, (NUMEL // 100,), generator=g2)
-            w[idx] = (w[idx].float() + 1e-2).to(torch.bfloat16)
-    b = b + step
-    return {"w": w, "b": b}
+    return {"w": torch.randn(NUMEL, generator=g).to(torch.bfloat16), "b": torch.randn(16, generator=g)}
 
 
 class Stream:
-    """Incremental version of :func:`state_at` (O(1) per step)."""
+    """A deterministic RL-like stream: ~1% of ``w`` changes per step, ``b`` changes whole."""
 
     def __init__(self) -> None:
         self.step = 0
-        self.state = state_at(0)
+        self.state = base_state()
 
     def advance(self) -> dict[str, Any]:
         self.step += 1
@@ -52,7 +43,7 @@ class Stream:
         idx = torch.randint(0, NUMEL, (NUMEL // 100,), generator=g2)
         w = self.state["w"].clone()
         w[idx] = (w[idx].float() + 1e-2).to(torch.bfloat16)
-        self.state = {"w": w, "b": state_at(0)["b"] + self.step}
+        self.state = {"w": w, "b": base_state()["b"] + self.step}
         return self.state
 
 

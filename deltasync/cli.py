@@ -16,6 +16,7 @@ in a Space: follow that store / signal server instead of training here; retrain 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -26,7 +27,7 @@ from typing import Any
 
 from deltasync.errors import DeltaSyncError, DemoError
 from deltasync.protocol import xxh3_128
-from deltasync.storage import open_store
+from deltasync.storage import LocalStore, open_store
 
 __all__ = ["main", "upload_main"]
 
@@ -65,6 +66,14 @@ def _progress(desc: str) -> tuple[Callable[[int, int], None], Callable[[], None]
     return update, close
 
 
+def _require_run(store: Any) -> None:
+    """RunNotFound unless ``store`` holds a run (a committed step or a writer claim): a mistyped
+    URL must fail, not read as an empty run."""
+    from deltasync.storage import RunReader
+
+    RunReader(store).require()
+
+
 # ------------------------------------------------------------------ commands
 
 
@@ -73,6 +82,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
     update, close = _progress("fetch")
     with open_store(args.store) as store:
+        _require_run(store)
         fetcher = DeltaFetcher(store, verify=not args.no_verify, signing_key=_signing_key(), progress=update)
         t0 = time.perf_counter()
         try:
@@ -88,6 +98,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from deltasync.fetcher._reader import StepReader
 
     with open_store(args.url) as store:
+        _require_run(store)
         reader = StepReader(store, verify=False, signing_key=None)
         steps = reader.steps()
         if not steps:
@@ -117,7 +128,7 @@ def _cache_dir(store_url: str, override: str | None) -> Path:
 def cmd_upload(args: argparse.Namespace) -> int:
     import torch
 
-    from deltasync._checkpoint_io import load_checkpoint, save_checkpoint
+    from deltasync._checkpoint_io import load_checkpoint
     from deltasync.errors import ChecksumMismatch, InventoryMismatch
     from deltasync.fetcher import DeltaFetcher
     from deltasync.uploader import DeltaUploader
@@ -137,6 +148,8 @@ def cmd_upload(args: argparse.Namespace) -> int:
             signal_token=os.environ.get("DELTASYNC_PUBLISH_TOKEN") or None,
             signal_run=args.run,
         )
+        fut: Any = None
+        interrupted = abandoned = False
         try:
             latest = up.last_committed_step
             if latest is not None and args.step <= latest:
@@ -152,19 +165,94 @@ def cmd_upload(args: argparse.Namespace) -> int:
                     )
                     up.resume(load_checkpoint(out), latest)
             t0 = time.perf_counter()
-            info = up.push(state, args.step).result()
+            fut = up.push(state, args.step)
+            info = fut.result()
+        except KeyboardInterrupt:
+            interrupted = True
+            landed, abandoned = _interrupted_commit(fut, args.step)
+            if landed is None:
+                print(
+                    f"interrupted: the commit of step {args.step} was abandoned mid-write; check "
+                    f"`deltasync inspect {store.url}` before pushing that step again"
+                    if abandoned
+                    else f"interrupted: step {args.step} was not committed to {store.url}",
+                    file=sys.stderr,
+                )
+                return 130
+            info = landed
         finally:
-            up.close()
-        save_checkpoint(state, cache / "state.safetensors")
-        (cache / "state.json").write_text(
-            json.dumps({"step": info.step, "manifest_digest": info.manifest_digest, "store": store.url})
+            if not abandoned:  # close() waits for the commit in flight
+                up.close()
+        # the manifest has landed: say so now, whatever happens to the local cache below
+        full = sum(v.numel() * v.element_size() for v in state.values()) or 1
+        print(
+            f"step {info.step}: {info.kind}, {_human(info.nbytes)} ({100 * info.changed / max(info.total, 1):.3f}% "
+            f"changed, {info.nbytes / full:.4f} of a full checkpoint) committed in {time.perf_counter() - t0:.2f} s",
+            flush=True,
         )
-    full = sum(v.numel() * v.element_size() for v in state.values()) or 1
-    print(
-        f"step {info.step}: {info.kind}, {_human(info.nbytes)} ({100 * info.changed / max(info.total, 1):.3f}% changed, "
-        f"{info.nbytes / full:.4f} of a full checkpoint) committed in {time.perf_counter() - t0:.2f} s"
-    )
+        try:
+            if interrupted:
+                raise KeyboardInterrupt
+            _write_cache(cache, state, info, store.url)
+        except (KeyboardInterrupt, OSError) as exc:
+            _drop_cache(cache)
+            why = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"cannot write the baseline cache ({exc})"
+            print(
+                f"{why}: step {info.step} is committed to {store.url}; the local baseline cache at {cache} was "
+                f"removed (the next delta-upload fetches step {info.step} from the store)",
+                file=sys.stderr,
+            )
     return 0
+
+
+def _interrupted_commit(fut: Any, step: int) -> tuple[Any, bool]:
+    """After Ctrl-C: (the step's CommitInfo if its commit landed, else None; whether it was abandoned).
+
+    A commit in flight is waited for, so that what is reported is what happened; a
+    second Ctrl-C abandons it (then nobody can say whether its manifest landed).
+    """
+    from concurrent.futures import wait
+
+    if fut is None:
+        return None, False  # interrupted before the push
+    if not fut.done():
+        print(
+            f"interrupted: waiting for the commit of step {step} to finish (Ctrl-C again to abandon it)",
+            file=sys.stderr,
+            flush=True,
+        )
+        try:
+            wait([fut])
+        except KeyboardInterrupt:
+            return None, True
+    return (None if fut.exception() is not None else fut.result()), False
+
+
+CACHE_FILES = ("state.json", "state.json.tmp", "state.safetensors", "state.safetensors.tmp")
+
+
+def _write_cache(cache: Path, state: dict[str, Any], info: Any, store_url: str) -> None:
+    """Keep the pushed state as the next upload's baseline; ``state.json`` (written last) makes it valid."""
+    from deltasync._checkpoint_io import save_checkpoint
+
+    meta = cache / "state.json"
+    meta.unlink(missing_ok=True)  # the cache of the previous step stops being valid first
+    save_checkpoint(state, cache / "state.safetensors")
+    gate = os.environ.get("DELTASYNC_TEST_CACHE_GATE")
+    if gate:  # test hook: hold here, the cache half written, until that file exists
+        print(f"test hook: waiting for {gate}", file=sys.stderr, flush=True)
+        while not os.path.exists(gate):
+            time.sleep(0.01)
+    tmp = cache / "state.json.tmp"
+    tmp.write_text(json.dumps({"step": info.step, "manifest_digest": info.manifest_digest, "store": store_url}))
+    os.replace(tmp, meta)
+
+
+def _drop_cache(cache: Path) -> None:
+    """Remove the baseline cache's files, whole or partial (best effort)."""
+    for name in CACHE_FILES:
+        with contextlib.suppress(OSError):
+            (cache / name).unlink(missing_ok=True)
 
 
 def _baseline(store: Any, cache: Path, step: int) -> dict[str, Any]:
@@ -219,10 +307,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_follow(args: argparse.Namespace) -> int:
+    from deltasync.errors import RunNotFound
     from deltasync.fetcher import DeltaFetcher
+    from deltasync.storage import RunReader
 
     token = os.environ.get("DELTASYNC_SUBSCRIBE_TOKEN") or os.environ.get("DELTASYNC_PUBLISH_TOKEN") or None
     with open_store(args.store) as store:
+        if isinstance(store, LocalStore) and not store.root.is_dir():  # a typo, not a run yet to start
+            raise RunNotFound(
+                f"{store.url}: no such directory; check the path (to wait for a trainer that has not "
+                "started yet, create the directory first)"
+            )
+        if not RunReader(store).exists():
+            print(
+                f"waiting for the first commit at {store.url} (nothing committed yet; is the trainer running?)",
+                file=sys.stderr,
+                flush=True,
+            )
         fetcher = DeltaFetcher(store, verify=not args.no_verify, signing_key=_signing_key())
         t0 = time.perf_counter()
 

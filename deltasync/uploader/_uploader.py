@@ -71,9 +71,10 @@ class DeltaUploader:
         self.run_id = self.config.run_id or (
             self._last_committed.manifest.run_id if self._last_committed else uuid.uuid4().hex[:16]
         )
-        # single writer per run prefix: claim the next epoch; a newer claim fences this uploader off
+        # single writer per run prefix: the first push() claims the next epoch (0 until then), so an
+        # uploader that never pushes (a refused upload) leaves no claim; a newer claim fences this one off
         self.writer_id = uuid.uuid4().hex[:16]
-        self.epoch = claim_epoch(store, self.writer_id, self._last_step)
+        self.epoch = 0
         self.notifier: Notifier | None = None  # counts sent / failed signals
         if self.config.signal_url:
             from deltasync.signal import Notifier
@@ -169,6 +170,8 @@ class DeltaUploader:
             raise ProtocolError(f"step must be a non-negative integer, got {step!r}")
         if self._last_step is not None and step <= self._last_step:
             raise ProtocolError(f"step {step} is not after the last step {self._last_step}; steps must increase")
+        if not self.epoch:
+            self.epoch = claim_epoch(self.store, self.writer_id, self._last_step)
         state_in = state_tensors(state)
         tensors = self._cast(state_in)
         inventory = inventory_of(tensors)

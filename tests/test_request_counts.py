@@ -1,0 +1,76 @@
+"""Store round trips of the read path do not grow with the run's history or its uploader sessions.
+
+Counted with a CountingStore (a ``get_many`` batch is one round trip; see
+deltasync/testing/counting.py) on runs built the way ``delta-upload`` builds them:
+every session a new DeltaUploader that resumes from the store and pushes its share.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import deltasync as ds  # noqa: E402
+from deltasync.testing.counting import CountingStore  # noqa: E402
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_requests.py"
+
+
+@pytest.fixture(scope="module")
+def bench() -> Any:
+    spec = importlib.util.spec_from_file_location("bench_requests", BENCH)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize(("steps", "sessions"), [(10, 1), (10, 10), (1000, 1), (1000, 1000)])
+def test_sync_costs_do_not_grow_with_history(bench: Any, steps: int, sessions: int) -> None:
+    c = bench.measure(steps, sessions)
+    assert c.behind <= 4, f"a fetcher one step behind took {c.behind} round trips"
+    assert c.fresh <= 7, f"a fresh fetcher took {c.fresh} round trips"
+
+
+def test_polling_an_unchanged_run_lists_only(bench: Any) -> None:
+    store, stream = bench.build_run(30, 3)
+    counting = CountingStore(store)
+    reader = ds.RunReader(counting)
+    assert reader.latest_step() == 29
+    counting.reset()
+    for _ in range(5):
+        assert reader.latest_step() == 29
+    assert counting.calls == {"list": 10}  # steps/ and writers/, nothing read
+
+
+def test_fresh_reader_without_head_lists_the_run_once(bench: Any) -> None:
+    """HEAD is a hint: without it (or with a lying one) the reader lists everything and is still right."""
+    store, stream = bench.build_run(60, 2)
+    for head in (None, b'{"format_version": 1, "step": 999999, "manifest_digest": "' + b"0" * 32 + b'", "run_id": "x"}'):
+        if head is None:
+            store.delete_many(["HEAD.json"])
+        else:
+            store.put("HEAD.json", head)
+        counting = CountingStore(store)
+        target = {k: torch.zeros_like(v) for k, v in stream.state.items()}
+        assert ds.DeltaFetcher(counting).sync(target) == 59
+        assert all(torch.equal(target[k].view(torch.uint8), stream.state[k].view(torch.uint8)) for k in target)
+        assert counting.requests <= 8
+
+
+def test_stale_head_still_finds_newer_steps(bench: Any) -> None:
+    store, stream = bench.build_run(20, 1)
+    old_head = store.get("HEAD.json")
+    with ds.DeltaUploader(store, anchor_every=50) as up:
+        up.resume(stream.state, 19)
+        for s in (20, 21):
+            up.push(stream.advance(), s).result()
+    store.put("HEAD.json", old_head)  # HEAD still says 19
+    assert ds.RunReader(store).latest_step() == 21
