@@ -400,10 +400,15 @@ class S3Store(Store):
         directory = prefix.rsplit("/", 1)[0] if "/" in prefix else None
         if directory is not None and any(p in ("", ".", "..") for p in directory.split("/")):
             return []
+        # The server starts one character early: S3 compares keys as strings, but some S3-compatible
+        # servers (SeaweedFS) treat a start-after naming a folder as that folder and skip what is
+        # inside it. One character shorter names nothing that could hide a key after start_after
+        # (for a last character above "/"); the few extra keys are filtered out below.
+        offset = start_after[:-1] if start_after and start_after[-1] > "/" else None
         found = self._call(
             f"list {prefix!r} in",
             None,
-            lambda: obs.list(self._s3, directory, offset=start_after, chunk_size=1000).collect(),
+            lambda: obs.list(self._s3, directory, offset=offset, chunk_size=1000).collect(),
         )
         return sorted(
             (

@@ -357,6 +357,38 @@ class StoreTests(ABC, Generic[S]):
         assert [o.key for o in store.list()] == sorted(items)
         assert store.list() == store.list("")
 
+    def test_list_after(self, store: S) -> None:
+        """``list_after`` is ``list`` minus every key at or before ``start_after`` (readers list only what is new)."""
+        items = {
+            "steps/000000000001/manifest.json": b"m1",
+            "steps/000000000001/patch.safetensors": b"p",
+            "steps/000000000002/manifest.json": b"m2",
+            "steps/000000000002/model.safetensors": b"a" * 5,
+            "steps/000000000010/manifest.json": b"m10",
+            "steps10/other": b"o",
+            "writers/000000000001.json": b"w1",
+            "writers/000000000002.json": b"w2",
+        }
+        store.put_many(items)
+        for prefix, after in (
+            ("steps/", None),
+            ("steps/", "steps/000000000001/manifest.json"),
+            ("steps/", "steps/000000000002"),
+            ("steps/", "steps/000000000002/manifest.json"),
+            ("steps/", "steps/000000000010/manifest.json"),
+            ("steps/", "steps/9"),
+            ("steps/", ""),
+            ("writers/", "writers/000000000001.json"),
+            ("writers/", "writers/000000000000.json"),
+            ("writers/", "a"),
+            ("writers/", "z"),
+            ("nope/", "a"),
+        ):
+            want = {k: len(v) for k, v in items.items() if k.startswith(prefix) and (after is None or k > after)}
+            got = store.list_after(prefix, after)
+            assert {o.key: o.size for o in got} == want, (prefix, after)
+            assert [o.key for o in got] == sorted(want), (prefix, after)
+
     def test_list_shows_only_objects(self, store: S, tmp_path: Path) -> None:
         store.put("a/b/c", b"1")
         store.put("a/b/d", _as_payload("path", b"22", tmp_path))
