@@ -448,7 +448,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="train a tiny Qwen3 and watch patches land live at http://127.0.0.1:7860")
     d.add_argument(
         "--store",
-        help="store URL (default: ./deltasync-demo, wiped first when training; $DELTASYNC_DEMO_FOLLOW follows that store)",
+        help="store URL (default: ./deltasync-demo). Training needs an empty store or one the demo created "
+        "(emptied first); any other store is refused, never deleted. $DELTASYNC_DEMO_FOLLOW follows that store",
     )
     d.add_argument("--signal-url", help="signal server to wait on for new steps (default: in-process + store polling)")
     d.add_argument("--signal-run", help="run name at the signal server (default demo-<episode>; $DELTASYNC_SIGNAL_RUN)")
@@ -470,7 +471,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--loop",
         type=float,
         metavar="SECONDS",
-        help="when training is done, wait this long, empty the store and train again (default 0: off; $DELTASYNC_DEMO_LOOP)",
+        help="when training is done, wait this long, empty the (demo-created) store and train again "
+        "(default 0: off; $DELTASYNC_DEMO_LOOP)",
     )
     d.set_defaults(fn=cmd_demo)
     return p

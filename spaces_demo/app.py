@@ -13,7 +13,6 @@ import errno
 import json
 import logging
 import os
-import shutil
 import socket
 import sys
 import threading
@@ -30,7 +29,7 @@ from fastapi.staticfiles import StaticFiles
 
 from deltasync.errors import DemoError, StorageError
 from deltasync.storage import Store, open_store
-from spaces_demo.live import DemoOptions, DemoRun
+from spaces_demo.live import DemoOptions, DemoRun, prepare_demo_store
 
 __all__ = ["connect_signal", "create_app", "prepare_store", "run_demo"]
 
@@ -180,20 +179,25 @@ def create_app(run: DemoRun, *, start: bool = True, base_url: str | None = None)
 
 
 def prepare_store(url: str, *, wipe: bool) -> Store:
-    """Open the store; with ``wipe``, empty a local demo store left by an earlier run first.
+    """Open the store; with ``wipe`` (training), mark an empty store as the demo's or empty one the
+    demo created earlier (see :func:`~spaces_demo.live.prepare_demo_store`).
 
-    A non-empty local directory that is not a deltasync store is never touched.
+    Any other non-empty store (someone's run, a directory of files) is refused with a DemoError
+    and left untouched.
     """
     local = "://" not in url or url.startswith("file://")
     if wipe and local:
         path = Path(unquote(urlparse(url).path) if url.startswith("file://") else url)
         if path.exists() and not path.is_dir():
             raise StorageError(f"{path} is a file, not a store directory; pass --store to pick another dir")
-        if path.is_dir() and any(path.iterdir()):
-            if not ((path / "steps").is_dir() or (path / "HEAD.json").exists() or (path / "demo.json").exists()):
-                raise StorageError(f"{path} exists and is not a deltasync store; pass --store to pick another dir")
-            shutil.rmtree(path)
-    return open_store(url)
+    store = open_store(url)
+    if wipe:
+        try:
+            prepare_demo_store(store)
+        except BaseException:
+            store.close()
+            raise
+    return store
 
 
 def _check_port(host: str, port: int) -> None:

@@ -35,18 +35,46 @@ from spaces_demo.toy import PROMPT, TARGET, build_model, greedy, layer_groups, t
 
 __all__ = [
     "DEMO_KEY",
+    "DEMO_MARKER",
     "DemoOptions",
     "DemoRun",
     "StepSignal",
     "bit_snapshot",
     "layer_change",
     "manifest_row",
+    "prepare_demo_store",
 ]
 
 log = logging.getLogger("deltasync.demo")
 
 DEMO_KEY = "demo.json"
 """Store key where the trainer records which toy model it trains (read by followers)."""
+
+DEMO_MARKER = ".deltasync-demo"
+"""Store key the demo writes into an empty store it starts training in. Only a store holding it
+is ever emptied by the demo (at start, and by ``--loop``); the marker itself stays."""
+
+
+def prepare_demo_store(store: Store) -> None:
+    """Make ``store`` ready for a fresh training run, or refuse (DemoError) and touch nothing.
+
+    An empty store gets the demo's marker; a store holding the marker (the demo made it)
+    is emptied except for the marker; any other store (a real run, someone's files) is refused.
+    """
+    keys = [o.key for o in store.list("")]
+    if not keys:
+        store.put(DEMO_MARKER, json.dumps({"created_by": "deltasync demo"}).encode())
+        return
+    if DEMO_MARKER not in keys:
+        raise DemoError(
+            f"{store.url} is not empty and was not created by the demo ({len(keys)} objects, e.g. {keys[0]}); "
+            "the demo trains only into an empty store or one it created, and never deletes anything else: "
+            "pass --store with a new path or an empty directory"
+        )
+    rest = [k for k in keys if k != DEMO_MARKER]
+    if rest:
+        store.delete_many(rest)
+
 
 MAX_NEW_MANIFESTS = 64  # a follower far behind reads only the newest manifests for the charts
 STEP_THROUGH = 16  # up to this many new steps are applied one by one (exact per-step heatmap), more are jumped
@@ -270,10 +298,7 @@ class DemoRun:
             if self._closed:
                 return
             self._stop_threads(timeout)
-            # everything under the store is the demo's own: prepare_store() emptied it at start
-            keys = [o.key for o in self.store.list("")]
-            if keys:
-                self.store.delete_many(keys)
+            prepare_demo_store(self.store)  # empties a store the demo created; refuses any other
             self.episode += 1
             self.hub.reset()
             self._new_episode()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -18,12 +19,14 @@ pytest.importorskip("fastapi", reason="the demo extra is part of the test extra"
 from spaces_demo.hub import Hub  # noqa: E402
 from spaces_demo.live import (  # noqa: E402
     DEMO_KEY,
+    DEMO_MARKER,
     DemoOptions,
     DemoRun,
     StepSignal,
     bit_snapshot,
     layer_change,
     manifest_row,
+    prepare_demo_store,
 )
 from spaces_demo.toy import PROMPT, QA, TARGET, CharTokenizer, build_model, greedy, layer_groups, training_batch  # noqa: E402
 
@@ -253,6 +256,7 @@ def test_follower_mode_applies_what_a_trainer_elsewhere_committed(tmp_path: Path
 
 def test_loop_empties_the_store_and_trains_again() -> None:
     store = ds.MemoryStore()
+    prepare_demo_store(store)  # what `deltasync demo` does to the store it trains in
     run = DemoRun(store, DemoOptions(store_url="memory://l", model="tiny", steps=3, step_interval=0.0, loop=0.01))
 
     async def collect() -> list[dict[str, Any]]:
@@ -280,6 +284,19 @@ def test_loop_empties_the_store_and_trains_again() -> None:
         assert snap["bit_exact"] is True
         assert steps == [0, 1, 2, 3]  # the store was emptied: the second run starts at step 0 again
     assert [c["step"] for c in snap["commits"]] == steps
+    assert store.exists(DEMO_MARKER)  # emptied, but still the demo's
+
+
+def test_loop_refuses_to_empty_a_store_the_demo_did_not_create() -> None:
+    store = ds.MemoryStore()
+    store.put("steps/000000000007/manifest.json", b"someone's run")
+    run = DemoRun(store, DemoOptions(store_url="memory://x", model="tiny", steps=1, step_interval=0.0, loop=0.01))
+    try:
+        with pytest.raises(DemoError, match="not created by the demo"):
+            run.restart()
+    finally:
+        run.stop()
+    assert [o.key for o in store.list()] == ["steps/000000000007/manifest.json"]
 
 
 def _wait_for(pred: Any, timeout: float = RUN_TIMEOUT) -> bool:
@@ -342,28 +359,40 @@ def test_bad_options_raise_demo_error(kw: dict[str, Any], match: str) -> None:
 # ------------------------------------------------------------------ app
 
 
-def test_prepare_store_wipes_only_an_old_demo_store(tmp_path: Path) -> None:
+def test_prepare_store_resets_only_a_store_the_demo_created(tmp_path: Path) -> None:
     from spaces_demo.app import prepare_store
 
     other = tmp_path / "mine"
     other.mkdir()
     (other / "precious.txt").write_text("keep")
-    with pytest.raises(StorageError, match="not a deltasync store"):
+    with pytest.raises(DemoError, match="not created by the demo"):
         prepare_store(str(other), wipe=True)
-    assert (other / "precious.txt").read_text() == "keep"
+    assert sorted(os.listdir(other)) == ["precious.txt"] and (other / "precious.txt").read_text() == "keep"
     (tmp_path / "file").write_text("x")
     with pytest.raises(StorageError, match="is a file"):
         prepare_store(str(tmp_path / "file"), wipe=True)
-    old = tmp_path / "old"
-    store = ds.open_store(str(old))
+    # a run that looks like a demo's (demo.json, steps) but lacks the marker is someone else's
+    run = tmp_path / "run"
+    store = ds.open_store(str(run))
     store.put(DEMO_KEY, b"{}")
     store.put("steps/000000000000/manifest.json", b"{}")
-    prepare_store(f"file://{old}", wipe=True)
-    assert not (old / "steps").exists()
-    store = ds.open_store(str(old))
-    store.put("steps/x", b"1")
-    prepare_store(str(old), wipe=False)  # a follower never wipes
-    assert (old / "steps" / "x").exists()
+    with pytest.raises(DemoError, match="pass --store with a new path or an empty directory"):
+        prepare_store(f"file://{run}", wipe=True)
+    assert [o.key for o in store.list()] == [DEMO_KEY, "steps/000000000000/manifest.json"]
+    # an empty dir (or a new path) becomes the demo's: marked, then reset on the next start
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    prepare_store(str(empty), wipe=True).close()
+    store = ds.open_store(str(empty))
+    assert [o.key for o in store.list()] == [DEMO_MARKER]
+    store.put(DEMO_KEY, b"{}")
+    store.put("steps/000000000000/manifest.json", b"{}")
+    prepare_store(str(empty), wipe=False)  # a follower never resets
+    assert len(store.list()) == 3
+    prepare_store(f"file://{empty}", wipe=True)
+    assert [o.key for o in store.list()] == [DEMO_MARKER]
+    prepare_store(str(tmp_path / "new" / "path"), wipe=True)
+    assert sorted(os.listdir(tmp_path / "new" / "path")) == [".deltasync-demo", ".deltasync-tmp"]
 
 
 def test_app_serves_page_assets_and_state() -> None:

@@ -106,6 +106,60 @@ def test_exit_when_done_then_a_follower_on_the_same_store(demo_factory: Callable
     assert not (tmp_path / "deltasync-demo").exists()  # nothing trained in the default store
 
 
+def _files(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_run_the_demo_did_not_create_is_refused_and_left_untouched(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    import deltasync as ds
+
+    run = tmp_path / "run"
+    with ds.DeltaUploader(ds.open_store(run)) as up:
+        up.push({"w": torch.arange(8, dtype=torch.float32)}, 7).result()
+    before = _files(run)
+    r = subprocess.run(
+        [*deltasync_cmd(), "demo", "--port", str(free_port()), "--no-browser", "--store", str(run), *FAST[:2]],
+        capture_output=True,
+        text=True,
+        timeout=START_TIMEOUT,
+        stdin=subprocess.DEVNULL,
+    )
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.startswith(f"error: {run.as_uri()} is not empty and was not created by the demo"), r.stderr
+    assert r.stderr.rstrip().endswith("pass --store with a new path or an empty directory")
+    assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1
+    assert _files(run) == before  # not a byte deleted, added or changed
+
+
+def test_the_demo_trains_in_an_empty_dir_and_resets_its_own_store(
+    demo_factory: Callable[..., Demo], tmp_path: Path
+) -> None:
+    (tmp_path / "own").mkdir()
+    short = [
+        "--store",
+        "own",
+        "--exit-when-done",
+        "--model",
+        "tiny",
+        "--steps",
+        "3",
+        "--step-interval",
+        "0",
+        "--no-browser",
+    ]
+    first = demo_factory(*short)
+    assert first.proc.wait(timeout=START_TIMEOUT + RUN_TIMEOUT) == 0, first.log()
+    assert (tmp_path / "own" / ".deltasync-demo").is_file()
+    (tmp_path / "own" / "steps" / "000000000099").mkdir()
+    (tmp_path / "own" / "steps" / "000000000099" / "manifest.json").write_bytes(b"left by the first run")
+    second = demo_factory(*short)  # the store is the demo's own: emptied, then trained again
+    assert second.proc.wait(timeout=START_TIMEOUT + RUN_TIMEOUT) == 0, second.log()
+    assert "bit-exact with the trainer's" in second.log()
+    assert not (tmp_path / "own" / "steps" / "000000000099" / "manifest.json").exists()
+    assert (tmp_path / "own" / ".deltasync-demo").is_file()
+
+
 def test_a_taken_port_is_a_one_line_error(tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
