@@ -171,7 +171,9 @@ def _tensor(s: Spec, bits: np.ndarray) -> Any:
 def _bits(t: Any) -> np.ndarray:
     """A copy of a tensor's flat bits as signed integers (0-d and empty tensors included)."""
     flat = t.detach().contiguous().reshape(-1)
-    return flat.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]).numpy().copy()
+    return (
+        flat.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]).numpy().copy()
+    )
 
 
 @dataclass
@@ -634,7 +636,9 @@ def m_semantic_patch(rng: random.Random, case: Case, run: Run) -> None:
 
     files, entries = _rebuild_patch(run, step, edit)
     _replace_patch(case, step, files, entries)
-    case.detail = f"step {step}: patch of {victim!r} rewritten ({op}" + (f" from {other!r})" if op == "swap-tensor" else ")")
+    case.detail = f"step {step}: patch of {victim!r} rewritten ({op}" + (
+        f" from {other!r})" if op == "swap-tensor" else ")"
+    )
 
 
 def m_semantic_manifest(rng: random.Random, case: Case, run: Run) -> None:
@@ -771,7 +775,12 @@ def _same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> list[str]:
 
 
 def _outcome(
-    run: Run, case: Case, op: str, call: Callable[[], int], before: Callable[[], Any], after_ok: Callable[[int], list[str]]
+    run: Run,
+    case: Case,
+    op: str,
+    call: Callable[[], int],
+    before: Callable[[], Any],
+    after_ok: Callable[[int], list[str]],
 ) -> tuple[str, bool]:
     """Run one fetcher call; classify it; return (outcome, exact?) and record failures."""
     snap = before()
@@ -797,16 +806,16 @@ def _outcome(
 def _differs(a: dict[str, Any], b: dict[str, Any]) -> bool:
     if set(a) != set(b):
         return True
-    return any(
-        not (np.array_equal(a[k], b[k]) if isinstance(a[k], np.ndarray) else a[k] == b[k]) for k in a
-    )
+    return any(not (np.array_equal(a[k], b[k]) if isinstance(a[k], np.ndarray) else a[k] == b[k]) for k in a)
 
 
 _CURRENT: list[Tally] = []
 
 
 def case_fail(case: Case, op: str, msg: str) -> None:
-    _CURRENT[-1].failures.append(f"seed {case.seed} [{case.kind}: {case.detail}] {op}: {msg}\n    replay: {replay(case.seed)}")
+    _CURRENT[-1].failures.append(
+        f"seed {case.seed} [{case.kind}: {case.detail}] {op}: {msg}\n    replay: {replay(case.seed)}"
+    )
 
 
 def _dir_state(root: Path) -> dict[str, Any]:

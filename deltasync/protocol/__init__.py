@@ -1,6 +1,7 @@
 """The wire format, protocol v1 (see SPEC.md). Pure: no I/O, no threads, no torch."""
 
 from deltasync.protocol.chain import Committed, FetchPlan, plan_fetch, superseded_by
+from deltasync.protocol.checkpoint import anchor_arrays
 from deltasync.protocol.digests import xxh3_128
 from deltasync.protocol.encoding import EncodedTensor, decode_positions, decode_values, encode_changes
 from deltasync.protocol.keys import (
@@ -27,6 +28,14 @@ from deltasync.protocol.manifest import (
     WriterClaim,
     inventory_digest,
 )
+from deltasync.protocol.patchfile import (
+    DecodedEntry,
+    build_patch_files,
+    check_patch_file,
+    decode_patch,
+    decode_patch_entry,
+    patch_entry_names,
+)
 
 __all__ = [
     "FORMAT_VERSION",
@@ -34,6 +43,7 @@ __all__ = [
     "AnchorEntry",
     "ByteRange",
     "Committed",
+    "DecodedEntry",
     "EncodedTensor",
     "FetchPlan",
     "FileInfo",
@@ -45,6 +55,11 @@ __all__ = [
     "WRITERS_PREFIX",
     "Writer",
     "WriterClaim",
+    "anchor_arrays",
+    "build_patch_files",
+    "check_patch_file",
+    "decode_patch",
+    "decode_patch_entry",
     "decode_positions",
     "decode_values",
     "encode_changes",
@@ -53,6 +68,7 @@ __all__ = [
     "manifest_key",
     "parse_manifest_key",
     "parse_writer_key",
+    "patch_entry_names",
     "plan_fetch",
     "step_prefix",
     "superseded_by",

@@ -63,7 +63,9 @@ def plan_fetch(
     """Plan the cheapest way to ``target_step``.
 
     Walks parent links down from the target (each link must match the parent
-    manifest's digest) until the first anchor. If the current state
+    manifest's digest, and a patch must have its parent's inventory) until the
+    first anchor, so every step of a plan has the inventory of its anchor, whose
+    sizes its bytes bound. If the current state
     ``(have_step, have_digest)`` lies on that walk, patching forward from it is
     one option; loading the nearest anchor at or below the target plus its
     patches is the other. The smaller download wins (ties favour patching).
@@ -96,6 +98,10 @@ def plan_fetch(
             break
         if parent.digest != m.parent_digest:
             reason = f"step {m.step}'s parent digest does not match the manifest of step {m.parent_step}"
+            break
+        if parent.manifest.inventory_digest != m.inventory_digest:
+            # a patch changes values only; its inventory (hence every size it declares) is its parent's
+            reason = f"step {m.step}'s tensor inventory differs from its parent step {m.parent_step}'s"
             break
         if parent.manifest.step == have_step and have_digest in (None, parent.digest):
             steps = tuple(reversed(path))

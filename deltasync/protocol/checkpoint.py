@@ -6,10 +6,14 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from deltasync.protocol.manifest import AnchorEntry, ByteRange, TensorInfo
-from deltasync.protocol.safetensors_io import TensorBytes, encode_header, to_bytes
+import numpy as np
 
-__all__ = ["INDEX_NAME", "build_checkpoint", "group_by_size", "pack_shards", "shard_layout"]
+from deltasync.errors import ProtocolError
+from deltasync.protocol.dtypes import dtype_info
+from deltasync.protocol.manifest import AnchorEntry, ByteRange, Manifest, TensorInfo
+from deltasync.protocol.safetensors_io import StFile, TensorBytes, encode_header, parse_safetensors, to_bytes
+
+__all__ = ["INDEX_NAME", "anchor_arrays", "build_checkpoint", "group_by_size", "pack_shards", "shard_layout"]
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -66,3 +70,45 @@ def build_checkpoint(
     index = {"metadata": {"total_size": sum(t.nbytes for t in items)}, "weight_map": weight_map}
     files[INDEX_NAME] = json.dumps(index, indent=2, sort_keys=True).encode()
     return files, entries
+
+
+def anchor_arrays(m: Manifest, files: Mapping[str, bytes | bytearray | memoryview]) -> dict[str, Any]:
+    """Flat bit arrays (read-only numpy views into ``files``) of every tensor of anchor ``m``.
+
+    ``files`` maps the manifest's files to their downloaded bytes (sizes and digests
+    already checked). Every shard an entry names is parsed as safetensors, and each
+    entry's range must be exactly the data span of the same-named tensor there, with
+    the inventory's dtype and shape (SPEC.md "Anchors"), so an array's size comes from
+    bytes that are present. Anything else is a ProtocolError.
+    """
+    if m.kind != "anchor":
+        raise ProtocolError(f"step {m.step} is a {m.kind}, not an anchor")
+    inv = {t.name: t for t in m.inventory}
+    parsed: dict[str, StFile] = {}
+    out: dict[str, Any] = {}
+    for e in m.entries:
+        if not isinstance(e, AnchorEntry) or e.tensor not in inv:
+            raise ProtocolError(f"step {m.step}: an anchor entry does not name a tensor of the inventory")
+        data = files.get(e.file)
+        if data is None:
+            raise ProtocolError(f"step {m.step}: anchor file {e.file} was not downloaded")
+        st = parsed.get(e.file)
+        if st is None:
+            st = parsed[e.file] = parse_safetensors(data, what=f"step {m.step} {e.file}")
+        info = inv[e.tensor]
+        ent = st.entries.get(e.tensor)
+        if (
+            ent is None
+            or (ent.start, ent.end) != (e.range.start, e.range.end)
+            or ent.dtype != info.dtype
+            or ent.shape != info.shape
+            or e.range.length != info.nbytes
+        ):
+            raise ProtocolError(
+                f"step {m.step}: anchor file {e.file} does not hold {e.tensor!r} where the manifest says"
+            )
+        out[e.tensor] = np.frombuffer(data, dtype=dtype_info(info.dtype).bits, count=info.numel, offset=e.range.start)
+    missing = sorted(set(inv) - set(out))
+    if missing:
+        raise ProtocolError(f"step {m.step}: anchor holds no bytes for tensors {missing[:5]} of its inventory")
+    return out

@@ -86,9 +86,18 @@ def _compress(data: Ints | bytes) -> bytes:
     return _cctx().compress(np.ascontiguousarray(data).data.cast("B") if isinstance(data, np.ndarray) else data)
 
 
+# zstd cannot expand more than this: its densest block (RLE, 4 bytes) yields at most 128 KiB
+ZSTD_MAX_RATIO = 32768
+
+
 def _decompress(blob: bytes | memoryview, expected: int, what: str) -> bytes:
-    if expected == 0 and len(blob) == 0:
+    if expected == 0:
+        if len(blob):
+            raise ProtocolError(f"{what}: {len(blob)} bytes where no zstd frame belongs (nothing to code)")
         return b""
+    if expected > len(blob) * ZSTD_MAX_RATIO:
+        # checked before zstd sees the frame: no output buffer is sized from bytes that are not there
+        raise ProtocolError(f"{what}: {len(blob)} bytes cannot hold {expected} bytes of zstd output")
     try:
         declared = zstandard.frame_content_size(blob)
     except zstandard.ZstdError as exc:

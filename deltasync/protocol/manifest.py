@@ -475,6 +475,8 @@ class Manifest:
                 for r in (e.positions_range, e.values_range):
                     if e.file not in sizes or r.end > sizes[e.file]:
                         raise _err(what, f"patch entry {e.tensor!r} points outside file {e.file!r}")
+                if e.positions == "dense" and e.positions_range.length:
+                    raise _err(what, f"patch entry {e.tensor!r}: dense positions carry no bytes")
         else:
             entries = tuple(AnchorEntry.from_json(e) for e in _list(o["entries"], "entries"))
             if sorted(e.tensor for e in entries) != sorted(names):
