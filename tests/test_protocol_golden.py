@@ -268,3 +268,94 @@ def test_signature_roundtrip_and_tamper() -> None:
     ):
         with pytest.raises(SignatureMismatch):
             tampered.check_signature(GOLDEN_KEY)
+
+
+# ----------------------------------------------------------------- the uploader's real output
+
+WRITER_ID = "0123456789abcdef"
+UPLOADER_ANCHOR_MANIFEST = (
+    b'{"anchor_step":6,"entries":[{"file":"model-00001-of-00001.safetensors","range":[160,224],"tensor":"a"},'
+    b'{"file":"model-00001-of-00001.safetensors","range":[224,352],"tensor":"b"}],'
+    b'"files":[{"path":"model-00001-of-00001.safetensors","size":352,"xxh3_128":"f736e2b2a79e4197df70e79d27ee5e2f"},'
+    b'{"path":"model.safetensors.index.json","size":157,"xxh3_128":"778e0171526a7ac3cffa8de9b97932ff"}],'
+    b'"format_version":1,"inventory":[{"dtype":"BF16","name":"a","shape":[4,8]},'
+    b'{"dtype":"BF16","name":"b","shape":[8,8]}],"inventory_digest":"b908d424c1b631a1056774eab2ac0122",'
+    b'"kind":"anchor","parent_digest":null,"parent_step":null,"run_id":"golden-run",'
+    b'"stats":{"changed":96,"nbytes":509,"total":96},"step":6,'
+    b'"tensor_digests":{"a":"da6c9e4b687342c81dd7ce2ac604785c","b":"40f8621420eaf2211c7dc0e745a9b352"},'
+    b'"writer":{"epoch":1,"id":"0123456789abcdef"}}'
+)
+UPLOADER_PATCH_MANIFEST = (
+    b'{"anchor_step":6,"entries":[{"count":3,"file":"patch-00000.safetensors","positions":"rice",'
+    b'"positions_range":[320,324],"rice_k":3,"tensor":"a","values":"raw","values_range":[324,339]},'
+    b'{"count":16,"file":"patch-00000.safetensors","positions":"rice","positions_range":[339,345],'
+    b'"rice_k":1,"tensor":"b","values":"xor-rank","values_range":[345,376]}],'
+    b'"files":[{"path":"patch-00000.safetensors","size":376,"xxh3_128":"c44f18309ce1fd33b65f6e61d7ecbd43"}],'
+    b'"format_version":1,"inventory":[{"dtype":"BF16","name":"a","shape":[4,8]},'
+    b'{"dtype":"BF16","name":"b","shape":[8,8]}],"inventory_digest":"b908d424c1b631a1056774eab2ac0122",'
+    b'"kind":"patch","parent_digest":"cc68b65e0d50f822a2ef2651da83fd6c","parent_step":6,"run_id":"golden-run",'
+    b'"stats":{"changed":19,"nbytes":376,"total":96},"step":7,'
+    b'"tensor_digests":{"a":"8bed3924046de2eba8c8f841ddffd2b2","b":"d8cef1d4b31508383c101efb4a4bf0cb"},'
+    b'"writer":{"epoch":1,"id":"0123456789abcdef"}}'
+)
+UPLOADER_HEAD = (
+    b'{"format_version":1,"manifest_digest":"3467c409a49a1a6ebdfa1d1aa7da1036","run_id":"golden-run","step":7}'
+)
+UPLOADER_CLAIM = b'{"after_step":null,"epoch":1,"format_version":1,"writer":"0123456789abcdef"}'
+
+
+def test_uploader_output_is_frozen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeltaUploader's REAL objects for a tiny bf16 state pushed twice, to the byte.
+
+    The run id is an option; the writer id is random by nature (a uuid4), so it is
+    fixed here by patching ``uuid.uuid4``. Everything else is a pure function of
+    the two states: the step-7 patch file is exactly GOLDEN_FILE above.
+    """
+    import uuid
+
+    torch = pytest.importorskip("torch")
+    import deltasync as ds
+
+    def state(a: np.ndarray, b: np.ndarray) -> dict[str, object]:
+        return {
+            "a": torch.from_numpy(a.copy()).view(torch.bfloat16).reshape(4, 8),
+            "b": torch.from_numpy(b.copy()).view(torch.bfloat16).reshape(8, 8),
+        }
+
+    monkeypatch.setattr(uuid, "uuid4", lambda: uuid.UUID(WRITER_ID * 2))
+    store = ds.MemoryStore("golden")
+    with ds.DeltaUploader(store, run_id="golden-run", encode_threads=1) as up:
+        assert up.push(state(A_OLD, B_OLD), 6).result(30).kind == "anchor"
+        assert up.push(state(A_NEW, B_NEW), 7).result(30).kind == "patch"
+    objs = store.get_many([o.key for o in store.list("")])
+    assert sorted(objs) == [
+        "HEAD.json",
+        "steps/000000000006/manifest.json",
+        "steps/000000000006/model-00001-of-00001.safetensors",
+        "steps/000000000006/model.safetensors.index.json",
+        "steps/000000000007/manifest.json",
+        "steps/000000000007/patch-00000.safetensors",
+        "writers/000000000001.json",
+    ]
+    assert objs["steps/000000000007/patch-00000.safetensors"] == GOLDEN_FILE
+    assert objs["steps/000000000006/manifest.json"] == UPLOADER_ANCHOR_MANIFEST
+    assert xxh3_128(UPLOADER_ANCHOR_MANIFEST) == "cc68b65e0d50f822a2ef2651da83fd6c"
+    assert objs["steps/000000000007/manifest.json"] == UPLOADER_PATCH_MANIFEST
+    assert objs["HEAD.json"] == UPLOADER_HEAD
+    assert xxh3_128(UPLOADER_PATCH_MANIFEST) == "3467c409a49a1a6ebdfa1d1aa7da1036"
+    assert objs["writers/000000000001.json"] == UPLOADER_CLAIM
+    # the anchor is an ordinary checkpoint of the first state
+    st = parse_safetensors(objs["steps/000000000006/model-00001-of-00001.safetensors"])
+    a = st.entries["a"]
+    assert (a.dtype, a.shape) == ("BF16", (4, 8))
+    raw = objs["steps/000000000006/model-00001-of-00001.safetensors"][a.start : a.end]
+    assert np.frombuffer(raw, "<i2").tolist() == A_OLD.tolist()
+    # and the patch decodes through the protocol's patch-file reader
+    from deltasync.protocol import decode_patch
+
+    m = Manifest.from_json(UPLOADER_PATCH_MANIFEST)
+    decoded = decode_patch(m, {PATCH_FILE: GOLDEN_FILE})
+    assert [(d.tensor, d.coding, d.idx.tolist()) for d in decoded] == [
+        ("a", "raw", A_IDX.tolist()),
+        ("b", "xor-rank", B_IDX.tolist()),
+    ]
