@@ -260,3 +260,11 @@ def test_a_patch_with_another_inventory_breaks_the_chain() -> None:
     same = dataclasses.replace(_patch_manifest(1, files, entries), parent_step=0, parent_digest=a.digest)
     ok = Committed(same, xxh3_128(same.to_json()))
     assert plan_fetch({0: a, 1: ok}, 1).steps == (0, 1)
+
+
+def test_a_count_the_value_bytes_cannot_code_is_refused_by_the_manifest() -> None:
+    m, _, entries, _ = _one_file()
+    e = entries[0]
+    tiny = dataclasses.replace(e, count=32, values_range=ByteRange(e.values_range.start, e.values_range.start))
+    with pytest.raises(ProtocolError, match="cannot code"):
+        Manifest.from_json(dataclasses.replace(m, entries=(tiny, *entries[1:])).to_json())

@@ -33,6 +33,7 @@ import numpy as np
 import zstandard
 
 from deltasync.errors import ProtocolError
+from deltasync.protocol.manifest import ZSTD_MAX_RATIO
 
 __all__ = [
     "EncodedTensor",
@@ -84,10 +85,6 @@ class EncodedTensor:
 
 def _compress(data: Ints | bytes) -> bytes:
     return _cctx().compress(np.ascontiguousarray(data).data.cast("B") if isinstance(data, np.ndarray) else data)
-
-
-# zstd cannot expand more than this: its densest block (RLE, 4 bytes) yields at most 128 KiB
-ZSTD_MAX_RATIO = 32768
 
 
 def _decompress(blob: bytes | memoryview, expected: int, what: str) -> bytes:

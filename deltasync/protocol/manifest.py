@@ -32,6 +32,7 @@ __all__ = [
 FORMAT_VERSION = 1
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 MAX_HEAD_BYTES = 64 * 1024
+ZSTD_MAX_RATIO = 32768  # no zstd frame expands more: its densest block (RLE, 4 bytes) yields at most 128 KiB
 Kind = Literal["anchor", "patch"]
 _HEX32 = frozenset("0123456789abcdef")
 
@@ -477,6 +478,12 @@ class Manifest:
                         raise _err(what, f"patch entry {e.tensor!r} points outside file {e.file!r}")
                 if e.positions == "dense" and e.positions_range.length:
                     raise _err(what, f"patch entry {e.tensor!r}: dense positions carry no bytes")
+                if e.count > 2 * ZSTD_MAX_RATIO * e.values_range.length:
+                    # every value costs at least half a byte of one zstd frame's output
+                    raise _err(
+                        what,
+                        f"patch entry {e.tensor!r}: {e.values_range.length} value bytes cannot code {e.count} elements",
+                    )
         else:
             entries = tuple(AnchorEntry.from_json(e) for e in _list(o["entries"], "entries"))
             if sorted(e.tensor for e in entries) != sorted(names):
