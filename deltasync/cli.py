@@ -1,6 +1,7 @@
 """Command line: ``deltasync {fetch,follow,inspect,serve,demo}`` and ``delta-upload``.
 
-Errors print as one ``error: ...`` line on stderr with a non-zero exit status.
+Errors print as one ``error: ...`` line on stderr with a non-zero exit status. Ctrl-C exits
+130, except in ``delta-upload`` once its step is committed: it says so and exits 0.
 Environment variables are read here only: DELTASYNC_SIGNING_KEY (HMAC key for
 manifests), XDG_CACHE_HOME (where delta-upload keeps its baseline cache). For
 s3:// stores the S3 client takes the usual AWS_* variables: AWS_ENDPOINT_URL
@@ -11,6 +12,8 @@ Signal server tokens: DELTASYNC_PUBLISH_TOKEN / DELTASYNC_SUBSCRIBE_TOKEN (
 ``follow --signal`` the subscribe token, or the publish token when that is unset).
 DELTASYNC_DEMO_FOLLOW, DELTASYNC_SIGNAL_URL and DELTASYNC_DEMO_LOOP (``deltasync demo``
 in a Space: follow that store / signal server instead of training here; retrain after N s).
+DELTASYNC_TEST_CACHE_GATE is a test hook: ``delta-upload`` holds after its commit, its cache
+half written, until that file exists.
 """
 
 from __future__ import annotations

@@ -125,7 +125,7 @@ class SpyStore(Store):
     when the uploader's writes may proceed). ``fail``: a predicate over the keys of a
     ``put_many`` call; when it returns True the call raises StorageError instead.
     ``delay``: seconds every ``put_many`` sleeps first. Writer claims (``writers/``, written
-    when an uploader starts) pass straight through, unrecorded.
+    by an uploader's first push) pass straight through, unrecorded.
     """
 
     def __init__(self, inner: Store) -> None:

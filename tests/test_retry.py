@@ -31,7 +31,7 @@ class FlakyStore(SpyStore):
         self.calls = 0
 
     def put_many(self, items: Mapping[str, Data], *, mode: PutMode = "overwrite") -> None:
-        if all(k.startswith("writers/") for k in items):  # the writer claim at construction
+        if all(k.startswith("writers/") for k in items):  # the writer claim (first push)
             super().put_many(items, mode=mode)
             return
         self.calls += 1

@@ -458,43 +458,66 @@ def test_unknown_query_parameters_are_refused(client: TestClient) -> None:
     assert client.get("/v1/runs/r/wait", params={"after": 3, "timeout": 0}, headers=auth(SUB)).status_code == 204
 
 
-def test_follow_with_an_unreachable_server_polls_at_its_interval() -> None:
+class FakeClock(threading.Event):
+    """A ``stop`` Event for follow() that is also its clock: each ``wait(t)`` advances ``now`` by ``t``
+    at once (recorded in ``waits``); the Event sets itself after ``ticks`` waits."""
+
+    def __init__(self, ticks: int) -> None:
+        super().__init__()
+        self.now = 1000.0
+        self.ticks = ticks
+        self.waits: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def wait(self, timeout: float | None = None) -> bool:
+        assert timeout is not None and timeout > 0, "follow() must never wait unbounded or spin"
+        self.waits.append(timeout)
+        self.now += timeout
+        if len(self.waits) >= self.ticks:
+            self.set()
+        return self.is_set()
+
+
+def test_follow_with_an_unreachable_server_polls_at_its_interval(monkeypatch: pytest.MonkeyPatch) -> None:
     from deltasync import DeltaFetcher
+    from deltasync.fetcher import _follow
     from deltasync.fetcher._follow import FollowStats
 
     def down(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("connection refused", request=request)
 
-    stop = threading.Event()
+    clock = FakeClock(ticks=6)
+    monkeypatch.setattr(_follow, "time", clock)  # follow()'s monotonic() is the fake clock's
     stats = FollowStats()
-    timer = threading.Timer(0.6, stop.set)
-    timer.start()
     got = DeltaFetcher(MemoryStore("empty")).follow(
         {},
         signal_url="http://127.0.0.1:9",
-        stop=stop,
+        stop=clock,
         poll_interval=0.1,
         reconnect_backoff=(0.05, 0.2),
         transport=httpx.MockTransport(down),
         stats=stats,
     )
-    timer.join()
     assert got is None  # an empty run: nothing to apply, no error
-    assert 1 <= stats.polls <= 12  # paced by poll_interval, not a busy loop
+    # paced by poll_interval, not a busy loop: one store poll per wait of poll_interval (plus the first)
+    assert clock.waits == [0.1] * 6 and stats.polls == 7
     # with a run name the stream is tried (and fails) with backoff, polling in between
-    stop.clear()
+    clock = FakeClock(ticks=8)
+    monkeypatch.setattr(_follow, "time", clock)
     stats = FollowStats()
-    timer = threading.Timer(0.6, stop.set)
-    timer.start()
     DeltaFetcher(MemoryStore("empty")).follow(
         {},
         signal_url="http://127.0.0.1:9",
         run="r",
-        stop=stop,
+        stop=clock,
         poll_interval=0.1,
         reconnect_backoff=(0.05, 0.2),
         transport=httpx.MockTransport(down),
         stats=stats,
     )
-    timer.join()
-    assert 1 <= stats.signal_failures <= 12 and 1 <= stats.polls <= 20
+    assert stats.polls == len(clock.waits) + 1 == 9  # the store is polled between reconnects
+    assert all(0 < w <= 0.1 for w in clock.waits)  # never longer than poll_interval, never a spin
+    # reconnects back off (0.05, 0.1, 0.2, 0.2 ... of fake time), so they get rarer than the polls
+    assert 2 <= stats.signal_failures < stats.polls

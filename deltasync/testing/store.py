@@ -566,15 +566,16 @@ class StoreTests(ABC, Generic[S]):
         try:
             assert first.push(state(0), 0).result(60).kind == "anchor"
             assert first.push(state(1), 1).result(60).kind == "patch"
-            second = DeltaUploader(store, anchor_every=100)  # takes over after step 1
+            second = DeltaUploader(store, anchor_every=100)  # claims the run on its first push
             try:
+                assert second.epoch == 0
+                assert second.push(state(2), 2).result(60).kind == "anchor"  # takes over after step 1
                 assert second.epoch == first.epoch + 1
                 with pytest.raises(WriterFenced, match="took over"):
-                    first.push(state(2), 2).result(60)
+                    first.push(state(3), 3).result(60)  # its data files are written, its manifest is not
                 with pytest.raises(WriterFenced):
-                    first.push(state(3), 3)  # fenced for good: push refuses at once
-                assert second.push(state(2), 2).result(60).kind == "anchor"
-                assert second.push(state(5), 3).result(60).kind == "patch"
+                    first.push(state(4), 4)  # fenced for good: push refuses at once
+                assert second.push(state(5), 3).result(60).kind == "patch"  # over first's leftovers
             finally:
                 second.close()
         finally:
