@@ -98,11 +98,11 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from deltasync.fetcher._reader import StepReader
+    from deltasync.storage import RunReader
 
     with open_store(args.url) as store:
         _require_run(store)
-        reader = StepReader(store, verify=False, signing_key=None)
+        reader = RunReader(store)
         steps = reader.steps()
         if not steps:
             print(f"{store.url}: no committed steps")
