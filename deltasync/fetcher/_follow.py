@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from deltasync.errors import DeltaSyncError, InventoryMismatch, SignalError, SignalRejected, StorageError
-from deltasync.protocol import Head, Manifest, manifest_key
+from deltasync.protocol import Head
 from deltasync.protocol.keys import HEAD_KEY
 
 if TYPE_CHECKING:
@@ -159,7 +159,7 @@ def follow(
         try:
             latest = fetcher.latest_step()
             if latest is not None:
-                return Manifest.from_json(fetcher.store.get(manifest_key(latest))).run_id
+                return fetcher.reader.committed(latest).manifest.run_id
         except DeltaSyncError:
             pass
         return None
