@@ -1,0 +1,89 @@
+"""Request and response bodies of the signal server (pydantic models)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+
+from deltasync.protocol.keys import MAX_STEP
+from deltasync.server._db import Commit, Webhook
+from deltasync.server._settings import DIGEST_PATTERN
+
+__all__ = ["CommitIn", "CommitOut", "Problem", "StepNo", "WebhookIn", "WebhookOut", "commit_out", "webhook_out"]
+
+
+def _json_integer(v: Any) -> Any:
+    # JSON Schema counts 7.0 as an integer; strings and fractions stay rejected (strict models)
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+#: A step number in a JSON body (``7.0`` counts as ``7``; the range is checked by each field).
+StepNo = Annotated[int, BeforeValidator(_json_integer)]
+
+
+class CommitIn(BaseModel):
+    """Body of ``POST /v1/runs/{run}/commits``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    step: StepNo = Field(ge=0, le=MAX_STEP)
+    manifest_digest: str = Field(pattern=DIGEST_PATTERN, description="xxh3-128 of the step's manifest.json")
+    run_id: str | None = Field(default=None, max_length=128, pattern=r"^[\x21-\x7e]+$")
+    kind: Literal["anchor", "patch"] | None = None
+
+
+class CommitOut(BaseModel):
+    """A signalled commit; its SSE event id is ``step``."""
+
+    run: str
+    step: int
+    manifest_digest: str
+    run_id: str | None
+    kind: str | None
+    time: float
+
+
+class WebhookIn(BaseModel):
+    """Body of ``POST /v1/runs/{run}/webhooks``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    url: str = Field(
+        max_length=2048,
+        pattern=r"^https?://[A-Za-z0-9._~-]+(:[0-9]{1,5})?(/[\x21-\x7e]*)?$",
+        description="http(s) URL that receives signed POSTs",
+    )
+    secret: str = Field(min_length=16, max_length=256, description="HMAC-SHA256 key of the signatures")
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https") or not parts.hostname or not v.isprintable() or " " in v:
+            raise ValueError("url must be an absolute http:// or https:// URL")
+        return v
+
+
+class WebhookOut(BaseModel):
+    """A registered webhook (its secret is never sent back)."""
+
+    id: str
+    run: str
+    url: str
+    created: float
+
+
+class Problem(BaseModel):
+    """An error reply."""
+
+    detail: str
+
+
+def commit_out(c: Commit) -> CommitOut:
+    """The reply body of a recorded commit."""
+    return CommitOut(**c.to_dict())  # type: ignore[arg-type]
+
+
+def webhook_out(w: Webhook) -> WebhookOut:
+    """The reply body of a registered webhook (without its secret)."""
+    return WebhookOut(id=w.id, run=w.run, url=w.url, created=w.created)
