@@ -263,6 +263,7 @@ def _instrument(phases: Phases, up: Any, fetcher: Any, up_store: Any, fetch_stor
     """Wrap the functions whose time the breakdown table reports (names as of deltasync 0.1)."""
     import deltasync.fetcher._fetcher as ffetcher
     import deltasync.fetcher._reader as freader
+    import deltasync.protocol.patchfile as fpatch
     import deltasync.uploader._commit as ucommit
     import deltasync.uploader._uploader as uupl
 
@@ -281,9 +282,9 @@ def _instrument(phases: Phases, up: Any, fetcher: Any, up_store: Any, fetch_stor
     phases.wrap(fetcher.reader, "chain", "fetch.manifests")
     phases.wrap(fetch_store, "get_many", "fetch.store_read")
     phases.wrap(freader, "xxh3_128", "fetch.file_xxh3")
-    phases.wrap(freader.StepDecoder, "decode_patch", "fetch.decode")
-    phases.wrap(freader, "decode_positions", "fetch.decode_positions")
-    phases.wrap(freader, "decode_values", "fetch.decode_values")
+    phases.wrap(ffetcher, "decode_patch", "fetch.decode")
+    phases.wrap(fpatch, "decode_positions", "fetch.decode_positions")
+    phases.wrap(fpatch, "decode_values", "fetch.decode_values")
     phases.wrap(ffetcher, "apply_changes", "fetch.apply_patch")
     phases.wrap(ffetcher, "check_digests", "fetch.verify_digests")
 

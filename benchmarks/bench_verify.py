@@ -54,7 +54,7 @@ def main() -> None:
         fetcher.sync(target, step=0)
         secs = []
         for s in range(1, a.steps + 1):
-            secs.append(_time(lambda s=s: fetcher.sync(target, step=s)))
+            secs.append(_time(lambda s=s, f=fetcher, t=target: f.sync(t, step=s)))
             assert all(torch.equal(target[k].view(torch.int16), states[s][k].view(torch.int16)) for k in target)
         rows.append((str(verify), statistics.median(secs)))
     print(f"state {nbytes / 1e9:.2f} GB bf16, {a.density:.1%} of elements change per step, {a.steps} steps (medians)")

@@ -43,9 +43,9 @@ def test_core_runs_on_a_tiny_model(bench: Any, tmp_path: Path) -> None:
     import deltasync.fetcher._fetcher as ffetcher
     import deltasync.uploader._uploader as uupl
 
-    originals = (uupl.diff_tensor, ffetcher.apply_patch)
+    originals = (uupl.diff_tensor, ffetcher.apply_changes)
     res = bench.run(cfg, quiet=True)
-    assert (uupl.diff_tensor, ffetcher.apply_patch) == originals  # the timing wrappers are removed again
+    assert (uupl.diff_tensor, ffetcher.apply_changes) == originals  # the timing wrappers are removed again
     recs = res.records
     assert [r.step for r in recs] == [1, 2]
     for r in recs:

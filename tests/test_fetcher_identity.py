@@ -12,13 +12,14 @@ import json
 import random
 from typing import Any
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
 import deltasync as ds  # noqa: E402
 from deltasync.errors import ChecksumMismatch  # noqa: E402
-from deltasync.protocol import manifest_key  # noqa: E402
+from deltasync.protocol import build_patch_files, encode_changes, manifest_key, xxh3_128  # noqa: E402
 
 STEPS = 8
 
@@ -127,8 +128,23 @@ def test_module_target_and_rebound_parameter(run: ds.MemoryStore) -> None:
 def test_dropped_patch_entry_is_a_checksum_mismatch(run: ds.MemoryStore) -> None:
     """A patch whose entries omit a tensor its digests say changed is refused; the target is untouched."""
     store = _copy(run)
+    # a consistent lie: the patch file is rebuilt without v's blobs, sizes and checksums fixed up,
+    # while the manifest's tensor digest of v still says that v changed
     body = json.loads(store.get(manifest_key(5)))
-    body["entries"] = [e for e in body["entries"] if e["tensor"] != "v"]
+    items = []
+    old, new = _state(4), _state(5)
+    w_old, w_new = old["w"].view(torch.int16).numpy(), new["w"].view(torch.int16).numpy()
+    idx = np.flatnonzero(w_old != w_new).astype(np.int64)
+    items.append(("w", encode_changes(w_old.size, idx, w_old[idx], w_new[idx])))
+    files, entries = build_patch_files(5, items, 1 << 30)
+    for f in body["files"]:
+        store.delete_many([f"steps/{5:012d}/{f['path']}"])
+    body["files"] = []
+    for name, data in files.items():
+        store.put(f"steps/{5:012d}/{name}", data)
+        body["files"].append({"path": name, "size": len(data), "xxh3_128": xxh3_128(data)})
+    body["entries"] = [e.to_json() for e in entries]
+    body["stats"]["nbytes"] = sum(len(d) for d in files.values())
     store.put(manifest_key(5), json.dumps(body).encode())
     fetcher = ds.DeltaFetcher(store)
     target = {k: v.clone() for k, v in _state(0).items()}

@@ -9,8 +9,7 @@ from typing import Any
 import numpy as np
 
 from deltasync.errors import ChecksumMismatch, InventoryMismatch
-from deltasync.fetcher._reader import DecodedChange
-from deltasync.protocol import Manifest, TensorInfo
+from deltasync.protocol import DecodedEntry, Manifest, TensorInfo
 from deltasync.protocol.digests import xxh3_128_array
 from deltasync.protocol.encoding import apply_values
 
@@ -141,7 +140,7 @@ def alias_groups(slots: Mapping[str, Slot]) -> dict[str, str]:
     return out
 
 
-def changed_names(m: Manifest, parent: Manifest | None, changes: Sequence[DecodedChange]) -> list[str]:
+def changed_names(m: Manifest, parent: Manifest | None, changes: Sequence[DecodedEntry]) -> list[str]:
     """Tensors that step ``m`` changes: those it has entries for, plus every tensor whose digest
     differs from its parent's (a tensor the manifest says changed but whose entry is missing is
     still proven). Without the parent's digests every digested tensor counts."""
@@ -160,7 +159,7 @@ def check_digests(slots: Mapping[str, Slot], names: Sequence[str], m: Manifest) 
             raise ChecksumMismatch(f"step {m.step}: tensor {name!r} is not bit-exact after applying (digest mismatch)")
 
 
-def check_aliases(slots: Mapping[str, Slot], m: Manifest, changes: Sequence[DecodedChange]) -> None:
+def check_aliases(slots: Mapping[str, Slot], m: Manifest, changes: Sequence[DecodedEntry]) -> None:
     """Tied tensors (one memory, several names) must receive identical changes."""
     by_name = {c.tensor: c for c in changes}
     for name, primary in alias_groups(slots).items():
@@ -212,7 +211,7 @@ class Undo:
         self._log.clear()
 
 
-def apply_changes(slots: Mapping[str, Slot], changes: Sequence[DecodedChange], undo: Undo) -> None:
+def apply_changes(slots: Mapping[str, Slot], changes: Sequence[DecodedEntry], undo: Undo) -> None:
     """Apply a decoded patch in place (tied names once), logging into ``undo``."""
     alias = alias_groups(slots)
     for c in changes:

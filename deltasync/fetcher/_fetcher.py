@@ -30,8 +30,8 @@ from deltasync.fetcher._apply import (
     check_inventory,
 )
 from deltasync.fetcher._follow import follow as _follow
-from deltasync.fetcher._reader import DecodedChange, StepDecoder, download
-from deltasync.protocol import Committed, FetchPlan, Manifest, TensorInfo
+from deltasync.fetcher._reader import download
+from deltasync.protocol import Committed, DecodedEntry, FetchPlan, Manifest, TensorInfo, anchor_arrays, decode_patch
 from deltasync.protocol.checkpoint import INDEX_NAME, build_checkpoint
 from deltasync.protocol.digests import xxh3_128_array
 from deltasync.protocol.dtypes import dtype_info
@@ -116,7 +116,7 @@ class _Loaded:
 
     steps: tuple[Committed, ...]
     anchor: Mapping[str, Bits] | None
-    patches: tuple[tuple[Manifest, tuple[DecodedChange, ...], tuple[str, ...]], ...]
+    patches: tuple[tuple[Manifest, tuple[DecodedEntry, ...], tuple[str, ...]], ...]
 
 
 class DeltaFetcher:
@@ -213,9 +213,9 @@ class DeltaFetcher:
         for c, f in zip(steps, files, strict=True):
             m = c.manifest
             if m.kind == "anchor":
-                anchor = StepDecoder.anchor_arrays(m, f)
+                anchor = anchor_arrays(m, f)
             else:
-                changes = tuple(StepDecoder.decode_patch(m, f))
+                changes = tuple(decode_patch(m, f))
                 patches.append((m, changes, tuple(changed_names(m, parent, changes))))
             parent = m
         return _Loaded(steps, anchor, tuple(patches))
