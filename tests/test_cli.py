@@ -229,3 +229,19 @@ def test_a_refused_upload_leaves_no_writer_claim(tmp_path: Path) -> None:
     assert "Traceback" not in r.stderr
     assert claims(store_dir) == ["000000000001.json"]  # neither refusal claimed the run
     assert ds.DeltaFetcher(ds.open_store(store_dir)).steps() == [10]
+
+
+def test_what_an_interrupted_upload_reports_comes_from_its_commit_future() -> None:
+    """Ctrl-C before the push, after a failed commit, or after a landed one (the subprocess test covers the last)."""
+    from concurrent.futures import Future
+
+    from deltasync.cli import _interrupted_commit
+    from deltasync.errors import CommitFailed
+
+    assert _interrupted_commit(None, 5) == (None, False)  # interrupted before pushing: nothing committed
+    failed: Future[object] = Future()
+    failed.set_exception(CommitFailed("step 5: commit failed"))
+    assert _interrupted_commit(failed, 5) == (None, False)
+    landed: Future[object] = Future()
+    landed.set_result("info")
+    assert _interrupted_commit(landed, 5) == ("info", False)
