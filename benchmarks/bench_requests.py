@@ -94,13 +94,17 @@ def main() -> None:
     p.add_argument("--steps", default="10,100,1000")
     p.add_argument("--sessions", default="1,10,100,1000")
     a = p.parse_args()
-    print(f"{'steps':>6} {'sessions':>8} | {'fresh: round trips':>18} {'objects':>7} | {'1 behind: round trips':>21} {'objects':>7}")
+    print(
+        f"{'steps':>6} {'sessions':>8} | {'fresh: round trips':>18} {'objects':>7} | {'1 behind: round trips':>21} {'objects':>7}"
+    )
     for steps in (int(x) for x in a.steps.split(",")):
         for sessions in (int(x) for x in a.sessions.split(",")):
             if sessions > steps:
                 continue
             c = measure(steps, sessions)
-            print(f"{steps:>6} {sessions:>8} | {c.fresh:>18} {c.fresh_objects:>7} | {c.behind:>21} {c.behind_objects:>7}")
+            print(
+                f"{steps:>6} {sessions:>8} | {c.fresh:>18} {c.fresh_objects:>7} | {c.behind:>21} {c.behind_objects:>7}"
+            )
 
 
 if __name__ == "__main__":

@@ -45,7 +45,9 @@ def main() -> None:
     nbytes = sum(v.numel() * 2 for v in state.values())
     flat = [v.view(torch.int16).numpy() for v in state.values()]
     dst = [np.empty_like(x) for x in flat]
-    memcpy = statistics.median(_time(lambda: [np.copyto(d, x) for d, x in zip(dst, flat, strict=True)]) for _ in range(5))
+    memcpy = statistics.median(
+        _time(lambda: [np.copyto(d, x) for d, x in zip(dst, flat, strict=True)]) for _ in range(5)
+    )
     hash_pass = statistics.median(_time(lambda: [xxh3_128_array(x) for x in flat]) for _ in range(5))
     rows = []
     for verify in (False, True, "full"):
@@ -58,8 +60,10 @@ def main() -> None:
             assert all(torch.equal(target[k].view(torch.int16), states[s][k].view(torch.int16)) for k in target)
         rows.append((str(verify), statistics.median(secs)))
     print(f"state {nbytes / 1e9:.2f} GB bf16, {a.density:.1%} of elements change per step, {a.steps} steps (medians)")
-    print(f"memcpy of the weights {memcpy * 1e3:.0f} ms ({nbytes / memcpy / 1e9:.1f} GB/s); "
-          f"one xxh3-128 pass {hash_pass * 1e3:.0f} ms ({nbytes / hash_pass / 1e9:.1f} GB/s)")
+    print(
+        f"memcpy of the weights {memcpy * 1e3:.0f} ms ({nbytes / memcpy / 1e9:.1f} GB/s); "
+        f"one xxh3-128 pass {hash_pass * 1e3:.0f} ms ({nbytes / hash_pass / 1e9:.1f} GB/s)"
+    )
     print(f"{'verify':>8} | {'sync 1 behind':>13} | {'x memcpy':>8} | {'x False':>7}")
     base = rows[0][1]
     for name, t in rows:

@@ -53,7 +53,10 @@ def test_polling_an_unchanged_run_lists_only(bench: Any) -> None:
 def test_fresh_reader_without_head_lists_the_run_once(bench: Any) -> None:
     """HEAD is a hint: without it (or with a lying one) the reader lists everything and is still right."""
     store, stream = bench.build_run(60, 2)
-    for head in (None, b'{"format_version": 1, "step": 999999, "manifest_digest": "' + b"0" * 32 + b'", "run_id": "x"}'):
+    for head in (
+        None,
+        b'{"format_version": 1, "step": 999999, "manifest_digest": "' + b"0" * 32 + b'", "run_id": "x"}',
+    ):
         if head is None:
             store.delete_many(["HEAD.json"])
         else:

@@ -374,7 +374,10 @@ class DeltaFetcher:
         if held is None:
             return None
         live = _live_tensors(target)
-        slots = {n: NumpySlot(numpy_bits(t)) if t.device.type == "cpu" else TorchSlot(flat_bits(t, copy_if_needed=False)) for n, t in live.items()}
+        slots = {
+            n: NumpySlot(numpy_bits(t)) if t.device.type == "cpu" else TorchSlot(flat_bits(t, copy_if_needed=False))
+            for n, t in live.items()
+        }
         return held.step if held.same(target, live, slots) else None
 
     # --------------------------------------------------------- materialize
