@@ -22,6 +22,7 @@ Plain ``http://`` is allowed for loopback endpoints without asking.
 
 from __future__ import annotations
 
+import builtins
 import concurrent.futures
 import functools
 import ipaddress
@@ -393,7 +394,7 @@ class S3Store(Store):
             (ObjectInfo(o["path"], o["size"]) for o in found if o["path"].startswith(prefix)), key=lambda o: o.key
         )
 
-    def list_after(self, prefix: str, start_after: str | None) -> list[ObjectInfo]:
+    def list_after(self, prefix: str, start_after: str | None) -> builtins.list[ObjectInfo]:
         # docstring inherited
         if start_after is None:
             return self.list(prefix)

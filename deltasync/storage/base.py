@@ -7,6 +7,7 @@ many objects at once; backends are free to parallelise inside. Keys are
 
 from __future__ import annotations
 
+import builtins
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -89,7 +90,7 @@ class Store(ABC):
     def delete_many(self, keys: Sequence[str]) -> None:
         """Delete objects; missing keys are ignored."""
 
-    def list_after(self, prefix: str, start_after: str | None) -> list[ObjectInfo]:
+    def list_after(self, prefix: str, start_after: str | None) -> builtins.list[ObjectInfo]:
         """Like :meth:`list`, but only keys sorting strictly after ``start_after``.
 
         Readers use it to list only what is new since their last listing. The

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import threading
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -55,7 +56,7 @@ class CountingStore(Store):
         self._count("list")
         return self.inner.list(prefix)
 
-    def list_after(self, prefix: str, start_after: str | None) -> list[ObjectInfo]:
+    def list_after(self, prefix: str, start_after: str | None) -> builtins.list[ObjectInfo]:
         # docstring inherited
         self._count("list")
         return self.inner.list_after(prefix, start_after)
