@@ -232,15 +232,14 @@ def test_keys_with_unusual_characters(store: S3Store) -> None:
 # -- errors: every failure is a deltasync StorageError, in bounded time ---------------------
 
 
+@pytest.mark.timeout(60)  # a hang guard: with max_retries=0 nothing may retry for long
 def test_wrong_credentials(s3_server: SeaweedFS) -> None:
     s = s3_server.store(BUCKET, unique_prefix("creds"), secret_access_key="wrong-secret", max_retries=0)
-    t0 = time.monotonic()
     for call in (lambda: s.get("k"), lambda: s.list(), lambda: s.put("k", b"v"), lambda: s.exists("k")):
         with pytest.raises(StorageError, match="access denied.*AWS_ACCESS_KEY_ID") as info:
             call()
         assert not isinstance(info.value, (ObjectNotFound, TransientStorageError))
         assert s3_server.endpoint in str(info.value)
-    assert time.monotonic() - t0 < 10
     s.close()
 
 
@@ -259,15 +258,14 @@ def _closed_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@pytest.mark.timeout(60)  # a hang guard: one retry, 1 s connect timeout, 3 s retry budget
 def test_unreachable_endpoint_is_transient_and_named() -> None:
     endpoint = f"http://127.0.0.1:{_closed_port()}"
     s = S3Store(BUCKET, "p", endpoint=endpoint, access_key_id="k", secret_access_key="s", environ={},
                 max_retries=1, retry_timeout=3, connect_timeout=1)  # fmt: skip
-    t0 = time.monotonic()
     for call in (lambda: s.get("k"), lambda: s.put("k", b"v"), lambda: s.list(), lambda: s.delete_many(["k"])):
         with pytest.raises(TransientStorageError, match=f"no answer from endpoint {endpoint}"):
             call()
-    assert time.monotonic() - t0 < 20
     s.close()
 
 
@@ -343,13 +341,13 @@ def test_server_errors_are_transient_after_retries(fault_server: Any) -> None:
     s.close()
 
 
+@pytest.mark.timeout(60)  # a hang guard: the 1 s request timeout must fire
 def test_timeouts_are_transient(fault_server: Any) -> None:
     fault_server.status = None  # accept, never answer
     s = _fault_store(fault_server, max_retries=0, timeout=1, retry_timeout=2)
-    t0 = time.monotonic()
     with pytest.raises(TransientStorageError, match="no answer from endpoint"):
         s.get("k")
-    assert time.monotonic() - t0 < 10
+    assert fault_server.requests == 1  # max_retries=0: the timed-out request was not retried
     s.close()
 
 
