@@ -12,6 +12,8 @@ children and HEAD are re-linked to its new digest). Then:
 
 - zero: a fresh verifying fetcher syncs an all-zero target of the run's inventory to the latest step;
 - held: a fresh fetcher syncs a target to an earlier step, then to the latest;
+- pristine-held: a fetcher syncs a target to an earlier step of the unmutated run, then the
+  mutation lands in that store (bit rot, a bad later commit) and it syncs to the latest;
 - mat: ``materialize`` into a fresh dir, then (held dir) an earlier step then the latest.
 
 Every call must end with the exact state of the step it returned (bit-equal, compared as
@@ -863,6 +865,14 @@ def run_case(run: Run, case: Case, tmp: Path) -> list[str]:
     held, fetcher = run.zero_target(), ds.DeltaFetcher(store, verify=True)
     sync_op(f"held-to-{k}", held, fetcher, k)
     sync_op("held", held, fetcher, None)
+    # (b') held at an earlier step of the pristine run; then the store changes under the fetcher
+    pristine = ds.MemoryStore(f"fuzz-{case.seed}-pristine")
+    pristine.put_many(run.objects)
+    held, fetcher = run.zero_target(), ds.DeltaFetcher(pristine, verify=True)
+    if sync_op(f"pristine-to-{k}", held, fetcher, k):
+        pristine.delete_many([key for key in run.objects if key not in case.objects])
+        pristine.put_many({key: v for key, v in case.objects.items() if run.objects.get(key) != v})
+        sync_op("pristine-held", held, fetcher, None)
     # (c) materialize: into a fresh dir, then a held dir moved on
     for op, steps in (("mat", (None,)), ("mat-held", (k, None))):
         root = tmp / op
