@@ -77,3 +77,15 @@ def test_stale_head_still_finds_newer_steps(bench: Any) -> None:
             up.push(stream.advance(), s).result()
     store.put("HEAD.json", old_head)  # HEAD still says 19
     assert ds.RunReader(store).latest_step() == 21
+
+
+def test_manifest_cache_is_bounded(bench: Any) -> None:
+    """A long-lived reader keeps at most ``max_cached`` manifests and reads evicted ones again."""
+    store, stream = bench.build_run(40, 1)
+    reader = ds.RunReader(store, max_cached=3)
+    fetcher = ds.DeltaFetcher(store, reader=reader)
+    target = {k: torch.zeros_like(v) for k, v in stream.state.items()}
+    for step in (5, 17, 39):
+        assert fetcher.sync(target, step=step) == step
+        assert len(reader._manifests) <= 3
+    assert all(torch.equal(target[k].view(torch.uint8), stream.state[k].view(torch.uint8)) for k in target)

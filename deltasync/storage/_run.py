@@ -22,6 +22,7 @@ seen, and without a usable HEAD the reader lists the whole run.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from deltasync.errors import DeltaSyncError, ObjectNotFound, ProtocolError, RunNotFound
@@ -70,15 +71,18 @@ class RunReader:
     """A cached, read-only view of the run under ``store``.
 
     signing_key: when set, every manifest must carry a valid HMAC signature.
+    max_cached: manifests kept in memory (least recently used go first; a manifest of a
+        large model is tens of KB, and chains are as long as ``anchor_every``).
 
     Thread-safe. Nothing here writes to the store.
     """
 
-    def __init__(self, store: Store, *, signing_key: bytes | None = None) -> None:
+    def __init__(self, store: Store, *, signing_key: bytes | None = None, max_cached: int = 4096) -> None:
         self.store = store
         self.signing_key = signing_key
         self._lock = threading.RLock()
-        self._manifests: dict[int, Committed] = {}
+        self.max_cached = max_cached
+        self._manifests: OrderedDict[int, Committed] = OrderedDict()
         self._steps: set[int] = set()
         # the listing is complete for steps >= _floor (None: never listed)
         self._floor: int | None = None
@@ -108,8 +112,10 @@ class RunReader:
         with self._lock:
             hit = self._manifests.get(step)
             if hit is None:
-                hit = self._manifests[step] = self._parse(step, self.store.get(manifest_key(step)))
+                hit = self._remember(step, self._parse(step, self.store.get(manifest_key(step))))
                 self._steps.add(step)
+            else:
+                self._manifests.move_to_end(step)
             return hit
 
     def manifest(self, step: int) -> Manifest:
@@ -134,11 +140,18 @@ class RunReader:
                 if body is None:
                     continue
                 try:
-                    self._manifests[s] = self._parse(s, body)
+                    self._remember(s, self._parse(s, body))
                 except DeltaSyncError:
                     continue
                 self._steps.add(s)
-            return {s: self._manifests[s] for s in steps if s in self._manifests}
+            return {s: c for s in steps if (c := self._manifests.get(s)) is not None}
+
+    def _remember(self, step: int, c: Committed) -> Committed:
+        self._manifests[step] = c
+        self._manifests.move_to_end(step)
+        while len(self._manifests) > self.max_cached:
+            self._manifests.popitem(last=False)  # least recently used; read again if needed
+        return c
 
     def forget(self, steps: Iterable[int]) -> None:
         """Drop cached manifests (after a failure they may be the bad bytes)."""
