@@ -30,6 +30,7 @@ from deltasync.errors import (
     StorageError,
     UnsupportedVersion,
 )
+from deltasync.protocol import xxh3_128
 from deltasync.protocol.manifest import canonical_json
 
 torch = pytest.importorskip("torch")
@@ -493,3 +494,43 @@ def test_stripped_or_forged_signature(signed: Run) -> None:
     with rewritten(signed.path(2, "manifest.json"), edited_manifest(signed, 2, forge)):
         err = expect_failed_sync(signed, 2, (SignatureMismatch,))
     assert "does not match the configured key" in str(err)
+
+
+# ------------------------------------------------------------ consistent lies (sizes and digests fixed up)
+
+
+def test_patch_file_of_another_step_with_its_checksum_fixed_up(plain: Run) -> None:
+    """Step 1's patch file under step 2, the manifest's size and xxh3-128 made to match: the file's
+    metadata names step 1 (and its entries are not step 2's), so it is refused before anything is applied."""
+    other = plain.path(1, "patch-00000.safetensors").read_bytes()
+
+    def point_at_it(o: dict[str, Any]) -> None:
+        f = next(f for f in o["files"] if f["path"] == "patch-00000.safetensors")
+        f["size"], f["xxh3_128"] = len(other), xxh3_128(other)
+        o["stats"]["nbytes"] = sum(f["size"] for f in o["files"])
+
+    body = edited_manifest(plain, 2, point_at_it)
+    with rewritten(plain.path(2, "patch-00000.safetensors"), other), rewritten(plain.path(2, "manifest.json"), body):
+        err = expect_failed_sync(plain, 2, (ProtocolError,))
+    assert "step 2 patch-00000.safetensors" in str(err)
+
+
+@pytest.mark.parametrize("shape", [[2**40], [2**24, 2**24], [300, 2]])
+def test_patch_declaring_another_shape_is_off_the_chain(plain: Run, tmp_path: Path, shape: list[int]) -> None:
+    """A patch manifest whose inventory declares another (huge) shape, its inventory digest fixed up:
+    a patch has its parent's inventory, so nothing is sized from it (no MemoryError) and nothing changes."""
+    from deltasync.protocol import TensorInfo, inventory_digest
+
+    def reshape(o: dict[str, Any]) -> None:
+        t = next(t for t in o["inventory"] if t["name"] == "b.weight")
+        t["shape"] = shape
+        inv = [TensorInfo(x["name"], x["dtype"], tuple(x["shape"])) for x in o["inventory"]]
+        o["inventory_digest"] = inventory_digest(inv)
+        o["stats"]["total"] = sum(x.numel for x in inv)
+
+    with rewritten(plain.path(2, "manifest.json"), edited_manifest(plain, 2, reshape)):
+        expect_failed_sync(plain, 2, (InventoryMismatch, ChainBroken, ProtocolError))
+        out = tmp_path / "ckpt"
+        with pytest.raises((ChainBroken, InventoryMismatch, ProtocolError)):
+            plain.fetcher().materialize(out, step=2)
+        assert not out.exists()
