@@ -311,6 +311,7 @@ class Case:
     objects: dict[str, bytes]
     kind: str = ""
     detail: str = ""
+    expect_exact: bool = False  # a valid store: every call must reach its step exactly
 
 
 def _key(step: int, name: str) -> str:
@@ -643,6 +644,37 @@ def m_semantic_patch(rng: random.Random, case: Case, run: Run) -> None:
     )
 
 
+def _forced(rng: random.Random, old_full: np.ndarray, new_full: np.ndarray) -> tuple[EncodedTensor, str]:
+    """The change from ``old_full`` to ``new_full`` in a coding drawn at random (SPEC: any valid one may be written)."""
+    from deltasync.protocol.encoding import _compress, _encode_rice, _encode_xor_rank, _planes
+
+    positions = rng.choice(["rice", "rice-z", "dense"])
+    values = rng.choice(["raw", "xor-rank"])
+    if positions == "dense":
+        old, new, pos_blob, k = old_full, new_full, b"", 0
+        count = old_full.size
+    else:
+        idx = np.flatnonzero(old_full != new_full).astype(np.int64)
+        old, new, count = old_full[idx], new_full[idx], int(idx.size)
+        gaps = np.diff(idx, prepend=-1) - 1
+        k = rng.choice([0, 1, 2, 5, 9, 17, 33, 62])
+        pos_blob = _encode_rice(gaps, k, positions == "rice-z")
+    val_blob = _compress(_planes(new)) if values == "raw" else _encode_xor_rank(old ^ new)
+    return EncodedTensor(count, positions, k, values, pos_blob, val_blob), f"{positions}(k={k})+{values}"
+
+
+def m_recode(rng: random.Random, case: Case, run: Run) -> None:
+    """A patch tensor re-coded in another VALID coding (the writer would not pick it): must sync exactly."""
+    step = rng.choice([s for s in STEPS if run.kinds[s] == "patch"])
+    parent, cur = run.states[run.parent(step)], run.states[step]
+    victim = rng.choice(sorted(n for n in cur if not np.array_equal(parent[n], cur[n])))
+    enc, what = _forced(rng, parent[victim], cur[victim])
+    files, entries = _rebuild_patch(run, step, lambda items: [(n, enc if n == victim else e) for n, e in items])
+    _replace_patch(case, step, files, entries)
+    case.expect_exact = True
+    case.detail = f"step {step}: {victim!r} re-coded as {what}"
+
+
 def m_semantic_manifest(rng: random.Random, case: Case, run: Run) -> None:
     """A manifest edited in a meaningful way (data untouched, children re-linked)."""
     step = rng.choice(STEPS)
@@ -729,6 +761,7 @@ MUTATIONS: list[tuple[Callable[[random.Random, Case, Run], None], int]] = [
     (m_semantic_patch, 5),
     (m_semantic_manifest, 5),
     (m_semantic_anchor, 1),
+    (m_recode, 3),
 ]
 
 
@@ -791,6 +824,9 @@ def _outcome(
     except DeltaSyncError as exc:
         if _differs(before(), snap):
             case_fail(case, op, f"raised {type(exc).__name__} ({exc}) but changed the target/dir")
+        elif case.expect_exact and not op.startswith("pristine"):
+            # (a fetcher that read the run before may refuse it: committed manifests were rewritten under it)
+            case_fail(case, op, f"refused a valid store: {type(exc).__name__} ({exc})")
         return type(exc).__name__, False
     except Exception as exc:  # noqa: BLE001 - anything outside deltasync.errors is the failure we look for
         case_fail(case, op, f"non-deltasync exception {type(exc).__name__}: {exc!s:.300}")
