@@ -63,6 +63,7 @@ RUN_ID = "fuzz-run"
 DEFAULT_CASES = 2000
 CASES_PER_CHUNK = 100
 BITS = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+TIED = ("tied.emb", "tied.head")  # the second name shares the first one's tensor
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,8 @@ def _specs() -> tuple[Spec, ...]:
     out = [Spec(f"dt.{n}", d, (5, 3), "sparse") for n, d in every]
     out += [Spec(f"scalar.{n}", d, (), "scalar") for n, d in every[::3]]
     out += [Spec("empty.bf16", torch.bfloat16, (0,), "none"), Spec("empty.i64", torch.int64, (3, 0), "none")]
+    # tied weights: one tensor under two names, in the pushed state and in the targets
+    out += [Spec(TIED[0], torch.bfloat16, (8, 8), "sparse"), Spec(TIED[1], torch.bfloat16, (8, 8), "sparse")]
     out += [
         Spec("code.rice_raw", torch.bfloat16, (64, 4), "const", 12),  # rice + raw
         Spec("code.rice_xor", torch.bfloat16, (32, 16), "lowbit", 40),  # rice + xor-rank
@@ -194,7 +197,9 @@ class Run:
         return STEPS[STEPS.index(step) - 1]
 
     def zero_target(self) -> dict[str, Any]:
-        return {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in SPECS}
+        out = {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in SPECS}
+        out[TIED[1]] = out[TIED[0]]
+        return out
 
 
 def _build_run() -> Run:
@@ -221,8 +226,11 @@ def _build_run() -> Run:
             for i, step in enumerate(STEPS):
                 if i:
                     bits = {s.name: _evolve(rng, s, bits[s.name]) for s in SPECS}
+                bits[TIED[1]] = bits[TIED[0]]
                 states[step] = {n: b.copy() for n, b in bits.items()}
-                info = up.push({s.name: _tensor(s, bits[s.name]) for s in SPECS}, step).result(60)
+                state = {s.name: _tensor(s, bits[s.name]) for s in SPECS}
+                state[TIED[1]] = state[TIED[0]]
+                info = up.push(state, step).result(60)
                 kinds[step] = info.kind
     keys = [o.key for o in store.list("")]
     return Run(store.get_many(keys), states, kinds)
