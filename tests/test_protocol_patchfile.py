@@ -268,3 +268,18 @@ def test_a_count_the_value_bytes_cannot_code_is_refused_by_the_manifest() -> Non
     tiny = dataclasses.replace(e, count=32, values_range=ByteRange(e.values_range.start, e.values_range.start))
     with pytest.raises(ProtocolError, match="cannot code"):
         Manifest.from_json(dataclasses.replace(m, entries=(tiny, *entries[1:])).to_json())
+
+
+def test_entries_of_one_file_may_not_overlap() -> None:
+    m, _, entries, _ = _one_file()
+    a, b = entries
+    # b's positions claim a's value bytes (each range still inside the file)
+    bad = dataclasses.replace(b, positions_range=ByteRange(a.values_range.start, b.positions_range.end))
+    with pytest.raises(ProtocolError, match="overlap"):
+        Manifest.from_json(dataclasses.replace(m, entries=(a, bad)).to_json())
+    am, _ = _anchor()
+    e0, e1 = am.entries[0], am.entries[1]
+    assert isinstance(e0, AnchorEntry) and isinstance(e1, AnchorEntry)
+    shifted = dataclasses.replace(e1, range=ByteRange(e1.range.start - 1, e1.range.end - 1))
+    with pytest.raises(ProtocolError, match="overlap"):
+        Manifest.from_json(dataclasses.replace(am, entries=(e0, shifted, *am.entries[2:])).to_json())

@@ -493,6 +493,7 @@ class Manifest:
                     raise _err(what, f"anchor entry {a.tensor!r} does not fit its file or its dtype/shape")
         if len({e.tensor for e in entries}) != len(entries):
             raise _err(what, "a tensor appears twice in entries")
+        _check_disjoint(entries, what)
         tdig = o["tensor_digests"]
         if not isinstance(tdig, dict) or not set(tdig) <= set(names):
             raise _err(what, "tensor_digests must map inventory names to digests")
@@ -520,6 +521,19 @@ class Manifest:
             extra=extra,
             writer=None if o.get("writer") is None else Writer.from_json(o["writer"]),
         )
+
+
+def _check_disjoint(entries: tuple[PatchEntry, ...] | tuple[AnchorEntry, ...], what: str) -> None:
+    """No two non-empty byte ranges of one file overlap, so entries never declare more bytes than a file holds."""
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for e in entries:
+        ranges = (e.positions_range, e.values_range) if isinstance(e, PatchEntry) else (e.range,)
+        spans.setdefault(e.file, []).extend((r.start, r.end) for r in ranges if r.length)
+    for name, lst in spans.items():
+        lst.sort()
+        for (_, end), (start, _) in zip(lst, lst[1:], strict=False):
+            if start < end:
+                raise _err(what, f"entries overlap in file {name!r} at byte {start}")
 
 
 def _check_stats(stats: Stats, files: tuple[FileInfo, ...], inventory: tuple[TensorInfo, ...], what: str) -> Stats:
