@@ -521,3 +521,29 @@ def test_follow_with_an_unreachable_server_polls_at_its_interval(monkeypatch: py
     assert all(0 < w <= 0.1 for w in clock.waits)  # never longer than poll_interval, never a spin
     # reconnects back off (0.05, 0.1, 0.2, 0.2 ... of fake time), so they get rarer than the polls
     assert 2 <= stats.signal_failures < stats.polls
+
+
+# ------------------------------------------------------ dependency overrides
+
+
+def test_routes_take_state_through_overridable_dependencies(tmp_path: Path) -> None:
+    from deltasync.server._db import Commit
+    from deltasync.server._deps import get_hub, get_settings
+
+    app = create_app(Settings(publish_token=PUB, db_path=str(tmp_path / "s.db")))
+    with TestClient(app) as c:
+        assert publish(c, 1, D1).status_code == 201
+        # another token, swapped in without rebuilding the app: the auth dependency reads it
+        app.dependency_overrides[get_settings] = lambda: Settings(publish_token="rotated-token-456")
+        assert publish(c, 2, D2).status_code == 403
+        assert publish(c, 2, D2, tok="rotated-token-456").status_code == 201
+
+        class StubHub:
+            async def head_or_derive(self, run: str) -> Commit | None:
+                return Commit(run, 42, D3, "stub", "anchor", 0.0)
+
+        app.dependency_overrides[get_hub] = StubHub
+        got = c.get("/v1/runs/anything/head").json()
+        assert (got["run"], got["step"], got["manifest_digest"], got["run_id"]) == ("anything", 42, D3, "stub")
+        app.dependency_overrides.clear()
+        assert c.get("/v1/runs/r/head").json()["step"] == 2  # the real hub again
