@@ -547,3 +547,35 @@ def test_routes_take_state_through_overridable_dependencies(tmp_path: Path) -> N
         assert (got["run"], got["step"], got["manifest_digest"], got["run_id"]) == ("anything", 42, D3, "stub")
         app.dependency_overrides.clear()
         assert c.get("/v1/runs/r/head").json()["step"] == 2  # the real hub again
+
+
+# ------------------------------------------------------------- run reader
+
+
+def test_store_checks_read_each_manifest_once_through_one_run_reader(tmp_path: Path) -> None:
+    from deltasync.testing.counting import CountingStore
+
+    store = CountingStore(MemoryStore("counted"))
+    d3 = _commit_to(store.inner, 3)  # type: ignore[arg-type]
+    app = create_app(Settings(publish_token=PUB, db_path=str(tmp_path / "s.db")), store=store)
+    with TestClient(app) as c:
+        assert publish(c, 3, D1, run="a").status_code == 409
+        read = store.objects_read
+        assert read >= 1
+        assert publish(c, 3, D2, run="a").status_code == 409  # the manifest is immutable: read from the cache
+        assert publish(c, 3, d3, run="b").status_code == 201  # another run on the same store: same reader
+        assert store.objects_read == read
+        hub = app.state.hub
+        assert hub.reader("a") is hub.reader("b")
+
+
+def test_derived_head_skips_a_step_fenced_off_by_a_newer_writer(tmp_path: Path) -> None:
+    from deltasync.storage._claims import claim_epoch
+
+    store = MemoryStore("fenced")
+    d3 = _commit_to(store, 3)
+    claim_epoch(store, "newer-writer", 3)  # a newer uploader took over after step 3 ...
+    _commit_to(store, 9)  # ... so the old one's step 9 (epoch 0) does not belong to the run
+    with TestClient(create_app(Settings(publish_token=PUB), store=store)) as c:
+        got = c.get("/v1/runs/r/head").json()
+        assert (got["step"], got["manifest_digest"]) == (3, d3)

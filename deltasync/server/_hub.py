@@ -1,5 +1,8 @@
 """The signal server's state: heads, commit history, waiters, store checks and webhook deliveries.
 
+Store checks read through one :class:`~deltasync.storage.RunReader` per store, so a
+manifest is read once for the server's life (manifests are immutable).
+
 All mutation happens on the event loop without an ``await`` inside the critical
 section, so two concurrent publishes of one run cannot both pass the checks.
 """
@@ -10,6 +13,7 @@ import asyncio
 import json
 import logging
 import secrets
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -18,13 +22,12 @@ from typing import Any
 import httpx
 
 from deltasync.errors import DeltaSyncError, ObjectNotFound, StorageError
-from deltasync.protocol import Manifest, manifest_key, parse_manifest_key, xxh3_128
-from deltasync.protocol.keys import STEPS_PREFIX
+from deltasync.protocol import Committed
 from deltasync.server._db import Commit, Database, Webhook
 from deltasync.server._metrics import Metrics
 from deltasync.server._settings import Settings
 from deltasync.server.webhooks import DELIVERY_HEADER, EVENT_HEADER, sign_webhook
-from deltasync.storage import Store
+from deltasync.storage import RunReader, Store
 
 __all__ = ["Conflict", "Hub", "NotInStore", "StoreUnavailable"]
 
@@ -64,6 +67,9 @@ class Hub:
         self._recent: dict[str, deque[Commit]] = {}
         self._events: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Event]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        # one cached reader per store (manifests are immutable); keyed by id, holding the store alive
+        self._readers: dict[int, tuple[Store, RunReader]] = {}
+        self._readers_lock = threading.Lock()
         self.closing = False
 
     # --------------------------------------------------------------- reads
@@ -119,24 +125,26 @@ class Hub:
 
     # --------------------------------------------------------------- store
 
-    def _read_manifest(self, run: str, step: int) -> tuple[str, Manifest] | None:
+    def reader(self, run: str) -> RunReader:
+        """The :class:`~deltasync.storage.RunReader` of ``run``'s store (one per store, cached; thread-safe)."""
         assert self.store_for is not None
         store = self.store_for(run)
+        with self._readers_lock:
+            held = self._readers.get(id(store))
+            if held is None or held[0] is not store:
+                held = self._readers[id(store)] = (store, RunReader(store))
+            return held[1]
+
+    def _read_manifest(self, run: str, step: int) -> Committed | None:
         try:
-            body = store.get(manifest_key(step))
+            return self.reader(run).committed(step)
         except ObjectNotFound:
             return None
-        return xxh3_128(body), Manifest.from_json(body)
 
-    def _latest_in_store(self, run: str) -> tuple[str, Manifest] | None:
-        assert self.store_for is not None
-        store = self.store_for(run)
-        steps = [s for o in store.list(STEPS_PREFIX) if (s := parse_manifest_key(o.key)) is not None]
-        for step in sorted(steps, reverse=True):
-            found = self._read_manifest(run, step)
-            if found is not None:
-                return found
-        return None
+    def _latest_in_store(self, run: str) -> Committed | None:
+        reader = self.reader(run)
+        step = reader.latest_step()  # newest committed step that no newer writer claim fences off
+        return None if step is None else self._read_manifest(run, step)
 
     async def check_in_store(self, run: str, step: int, digest: str) -> None:
         """Raise NotInStore / Conflict unless the store holds manifest ``step`` with ``digest``."""
@@ -150,19 +158,23 @@ class Hub:
             raise NotInStore(f"step {step}'s manifest in the store is not valid: {exc}") from exc
         if found is None:
             raise NotInStore(f"step {step} is not committed in the store (no manifest)")
-        if found[0] != digest:
-            raise Conflict(f"step {step}'s manifest in the store has digest {found[0]}, not {digest}")
+        if found.digest != digest:
+            raise Conflict(f"step {step}'s manifest in the store has digest {found.digest}, not {digest}")
 
     async def rederive(self, run: str) -> Commit | None:
-        """Record the store's newest committed step as the head when it is newer than ours."""
+        """Record the store's newest committed step as the head when it is newer than ours.
+
+        "Newest" is :meth:`RunReader.latest_step`: a step that a newer writer's claim
+        fences off does not count.
+        """
         if self.store_for is None:
             return self.head(run)
         found = await asyncio.to_thread(self._latest_in_store, run)
         if found is not None:
-            digest, m = found
+            m = found.manifest
             head = self.head(run)
             if head is None or m.step > head.step:
-                self._record(run, m.step, digest, m.run_id, m.kind, source="store")
+                self._record(run, m.step, found.digest, m.run_id, m.kind, source="store")
         return self.head(run)
 
     async def head_or_derive(self, run: str) -> Commit | None:
