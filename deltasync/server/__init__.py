@@ -1,8 +1,10 @@
-"""The signal server (FastAPI) and the httpx client that trainers and fetchers use.
+"""The signal server (FastAPI), and re-exports of the httpx client that trainers and fetchers use.
 
-``deltasync.server.client`` and ``deltasync.server.webhooks`` need only httpx and
-the standard library; :func:`create_app` needs the ``server`` extra
-(fastapi, uvicorn), which is imported when it is called.
+The client lives in :mod:`deltasync.signal` (httpx only; the uploader and fetcher
+import it from there, never from this package); ``deltasync.server.client``
+re-exports it. ``deltasync.server.webhooks`` needs only the standard library;
+:func:`create_app` needs the ``server`` extra (fastapi, uvicorn), which is
+imported when it is called.
 """
 
 from __future__ import annotations
