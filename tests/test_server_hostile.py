@@ -130,6 +130,8 @@ WEBHOOK_BODIES = {
     "surrogate url": b'{"url": "http://127.0.0.1:9/\\udfff", "secret": "aaaaaaaaaaaaaaaaaaaa"}',
     "duplicate url": b'{"url": "http://127.0.0.1:9/h", "url": "http://evil/", "secret": "aaaaaaaaaaaaaaaaaaaa"}',
     "secret as a number": b'{"url": "http://127.0.0.1:9/h", "secret": 12345678901234567890123}',
+    "port past 65535": b'{"url": "http://127.0.0.1:99999/h", "secret": "aaaaaaaaaaaaaaaaaaaa"}',
+    "port zero": b'{"url": "http://127.0.0.1:0/h", "secret": "aaaaaaaaaaaaaaaaaaaa"}',
     "non-ASCII host": '{"url": "http://ünï.example/h", "secret": "aaaaaaaaaaaaaaaaaaaa"}'.encode(),
 }
 

@@ -61,6 +61,12 @@ class WebhookIn(BaseModel):
         parts = urlsplit(v)
         if parts.scheme not in ("http", "https") or not parts.hostname or not v.isprintable() or " " in v:
             raise ValueError("url must be an absolute http:// or https:// URL")
+        try:
+            port = parts.port  # raises ValueError past 65535
+        except ValueError:
+            port = -1
+        if port is not None and not 1 <= port <= 65535:
+            raise ValueError("url port must be 1 to 65535")
         return v
 
 
