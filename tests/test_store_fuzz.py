@@ -1,7 +1,7 @@
 """Store-mutation fuzz: "bit-identical, or a clear error with the target at its last good state".
 
 A small REAL run is written once per session by :class:`deltasync.DeltaUploader` into a
-MemoryStore: two anchors (several shards each) and patches, every dtype of protocol v1
+MemoryStore (cases copy it into a fresh MemoryStore, or, every fifth seed, a LocalStore): two anchors (several shards each) and patches, every dtype of protocol v1
 (0-d and empty tensors included), and tensors whose changes drive the writer to every
 coding it has (``rice``/``rice-z``/``dense`` positions, ``raw``/``xor-rank`` values,
 rank escapes, big ``rice-z`` quotients, Rice parameters above 8, several patch files
@@ -62,6 +62,7 @@ SHARD_BYTES = 6000  # several anchor shards and several patch files per step
 RUN_ID = "fuzz-run"
 DEFAULT_CASES = 2000
 CASES_PER_CHUNK = 100
+LOCAL_EVERY = 5  # seeds divisible by this run on a LocalStore
 BITS = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 TIED = ("tied.emb", "tied.head")  # the second name shares the first one's tensor
 
@@ -884,10 +885,15 @@ def _dir_tensors(out: Path) -> tuple[int, dict[str, np.ndarray]]:
     return int(marker["step"]), arrays
 
 
+def _store(seed: int, root: Path) -> ds.Store:
+    """Every fifth case runs on a LocalStore (files under ``root``), the others on a MemoryStore."""
+    return ds.LocalStore(root, fsync=False) if seed % LOCAL_EVERY == 0 else ds.MemoryStore(f"fuzz-{seed}")
+
+
 def run_case(run: Run, case: Case, tmp: Path) -> list[str]:
     """All calls of one case; returns the outcome labels ``op:outcome``."""
     labels: list[str] = []
-    store = ds.MemoryStore(f"fuzz-{case.seed}")
+    store = _store(case.seed, tmp / "store")
     store.put_many(case.objects)
     k = random.Random(case.seed ^ 0x5EED).choice(STEPS[:-1])
 
@@ -910,7 +916,7 @@ def run_case(run: Run, case: Case, tmp: Path) -> list[str]:
     sync_op(f"held-to-{k}", held, fetcher, k)
     sync_op("held", held, fetcher, None)
     # (b') held at an earlier step of the pristine run; then the store changes under the fetcher
-    pristine = ds.MemoryStore(f"fuzz-{case.seed}-pristine")
+    pristine = _store(case.seed, tmp / "pristine")
     pristine.put_many(run.objects)
     held, fetcher = run.zero_target(), ds.DeltaFetcher(pristine, verify=True)
     if sync_op(f"pristine-to-{k}", held, fetcher, k):
