@@ -642,3 +642,87 @@ def test_safetensors_metadata_must_be_a_string_map(meta: bytes) -> None:
         parse_safetensors(len(header).to_bytes(8, "little") + header)
     ok = b'{"__metadata__":null}'
     assert parse_safetensors(len(ok).to_bytes(8, "little") + ok).metadata == {}
+
+
+# ----------------------------------------------------------------- whole patch files and anchors
+
+
+def _patch_step() -> tuple[Manifest, dict[str, bytes]]:
+    from deltasync.protocol import build_patch_files
+
+    rng = np.random.default_rng(3)
+    inv = (TensorInfo("a", "BF16", (64,)), TensorInfo("b", "F32", (40,)), TensorInfo("c", "U8", (5,)))
+    items = []
+    for t, n in zip(inv, (9, 30, 5), strict=True):
+        bits = np.dtype({"BF16": np.int16, "F32": np.int32, "U8": np.int8}[t.dtype])
+        idx = np.sort(rng.choice(t.numel, n, replace=False)).astype(np.int64)
+        old = rng.integers(-100, 100, n).astype(bits)
+        items.append((t.name, encode_changes(t.numel, idx, old, old ^ bits.type(3))))
+    files, entries = build_patch_files(4, items, shard_bytes=60)
+    infos = tuple(FileInfo(k, len(v), xxh3_128(v)) for k, v in sorted(files.items()))
+    m = Manifest(
+        run_id="r",
+        step=4,
+        kind="patch",
+        parent_step=3,
+        parent_digest="0" * 32,
+        anchor_step=0,
+        inventory=inv,
+        inventory_digest=inventory_digest(inv),
+        files=infos,
+        entries=tuple(entries),
+        tensor_digests={},
+        stats=Stats(44, 109, sum(f.size for f in infos)),
+    )
+    return Manifest.from_json(m.to_json()), files
+
+
+PATCH_STEP = _patch_step()
+
+
+@FUZZ
+@given(which=st.integers(0, 10), ops=mutations)
+def test_patch_file_mutations(which: int, ops: list[tuple[str, int, int]]) -> None:
+    """A mutated patch file (its manifest unchanged, as if its digest had been fixed up) decodes to
+    counts the manifest allows, or raises ProtocolError."""
+    from deltasync.protocol import decode_patch
+
+    m, files = PATCH_STEP
+    name = sorted(files)[which % len(files)]
+    bad = {**files, name: _mutate(files[name], ops)}
+    out = _only_protocol_errors(lambda: decode_patch(m, bad))
+    for d in out or []:
+        info = next(t for t in m.inventory if t.name == d.tensor)
+        assert d.idx.size == d.values.size == d.entry.count <= info.numel
+        assert d.idx.size == 0 or (int(d.idx.min()) >= 0 and int(d.idx.max()) < info.numel)
+
+
+@FUZZ
+@given(ops=mutations)
+def test_anchor_shard_mutations(ops: list[tuple[str, int, int]]) -> None:
+    """A mutated anchor shard yields arrays of exactly the inventory's sizes, or a ProtocolError."""
+    from deltasync.protocol import anchor_arrays
+    from deltasync.protocol.checkpoint import build_checkpoint
+
+    inv = (TensorInfo("x", "F16", (3, 4)), TensorInfo("y", "I64", (5,)), TensorInfo("z", "BOOL", ()))
+    arrays = {"x": np.arange(12, dtype=np.int16), "y": np.arange(5, dtype=np.int64), "z": np.ones(1, np.int8)}
+    files, entries = build_checkpoint(inv, arrays, 1 << 20)
+    infos = tuple(FileInfo(k, len(v), xxh3_128(v)) for k, v in sorted(files.items()))
+    m = Manifest(
+        run_id="r",
+        step=0,
+        kind="anchor",
+        parent_step=None,
+        parent_digest=None,
+        anchor_step=0,
+        inventory=inv,
+        inventory_digest=inventory_digest(inv),
+        files=infos,
+        entries=tuple(entries),
+        tensor_digests={},
+        stats=Stats(18, 18, sum(f.size for f in infos)),
+    )
+    shard = next(k for k in files if k.endswith(".safetensors"))
+    out = _only_protocol_errors(lambda: anchor_arrays(m, {**files, shard: _mutate(files[shard], ops)}))
+    for t in inv:
+        assert out is None or out[t.name].size == t.numel
