@@ -12,6 +12,7 @@ children and HEAD are re-linked to its new digest). Then:
 
 - zero: a fresh verifying fetcher syncs an all-zero target of the run's inventory to the latest step;
 - held: a fresh fetcher syncs a target to an earlier step, then to the latest;
+- claimed: a fresh fetcher syncs a target holding step j, told ``have_step=k`` (j != k half of the time);
 - pristine-held: a fetcher syncs a target to an earlier step of the unmutated run, then the
   mutation lands in that store (bit rot, a bad later commit) and it syncs to the latest;
 - mat: ``materialize`` into a fresh dir, then (held dir) an earlier step then the latest.
@@ -196,6 +197,12 @@ class Run:
 
     def parent(self, step: int) -> int:
         return STEPS[STEPS.index(step) - 1]
+
+    def target_of(self, step: int) -> dict[str, Any]:
+        """A target holding the exact state of ``step`` (tied names share one tensor)."""
+        out = {s.name: _tensor(s, self.states[step][s.name]) for s in SPECS}
+        out[TIED[1]] = out[TIED[0]]
+        return out
 
     def zero_target(self) -> dict[str, Any]:
         out = {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in SPECS}
@@ -895,14 +902,17 @@ def run_case(run: Run, case: Case, tmp: Path) -> list[str]:
     labels: list[str] = []
     store = _store(case.seed, tmp / "store")
     store.put_many(case.objects)
-    k = random.Random(case.seed ^ 0x5EED).choice(STEPS[:-1])
+    pick = random.Random(case.seed ^ 0x5EED)
+    k = pick.choice(STEPS[:-1])
 
-    def sync_op(op: str, target: dict[str, Any], fetcher: ds.DeltaFetcher, step: int | None) -> bool:
+    def sync_op(
+        op: str, target: dict[str, Any], fetcher: ds.DeltaFetcher, step: int | None, have_step: int | None = None
+    ) -> bool:
         res, ok = _outcome(
             run,
             case,
             op,
-            lambda: fetcher.sync(target, step=step),
+            lambda: fetcher.sync(target, step=step, have_step=have_step),
             lambda: _state(target),
             lambda s: _same(_state(target), run.states[s]),
         )
@@ -915,6 +925,9 @@ def run_case(run: Run, case: Case, tmp: Path) -> list[str]:
     held, fetcher = run.zero_target(), ds.DeltaFetcher(store, verify=True)
     sync_op(f"held-to-{k}", held, fetcher, k)
     sync_op("held", held, fetcher, None)
+    # (b'') a target holding step j that a fresh fetcher is told holds step k (a lie half of the time)
+    j = k if pick.random() < 0.5 else pick.choice([s for s in STEPS if s != k])
+    sync_op("claimed" if j == k else "claimed-lie", run.target_of(j), ds.DeltaFetcher(store, verify=True), None, k)
     # (b') held at an earlier step of the pristine run; then the store changes under the fetcher
     pristine = _store(case.seed, tmp / "pristine")
     pristine.put_many(run.objects)
