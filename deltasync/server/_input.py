@@ -151,18 +151,16 @@ class StrictRoute(APIRoute):
 
         return strict
 
-    def query_names(self) -> frozenset[str]:
-        """The query parameters this route declares, its dependencies' included."""
-        names: frozenset[str] | None = self.__dict__.get("_query_names")
-        if names is None:
-            found: set[str] = set()
-            todo = [self.dependant]
-            while todo:
-                dep = todo.pop()
-                found.update(p.alias for p in dep.query_params)
-                todo.extend(dep.dependencies)
-            names = self.__dict__["_query_names"] = frozenset(found)
-        return names
+    def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
+        super().__init__(path, endpoint, **kwargs)
+        names: set[str] = set()
+        todo = [self.dependant]
+        while todo:
+            dep = todo.pop()
+            names.update(p.alias for p in dep.query_params)
+            todo.extend(dep.dependencies)
+        #: The query parameters this route declares, its dependencies' included.
+        self.query_names = frozenset(names)
 
 
 def no_unknown_query(request: Request) -> None:
@@ -170,7 +168,7 @@ def no_unknown_query(request: Request) -> None:
     route = request.scope.get("route")
     if not request.query_params or not isinstance(route, StrictRoute):
         return
-    allowed = route.query_names()
+    allowed = route.query_names
     unknown = sorted(set(request.query_params) - allowed)
     if unknown:
         raise RequestValidationError(
