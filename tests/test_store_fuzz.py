@@ -21,7 +21,7 @@ Every call must end with the exact state of the step it returned (bit-equal, com
 integers), or raise a :mod:`deltasync.errors` exception with the target (dir) exactly as
 it was before the call. Anything else fails and prints the command that replays the case.
 
-Environment: ``DELTASYNC_FUZZ_CASES=n`` (default 2000) cases, seeds ``0..n-1``;
+Environment: ``DELTASYNC_FUZZ_CASES=n`` (default 1500) cases, seeds ``0..n-1``;
 ``DELTASYNC_FUZZ_SEED=s`` runs only case ``s``; ``DELTASYNC_FUZZ_REPORT=path`` writes the
 outcome counts as JSON. Run with ``-s`` to see the summary.
 """
@@ -61,7 +61,7 @@ torch = pytest.importorskip("torch")
 STEPS = (0, 1, 2, 5, 6, 8, 9)  # anchor_every=4: anchors at 0 and 6, patches between (numbers may skip)
 SHARD_BYTES = 6000  # several anchor shards and several patch files per step
 RUN_ID = "fuzz-run"
-DEFAULT_CASES = 2000
+DEFAULT_CASES = 1500
 CASES_PER_CHUNK = 100
 LOCAL_EVERY = 5  # seeds divisible by this run on a LocalStore
 BITS = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
