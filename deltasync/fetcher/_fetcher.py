@@ -15,7 +15,15 @@ from typing import Any, Literal
 import numpy as np
 
 from deltasync._tensors import flat_bits, inventory_of, numpy_bits, require_torch, state_tensors
-from deltasync.errors import ChainBroken, ChecksumMismatch, DeltaSyncError, ObjectNotFound, ProtocolError, StorageError
+from deltasync.errors import (
+    ChainBroken,
+    ChecksumMismatch,
+    DeltaSyncError,
+    InventoryMismatch,
+    ObjectNotFound,
+    ProtocolError,
+    StorageError,
+)
 from deltasync.fetcher._apply import (
     NumpySlot,
     Slot,
@@ -28,6 +36,7 @@ from deltasync.fetcher._apply import (
     check_anchor,
     check_digests,
     check_inventory,
+    same_effect,
 )
 from deltasync.fetcher._follow import follow as _follow
 from deltasync.fetcher._reader import download
@@ -221,35 +230,47 @@ class DeltaFetcher:
         return _Loaded(steps, anchor, tuple(patches))
 
     def _prove_anchor_plan(self, slots: Mapping[str, Slot], loaded: _Loaded) -> None:
-        """Replay the whole plan tensor by tensor off the target and prove every digest on the way."""
+        """Replay the whole plan tensor by tensor off the target: every digest on the way is proven
+        (when verifying) and tied names must change alike; the target is not touched."""
         assert loaded.anchor is not None
         anchor_m = loaded.steps[0].manifest
         final = loaded.steps[-1].manifest
         check_anchor(slots, anchor_m, loaded.anchor, verify=bool(self.verify))
         by_step = [({c.tensor: c for c in ch}, set(names)) for _, ch, names in loaded.patches]
-        for m, changes, _ in loaded.patches:
-            check_aliases(slots, m, changes)
-        if not self.verify:
-            return
+        twins: dict[str, list[str]] = {}
         for name, primary in alias_groups(slots).items():
+            twins.setdefault(primary, [])
             if primary != name:
-                continue
-            arr = np.array(loaded.anchor[name])
-            proven = anchor_m.tensor_digests.get(name)  # check_anchor proved it
+                twins[primary].append(name)
+        for primary, others in twins.items():
+            if not self.verify and not others:
+                continue  # nothing to prove without digests; ties need the replay
+            arr = np.array(loaded.anchor[primary])
+            proven = {n: anchor_m.tensor_digests.get(n) for n in (primary, *others)}  # check_anchor proved them
             for (m, _, _), (by, names) in zip(loaded.patches, by_step, strict=True):
-                c = by.get(name)
+                c = by.get(primary)
+                for twin in others:
+                    if not same_effect(NumpySlot(arr, key=primary), c, by.get(twin)):
+                        raise InventoryMismatch(
+                            f"target ties {primary!r} and {twin!r} to one tensor, but step {m.step} changes them differently"
+                        )
                 if c is not None:
                     arr[c.idx] = apply_values(c.coding, arr[c.idx], c.values)
-                if name in names:
-                    proven = m.tensor_digests.get(name)
-                    if proven is not None and xxh3_128_array(arr) != proven:
-                        raise ChecksumMismatch(
-                            f"step {m.step}: tensor {name!r} is not bit-exact after applying (digest mismatch)"
-                        )
+                if not self.verify:
+                    continue
+                digest: str | None = None
+                for n in (primary, *others):
+                    if n in names:
+                        proven[n] = want = m.tensor_digests.get(n)
+                        if want is not None and want != (digest := digest or xxh3_128_array(arr)):
+                            raise ChecksumMismatch(
+                                f"step {m.step}: tensor {n!r} is not bit-exact after applying (digest mismatch)"
+                            )
             if self.verify == "full":
-                want = final.tensor_digests.get(name)
-                if want is None or (proven != want and xxh3_128_array(arr) != want):
-                    raise ChecksumMismatch(f"step {final.step}: tensor {name!r} does not match its digest")
+                for n in (primary, *others):
+                    want = final.tensor_digests.get(n)
+                    if want is None or (proven[n] != want and xxh3_128_array(arr) != want):
+                        raise ChecksumMismatch(f"step {final.step}: tensor {n!r} does not match its digest")
 
     def _apply(self, slots: Mapping[str, Slot], loaded: _Loaded) -> None:
         """Apply a loaded plan in place, all or nothing."""
