@@ -85,7 +85,7 @@ def connect_signal(app: FastAPI, run: DemoRun, base_url: str | None = None) -> N
 def _listen(run: DemoRun, url: str, token: str | None, source: str) -> None:
     """Follow the signal server's SSE stream and wake the follower; reconnect with backoff."""
     from deltasync.errors import SignalError
-    from deltasync.server.client import SignalClient
+    from deltasync.signal import SignalClient
 
     pause = threading.Event()
     delay = 0.2
