@@ -945,7 +945,10 @@ def run_case(run: Run, case: Case, tmp: Path) -> list[str]:
         for i, step in enumerate(steps):
             name = op if i == len(steps) - 1 else f"{op}-to-{k}"
 
-            def check(s: int, out: Path = out) -> list[str]:
+            def check(s: int, out: Path = out, root: Path = root) -> list[str]:
+                stray = sorted(p.name for p in root.iterdir() if p != out)
+                if stray:
+                    return [f"left {stray} next to the checkpoint dir"]
                 got_step, arrays = _dir_tensors(out)
                 if got_step != s:
                     return [f"marker says step {got_step}"]
