@@ -17,7 +17,7 @@ children and HEAD are re-linked to its new digest). Then:
   mutation lands in that store (bit rot, a bad later commit) and it syncs to the latest;
 - mat: ``materialize`` into a fresh dir, then (held dir) an earlier step then the latest.
 
-Every call must end with the exact state of the step it returned (bit-equal, compared as
+Fetchers verify (``verify=True``; every third seed ``verify="full"``). Every call must end with the exact state of the step it returned (bit-equal, compared as
 integers), or raise a :mod:`deltasync.errors` exception with the target (dir) exactly as
 it was before the call. Anything else fails and prints the command that replays the case.
 
@@ -64,6 +64,7 @@ RUN_ID = "fuzz-run"
 DEFAULT_CASES = 1500
 CASES_PER_CHUNK = 100
 LOCAL_EVERY = 5  # seeds divisible by this run on a LocalStore
+FULL_EVERY = 3  # seeds that are 1 modulo this verify="full"
 BITS = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 TIED = ("tied.emb", "tied.head")  # the second name shares the first one's tensor
 
@@ -892,6 +893,11 @@ def _dir_tensors(out: Path) -> tuple[int, dict[str, np.ndarray]]:
     return int(marker["step"]), arrays
 
 
+def _fetcher(store: ds.Store, seed: int) -> ds.DeltaFetcher:
+    """A verifying fetcher: ``verify=True``, or ``"full"`` (every tensor proven) for every third seed."""
+    return ds.DeltaFetcher(store, verify="full" if seed % FULL_EVERY == 1 else True)
+
+
 def _store(seed: int, root: Path) -> ds.Store:
     """Every fifth case runs on a LocalStore (files under ``root``), the others on a MemoryStore."""
     return ds.LocalStore(root, fsync=False) if seed % LOCAL_EVERY == 0 else ds.MemoryStore(f"fuzz-{seed}")
@@ -920,18 +926,18 @@ def run_case(run: Run, case: Case, tmp: Path) -> list[str]:
         return ok
 
     # (a) from zero
-    sync_op("zero", run.zero_target(), ds.DeltaFetcher(store, verify=True), None)
+    sync_op("zero", run.zero_target(), _fetcher(store, case.seed), None)
     # (b) from a held earlier step
-    held, fetcher = run.zero_target(), ds.DeltaFetcher(store, verify=True)
+    held, fetcher = run.zero_target(), _fetcher(store, case.seed)
     sync_op(f"held-to-{k}", held, fetcher, k)
     sync_op("held", held, fetcher, None)
     # (b'') a target holding step j that a fresh fetcher is told holds step k (a lie half of the time)
     j = k if pick.random() < 0.5 else pick.choice([s for s in STEPS if s != k])
-    sync_op("claimed" if j == k else "claimed-lie", run.target_of(j), ds.DeltaFetcher(store, verify=True), None, k)
+    sync_op("claimed" if j == k else "claimed-lie", run.target_of(j), _fetcher(store, case.seed), None, k)
     # (b') held at an earlier step of the pristine run; then the store changes under the fetcher
     pristine = _store(case.seed, tmp / "pristine")
     pristine.put_many(run.objects)
-    held, fetcher = run.zero_target(), ds.DeltaFetcher(pristine, verify=True)
+    held, fetcher = run.zero_target(), _fetcher(pristine, case.seed)
     if sync_op(f"pristine-to-{k}", held, fetcher, k):
         pristine.delete_many([key for key in run.objects if key not in case.objects])
         pristine.put_many({key: v for key, v in case.objects.items() if run.objects.get(key) != v})
@@ -941,7 +947,7 @@ def run_case(run: Run, case: Case, tmp: Path) -> list[str]:
         root = tmp / op
         root.mkdir()
         out = root / "ckpt"
-        fetcher = ds.DeltaFetcher(store, verify=True)
+        fetcher = _fetcher(store, case.seed)
         for i, step in enumerate(steps):
             name = op if i == len(steps) - 1 else f"{op}-to-{k}"
 
