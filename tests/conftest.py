@@ -24,6 +24,24 @@ GATE_TIMEOUT = 60.0  # a gated write that waits this long means a test forgot to
 # ----------------------------------------------------------------- tensors
 
 
+def load_bench(name: str) -> Iterator[Any]:
+    """Import ``benchmarks/<name>.py`` as module ``name`` for a test module's life (a fixture body)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up here
+    try:
+        spec.loader.exec_module(mod)
+        yield mod
+    finally:
+        sys.modules.pop(name, None)
+
+
 def bits_of(t: Any) -> Any:
     """Flat integer view of a tensor's raw bits (a contiguous copy; works for 0-d and empty tensors)."""
     import torch

@@ -5,13 +5,14 @@ Not a benchmark; it only makes CI notice when the script no longer runs against 
 
 from __future__ import annotations
 
-import importlib.util
 import sys
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import load_bench
 
 import deltasync as ds
 from deltasync.testing.seaweedfs import SeaweedFS
@@ -19,22 +20,15 @@ from deltasync.testing.seaweedfs import SeaweedFS
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_backends.py"
 TINY = dict(hidden=64, layers=2, intermediate=128, vocab=512, heads=4, kv_heads=2, head_dim=16, batch=2, seq=16)
 
 
 @pytest.fixture(scope="module")
-def bench() -> Any:
-    spec = importlib.util.spec_from_file_location("bench_backends", BENCH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
+def bench() -> Iterator[Any]:
     try:
-        spec.loader.exec_module(mod)
-        yield mod
+        yield from load_bench("bench_backends")
     finally:
-        sys.modules.pop(spec.name, None)
-        sys.modules.pop("bench_payload", None)
+        sys.modules.pop("bench_payload", None)  # imported by bench_backends
 
 
 @pytest.mark.timeout(300)

@@ -6,32 +6,22 @@ script no longer runs against the current API.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import load_bench
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_payload.py"
-
 
 @pytest.fixture(scope="module")
-def bench() -> Any:
-    spec = importlib.util.spec_from_file_location("bench_payload", BENCH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up here
-    try:
-        spec.loader.exec_module(mod)
-        yield mod
-    finally:
-        sys.modules.pop(spec.name, None)
+def bench() -> Iterator[Any]:
+    yield from load_bench("bench_payload")
 
 
 TINY = dict(hidden=64, layers=2, intermediate=128, vocab=512, heads=4, kv_heads=2, head_dim=16, batch=2, seq=16)

@@ -7,29 +7,21 @@ every session a new DeltaUploader that resumes from the store and pushes its sha
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from conftest import load_bench
 
 torch = pytest.importorskip("torch")
 
 import deltasync as ds  # noqa: E402
 from deltasync.testing.counting import CountingStore  # noqa: E402
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_requests.py"
-
 
 @pytest.fixture(scope="module")
-def bench() -> Any:
-    spec = importlib.util.spec_from_file_location("bench_requests", BENCH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+def bench() -> Iterator[Any]:
+    yield from load_bench("bench_requests")
 
 
 @pytest.mark.parametrize(("steps", "sessions"), [(10, 1), (10, 10), (1000, 1), (1000, 1000)])
