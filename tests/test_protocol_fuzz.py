@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import pytest
+from conftest import anchor_manifest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -702,26 +703,10 @@ def test_patch_file_mutations(which: int, ops: list[tuple[str, int, int]]) -> No
 def test_anchor_shard_mutations(ops: list[tuple[str, int, int]]) -> None:
     """A mutated anchor shard yields arrays of exactly the inventory's sizes, or a ProtocolError."""
     from deltasync.protocol import anchor_arrays
-    from deltasync.protocol.checkpoint import build_checkpoint
 
     inv = (TensorInfo("x", "F16", (3, 4)), TensorInfo("y", "I64", (5,)), TensorInfo("z", "BOOL", ()))
     arrays = {"x": np.arange(12, dtype=np.int16), "y": np.arange(5, dtype=np.int64), "z": np.ones(1, np.int8)}
-    files, entries = build_checkpoint(inv, arrays, 1 << 20)
-    infos = tuple(FileInfo(k, len(v), xxh3_128(v)) for k, v in sorted(files.items()))
-    m = Manifest(
-        run_id="r",
-        step=0,
-        kind="anchor",
-        parent_step=None,
-        parent_digest=None,
-        anchor_step=0,
-        inventory=inv,
-        inventory_digest=inventory_digest(inv),
-        files=infos,
-        entries=tuple(entries),
-        tensor_digests={},
-        stats=Stats(18, 18, sum(f.size for f in infos)),
-    )
+    m, files = anchor_manifest(inv, arrays)
     shard = next(k for k in files if k.endswith(".safetensors"))
     out = _only_protocol_errors(lambda: anchor_arrays(m, {**files, shard: _mutate(files[shard], ops)}))
     for t in inv:

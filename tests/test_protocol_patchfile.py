@@ -11,6 +11,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from conftest import anchor_manifest
 
 from deltasync.errors import ChainBroken, ProtocolError
 from deltasync.protocol import (
@@ -34,7 +35,6 @@ from deltasync.protocol import (
     plan_fetch,
     xxh3_128,
 )
-from deltasync.protocol.checkpoint import build_checkpoint
 from deltasync.protocol.encoding import EncodedTensor, _compress, _encode_xor_rank
 from deltasync.protocol.patchfile import patch_metadata
 from deltasync.protocol.safetensors_io import TensorBytes, to_bytes
@@ -197,23 +197,7 @@ def test_empty_expected_streams_have_no_bytes() -> None:
 
 def _anchor() -> tuple[Manifest, dict[str, bytes]]:
     old, _ = _states()
-    files, entries = build_checkpoint(INV, old, 1 << 20)
-    infos = tuple(FileInfo(n, len(d), xxh3_128(d)) for n, d in sorted(files.items()))
-    m = Manifest(
-        run_id="r",
-        step=0,
-        kind="anchor",
-        parent_step=None,
-        parent_digest=None,
-        anchor_step=0,
-        inventory=INV,
-        inventory_digest=inventory_digest(INV),
-        files=infos,
-        entries=tuple(entries),
-        tensor_digests={},
-        stats=Stats(135, 135, sum(f.size for f in infos)),
-    )
-    return Manifest.from_json(m.to_json()), files
+    return anchor_manifest(INV, old)
 
 
 def test_anchor_arrays_are_views_of_checked_shards() -> None:
