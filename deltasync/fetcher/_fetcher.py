@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import uuid
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +13,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from deltasync._tensors import flat_bits, inventory_of, numpy_bits, require_torch, state_tensors
+from deltasync._tensors import inventory_of
 from deltasync.errors import (
     ChainBroken,
     ChecksumMismatch,
@@ -27,7 +26,6 @@ from deltasync.errors import (
 from deltasync.fetcher._apply import (
     NumpySlot,
     Slot,
-    TorchSlot,
     Undo,
     alias_groups,
     apply_changes,
@@ -39,6 +37,7 @@ from deltasync.fetcher._apply import (
     same_effect,
 )
 from deltasync.fetcher._follow import follow as _follow
+from deltasync.fetcher._identity import Held, live_tensors, slots_of
 from deltasync.fetcher._reader import download
 from deltasync.protocol import Committed, DecodedEntry, FetchPlan, Manifest, TensorInfo, anchor_arrays, decode_patch
 from deltasync.protocol.checkpoint import INDEX_NAME, build_checkpoint
@@ -63,60 +62,6 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _live_tensors(target: Any) -> dict[str, Any]:
-    """The target's tensors as the objects it holds (Parameters for a module), so identity holds."""
-    torch = require_torch()
-    if isinstance(target, torch.nn.Module):
-        return dict(target.state_dict(keep_vars=True))
-    return state_tensors(target)
-
-
-def _version(t: Any) -> int | None:
-    try:
-        return int(t._version)
-    except (AttributeError, RuntimeError):  # inference-mode tensors keep no version counter
-        return None
-
-
-@dataclass(slots=True)
-class _Held:
-    """What this fetcher left in a target: the step, and how to recognise the same tensors unchanged."""
-
-    step: int
-    digest: str
-    target: weakref.ref[Any] | None
-    tensors: dict[str, tuple[weakref.ref[Any], int | None, Any]]
-
-    @classmethod
-    def record(cls, step: int, digest: str, target: Any, live: Mapping[str, Any], slots: Mapping[str, Slot]) -> _Held:
-        try:
-            ref: weakref.ref[Any] | None = weakref.ref(target)
-        except TypeError:  # a dict: its tensors carry the identity
-            ref = None
-        return cls(step, digest, ref, {n: (weakref.ref(t), _version(t), slots[n].key) for n, t in live.items()})
-
-    def gone(self) -> bool:
-        """True once the target (or every tensor it held) was garbage-collected."""
-        if self.target is not None:
-            return self.target() is None
-        return all(ref() is None for ref, _, _ in self.tensors.values())
-
-    def same(self, target: Any, live: Mapping[str, Any], slots: Mapping[str, Slot]) -> bool:
-        """True when ``target`` holds the very tensors this fetcher wrote, unmodified since (by torch's
-        version counters) and at the same memory."""
-        if self.target is not None and self.target() is not target:
-            return False
-        if set(live) != set(self.tensors):
-            return False
-        for name, t in live.items():
-            ref, version, key = self.tensors[name]
-            if ref() is not t or key != slots[name].key:
-                return False
-            if version is not None and _version(t) != version:
-                return False
-        return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +107,7 @@ class DeltaFetcher:
         self.progress = progress
         self.shard_bytes = shard_bytes
         self.reader = reader if reader is not None else RunReader(store, signing_key=signing_key)
-        self._held: dict[int, _Held] = {}
+        self._held: dict[int, Held] = {}
 
     # ----------------------------------------------------------- discovery
 
@@ -339,12 +284,9 @@ class DeltaFetcher:
         loads the nearest anchor. All or nothing: on any error the target is
         left as it was. Returns the step reached.
         """
-        live = _live_tensors(target)
+        live = live_tensors(target)
         inventory = inventory_of(live)
-        slots: dict[str, Slot] = {
-            n: NumpySlot(numpy_bits(t)) if t.device.type == "cpu" else TorchSlot(flat_bits(t, copy_if_needed=False))
-            for n, t in live.items()
-        }
+        slots = slots_of(live)
         target_step = self._target_step(step)
         for key in [k for k, h in self._held.items() if h.gone()]:
             del self._held[key]  # targets that were collected
@@ -379,7 +321,7 @@ class DeltaFetcher:
                     raise
                 plan = self.reader.plan(target_step, None)
                 reached = self._execute(slots, inventory, plan, None)
-        self._held[id(target)] = _Held.record(target_step, reached.digest, target, live, slots)
+        self._held[id(target)] = Held.record(target_step, reached.digest, target, live, slots)
         return target_step
 
     def follow(self, target: Any, **options: Any) -> int | None:
@@ -394,11 +336,8 @@ class DeltaFetcher:
         held = self._held.get(id(target))
         if held is None:
             return None
-        live = _live_tensors(target)
-        slots = {
-            n: NumpySlot(numpy_bits(t)) if t.device.type == "cpu" else TorchSlot(flat_bits(t, copy_if_needed=False))
-            for n, t in live.items()
-        }
+        live = live_tensors(target)
+        slots = slots_of(live)
         return held.step if held.same(target, live, slots) else None
 
     # --------------------------------------------------------- materialize
