@@ -1,5 +1,5 @@
 """Inference side: :class:`DeltaFetcher`."""
 
-from deltasync.fetcher._fetcher import DeltaFetcher
+from deltasync.fetcher._fetcher import DeltaFetcher, SyncJournal, SyncStats
 
-__all__ = ["DeltaFetcher"]
+__all__ = ["DeltaFetcher", "SyncJournal", "SyncStats"]

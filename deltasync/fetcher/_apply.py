@@ -52,6 +52,10 @@ class Slot(ABC):
     def digest(self) -> str:
         """xxh3-128 of the tensor's bytes."""
 
+    @abstractmethod
+    def snapshot(self) -> Bits:
+        """A host copy of all the bits."""
+
 
 class NumpySlot(Slot):
     """A numpy bit array (CPU torch tensors are viewed this way, sharing memory)."""
@@ -75,6 +79,11 @@ class NumpySlot(Slot):
     def digest(self) -> str:
         # docstring inherited
         return xxh3_128_array(self.arr)
+
+    def snapshot(self) -> Bits:
+        # docstring inherited
+        out: Bits = self.arr.copy()
+        return out
 
 
 class TorchSlot(Slot):
@@ -108,6 +117,11 @@ class TorchSlot(Slot):
     def digest(self) -> str:
         # docstring inherited
         return xxh3_128_array(self.t.cpu().numpy())
+
+    def snapshot(self) -> Bits:
+        # docstring inherited
+        out: Bits = np.array(self.t.cpu().numpy())
+        return out
 
 
 def check_inventory(have: Sequence[TensorInfo], m: Manifest) -> None:
@@ -205,10 +219,11 @@ def check_anchor(slots: Mapping[str, Slot], m: Manifest, arrays: Mapping[str, Bi
 
 
 class Undo:
-    """Old bits of every element written, so a whole plan can be rolled back."""
+    """Old bits of every element written, so a whole plan can be rolled back; ``names`` are the tensors written."""
 
     def __init__(self) -> None:
-        self._log: list[tuple[Slot, Bits, Bits]] = []
+        self._log: list[tuple[Slot, Bits | None, Bits]] = []
+        self.names: set[str] = set()
 
     def put(self, slot: Slot, idx: Bits, coding: str, values: Bits) -> None:
         """Apply one decoded change, remembering what it overwrote."""
@@ -216,11 +231,26 @@ class Undo:
         self._log.append((slot, idx, old))
         slot.put(idx, apply_values(coding, old, values))
 
+    def load(self, slot: Slot, old: Bits, new: Bits) -> None:
+        """Overwrite a whole tensor (``old`` is a copy of its current bits), remembering ``old``."""
+        self._log.append((slot, None, old))
+        slot.load(new)
+
+    def extend(self, other: Undo) -> None:
+        """Take over ``other``'s log (it is applied after this one's)."""
+        self._log.extend(other._log)
+        self.names |= other.names
+        other._log, other.names = [], set()
+
     def rollback(self) -> None:
         """Restore every element written, newest first."""
         for slot, idx, old in reversed(self._log):
-            slot.put(idx, old)
+            if idx is None:
+                slot.load(old)
+            else:
+                slot.put(idx, old)
         self._log.clear()
+        self.names.clear()
 
 
 def apply_changes(slots: Mapping[str, Slot], changes: Sequence[DecodedEntry], undo: Undo) -> None:
@@ -229,3 +259,4 @@ def apply_changes(slots: Mapping[str, Slot], changes: Sequence[DecodedEntry], un
     for c in changes:
         if alias[c.tensor] == c.tensor:
             undo.put(slots[c.tensor], c.idx, c.coding, c.values)
+            undo.names.add(c.tensor)

@@ -38,6 +38,7 @@ from deltasync.fetcher._apply import (
 )
 from deltasync.fetcher._follow import follow as _follow
 from deltasync.fetcher._identity import Held, live_tensors, slots_of
+from deltasync.fetcher._journal import SyncJournal, SyncStats, restore_held
 from deltasync.fetcher._reader import download
 from deltasync.protocol import Committed, DecodedEntry, FetchPlan, Manifest, TensorInfo, anchor_arrays, decode_patch
 from deltasync.protocol.checkpoint import INDEX_NAME, build_checkpoint
@@ -47,7 +48,7 @@ from deltasync.protocol.encoding import apply_values
 from deltasync.protocol.safetensors_io import parse_safetensors
 from deltasync.storage import RunReader, Store
 
-__all__ = ["DeltaFetcher", "Verify"]
+__all__ = ["DeltaFetcher", "SyncJournal", "SyncStats", "Verify"]
 
 MARKER = ".deltasync.json"
 Bits = np.ndarray[Any, np.dtype[Any]]
@@ -108,6 +109,8 @@ class DeltaFetcher:
         self.shard_bytes = shard_bytes
         self.reader = reader if reader is not None else RunReader(store, signing_key=signing_key)
         self._held: dict[int, Held] = {}
+        #: timings and bytes of the last :meth:`sync` (None before the first)
+        self.last_stats: SyncStats | None = None
 
     # ----------------------------------------------------------- discovery
 
@@ -139,7 +142,9 @@ class DeltaFetcher:
 
     # -------------------------------------------------------------- loading
 
-    def _load(self, plan: FetchPlan, inventory: Sequence[TensorInfo], base: Manifest | None) -> _Loaded:
+    def _load(
+        self, plan: FetchPlan, inventory: Sequence[TensorInfo], base: Manifest | None, stats: SyncStats | None = None
+    ) -> _Loaded:
         """Download, check and decode every step of ``plan`` (one batch of files); touches no target."""
         steps = tuple(self.reader.committed(s) for s in plan.steps)
         final = steps[-1].manifest
@@ -160,18 +165,23 @@ class DeltaFetcher:
             if self.progress:
                 self.progress(done, total)
 
-        files = download(self.store, [c.manifest for c in steps], verify=bool(self.verify), progress=tick)
+        stats = stats or SyncStats(final.step)
+        with stats.timing("download"):
+            files = download(self.store, [c.manifest for c in steps], verify=bool(self.verify), progress=tick)
+        stats.nbytes += sum(len(b) for f in files for b in f.values())
+        stats.steps += len(steps)
         anchor: Mapping[str, Bits] | None = None
         patches = []
         parent = base
-        for c, f in zip(steps, files, strict=True):
-            m = c.manifest
-            if m.kind == "anchor":
-                anchor = anchor_arrays(m, f)
-            else:
-                changes = tuple(decode_patch(m, f))
-                patches.append((m, changes, tuple(changed_names(m, parent, changes))))
-            parent = m
+        with stats.timing("decode"):
+            for c, f in zip(steps, files, strict=True):
+                m = c.manifest
+                if m.kind == "anchor":
+                    anchor = anchor_arrays(m, f)
+                else:
+                    changes = tuple(decode_patch(m, f))
+                    patches.append((m, changes, tuple(changed_names(m, parent, changes))))
+                parent = m
         return _Loaded(steps, anchor, tuple(patches))
 
     def _prove_anchor_plan(self, slots: Mapping[str, Slot], loaded: _Loaded) -> None:
@@ -217,43 +227,66 @@ class DeltaFetcher:
                     if want is None or (proven[n] != want and xxh3_128_array(arr) != want):
                         raise ChecksumMismatch(f"step {final.step}: tensor {n!r} does not match its digest")
 
-    def _apply(self, slots: Mapping[str, Slot], loaded: _Loaded) -> None:
-        """Apply a loaded plan in place, all or nothing."""
+    def _apply(
+        self, slots: Mapping[str, Slot], loaded: _Loaded, stats: SyncStats | None = None, keep: Undo | None = None
+    ) -> None:
+        """Apply a loaded plan in place, all or nothing; ``keep`` receives the undo log on success."""
+        stats = stats or SyncStats(loaded.steps[-1].manifest.step)
         undo = Undo()
         try:
             if loaded.anchor is not None:
                 # every digest was proven off the target: from here only the writes are left
-                for name, primary in alias_groups(slots).items():
-                    if primary == name:
-                        slots[name].load(loaded.anchor[name])
-                for _, changes, _ in loaded.patches:
-                    apply_changes(slots, changes, Undo())
+                with stats.timing("apply"):
+                    for name, primary in alias_groups(slots).items():
+                        if primary != name:
+                            continue
+                        if keep is None:
+                            slots[name].load(loaded.anchor[name])
+                        elif not np.array_equal(old := slots[name].snapshot(), loaded.anchor[name]):
+                            undo.load(slots[name], old, loaded.anchor[name])
+                            undo.names.add(name)
+                    for _, changes, _ in loaded.patches:
+                        apply_changes(slots, changes, undo)
+                if keep is not None:
+                    keep.extend(undo)
                 return
             for m, changes, names in loaded.patches:
-                check_aliases(slots, m, changes)
-                apply_changes(slots, changes, undo)
+                with stats.timing("apply"):
+                    check_aliases(slots, m, changes)
+                    apply_changes(slots, changes, undo)
                 if self.verify:
-                    check_digests(slots, names, m)
+                    with stats.timing("verify"):
+                        check_digests(slots, names, m)
             if self.verify == "full":
                 # what the last step proved is proven; the rest of the target is hashed now
                 final = loaded.steps[-1].manifest
                 done = set(loaded.patches[-1][2]) if loaded.patches and self.verify else set()
-                check_digests(slots, sorted(set(slots) - done), final)
+                with stats.timing("verify"):
+                    check_digests(slots, sorted(set(slots) - done), final)
                 missing = sorted(n for n in slots if n not in final.tensor_digests)
                 if missing:
                     raise ChecksumMismatch(f"step {final.step}: no tensor digest to prove {missing[:5]}")
         except BaseException:
             undo.rollback()
             raise
+        if keep is not None:
+            keep.extend(undo)
 
     def _execute(
-        self, slots: Mapping[str, Slot], inventory: Sequence[TensorInfo], plan: FetchPlan, base: Manifest | None
+        self,
+        slots: Mapping[str, Slot],
+        inventory: Sequence[TensorInfo],
+        plan: FetchPlan,
+        base: Manifest | None,
+        stats: SyncStats,
+        keep: Undo | None,
     ) -> Committed:
         try:
-            loaded = self._load(plan, inventory, base)
+            loaded = self._load(plan, inventory, base, stats)
             if loaded.anchor is not None:
-                self._prove_anchor_plan(slots, loaded)
-            self._apply(slots, loaded)
+                with stats.timing("verify"):
+                    self._prove_anchor_plan(slots, loaded)
+            self._apply(slots, loaded, stats, keep)
         except (ChecksumMismatch, ProtocolError):
             # the bad bytes may be a cached manifest (read corrupted, or since repaired):
             # read the plan's manifests afresh next time instead of failing forever
@@ -274,7 +307,9 @@ class DeltaFetcher:
             return None
         return step, c.digest
 
-    def sync(self, target: Any, step: int | None = None, *, have_step: int | None = None) -> int:
+    def sync(
+        self, target: Any, step: int | None = None, *, have_step: int | None = None, journal: SyncJournal | None = None
+    ) -> int:
         """Bring ``target`` (nn.Module or dict of tensors) in place to ``step`` (default: latest).
 
         Patches forward when the target provably holds an earlier step of the
@@ -283,7 +318,13 @@ class DeltaFetcher:
         given and (when verifying) the tensors match its digests. Otherwise
         loads the nearest anchor. All or nothing: on any error the target is
         left as it was. Returns the step reached.
+
+        journal: a fresh :class:`SyncJournal` that records what this sync wrote,
+        so it can be undone later (a live engine that refused the new tensors).
+        Timings and bytes of the sync are left in :attr:`last_stats`.
         """
+        stats = SyncStats(-1)
+        t0 = stats.clock()
         live = live_tensors(target)
         inventory = inventory_of(live)
         slots = slots_of(live)
@@ -308,20 +349,36 @@ class DeltaFetcher:
                 except ObjectNotFound:
                     have = None
         plan = self.reader.plan(target_step, have)
+        before = self._held.get(id(target))
+        keep = Undo() if journal is not None else None
+        stats.step = target_step
         if plan.is_noop:
             reached = self.reader.committed(target_step)
         else:
             base = self.reader.committed(have[0]).manifest if plan.base == "current" and have else None
+            stats.base_step = have[0] if base is not None and have else None
             try:
-                reached = self._execute(slots, inventory, plan, base)
+                reached = self._execute(slots, inventory, plan, base, stats, keep)
             except ChecksumMismatch:
                 # the target may not hold what we believed (changed behind our back): if so, an
                 # anchor is the safe start; if it does hold it, the store's data is what is wrong
                 if plan.base != "current" or have is None or self._holds(slots, have[0]) is not None:
                     raise
                 plan = self.reader.plan(target_step, None)
-                reached = self._execute(slots, inventory, plan, None)
+                stats = SyncStats(target_step, clock=stats.clock)
+                reached = self._execute(slots, inventory, plan, None, stats, keep)
         self._held[id(target)] = Held.record(target_step, reached.digest, target, live, slots)
+        if journal is not None and keep is not None:
+            key, records = id(target), self._held
+
+            def restore() -> None:
+                restore_held(records, key, before, target, live, slots)
+
+            journal._record(keep, slots, target_step, have[0] if have else None, restore)
+        elif journal is not None:
+            journal._record(Undo(), slots, target_step, target_step, lambda: None)
+        stats.total_s = stats.clock() - t0
+        self.last_stats = stats
         return target_step
 
     def follow(self, target: Any, **options: Any) -> int | None:
