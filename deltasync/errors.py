@@ -25,6 +25,8 @@ builtin exception means the same thing, the class also subclasses it, so
     │   ├── SignalRejected                the server refused the request (4xx: bad token, bad input)
     │   │   └── SignalConflict            a commit contradicts the run's recorded history (409)
     │   └── WebhookVerificationError      (also ValueError) a webhook delivery's signature or timestamp is bad
+    ├── UpdateRolledBack                  a live engine refused a step; it still serves its previous step, bit-exact
+    ├── WorkerNeedsReplacement            a live engine's weights could not be restored: replace the worker
     └── DemoError                         (also ValueError) `deltasync demo` cannot start as asked
 
 Every class pickles (it carries only its message), so errors cross process
@@ -54,7 +56,9 @@ __all__ = [
     "StorageError",
     "TransientStorageError",
     "UnsupportedVersion",
+    "UpdateRolledBack",
     "WebhookVerificationError",
+    "WorkerNeedsReplacement",
     "WriterFenced",
 ]
 
@@ -152,6 +156,16 @@ class SignalConflict(SignalRejected):
 
 class WebhookVerificationError(SignalError, ValueError):
     """A webhook delivery's signature is missing or wrong, or its timestamp is outside the replay window."""
+
+
+class UpdateRolledBack(DeltaSyncError):
+    """A live engine could not take a step (download, proof or load failed); its weights were put back
+    and it still serves its previous step, bit for bit. Retry, or skip to a later step."""
+
+
+class WorkerNeedsReplacement(DeltaSyncError):
+    """A live engine failed mid-update and its previous weights could not be restored either: it holds
+    an unknown mix and must be restarted or replaced (every further update is refused)."""
 
 
 class DemoError(DeltaSyncError, ValueError):

@@ -39,6 +39,8 @@ BUILTIN_PARENTS: dict[str, tuple[type[BaseException], ...]] = {
     "SignalConflict": (Exception,),
     "WebhookVerificationError": (ValueError,),
     "DemoError": (ValueError,),
+    "UpdateRolledBack": (Exception,),
+    "WorkerNeedsReplacement": (Exception,),
 }
 
 #: Each class and its deltasync parent.
@@ -65,6 +67,8 @@ TREE_PARENTS: dict[str, str | None] = {
     "SignalConflict": "SignalRejected",
     "WebhookVerificationError": "SignalError",
     "DemoError": "DeltaSyncError",
+    "UpdateRolledBack": "DeltaSyncError",
+    "WorkerNeedsReplacement": "DeltaSyncError",
 }
 
 ids = [cls.__name__ for cls in ALL_CLASSES]

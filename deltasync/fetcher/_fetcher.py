@@ -237,16 +237,25 @@ class DeltaFetcher:
             if loaded.anchor is not None:
                 # every digest was proven off the target: from here only the writes are left
                 with stats.timing("apply"):
-                    for name, primary in alias_groups(slots).items():
-                        if primary != name:
-                            continue
-                        if keep is None:
-                            slots[name].load(loaded.anchor[name])
-                        elif not np.array_equal(old := slots[name].snapshot(), loaded.anchor[name]):
-                            undo.load(slots[name], old, loaded.anchor[name])
-                            undo.names.add(name)
-                    for _, changes, _ in loaded.patches:
-                        apply_changes(slots, changes, undo)
+                    if keep is None:
+                        for name, primary in alias_groups(slots).items():
+                            if primary == name:
+                                slots[name].load(loaded.anchor[name])
+                        for _, changes, _ in loaded.patches:
+                            apply_changes(slots, changes, undo)
+                    else:
+                        # the caller keeps the undo: write (and remember) only tensors whose bits differ
+                        by_step = [{c.tensor: c for c in changes} for _, changes, _ in loaded.patches]
+                        for name, primary in alias_groups(slots).items():
+                            if primary != name:
+                                continue
+                            arr = np.array(loaded.anchor[name])
+                            for by in by_step:
+                                if (c := by.get(name)) is not None:
+                                    arr[c.idx] = apply_values(c.coding, arr[c.idx], c.values)
+                            if not np.array_equal(old := slots[name].snapshot(), arr):
+                                undo.load(slots[name], old, arr)
+                                undo.names.add(name)
                 if keep is not None:
                     keep.extend(undo)
                 return
