@@ -333,15 +333,24 @@ def cmd_follow(args: argparse.Namespace) -> int:
         def on_step(step: int) -> None:
             print(f"step {step} -> {args.out} (+{time.perf_counter() - t0:.2f} s)", flush=True)
 
-        step = fetcher.follow(
-            args.out,
-            signal_url=args.signal,
-            token=token,
-            run=args.run,
-            until_step=args.until,
-            poll_interval=args.poll_interval,
-            on_step=on_step,
-        )
+        with contextlib.ExitStack() as scope:
+            metrics = None
+            if args.metrics_port is not None:
+                from deltasync.metrics import SyncMetrics
+
+                metrics = SyncMetrics()
+                server = scope.enter_context(metrics.serve(args.metrics_port, args.metrics_host))
+                print(f"metrics at {server.url}", file=sys.stderr, flush=True)
+            step = fetcher.follow(
+                args.out,
+                signal_url=args.signal,
+                token=token,
+                run=args.run,
+                until_step=args.until,
+                poll_interval=args.poll_interval,
+                on_step=on_step,
+                metrics=metrics,
+            )
     print(f"stopped at step {step}")
     return 0
 
@@ -447,6 +456,10 @@ def build_parser() -> argparse.ArgumentParser:
     fo.add_argument("--until", type=int, help="exit once this step is reached")
     fo.add_argument("--poll-interval", type=float, default=2.0, help="seconds between store polls (default 2)")
     fo.add_argument("--no-verify", action="store_true", help="skip checksum and digest verification")
+    fo.add_argument(
+        "--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics at /metrics on PORT (0: any free)"
+    )
+    fo.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint (default 127.0.0.1)")
     fo.set_defaults(fn=cmd_follow)
     d = sub.add_parser("demo", help="train a tiny Qwen3 and watch patches land live at http://127.0.0.1:7860")
     d.add_argument(

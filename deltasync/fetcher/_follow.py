@@ -26,6 +26,7 @@ from deltasync.protocol.keys import HEAD_KEY
 
 if TYPE_CHECKING:
     from deltasync.fetcher._fetcher import DeltaFetcher
+    from deltasync.metrics import SyncMetrics
 
 __all__ = ["FollowStats", "follow"]
 
@@ -68,6 +69,7 @@ def follow(
     reconnect_backoff: tuple[float, float] = (0.5, 15.0),
     transport: httpx.BaseTransport | None = None,
     stats: FollowStats | None = None,
+    metrics: SyncMetrics | None = None,
 ) -> int | None:
     """Keep ``target`` at the newest committed step until ``until_step`` is reached or ``stop`` is set.
 
@@ -83,6 +85,9 @@ def follow(
     store_check_interval: while the stream is up, the store's HEAD is still
         read this often, in case a signal was lost.
     on_step: called with each step reached.
+    metrics: a :class:`~deltasync.metrics.SyncMetrics` to record the head seen, each step reached
+        (with :attr:`DeltaFetcher.last_stats` for tensor targets; step and seconds for a dir) and
+        failures (``apply``, ``signal``, ``store``).
 
     Returns the step the target is at (None if the run never had a step).
     Errors of one apply are logged and retried; an :class:`InventoryMismatch`
@@ -98,6 +103,8 @@ def follow(
         raise StorageError(f"refusing to follow into {out}: it exists and was not written by deltasync materialize")
     current: int | None = _dir_step(out) if out is not None else fetcher.current_step(target)
     wanted = current
+    if metrics is not None and current is not None:
+        metrics.observe_applied(current)
     beat = heartbeat if heartbeat is not None else max(0.2, min(poll_interval, 5.0))
     last_store_check = float("-inf")
     polls = 0
@@ -109,6 +116,7 @@ def follow(
         nonlocal current
         if current is not None and step <= current:
             return
+        before, t0 = fetcher.last_stats, time.perf_counter()
         try:
             if out is not None:
                 fetcher.materialize(out, step=step)
@@ -118,10 +126,18 @@ def follow(
             raise
         except DeltaSyncError as exc:
             st.apply_failures += 1
+            if metrics is not None:
+                metrics.observe_failure("apply")
             log.warning("cannot apply step %d yet (will retry): %s", step, exc)
             return
         current = step
         st.applied += 1
+        if metrics is not None:
+            reached = fetcher.last_stats
+            if reached is not None and reached is not before and reached.step == step:
+                metrics.observe_sync(reached)
+            else:  # a dir: materialize leaves no stats
+                metrics.observe_applied(step, seconds=time.perf_counter() - t0)
         if on_step is not None:
             on_step(step)
 
@@ -137,6 +153,8 @@ def follow(
         try:
             return fetcher.latest_step()
         except DeltaSyncError as exc:
+            if metrics is not None:
+                metrics.observe_failure("store")
             log.warning("cannot list the store: %s", exc)
             return None
 
@@ -144,6 +162,8 @@ def follow(
         nonlocal wanted, last_store_check
         last_store_check = time.monotonic()
         latest = store_latest()
+        if metrics is not None and latest is not None:
+            metrics.observe_head(latest)
         if latest is not None and (wanted is None or latest > wanted):
             wanted = latest
         if wanted is not None:
@@ -178,6 +198,8 @@ def follow(
                         backoff = reconnect_backoff[0]
                         if ev is not None:
                             st.signals += 1
+                            if metrics is not None:
+                                metrics.observe_head(ev.step, ev.time or None)
                             if wanted is None or ev.step > wanted:
                                 wanted = ev.step
                             apply(ev.step)
@@ -189,6 +211,8 @@ def follow(
                             check_store()
                 except SignalError as exc:
                     st.signal_failures += 1
+                    if metrics is not None:
+                        metrics.observe_failure("signal")
                     if isinstance(exc, SignalRejected):
                         log.warning("signal server refused the stream (polling the store meanwhile): %s", exc)
                     elif st.connected:

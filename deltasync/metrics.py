@@ -1,0 +1,360 @@
+"""Prometheus metrics of a fetcher: staleness, bytes, sync phase times, pauses.
+
+:class:`SyncMetrics` is a thread-safe recorder that renders the Prometheus text exposition format
+(0.0.4) itself and can serve it on ``GET /metrics`` from a tiny threaded ``http.server``: no
+``prometheus_client`` needed, no torch, no FastAPI. ``deltasync follow --metrics-port`` feeds one;
+a live engine's weight-transfer backend feeds another (and records its pauses).
+
+Staleness is computed when the metrics are rendered, from what was observed:
+
+- ``deltasync_staleness_steps``: the newest committed step seen (``observe_head``) minus the step
+  the target holds;
+- ``deltasync_staleness_seconds``: now minus the commit time of the oldest committed step the
+  target does not hold yet (0 when it is current). A commit's time is the signal event's
+  (``CommitEvent.time``) when known, else the time the step was first seen: a follower that only
+  polls the store sees a commit up to one poll interval late, and so under-reports by as much.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from deltasync.fetcher import SyncStats
+
+__all__ = ["CONTENT_TYPE", "MetricsServer", "SyncMetrics"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+PHASES = ("download", "decode", "verify", "apply", "total")
+DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+MAX_PENDING = 1024  # commit times kept for steps not applied yet
+
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*\Z")
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _fmt(v: float) -> str:
+    if isinstance(v, int):
+        return str(v)
+    if math.isnan(v):
+        return "NaN"
+    if math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
+    return repr(float(v))
+
+
+class _Histogram:
+    __slots__ = ("buckets", "count", "counts", "sum")
+
+    def __init__(self, buckets: Sequence[float]) -> None:
+        self.buckets = tuple(buckets)
+        self.counts = [0] * len(self.buckets)
+        self.count = 0
+        self.sum = 0.0
+
+    def observe(self, v: float) -> None:
+        i = bisect.bisect_left(self.buckets, v)
+        if i < len(self.counts):
+            self.counts[i] += 1
+        self.count += 1
+        self.sum += v
+
+    def cumulative(self) -> Iterator[tuple[str, int]]:
+        acc = 0
+        for le, n in zip(self.buckets, self.counts, strict=True):
+            acc += n
+            yield _fmt(le), acc
+        yield "+Inf", self.count
+
+
+class SyncMetrics:
+    """Counters and gauges of one fetcher (or one engine rank), rendered for Prometheus.
+
+    labels: constant labels put on every sample, e.g. ``{"rank": "0", "run": "grpo-7"}``.
+    clock: wall-clock time (seconds since the epoch, like ``CommitEvent.time``), read when a step is
+        first seen without a commit time and when staleness is rendered.
+    """
+
+    def __init__(self, labels: Mapping[str, str] | None = None, *, clock: Callable[[], float] = time.time) -> None:
+        self.labels = dict(labels or {})
+        for name in self.labels:
+            if not _LABEL_NAME.match(name) or name.startswith("__") or name in ("le", "kind", "phase"):
+                raise ValueError(f"invalid constant label name {name!r}")
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._head: int | None = None
+        self._head_time: float | None = None
+        self._applied: int | None = None
+        self._applied_time: float | None = None
+        self._pending_steps: list[int] = []  # sorted committed steps above the applied one ...
+        self._pending_times: list[float] = []  # ... and their commit times
+        self._syncs = 0
+        self._steps = 0
+        self._bytes = 0
+        self._failures: dict[str, int] = {}
+        self._phase_sum = dict.fromkeys(PHASES, 0.0)
+        self._phase_count = 0
+        self._last_phase: dict[str, float] | None = None
+        self._last_bytes: int | None = None
+        self._duration = _Histogram(DURATION_BUCKETS)
+        self._pause = _Histogram(DURATION_BUCKETS)
+        self._last_pause: float | None = None
+
+    # ------------------------------------------------------------ observe
+
+    def observe_head(self, step: int, committed_at: float | None = None) -> None:
+        """The trainer's newest committed step as seen: from a signal event (pass its ``time``) or the
+        store (``committed_at`` None: the time it is first seen). Older steps are ignored."""
+        if committed_at is not None and (not math.isfinite(committed_at) or committed_at <= 0):
+            committed_at = None
+        with self._lock:
+            t = committed_at if committed_at is not None else self.clock()
+            if self._head is None or step > self._head:
+                self._head = step
+                self._head_time = t
+            elif step == self._head and self._head_time is not None and committed_at is not None:
+                self._head_time = min(self._head_time, t)  # seen first, then told its commit time
+            if self._applied is not None and step <= self._applied:
+                return
+            i = bisect.bisect_left(self._pending_steps, step)
+            if i < len(self._pending_steps) and self._pending_steps[i] == step:
+                if committed_at is not None:
+                    self._pending_times[i] = min(self._pending_times[i], t)
+                return
+            self._pending_steps.insert(i, step)
+            self._pending_times.insert(i, t)
+            if len(self._pending_steps) > MAX_PENDING:
+                # fold the oldest entry into the next one: staleness may read high, never low
+                self._pending_times[1] = min(self._pending_times[0], self._pending_times[1])
+                del self._pending_steps[0], self._pending_times[0]
+
+    def observe_sync(self, stats: SyncStats, *, pause_s: float | None = None) -> None:
+        """A sync reached ``stats.step`` (pass :attr:`DeltaFetcher.last_stats`); ``pause_s``: how long a
+        live engine paused for it, if it did."""
+        with self._lock:
+            self._reached(stats.step, stats.total_s)
+            self._steps += stats.steps
+            self._bytes += stats.nbytes
+            self._last_bytes = stats.nbytes
+            last = {p: float(getattr(stats, f"{p}_s")) for p in PHASES}
+            for p, v in last.items():
+                self._phase_sum[p] += v
+            self._phase_count += 1
+            self._last_phase = last
+        if pause_s is not None:
+            self.observe_pause(pause_s)
+
+    def observe_applied(self, step: int, *, seconds: float | None = None) -> None:
+        """A step reached without :class:`SyncStats` at hand (a materialized dir): a sync of ``seconds``
+        when given; without, only the applied step moves (the step a target was found at)."""
+        with self._lock:
+            if seconds is None:
+                self._move_applied(step)
+            else:
+                self._reached(step, seconds)
+
+    def observe_failure(self, kind: str) -> None:
+        """One failure of ``kind`` (e.g. ``apply``, ``signal``, ``store``, ``refused``)."""
+        with self._lock:
+            self._failures[kind] = self._failures.get(kind, 0) + 1
+
+    def observe_pause(self, seconds: float) -> None:
+        """A live engine paused serving ``seconds`` to load new weights."""
+        with self._lock:
+            self._pause.observe(seconds)
+            self._last_pause = seconds
+
+    def _reached(self, step: int, seconds: float) -> None:
+        self._syncs += 1
+        self._duration.observe(seconds)
+        self._move_applied(step)
+
+    def _move_applied(self, step: int) -> None:
+        self._applied = step
+        self._applied_time = self.clock()
+        if self._head is None or step > self._head:
+            self._head, self._head_time = step, self._applied_time
+        i = bisect.bisect_right(self._pending_steps, step)
+        del self._pending_steps[:i], self._pending_times[:i]
+
+    # ------------------------------------------------------------ read
+
+    @property
+    def applied_step(self) -> int | None:
+        """The step the target holds, as last observed."""
+        return self._applied
+
+    @property
+    def head_step(self) -> int | None:
+        """The newest committed step seen."""
+        return self._head
+
+    def staleness(self) -> tuple[int | None, float]:
+        """(steps, seconds) behind the trainer now; steps is None until a step was applied."""
+        with self._lock:
+            return self._staleness(self.clock())
+
+    def _staleness(self, now: float) -> tuple[int | None, float]:
+        steps = None if self._applied is None or self._head is None else max(0, self._head - self._applied)
+        seconds = max(0.0, now - self._pending_times[0]) if self._pending_times else 0.0
+        return steps, seconds
+
+    def render(self) -> str:
+        """The metrics in the Prometheus text exposition format 0.0.4."""
+        with self._lock:
+            return "".join(self._render(self.clock()))
+
+    def _render(self, now: float) -> Iterator[str]:
+        const = "".join(f',{k}="{_escape(v)}"' for k, v in self.labels.items())
+
+        def sample(name: str, value: float, **labels: str) -> str:
+            inner = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items()) + const
+            return f"{name}{{{inner.lstrip(',')}}} {_fmt(value)}\n" if inner else f"{name} {_fmt(value)}\n"
+
+        def family(name: str, kind: str, doc: str) -> str:
+            return f"# HELP {name} {doc}\n# TYPE {name} {kind}\n"
+
+        steps, seconds = self._staleness(now)
+        yield family("deltasync_head_step", "gauge", "Newest committed step of the run seen (signal or store).")
+        if self._head is not None:
+            yield sample("deltasync_head_step", self._head)
+        yield family("deltasync_applied_step", "gauge", "Step the target holds.")
+        if self._applied is not None:
+            yield sample("deltasync_applied_step", self._applied)
+        yield family("deltasync_staleness_steps", "gauge", "Committed steps the target is behind the trainer.")
+        if steps is not None:
+            yield sample("deltasync_staleness_steps", steps)
+        yield family(
+            "deltasync_staleness_seconds",
+            "gauge",
+            "Seconds since the oldest committed step the target does not hold was committed (0: current).",
+        )
+        yield sample("deltasync_staleness_seconds", seconds)
+        yield family("deltasync_head_commit_timestamp_seconds", "gauge", "Commit time of the newest step seen.")
+        if self._head_time is not None:
+            yield sample("deltasync_head_commit_timestamp_seconds", self._head_time)
+        yield family("deltasync_last_sync_timestamp_seconds", "gauge", "When the target last reached a step.")
+        if self._applied_time is not None:
+            yield sample("deltasync_last_sync_timestamp_seconds", self._applied_time)
+        yield family("deltasync_syncs_total", "counter", "Syncs that reached a step.")
+        yield sample("deltasync_syncs_total", self._syncs)
+        yield family("deltasync_applied_steps_total", "counter", "Committed steps (patches, anchors) applied.")
+        yield sample("deltasync_applied_steps_total", self._steps)
+        yield family("deltasync_sync_failures_total", "counter", "Failed syncs, signal streams and store reads.")
+        for kind, n in sorted(self._failures.items()):
+            yield sample("deltasync_sync_failures_total", n, kind=kind)
+        yield family("deltasync_downloaded_bytes_total", "counter", "Bytes downloaded by syncs.")
+        yield sample("deltasync_downloaded_bytes_total", self._bytes)
+        yield family("deltasync_last_sync_bytes", "gauge", "Bytes downloaded by the last sync.")
+        if self._last_bytes is not None:
+            yield sample("deltasync_last_sync_bytes", self._last_bytes)
+        yield family(
+            "deltasync_sync_phase_seconds",
+            "summary",
+            "Seconds syncs spent per phase: download (with checksums), decode, verify (digests), apply, total.",
+        )
+        for p in PHASES:
+            yield sample("deltasync_sync_phase_seconds_sum", self._phase_sum[p], phase=p)
+            yield sample("deltasync_sync_phase_seconds_count", self._phase_count, phase=p)
+        yield family("deltasync_last_sync_phase_seconds", "gauge", "Seconds the last sync spent per phase.")
+        if self._last_phase is not None:
+            for p in PHASES:
+                yield sample("deltasync_last_sync_phase_seconds", self._last_phase[p], phase=p)
+        yield from self._histogram("deltasync_sync_duration_seconds", self._duration, "Seconds per sync.", sample)
+        yield from self._histogram(
+            "deltasync_pause_seconds", self._pause, "Seconds a live engine paused to load new weights.", sample
+        )
+        yield family("deltasync_last_pause_seconds", "gauge", "Seconds of the last pause of a live engine.")
+        if self._last_pause is not None:
+            yield sample("deltasync_last_pause_seconds", self._last_pause)
+
+    @staticmethod
+    def _histogram(name: str, h: _Histogram, doc: str, sample: Callable[..., str]) -> Iterator[str]:
+        yield f"# HELP {name} {doc}\n# TYPE {name} histogram\n"
+        for le, n in h.cumulative():
+            yield sample(f"{name}_bucket", n, le=le)
+        yield sample(f"{name}_sum", h.sum)
+        yield sample(f"{name}_count", h.count)
+
+    # ------------------------------------------------------------ serve
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> MetricsServer:
+        """Serve ``GET /metrics`` on ``host:port`` from a daemon thread (port 0: a free port, see
+        :attr:`MetricsServer.port`). Close the returned handle to stop."""
+        return MetricsServer(self, port, host)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    metrics: SyncMetrics
+    protocol_version = "HTTP/1.1"
+
+    def _reply(self, head_only: bool) -> None:
+        if self.path.split("?", 1)[0] != "/metrics":
+            body, status, ctype = b"not found: try /metrics\n", 404, "text/plain; charset=utf-8"
+        else:
+            body, status, ctype = self.metrics.render().encode(), 200, CONTENT_TYPE
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if not head_only:
+            self.wfile.write(body)
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        self._reply(False)
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        self._reply(True)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        pass
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+class MetricsServer:
+    """A running ``/metrics`` endpoint: ``host``, ``port`` (the bound one), ``url``; :meth:`close`."""
+
+    def __init__(self, metrics: SyncMetrics, port: int, host: str = "127.0.0.1") -> None:
+        handler = type("MetricsHandler", (_Handler,), {"metrics": metrics})
+        server = type("MetricsHTTPServer", (_Server,), {"address_family": socket.AF_INET6}) if ":" in host else _Server
+        self._httpd = server((host, port), handler)
+        self.host = host
+        self.port: int = self._httpd.server_address[1]
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="deltasync-metrics", daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        """``http://host:port/metrics``."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        """Stop serving and release the port."""
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(5.0)
+
+    def __enter__(self) -> MetricsServer:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
