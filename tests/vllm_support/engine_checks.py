@@ -1,0 +1,187 @@
+"""Helpers of the scripts that the vLLM tests run inside the vLLM venv (test support, not deltasync).
+
+Scripts (see ``tests/vllm_harness.py::run_vllm``) do::
+
+    import engine_checks as ec
+
+    def check(p):                 # p: the params dict the test passed
+        llm = ec.make_llm(p["model"])
+        return {"fp": ec.fingerprint(llm)}
+
+    if __name__ == "__main__":    # vLLM spawns workers: the guard is required
+        ec.main(check)
+
+Worker-side checks are methods of ``CheckWorkerExtension`` (installed by ``make_llm``), called by
+name through ``LLM.collective_rpc``. Their arguments are file paths and names, never tensors
+(tensors do not survive ``collective_rpc`` in multi-process mode).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+PROMPTS = [
+    "deltasync ships sparse",
+    "Q: What does deltasync ship? A:",
+    "the quick brown fox",
+]
+MAX_TOKENS = 12
+LOGPROBS = 3
+
+
+def main(check: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+    """Read params from argv[1], run ``check``, write its result (plus timings) as JSON to argv[2].
+
+    An exception is written as ``{"error": ..., "traceback": ...}`` and the script exits 1.
+    """
+    params_path, result_path = sys.argv[1], sys.argv[2]
+    with open(params_path) as fh:
+        params = json.load(fh)
+    t0 = time.monotonic()
+    try:
+        result = check(params)
+        code = 0
+    except BaseException as exc:  # report it, whatever it is
+        result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        code = 1
+    result["script_s"] = round(time.monotonic() - t0, 2)
+    tmp = result_path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(result, fh, indent=1, sort_keys=True, default=str)
+    os.replace(tmp, result_path)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # vLLM's atexit/teardown can hang with workers around; the result is written
+
+
+def make_llm(model: str, tp: int = 1, **kw: Any) -> Any:
+    """A small CPU engine on ``model`` (a checkpoint dir): bf16, eager, 256 tokens, 64 MiB KV cache."""
+    from vllm import LLM
+
+    args: dict[str, Any] = dict(
+        model=model,
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=256,
+        kv_cache_memory_bytes=64 << 20,
+        tensor_parallel_size=tp,
+        seed=0,
+        worker_extension_cls="engine_checks.CheckWorkerExtension",
+    )
+    if tp > 1:
+        args["distributed_executor_backend"] = "mp"
+    args.update(kw)
+    return LLM(**args)
+
+
+def fingerprint(llm: Any, prompts: list[str] | None = None) -> list[dict[str, Any]]:
+    """Greedy completions of ``prompts``: token ids, text and top-k logprobs (exact floats)."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=LOGPROBS, seed=0, ignore_eos=True)
+    outs = llm.generate(prompts or PROMPTS, sp, use_tqdm=False)
+    result = []
+    for o in outs:
+        c = o.outputs[0]
+        lps = [sorted((int(t), float(lp.logprob)) for t, lp in pos.items()) for pos in (c.logprobs or [])]
+        result.append({"prompt": o.prompt, "token_ids": list(c.token_ids), "text": c.text, "logprobs": lps})
+    return result
+
+
+def checksums(llm: Any) -> dict[str, str]:
+    """vLLM's own per-parameter sha256 digests, all workers merged (names carry ``dp0:pp0:pcp0:tpN:``)."""
+    merged: dict[str, str] = {}
+    for part in llm.collective_rpc("compute_weight_checksums"):
+        merged.update(part)
+    return merged
+
+
+def rank_of(name: str) -> str:
+    """The ``tpN`` of a checksum key."""
+    return name.split(":")[3]
+
+
+def param_of(name: str) -> str:
+    """The parameter name of a checksum key."""
+    return name.split(":", 4)[4]
+
+
+# ------------------------------------------------------------------------------- worker side
+
+
+class CheckWorkerExtension:
+    """Worker methods the checks call by name: ``llm.collective_rpc("check_load_tensors", args=...)``.
+
+    ``make_llm`` installs it (``worker_extension_cls``). A worker extension rather than callables:
+    with multiprocessing on, vLLM refuses to send a function through ``collective_rpc`` unless
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``. Names start with ``check_`` so that they cannot
+    clash with the worker's own attributes.
+    """
+
+    def check_load_tensors(self, path: str, names: list[str] | None = None) -> list[str]:
+        """``model.load_weights`` of tensors ``names`` (default all) of a safetensors file; the params it loaded."""
+        from safetensors.torch import load_file
+
+        state = load_file(path)
+        wanted = list(state) if names is None else list(names)
+        loaded = self.model_runner.model.load_weights((n, state[n]) for n in wanted)  # type: ignore[attr-defined]
+        return sorted(loaded) if loaded is not None else []
+
+    def check_row_digests(self, param: str, blocks: list[list[int]]) -> list[str]:
+        """sha256 of rows ``[start, stop)`` of parameter ``param``, for each block."""
+        p = dict(self.model_runner.model.named_parameters())[param]  # type: ignore[attr-defined]
+        return [sha256_of(p.detach()[a:b]) for a, b in blocks]
+
+    def check_describe_param(self, param: str) -> dict[str, Any]:
+        """Shape and dtype of ``param``, and whether the TEST-ONLY CPU GEMM patch is active here."""
+        from vllm.model_executor.layers import utils
+
+        p = dict(self.model_runner.model.named_parameters())[param]  # type: ignore[attr-defined]
+        return {
+            "shape": list(p.shape),
+            "dtype": str(p.dtype),
+            "patched": bool(getattr(utils.dispatch_cpu_unquantized_gemm, "deltasync_test_patch", False)),
+        }
+
+
+def sha256_of(t: Any) -> str:
+    """sha256 of a tensor's bytes, as vLLM's ``compute_weight_checksums`` computes it."""
+    import torch
+
+    return hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+
+
+def expected_checksums(path: str) -> dict[str, str]:
+    """What ``compute_weight_checksums`` must report (TP=1) for a Qwen3 checkpoint file.
+
+    vLLM fuses ``q/k/v_proj`` into ``qkv_proj`` and ``gate/up_proj`` into ``gate_up_proj`` (row-wise
+    concatenation); other parameters keep their checkpoint names.
+    """
+    import torch
+    from safetensors.torch import load_file
+
+    state = load_file(path)
+    fused = {
+        ".self_attn.q_proj.": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+        ".mlp.gate_proj.": ("gate_up_proj", ("gate_proj", "up_proj")),
+    }
+    parts = {p for _, ps in fused.values() for p in ps}
+    out: dict[str, str] = {}
+    for name, t in state.items():
+        for marker, (target, members) in fused.items():
+            if marker in name:
+                out[name.replace(members[0], target)] = sha256_of(
+                    torch.cat([state[name.replace(members[0], m)] for m in members])
+                )
+                break
+        else:
+            if name.rsplit(".", 2)[-2] not in parts:
+                out[name] = sha256_of(t)
+    return out

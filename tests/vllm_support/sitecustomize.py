@@ -1,0 +1,71 @@
+"""TEST-ONLY: make vLLM's CPU backend keep plain linear weights, as on GPU.
+
+Python imports ``sitecustomize`` at start-up from ``sys.path``; the deltasync vLLM tests put this
+directory on ``PYTHONPATH`` of the vLLM subprocesses they start, and spawned vLLM workers inherit
+that environment, so every process of a test engine runs this. Nothing outside ``tests/`` uses it,
+and production code must never depend on it.
+
+Why: on CPU, vLLM repacks every 2-D linear weight at load time
+(``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm``: oneDNN / sgl-kernel / zentorch
+packed copies) and replaces ``layer.weight`` by an empty parameter (the lm_head keeps its weight but
+computes from the packed copy). In-place weight updates through ``model.load_weights`` (what a
+weight-transfer backend does, and what works on GPU) then fail or have no effect on outputs. This
+patch keeps ``layer.weight`` and computes with ``torch.nn.functional.linear`` on it, so in-place
+loading behaves as on GPU. Non-2-D weights (conv / MoE experts) go to vLLM's own dispatch.
+
+The patch is applied lazily, right after ``vllm.model_executor.layers.utils`` is first imported
+(an import hook), so processes that never import vLLM pay nothing. Set
+``DELTASYNC_TEST_NO_CPU_GEMM_PATCH=1`` to turn it off (to observe vLLM's own CPU behaviour).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+from typing import Any
+
+TARGET = "vllm.model_executor.layers.utils"
+
+
+def _patch(utils: Any) -> None:
+    import torch
+
+    original = utils.dispatch_cpu_unquantized_gemm
+
+    def dispatch_cpu_unquantized_gemm(layer: torch.nn.Module, remove_weight: bool) -> None:
+        weight = layer.weight
+        if weight.is_meta or weight.ndim != 2:
+            return original(layer, remove_weight)
+        layer.cpu_linear = torch.nn.functional.linear  # keeps layer.weight; no packed copy
+
+    dispatch_cpu_unquantized_gemm.deltasync_test_patch = True  # type: ignore[attr-defined]
+    utils.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, inner: importlib.abc.Loader) -> None:
+        self.inner = inner
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self.inner.exec_module(module)
+        _patch(module)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != TARGET:
+            return None
+        sys.meta_path.remove(self)  # once; also keeps the lookup below from finding us again
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _Loader(spec.loader)
+        return spec
+
+
+if os.environ.get("DELTASYNC_TEST_NO_CPU_GEMM_PATCH") != "1":
+    sys.meta_path.insert(0, _Finder())
