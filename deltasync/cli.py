@@ -89,11 +89,13 @@ def cmd_fetch(args: argparse.Namespace) -> int:
         fetcher = DeltaFetcher(store, verify=not args.no_verify, signing_key=_signing_key(), progress=update)
         t0 = time.perf_counter()
         try:
-            out = fetcher.materialize(args.out, step=args.step)
+            out = fetcher.materialize(args.out, step=args.step, config_from=args.config_from)
         finally:
             close()
         marker = json.loads((out / ".deltasync.json").read_text())
-    print(f"wrote step {marker['step']} to {out} in {time.perf_counter() - t0:.2f} s")
+        done = fetcher.last_materialize
+    shards = f" ({done.shards_written} shards written, {done.shards_linked} unchanged and linked)" if done else ""
+    print(f"wrote step {marker['step']} to {out} in {time.perf_counter() - t0:.2f} s{shards}")
     return 0
 
 
@@ -349,6 +351,7 @@ def cmd_follow(args: argparse.Namespace) -> int:
                 until_step=args.until,
                 poll_interval=args.poll_interval,
                 on_step=on_step,
+                config_from=args.config_from,
                 metrics=metrics,
             )
     print(f"stopped at step {step}")
@@ -423,6 +426,12 @@ def _upload_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", help="run name at the signal server (default: the store's run id)")
 
 
+_CONFIG_HELP = (
+    "copy the non-weight files of this HF model dir (config.json, tokenizer, chat template...) into the "
+    "output, so transformers/vLLM/SGLang can load it"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``deltasync`` argument parser."""
     p = argparse.ArgumentParser(prog="deltasync", description="Sync RL weights as sparse bit-exact patches.")
@@ -431,6 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--store", required=True)
     f.add_argument("--out", required=True, help="output dir (replaced atomically)")
     f.add_argument("--step", type=int, help="step to fetch (default: latest)")
+    f.add_argument("--config-from", metavar="DIR", help=_CONFIG_HELP)
     f.add_argument("--no-verify", action="store_true", help="skip checksum and digest verification")
     f.set_defaults(fn=cmd_fetch)
     i = sub.add_parser("inspect", help="list the committed steps of a store")
@@ -452,6 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
     fo.add_argument("--store", required=True)
     fo.add_argument("--out", required=True, help="checkpoint dir, rewritten atomically at each step")
     fo.add_argument("--signal", metavar="URL", help="signal server (SSE); without it the store is polled")
+    fo.add_argument("--config-from", metavar="DIR", help=_CONFIG_HELP)
     fo.add_argument("--run", help="run name at the signal server (default: the store's run id)")
     fo.add_argument("--until", type=int, help="exit once this step is reached")
     fo.add_argument("--poll-interval", type=float, default=2.0, help="seconds between store polls (default 2)")

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,11 +14,9 @@ from deltasync._tensors import inventory_of
 from deltasync.errors import (
     ChainBroken,
     ChecksumMismatch,
-    DeltaSyncError,
     InventoryMismatch,
     ObjectNotFound,
     ProtocolError,
-    StorageError,
 )
 from deltasync.fetcher._apply import (
     NumpySlot,
@@ -39,30 +34,21 @@ from deltasync.fetcher._apply import (
 from deltasync.fetcher._follow import follow as _follow
 from deltasync.fetcher._identity import Held, live_tensors, slots_of
 from deltasync.fetcher._journal import SyncJournal, SyncStats, restore_held
+from deltasync.fetcher._materialize import MARKER as MARKER  # re-exported (fetcher.vllm)
+from deltasync.fetcher._materialize import MaterializeStats
+from deltasync.fetcher._materialize import materialize as _materialize
 from deltasync.fetcher._reader import download
 from deltasync.protocol import Committed, DecodedEntry, FetchPlan, Manifest, TensorInfo, anchor_arrays, decode_patch
-from deltasync.protocol.checkpoint import INDEX_NAME, build_checkpoint
 from deltasync.protocol.digests import xxh3_128_array
-from deltasync.protocol.dtypes import dtype_info
 from deltasync.protocol.encoding import apply_values
-from deltasync.protocol.safetensors_io import parse_safetensors
 from deltasync.storage import RunReader, Store
 
 __all__ = ["DeltaFetcher", "SyncJournal", "SyncStats", "Verify"]
 
-MARKER = ".deltasync.json"
 Bits = np.ndarray[Any, np.dtype[Any]]
 #: ``False``: sizes only; ``True``: file checksums, and every tensor a step changes proven by its
 #: digest; ``"full"``: also every tensor of the target proven after each sync.
 Verify = bool | Literal["full"]
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @dataclass(frozen=True, slots=True)
@@ -408,105 +394,30 @@ class DeltaFetcher:
 
     # --------------------------------------------------------- materialize
 
-    def _load_dir(self, out: Path) -> tuple[tuple[int, str], dict[str, Bits], tuple[TensorInfo, ...]] | None:
-        try:
-            marker = json.loads((out / MARKER).read_text())
-            have = (int(marker["step"]), str(marker["manifest_digest"]))
-            index = json.loads((out / INDEX_NAME).read_text())
-            arrays: dict[str, Bits] = {}
-            infos: list[TensorInfo] = []
-            for fname in sorted(set(index["weight_map"].values())):
-                data = (out / fname).read_bytes()
-                st = parse_safetensors(data, what=str(out / fname))
-                for e in st.entries.values():
-                    arrays[e.name] = np.frombuffer(
-                        data,
-                        dtype=dtype_info(e.dtype).bits,
-                        count=(e.end - e.start) // dtype_info(e.dtype).itemsize,
-                        offset=e.start,
-                    ).copy()
-                    infos.append(TensorInfo(e.name, e.dtype, tuple(e.shape)))
-            return have, arrays, tuple(sorted(infos, key=lambda t: t.name))
-        except (OSError, ValueError, KeyError, TypeError, DeltaSyncError):
-            return None
+    #: what the last :meth:`materialize` did: shards written vs hard-linked, the swap used (None before)
+    last_materialize: MaterializeStats | None = None
 
-    def materialize(self, out_dir: str | os.PathLike[str], step: int | None = None) -> Path:
+    def materialize(
+        self,
+        out_dir: str | os.PathLike[str],
+        step: int | None = None,
+        *,
+        config_from: str | os.PathLike[str] | None = None,
+    ) -> Path:
         """Write step ``step`` (default latest) as a safetensors checkpoint dir, atomically.
 
         The dir holds ``model-*.safetensors`` shards and ``model.safetensors.index.json``
-        (transformers/vLLM load it as is) plus a ``.deltasync.json`` marker. When
-        ``out_dir`` already holds an earlier materialized step of this chain, only
-        the patches since are downloaded. An existing dir without the marker is
-        never replaced. Memory is sized from bytes present (the anchor or the dir),
-        never from a manifest's declared shapes alone.
+        (transformers/vLLM load it as is, given a config.json) plus a ``.deltasync.json`` marker.
+        Each version is built next to ``out_dir`` and swapped in atomically (Linux
+        ``RENAME_EXCHANGE``; elsewhere two renames, with a warning): a reader of ``out_dir`` sees
+        the old or the new version, never a missing or mixed one. When ``out_dir`` already holds
+        an earlier materialized step of this chain, only the patches since are downloaded, and
+        shards that did not change are hard-linked, not rewritten (``last_materialize`` counts
+        them). Files next to the weights (config.json, tokenizer files...) carry over to the new
+        version; ``config_from``: also copy the non-weight files of this HF model dir (it must hold
+        a config.json). An existing dir without the marker is never replaced. Memory is sized
+        from bytes present (the anchor or the dir), never from a manifest's declared shapes alone.
         """
-        out = Path(out_dir).absolute()
-        target_step = self._target_step(step)
-        if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).is_file())):
-            raise StorageError(f"refusing to replace {out}: it exists and was not written by deltasync materialize")
-        top = self.reader.committed(target_step)
-        inventory = top.manifest.inventory
-        loaded = self._load_dir(out) if out.exists() else None
-        have: tuple[int, str] | None = None
-        arrays: dict[str, Bits] = {}
-        if loaded is not None and loaded[2] == inventory:
-            arrays = loaded[1]
-            slots0 = {n: NumpySlot(a, key=n) for n, a in arrays.items()}
-            have = self._holds(slots0, loaded[0][0]) if self.verify else loaded[0]
-            if have is not None and have[1] != loaded[0][1]:
-                have = None  # the marker names another manifest of that step
-        plan = self.reader.plan(target_step, have)
-        if plan.base == "anchor":
-            arrays = {}
-        if not plan.is_noop:
-            base = self.reader.committed(have[0]).manifest if plan.base == "current" and have else None
-            try:
-                steps = self._load(plan, inventory, base)
-            except (ChecksumMismatch, ProtocolError):
-                self.reader.forget(plan.steps)
-                raise
-            if steps.anchor is not None:
-                # fresh memory, sized by the anchor's bytes (checked against the inventory)
-                arrays = {n: np.array(a) for n, a in steps.anchor.items()}
-            slots = {n: NumpySlot(a, key=n) for n, a in arrays.items()}
-            try:
-                if steps.anchor is not None:
-                    check_anchor(slots, steps.steps[0].manifest, steps.anchor, verify=bool(self.verify))
-                    steps = _Loaded(steps.steps, None, steps.patches)  # loaded already: only the patches are left
-                self._apply(slots, steps)
-            except (ChecksumMismatch, ProtocolError):
-                self.reader.forget(plan.steps)
-                raise
-        files, _ = build_checkpoint(inventory, arrays, self.shard_bytes)
-        marker = {
-            "step": target_step,
-            "manifest_digest": top.digest,
-            "run_id": top.manifest.run_id,
-            "store": self.store.url,
-        }
-        files[MARKER] = json.dumps(marker, indent=2).encode()
-        tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-        try:
-            tmp.mkdir(parents=True)
-            for name, data in files.items():
-                with open(tmp / name, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-            _fsync(tmp)
-            if out.exists():
-                # keep what the user put next to the weights (config.json, tokenizer files, ...)
-                for extra in out.iterdir():
-                    if extra.name not in files and extra.is_file() and not extra.name.endswith(".safetensors"):
-                        shutil.copy2(extra, tmp / extra.name)
-                old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-                os.rename(out, old)
-                os.rename(tmp, out)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.rename(tmp, out)
-            _fsync(out.parent)
-        except OSError as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise StorageError(f"cannot write checkpoint dir {out}: {exc.strerror or exc}") from exc
+        out, stats = _materialize(self, out_dir, step, config_from)
+        self.last_materialize = stats
         return out

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from deltasync.errors import DeltaSyncError, InventoryMismatch, SignalError, SignalRejected, StorageError
+from deltasync.fetcher._materialize import config_files
 from deltasync.protocol import Head
 from deltasync.protocol.keys import HEAD_KEY
 
@@ -69,6 +70,7 @@ def follow(
     reconnect_backoff: tuple[float, float] = (0.5, 15.0),
     transport: httpx.BaseTransport | None = None,
     stats: FollowStats | None = None,
+    config_from: str | os.PathLike[str] | None = None,
     metrics: SyncMetrics | None = None,
 ) -> int | None:
     """Keep ``target`` at the newest committed step until ``until_step`` is reached or ``stop`` is set.
@@ -85,6 +87,8 @@ def follow(
     store_check_interval: while the stream is up, the store's HEAD is still
         read this often, in case a signal was lost.
     on_step: called with each step reached.
+    config_from: a dir target only: copy this HF model dir's config and tokenizer files into
+        every version (see :meth:`DeltaFetcher.materialize`); checked before anything else.
     metrics: a :class:`~deltasync.metrics.SyncMetrics` to record the head seen, each step reached
         (with :attr:`DeltaFetcher.last_stats` for tensor targets; step and seconds for a dir) and
         failures (``apply``, ``signal``, ``store``).
@@ -101,6 +105,10 @@ def follow(
     out = Path(target) if is_dir else None
     if out is not None and out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).is_file())):
         raise StorageError(f"refusing to follow into {out}: it exists and was not written by deltasync materialize")
+    if config_from is not None:
+        if out is None:
+            raise ValueError("config_from applies to a directory target only")
+        config_files(config_from)  # a missing dir or config.json fails now, not at every step
     current: int | None = _dir_step(out) if out is not None else fetcher.current_step(target)
     wanted = current
     if metrics is not None and current is not None:
@@ -119,7 +127,7 @@ def follow(
         before, t0 = fetcher.last_stats, time.perf_counter()
         try:
             if out is not None:
-                fetcher.materialize(out, step=step)
+                fetcher.materialize(out, step=step, config_from=config_from)
             else:
                 fetcher.sync(target, step=step)
         except InventoryMismatch:

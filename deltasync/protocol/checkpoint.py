@@ -13,7 +13,16 @@ from deltasync.protocol.dtypes import dtype_info
 from deltasync.protocol.manifest import AnchorEntry, ByteRange, Manifest, TensorInfo
 from deltasync.protocol.safetensors_io import StFile, TensorBytes, encode_header, parse_safetensors, to_bytes
 
-__all__ = ["INDEX_NAME", "anchor_arrays", "build_checkpoint", "group_by_size", "pack_shards", "shard_layout"]
+__all__ = [
+    "CHECKPOINT_METADATA",
+    "INDEX_NAME",
+    "anchor_arrays",
+    "build_checkpoint",
+    "checkpoint_shards",
+    "group_by_size",
+    "pack_shards",
+    "shard_layout",
+]
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -46,6 +55,23 @@ def shard_layout(shard: Sequence[TensorBytes], metadata: Mapping[str, str]) -> d
     return ranges
 
 
+CHECKPOINT_METADATA: Mapping[str, str] = {"format": "pt"}
+
+
+def checkpoint_shards(
+    inventory: Sequence[TensorInfo], arrays: Mapping[str, Any], shard_bytes: int
+) -> tuple[list[tuple[str, list[TensorBytes]]], bytes]:
+    """The layout :func:`build_checkpoint` writes, without building any file: each shard's file name
+    and tensors (in file order), and the bytes of ``model.safetensors.index.json``. A shard's file
+    is ``to_bytes(tensors, CHECKPOINT_METADATA)``."""
+    items = [TensorBytes(t.name, t.dtype, t.shape, arrays[t.name]) for t in inventory]
+    shards = pack_shards(items, shard_bytes)
+    named = [(f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors", shard) for i, shard in enumerate(shards)]
+    weight_map = {t.name: fname for fname, shard in named for t in shard}
+    index = {"metadata": {"total_size": sum(t.nbytes for t in items)}, "weight_map": weight_map}
+    return named, json.dumps(index, indent=2, sort_keys=True).encode()
+
+
 def build_checkpoint(
     inventory: Sequence[TensorInfo], arrays: Mapping[str, Any], shard_bytes: int
 ) -> tuple[dict[str, bytes], list[AnchorEntry]]:
@@ -54,21 +80,14 @@ def build_checkpoint(
     ``arrays`` maps each inventory name to its raw bytes (numpy array or buffer).
     transformers and the ``safetensors`` package load the result as it is.
     """
-    items = [TensorBytes(t.name, t.dtype, t.shape, arrays[t.name]) for t in inventory]
-    shards = pack_shards(items, shard_bytes)
+    named, index = checkpoint_shards(inventory, arrays, shard_bytes)
     files: dict[str, bytes] = {}
     entries: list[AnchorEntry] = []
-    weight_map: dict[str, str] = {}
-    meta = {"format": "pt"}
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        ranges = shard_layout(shard, meta)
-        files[fname] = to_bytes(shard, meta)
-        for t in shard:
-            entries.append(AnchorEntry(t.name, fname, ranges[t.name]))
-            weight_map[t.name] = fname
-    index = {"metadata": {"total_size": sum(t.nbytes for t in items)}, "weight_map": weight_map}
-    files[INDEX_NAME] = json.dumps(index, indent=2, sort_keys=True).encode()
+    for fname, shard in named:
+        ranges = shard_layout(shard, CHECKPOINT_METADATA)
+        files[fname] = to_bytes(shard, CHECKPOINT_METADATA)
+        entries.extend(AnchorEntry(t.name, fname, ranges[t.name]) for t in shard)
+    files[INDEX_NAME] = index
     return files, entries
 
 
