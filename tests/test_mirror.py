@@ -219,3 +219,67 @@ def test_journal_of_an_anchor_sync_names_only_tensors_that_changed(run: ds.Memor
     assert j.base_step is None and set(j.names) == {NAMES[3], NAMES[4]}
     j.rollback()
     assert _equal(target, _state(2)) and f.current_step(target) is None
+
+
+# ------------------------------------------------------------ tensor parallel
+
+
+def _ranks(n: int) -> Any:
+    """An all-gather between ``n`` threads (what torch.distributed gives a TP group)."""
+    import threading
+
+    barrier = threading.Barrier(n, timeout=30)
+    slots: list[Any] = [None] * n
+
+    def agree_for(rank: int) -> Any:
+        def agree(mine: Any) -> list[Any]:
+            slots[rank] = mine
+            barrier.wait()
+            out = list(slots)
+            barrier.wait()
+            return out
+
+        return agree
+
+    return agree_for
+
+
+def _commit_all(mirrors: list[EngineMirror], step: int) -> list[BaseException | None]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(m: EngineMirror) -> BaseException | None:
+        try:
+            m.commit(step)
+        except BaseException as exc:  # noqa: BLE001
+            return exc
+        return None
+
+    with ThreadPoolExecutor(len(mirrors)) as pool:
+        return list(pool.map(one, mirrors))
+
+
+def test_a_rank_that_refuses_the_load_makes_every_rank_undo(run: ds.MemoryStore) -> None:
+    agree_for = _ranks(2)
+    engines = [Engine(_state(0)), Engine(_state(0))]
+    mirrors = [_mirror(run, e, agree=agree_for(r)) for r, e in enumerate(engines)]
+    assert _commit_all(mirrors, 1) == [None, None]
+    engines[1].fail_after, engines[1].fail_calls = 1, {1}
+    errs = _commit_all(mirrors, 3)
+    assert all(isinstance(e, UpdateRolledBack) and "rank 1" in str(e) for e in errs)
+    assert all(_equal(e.weights, _state(1)) for e in engines)  # rank 0 loaded step 3 and was put back
+    assert _commit_all(mirrors, 4) == [None, None]
+    assert all(_equal(e.weights, _state(4)) for e in engines)
+
+
+def test_a_rank_that_cannot_prepare_stops_every_rank_before_the_pause(run: ds.MemoryStore) -> None:
+    bad = _copy(run)
+    key = file_key(2, ds.DeltaFetcher(bad).manifest(2).files[0].path)
+    data = bytearray(bad.get(key))
+    data[-1] ^= 1
+    bad.put(key, bytes(data))
+    agree_for = _ranks(2)
+    engines = [Engine(_state(0)), Engine(_state(0))]
+    mirrors = [_mirror(s, e, agree=agree_for(r)) for r, (s, e) in enumerate(zip([run, bad], engines, strict=True))]
+    errs = _commit_all(mirrors, 2)
+    assert all(isinstance(e, UpdateRolledBack) and "rank 1: ChecksumMismatch" in str(e) for e in errs)
+    assert all(_equal(e.weights, _state(0)) and e.loads == [] for e in engines)

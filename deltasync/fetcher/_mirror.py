@@ -68,7 +68,7 @@ def allocate(inventory: Iterable[TensorInfo], limit_bytes: int) -> dict[str, Any
         total += n * torch.empty((), dtype=torch_dtype(t.dtype)).element_size()
     if total > limit_bytes:
         raise InventoryMismatch(
-            f"the run declares {total / 2**20:.1f} MiB of weights; this engine holds at most {limit_bytes / 2**20:.1f} MiB "
+            f"the run declares {total:,} bytes of weights; this engine holds at most {limit_bytes:,} bytes "
             "(a run of another model, or a manifest that lies)"
         )
     return {t.name: torch.empty(t.shape, dtype=torch_dtype(t.dtype)) for t in infos}
@@ -85,6 +85,9 @@ class EngineMirror:
         inventory, bounded by ``max_bytes``, and the first commit loads every tensor.
     metrics: a :class:`deltasync.metrics.SyncMetrics`-like recorder (``observe_sync``,
         ``observe_pause``, ``observe_failure``), optional.
+    agree: for an engine split over ranks (tensor parallel), exchanges one picklable value with
+        every rank and returns all of them in rank order (an all-gather); every rank calls it at
+        the same points of :meth:`commit`, so the ranks commit or undo together.
     """
 
     def __init__(
@@ -96,9 +99,11 @@ class EngineMirror:
         seed_step: int | None = None,
         max_bytes: int | None = None,
         metrics: Any = None,
+        agree: Callable[[Any], list[Any]] | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.fetcher = fetcher
+        self.agree: Callable[[Any], list[Any]] = agree or (lambda mine: [mine])
         self._load = load
         self.metrics = metrics
         self.clock = clock
@@ -209,41 +214,62 @@ class EngineMirror:
         """Make the engine serve ``step`` (default: the newest prepared, else the newest committed).
 
         Uses what :meth:`prepare` already did; prepares now (inside the pause) when it did not.
-        All or nothing: on failure the engine serves its previous step (:class:`UpdateRolledBack`) or
+        All or nothing, across every rank sharing ``agree``: on failure (here or on another rank) the
+        engine serves its previous step (:class:`UpdateRolledBack`) or, where that cannot be restored,
         the worker is marked for replacement (:class:`WorkerNeedsReplacement`).
         """
         with self._lock:
-            self._require_usable()
             previous = self.serving
-            if step is None:
-                step = self._mirror_step() if self._pending else self.fetcher.latest_step()
-                if step is None:
-                    raise UpdateRolledBack(f"{self.fetcher.store.url} has no committed step to update to")
-            # a mirror prepared past the asked step goes back to it (newest journals first)
-            while self._pending and self._pending[-1].step is not None and self._pending[-1].step > step:
-                self._pending.pop().rollback()
-            was_prepared = bool(self._pending) and self._pending[-1].step == step
+            # phase 1: every rank brings its mirror to the step (the engine is untouched)
+            err: str | None = None
+            cause: DeltaSyncError | None = None
+            names: list[str] = []
+            was_prepared = False
             try:
+                self._require_usable()
+                if step is None:
+                    step = self._mirror_step() if self._pending else self.fetcher.latest_step()
+                    if step is None:
+                        raise UpdateRolledBack(f"{self.fetcher.store.url} has no committed step to update to")
+                # a mirror prepared past the asked step goes back to it (newest journals first)
+                while self._pending and self._pending[-1].step is not None and self._pending[-1].step > step:
+                    self._pending.pop().rollback()
+                was_prepared = bool(self._pending) and self._pending[-1].step == step
                 self._advance(step)
             except DeltaSyncError as exc:
-                self.last_error = f"{type(exc).__name__}: {exc}"
+                err, cause = f"{type(exc).__name__}: {exc}", exc
+                if not isinstance(exc, WorkerNeedsReplacement):
+                    self.last_error = err
                 if self.metrics is not None:
                     self.metrics.observe_failure("prepare")
+            votes = self.agree((err, step))
+            failed = [f"rank {r}: {e}" for r, (e, _) in enumerate(votes) if e is not None]
+            if not failed and len({s for _, s in votes}) > 1:
+                failed = [f"ranks disagree on the step: {[s for _, s in votes]} (name the step)"]
+            if failed:
+                if self.state == "needs_replacement":
+                    raise WorkerNeedsReplacement(f"this worker must be replaced: {self.last_error}") from cause
                 raise UpdateRolledBack(
-                    f"step {step} was not applied ({type(exc).__name__}: {exc}); the engine still serves "
-                    f"step {previous}, unchanged"
-                ) from exc
+                    f"step {step} was not applied ({'; '.join(failed)}); the engine still serves step {previous}, "
+                    "unchanged"
+                ) from cause
+            assert step is not None
             mirror = self._mirror
             assert mirror is not None
             names = sorted({n for j in self._pending for n in j.names}) if self._engine_known else sorted(mirror)
             nbytes = sum(mirror[n].numel() * mirror[n].element_size() for n in names)
+            # phase 2: the pause, every rank loads what changed
             t0 = self.clock()
+            load_err: BaseException | None = None
             try:
                 if names:
                     self._load([(n, mirror[n]) for n in names])
-            except BaseException as exc:
-                self._undo(names, exc, step, previous)
+            except Exception as exc:  # noqa: BLE001 - any engine failure is undone below
+                load_err = exc
             pause = self.clock() - t0
+            refused = [f"rank {r}: {e}" for r, e in enumerate(self.agree(_why(load_err))) if e is not None]
+            if refused:
+                self._undo(names, load_err, "; ".join(refused), step, previous)
             self._pending.clear()
             self.serving, self._engine_known, self.last_error = step, True, None
             if self.metrics is not None:
@@ -253,31 +279,31 @@ class EngineMirror:
             )
             return CommitReport(step, previous, len(names), nbytes, pause, was_prepared)
 
-    def _undo(self, names: list[str], exc: BaseException, step: int, previous: int | None) -> NoReturn:
-        """The engine refused part of a step: put the mirror back and reload the same names."""
+    def _undo(self, names: list[str], exc: BaseException | None, why: str, step: int, previous: int | None) -> NoReturn:
+        """A rank's engine refused part of a step: every rank puts its mirror back and reloads the same names."""
         if self.metrics is not None:
             self.metrics.observe_failure("load")
-        why = f"{type(exc).__name__}: {exc}"
         mirror = self._mirror
         assert mirror is not None
+        again: str | None = None
         if not self._engine_known:
-            self.state, self.last_error = "needs_replacement", why
-            raise WorkerNeedsReplacement(
-                f"loading step {step} into the engine failed ({why}) and its previous weights are not known to "
-                "deltasync: restart or replace this worker"
-            ) from exc
-        for journal in reversed(self._pending):
-            journal.rollback()
-        self._pending.clear()
-        try:
-            self._load([(n, mirror[n]) for n in names])
-        except BaseException as again:
+            again = "its previous weights are not known to deltasync (the engine's own checkpoint was not read)"
+        else:
+            for journal in reversed(self._pending):
+                journal.rollback()
+            self._pending.clear()
+            try:
+                self._load([(n, mirror[n]) for n in names])
+            except Exception as second:  # noqa: BLE001
+                again = f"{type(second).__name__}: {second}"
+        lost = [f"rank {r}: {e}" for r, e in enumerate(self.agree(again)) if e is not None]
+        if lost:
             self.state = "needs_replacement"
-            self.last_error = f"{why}; restoring step {previous} failed too: {type(again).__name__}: {again}"
+            self.last_error = f"{why}; restoring step {previous} failed: {'; '.join(lost)}"
             raise WorkerNeedsReplacement(
                 f"loading step {step} into the engine failed ({why}) and restoring step {previous} failed too "
-                f"({type(again).__name__}: {again}): restart or replace this worker"
-            ) from again
+                f"({'; '.join(lost)}): restart or replace this worker"
+            ) from exc
         self.last_error = why
         raise UpdateRolledBack(
             f"the engine refused step {step} ({why}); its {len(names)} tensors were restored and it still serves "
@@ -287,6 +313,10 @@ class EngineMirror:
     def close(self) -> None:
         """Stop the background preparer (waits for a running prepare)."""
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _why(exc: BaseException | None) -> str | None:
+    return None if exc is None else f"{type(exc).__name__}: {exc}"
 
 
 def make_mirror(
