@@ -99,6 +99,7 @@ def check(p):
     out["fp"] = ec.fingerprint(llm)
     out["fp_again"] = ec.fingerprint(llm)
     out["checksums"] = ec.checksums(llm)
+    out["expected_checksums"] = ec.expected_checksums(p["state_b"], tp=2)
     out["describe"] = llm.collective_rpc("check_describe_param", args=(p["qkv"],))
 
     a, b = load_file(p["state_a"]), load_file(p["state_b"])
@@ -201,7 +202,7 @@ def test_tp1_greedy_output_is_deterministic(tp1: dict[str, Any]) -> None:
 def test_tp1_checksums_are_the_materialized_bits(tp1: dict[str, Any]) -> None:
     # one digest per parameter, keyed "dp0:pp0:pcp0:tp0:<param>"; fused params: qkv_proj, gate_up_proj
     assert all(k.startswith("dp0:pp0:pcp0:tp0:") for k in tp1["checksums"])
-    assert _params(tp1["checksums"]) == tp1["expected_checksums"]
+    assert tp1["checksums"] == tp1["expected_checksums"]
 
 
 def test_tp1_in_place_load_of_one_tensor_changes_exactly_its_rows(tp1: dict[str, Any]) -> None:
@@ -212,7 +213,7 @@ def test_tp1_in_place_load_of_one_tensor_changes_exactly_its_rows(tp1: dict[str,
 
 
 def test_tp1_in_place_load_of_a_step_equals_a_fresh_engine_on_it(tp1: dict[str, Any], fresh_b: dict[str, Any]) -> None:
-    assert _params(tp1["checksums_b"]) == tp1["expected_checksums_b"]
+    assert tp1["checksums_b"] == tp1["expected_checksums_b"]
     assert tp1["checksums_b"] == fresh_b["checksums"]
     assert tp1["fp_b"] == fresh_b["fp"]  # tokens and logprobs, bit for bit
     assert tp1["fp_b"] != tp1["fp"]
@@ -224,6 +225,10 @@ def test_tp1_in_place_load_of_a_step_equals_a_fresh_engine_on_it(tp1: dict[str, 
 def test_tp2_boots_and_is_deterministic(tp2: dict[str, Any]) -> None:
     assert tp2["describe"] == [{"shape": [128, 128], "dtype": "torch.bfloat16", "patched": True}] * 2
     assert tp2["fp_again"] == tp2["fp"]
+
+
+def test_tp2_checksums_are_each_ranks_slice_of_the_materialized_bits(tp2: dict[str, Any]) -> None:
+    assert tp2["checksums"] == tp2["expected_checksums"]
 
 
 def test_tp2_checksums_cover_both_ranks(tp2: dict[str, Any], fresh_b: dict[str, Any]) -> None:

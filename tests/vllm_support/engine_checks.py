@@ -158,30 +158,47 @@ def sha256_of(t: Any) -> str:
     return hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
 
 
-def expected_checksums(path: str) -> dict[str, str]:
-    """What ``compute_weight_checksums`` must report (TP=1) for a Qwen3 checkpoint file.
+def expected_checksums(path: str, tp: int = 1) -> dict[str, str]:
+    """What ``compute_weight_checksums`` must report for a Qwen3 checkpoint file on ``tp`` ranks.
 
-    vLLM fuses ``q/k/v_proj`` into ``qkv_proj`` and ``gate/up_proj`` into ``gate_up_proj`` (row-wise
-    concatenation); other parameters keep their checkpoint names.
+    Keys as vLLM makes them (``dp0:pp0:pcp0:tp<r>:<param>``). vLLM fuses ``q/k/v_proj`` into
+    ``qkv_proj`` and ``gate/up_proj`` into ``gate_up_proj`` (rows of each part, concatenated);
+    with tensor parallelism each rank holds its slice of every part: rows of the column-parallel
+    weights (qkv, gate_up, embeddings, lm_head), columns of the row-parallel ones (o_proj,
+    down_proj); norms are replicated. Assumes no vocab padding (vocab a multiple of 64 * tp) and
+    at least ``tp`` kv heads, as the tiny test model has.
     """
     import torch
     from safetensors.torch import load_file
 
     state = load_file(path)
     fused = {
-        ".self_attn.q_proj.": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
-        ".mlp.gate_proj.": ("gate_up_proj", ("gate_proj", "up_proj")),
+        "q_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+        "gate_proj": ("gate_up_proj", ("gate_proj", "up_proj")),
     }
-    parts = {p for _, ps in fused.values() for p in ps}
+    parts = {m for _, ms in fused.values() for m in ms}
+    cols = ("o_proj", "down_proj")
+
+    def rows(t: Any, r: int) -> Any:
+        n = t.shape[0] // tp
+        return t[r * n : (r + 1) * n]
+
     out: dict[str, str] = {}
-    for name, t in state.items():
-        for marker, (target, members) in fused.items():
-            if marker in name:
-                out[name.replace(members[0], target)] = sha256_of(
-                    torch.cat([state[name.replace(members[0], m)] for m in members])
-                )
-                break
-        else:
-            if name.rsplit(".", 2)[-2] not in parts:
-                out[name] = sha256_of(t)
+    for r in range(tp):
+        prefix = f"dp0:pp0:pcp0:tp{r}:"
+        for name, t in state.items():
+            module = name.rsplit(".", 2)[-2]
+            if module in fused:
+                target, members = fused[module]
+                whole = torch.cat([rows(state[name.replace(module, m)], r) for m in members])
+                out[prefix + name.replace(module, target)] = sha256_of(whole)
+            elif module in parts:
+                continue
+            elif t.ndim == 1 or tp == 1:
+                out[prefix + name] = sha256_of(t)
+            elif module in cols:
+                n = t.shape[1] // tp
+                out[prefix + name] = sha256_of(t[:, r * n : (r + 1) * n])
+            else:
+                out[prefix + name] = sha256_of(rows(t, r))
     return out
