@@ -283,3 +283,21 @@ def test_a_rank_that_cannot_prepare_stops_every_rank_before_the_pause(run: ds.Me
     errs = _commit_all(mirrors, 2)
     assert all(isinstance(e, UpdateRolledBack) and "rank 1: ChecksumMismatch" in str(e) for e in errs)
     assert all(_equal(e.weights, _state(0)) and e.loads == [] for e in engines)
+
+
+def test_metrics_count_the_engine_step_not_the_prepared_one(run: ds.MemoryStore) -> None:
+    from deltasync.metrics import SyncMetrics
+
+    clock = iter(float(t) for t in range(1000, 2000))
+    metrics = SyncMetrics(clock=lambda: next(clock))
+    engine = Engine(_state(0))
+    m = _mirror(run, engine, metrics=metrics)
+    metrics.observe_head(3)
+    m.prepare(3).result()
+    assert metrics.applied_step is None  # prepared, but the engine still serves step 0
+    m.commit(3)
+    assert metrics.applied_step == 3 and metrics.staleness()[0] == 0
+    text = metrics.render()
+    assert "deltasync_pause_seconds_count 1" in text
+    assert 'deltasync_sync_phase_seconds_count{phase="verify"} 1' in text
+    assert "deltasync_downloaded_bytes_total 0" not in text

@@ -374,6 +374,8 @@ class DeltaFetcher:
             journal._record(Undo(), slots, target_step, target_step, lambda: None)
         stats.total_s = stats.clock() - t0
         self.last_stats = stats
+        if journal is not None:
+            journal.stats = stats
         return target_step
 
     def follow(self, target: Any, **options: Any) -> int | None:

@@ -54,7 +54,8 @@ class SyncJournal:
     """Pass one to :meth:`DeltaFetcher.sync` to be able to undo that sync later.
 
     After the sync, ``names`` are the tensors whose bits it wrote (tied names included), ``step``
-    the step reached and ``base_step`` the step the target held before (None when unknown).
+    the step reached, ``base_step`` the step the target held before (None when unknown) and
+    ``stats`` its :class:`SyncStats`.
     :meth:`rollback` restores the old bits and the fetcher's record of what the target holds. Roll
     back journals newest first; a journal rolls back once.
     """
@@ -63,6 +64,8 @@ class SyncJournal:
         self.names: tuple[str, ...] = ()
         self.step: int | None = None
         self.base_step: int | None = None
+        #: timings and bytes of the sync (set when it returns)
+        self.stats: SyncStats | None = None
         self._undo = Undo()
         self._restore: Callable[[], None] | None = None
 

@@ -184,8 +184,6 @@ class EngineMirror:
             self.fetcher.sync(mirror, target, journal=journal)
         self._seed_step = None
         self._pending.append(journal)
-        if self.metrics is not None and self.fetcher.last_stats is not None:
-            self.metrics.observe_sync(self.fetcher.last_stats)
         return target
 
     def prepare(self, step: int | None = None) -> Future[int | None]:
@@ -270,10 +268,15 @@ class EngineMirror:
             refused = [f"rank {r}: {e}" for r, e in enumerate(self.agree(_why(load_err))) if e is not None]
             if refused:
                 self._undo(names, load_err, "; ".join(refused), step, previous)
+            if self.metrics is not None:
+                done = [j.stats for j in self._pending if j.stats is not None]
+                for i, stats in enumerate(done):
+                    self.metrics.observe_sync(stats, pause_s=pause if i == len(done) - 1 else None)
+                if not done:
+                    self.metrics.observe_applied(step)
+                    self.metrics.observe_pause(pause)
             self._pending.clear()
             self.serving, self._engine_known, self.last_error = step, True, None
-            if self.metrics is not None:
-                self.metrics.observe_pause(pause)
             log.info(
                 "engine serves step %d (%d tensors, %.1f MiB loaded in %.3f s)", step, len(names), nbytes / 2**20, pause
             )

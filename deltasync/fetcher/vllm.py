@@ -142,7 +142,9 @@ class WorkerSync:
         self._stop = threading.Event()
         self._prefetcher: threading.Thread | None = None
         self._lock = threading.Lock()
-        self.metrics: Any = None
+        from deltasync.metrics import SyncMetrics
+
+        self.metrics = SyncMetrics(labels={"rank": str(rank)})
         self._metrics_server: Any = None
 
     # ------------------------------------------------------------ options
@@ -160,14 +162,6 @@ class WorkerSync:
         return self.status()
 
     def _serve_metrics(self, port: int) -> None:
-        try:
-            from deltasync.metrics import SyncMetrics
-        except ImportError:  # pragma: no cover - metrics ship with deltasync
-            return
-        if self.metrics is None:
-            self.metrics = SyncMetrics(labels={"rank": str(self.rank)})
-            if self.mirror is not None:
-                self.mirror.metrics = self.metrics
         if self._metrics_server is None:
             self._metrics_server = self.metrics.serve(port)
 
@@ -243,6 +237,8 @@ class WorkerSync:
             try:
                 mirror = self.mirror_for(None)
                 latest = mirror.fetcher.latest_step()
+                if latest is not None:
+                    self.metrics.observe_head(latest)
                 if latest is not None and latest != last and (mirror.serving is None or latest > mirror.serving):
                     mirror.prepare(latest).result()
                     last = latest
@@ -257,6 +253,8 @@ class WorkerSync:
         return self.status()
 
     def update(self, store: str | None, step: int | None) -> dict[str, Any]:
+        if step is not None:
+            self.metrics.observe_head(step)
         report = self.mirror_for(store).commit(step)
         return {**self.status(), "report": asdict(report)}
 
@@ -266,7 +264,7 @@ class WorkerSync:
         return {**self.mirror.status(), "rank": self.rank}
 
     def render_metrics(self) -> str:
-        return str(self.metrics.render()) if self.metrics is not None else ""
+        return self.metrics.render()
 
     def close(self) -> None:
         self._stop.set()
@@ -382,5 +380,5 @@ class DeltasyncWorkerExtension:
         return self._deltasync().status()
 
     def deltasync_metrics(self) -> str:
-        """Prometheus text of this worker's sync metrics ("" until metrics are enabled)."""
+        """Prometheus text of this worker's sync metrics (staleness, bytes, verify/apply/pause seconds)."""
         return self._deltasync().render_metrics()
