@@ -365,7 +365,8 @@ def materialize(
         stats.shards_linked,
         stats.swap,
     )
-    if not (out / "config.json").is_file():
+    if not (out / "config.json").is_file() and out not in _warned:
+        _warned.add(out)  # once per dir and process: follow materializes at every step
         log.warning(
             "%s has no config.json: transformers, vLLM and SGLang need one to load it "
             "(pass config_from= / --config-from DIR, an HF model dir of this architecture)",
