@@ -301,3 +301,11 @@ def test_metrics_count_the_engine_step_not_the_prepared_one(run: ds.MemoryStore)
     assert "deltasync_pause_seconds_count 1" in text
     assert 'deltasync_sync_phase_seconds_count{phase="verify"} 1' in text
     assert "deltasync_downloaded_bytes_total 0" not in text
+
+
+def test_uploader_and_fetcher_take_a_url(tmp_path: Any) -> None:
+    with ds.DeltaUploader(str(tmp_path / "run"), anchor_bytes_fraction=0) as up:
+        up.push(_state(0), 0).result()
+    target = {k: torch.zeros_like(v) for k, v in _state(0).items()}
+    assert ds.DeltaFetcher((tmp_path / "run").as_uri()).sync(target) == 0
+    assert _equal(target, _state(0))

@@ -41,7 +41,7 @@ from deltasync.fetcher._reader import download
 from deltasync.protocol import Committed, DecodedEntry, FetchPlan, Manifest, TensorInfo, anchor_arrays, decode_patch
 from deltasync.protocol.digests import xxh3_128_array
 from deltasync.protocol.encoding import apply_values
-from deltasync.storage import RunReader, Store
+from deltasync.storage import RunReader, Store, open_store
 
 __all__ = ["DeltaFetcher", "SyncJournal", "SyncStats", "Verify"]
 
@@ -79,7 +79,7 @@ class DeltaFetcher:
 
     def __init__(
         self,
-        store: Store,
+        store: Store | str | os.PathLike[str],
         *,
         verify: Verify = True,
         signing_key: bytes | None = None,
@@ -89,11 +89,11 @@ class DeltaFetcher:
     ) -> None:
         if verify not in (True, False, "full"):
             raise ValueError(f"verify must be True, False or 'full', got {verify!r}")
-        self.store = store
+        self.store = store if isinstance(store, Store) else open_store(store)  # a URL or path works too
         self.verify: Verify = verify
         self.progress = progress
         self.shard_bytes = shard_bytes
-        self.reader = reader if reader is not None else RunReader(store, signing_key=signing_key)
+        self.reader = reader if reader is not None else RunReader(self.store, signing_key=signing_key)
         self._held: dict[int, Held] = {}
         #: timings and bytes of the last :meth:`sync` (None before the first)
         self.last_stats: SyncStats | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
@@ -18,7 +19,7 @@ from deltasync._tensors import flat_bits, state_tensors
 from deltasync.errors import ChecksumMismatch, CommitFailed, InventoryMismatch, ProtocolError, WriterFenced
 from deltasync.protocol import Committed, Writer
 from deltasync.protocol.digests import xxh3_128_array
-from deltasync.storage import RunReader, Store
+from deltasync.storage import RunReader, Store, open_store
 from deltasync.storage._claims import claim_epoch, is_fenced, newest_claim
 from deltasync.uploader._commit import StepJob, merge_jobs, write_step
 from deltasync.uploader._config import CommitInfo, UploaderConfig
@@ -45,8 +46,10 @@ class DeltaUploader:
     manifest, then HEAD. Use as a context manager, or call :meth:`close`.
     """
 
-    def __init__(self, store: Store, *, config: UploaderConfig | None = None, **options: Any) -> None:
-        self.store = store
+    def __init__(
+        self, store: Store | str | os.PathLike[str], *, config: UploaderConfig | None = None, **options: Any
+    ) -> None:
+        self.store = store if isinstance(store, Store) else open_store(store)  # a URL or path works too
         self.config = replace(config or UploaderConfig(), **options)
         self._baseline = Baseline()
         self._staging: dict[str, torch.Tensor] = {}
@@ -66,7 +69,7 @@ class DeltaUploader:
         self._inflight = 0
         self.failures = 0
         self._fenced: WriterFenced | None = None
-        self._reader = RunReader(store)
+        self._reader = RunReader(self.store)
         self._latest_in_store()
         self.run_id = self.config.run_id or (
             self._last_committed.manifest.run_id if self._last_committed else uuid.uuid4().hex[:16]
