@@ -182,7 +182,7 @@ def _diff(a: dict[str, str], b: dict[str, str]) -> set[str]:
 
 
 def test_run_has_an_anchor_then_patches(trained_run: TrainedRun) -> None:
-    assert trained_run.kinds == {0: "anchor", 1: "patch", 2: "patch", 3: "patch", 4: "patch"}
+    assert trained_run.kinds == {0: "anchor", 1: "patch", 2: "patch", 3: "patch", 4: "patch", 5: "patch"}
     for step in trained_run.steps[1:]:
         assert 0.01 <= trained_run.changed[step] <= 0.3, trained_run.changed  # a realistic RL-like density
 

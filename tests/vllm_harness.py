@@ -70,7 +70,7 @@ MODEL_KW: dict[str, Any] = dict(
     tie_word_embeddings=False,
     rope_theta=10000.0,
 )
-TRAIN_STEPS = 5
+TRAIN_STEPS = 6
 TRAIN_LR = 1e-5  # ~10-14% of bf16 elements change per step
 ANCHOR_EVERY = 100  # step 0 is the anchor (first push), steps 1.. are patches
 TOKENIZER_TEXT = [
@@ -339,7 +339,7 @@ def train_and_push(model_dir: Path, store_dir: Path, expected_dir: Path, steps: 
 
 @pytest.fixture(scope="session", name="trained_run")
 def fixture_trained_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> TrainedRun:
-    """Steps 0..4 of real AdamW training of ``tiny_model`` in a local store (0 anchor, 1-4 patches)."""
+    """Steps 0..5 of real AdamW training of ``tiny_model`` in a local store (0 anchor, 1-5 patches)."""
     root = tmp_path_factory.mktemp("vllm-run")
     run = train_and_push(tiny_model, root / "store", root / "expected")
     assert run.kinds[0] == "anchor" and all(run.kinds[s] == "patch" for s in run.steps[1:]), run.kinds
