@@ -14,6 +14,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from conftest import bits_equal  # noqa: E402
+
 import deltasync as ds  # noqa: E402
 from deltasync.errors import InventoryMismatch, UpdateRolledBack, WorkerNeedsReplacement  # noqa: E402
 from deltasync.fetcher import SyncJournal  # noqa: E402
@@ -34,12 +36,8 @@ def _state(step: int) -> dict[str, Any]:
     return out
 
 
-def _bits(t: Any) -> Any:
-    return t.contiguous().view(torch.int16)
-
-
 def _equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return sorted(a) == sorted(b) and all(torch.equal(_bits(a[k]), _bits(b[k])) for k in a)
+    return sorted(a) == sorted(b) and all(bits_equal(a[k], b[k]) for k in a)
 
 
 @pytest.fixture(scope="module")
