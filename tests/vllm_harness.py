@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 import shutil
@@ -260,15 +259,6 @@ def build_tiny_model(out: Path, seed: int = 0) -> Path:
     return out
 
 
-#: files of the model dir that are not weights (copied next to a materialized checkpoint)
-def model_side_files(model_dir: Path) -> list[Path]:
-    return sorted(
-        p
-        for p in model_dir.iterdir()
-        if p.is_file() and not p.name.startswith("model") and p.suffix in (".json", ".txt", ".jinja")
-    )
-
-
 @pytest.fixture(scope="session", name="tiny_model")
 def fixture_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Qwen3 + tokenizer in HF layout (config.json, model.safetensors, tokenizer files)."""
@@ -347,18 +337,11 @@ def fixture_trained_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFacto
 
 
 def checkpoint_dir(run: TrainedRun, step: int, out: Path) -> Path:
-    """``DeltaFetcher.materialize(out, step)`` plus config and tokenizer files: a dir vLLM can boot from."""
-    import inspect
-
+    """``DeltaFetcher.materialize(out, step, config_from=model_dir)``: a dir vLLM boots from (weights of
+    the step, config and tokenizer of the model, deltasync's marker naming the step)."""
     import deltasync as ds
 
-    fetcher = ds.DeltaFetcher(ds.open_store(run.store_dir))
-    if "config_from" in inspect.signature(fetcher.materialize).parameters:
-        return Path(fetcher.materialize(out, step, config_from=run.model_dir))  # type: ignore[call-arg]
-    path = Path(fetcher.materialize(out, step))
-    for f in model_side_files(run.model_dir):
-        shutil.copy2(f, path / f.name)
-    return path
+    return Path(ds.DeltaFetcher(ds.open_store(run.store_dir)).materialize(out, step, config_from=run.model_dir))
 
 
 # ------------------------------------------------------------------------------- running vLLM
@@ -451,7 +434,3 @@ def run_vllm(
     result: dict[str, Any] = json.loads(result_path.read_text())
     result.setdefault("wall_s", round(elapsed, 2))
     return result
-
-
-def sha256_file(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
