@@ -300,14 +300,7 @@ def test_corrupted_patch_raises_and_the_engine_keeps_the_previous_step(tp: int, 
         assert status["last_error"]
 
 
-TP2_STUCK_SESSION = (
-    "vllm 0.32 Worker.update_weights clears its weight-update session only on the rank that raises; the "
-    "backend raises on the last rank only (the mp executor stops reading replies at the first failure), so "
-    "rank 0 keeps its session and the next start_weight_update fails there ('already active')"
-)
-
-
-@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.xfail(strict=True, reason=TP2_STUCK_SESSION))])
+@pytest.mark.parametrize("tp", [1, 2])
 def test_after_a_failed_update_the_repaired_step_applies(tp: int, request: pytest.FixtureRequest) -> None:
     rep = request.getfixturevalue(f"backend_tp{tp}")
     assert rep["repair_error"] is None

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import sys
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -296,6 +297,21 @@ def _worker_sync(model: torch.nn.Module, vllm_config: Any) -> WorkerSync:
     return WorkerSync(model, vllm_config, rank, size)
 
 
+def _end_worker_session(engine: Any) -> bool:
+    """Close the calling vLLM worker's weight-update session as its ``update_weights`` does on an
+    error (vllm 0.32 ``Worker.update_weights``): the worker is the caller frame's ``self``."""
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        worker: Any = frame.f_locals.get("self")
+        if getattr(worker, "weight_transfer_engine", None) is engine and hasattr(worker, "_weight_update_active"):
+            worker._weight_update_active = False
+            worker.weight_transfer_engine.reset_weight_update_target()
+            return True
+        frame = frame.f_back
+    log.warning("cannot find the vLLM worker to end its update session: the next start_weight_update may fail")
+    return False
+
+
 class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInfo]):  # type: ignore[misc]
     """vLLM weight-transfer backend ``"deltasync"``: updates name a store and a step; each worker
     applies it in place from its host mirror. start/finish are no-ops (nothing to stage on the device)."""
@@ -319,11 +335,16 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
     def receive_weights(self, update_info: DeltasyncUpdateInfo) -> None:
         # docstring inherited
         work = self.sync.prepare if update_info.prepare_only else self.sync.update
-        self.sync.call(work, update_info.store, update_info.step)
+        work(update_info.store, update_info.step)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # docstring inherited; synchronizes only where there is an accelerator
-        self.receive_weights(self.parse_update_info(update_info))
+        info = self.parse_update_info(update_info)
+        work = self.sync.prepare if info.prepare_only else self.sync.update
+        if "error" in self.sync.call(work, info.store, info.step):
+            # an agreed failure that this rank does not raise (see WorkerSync): vLLM ends the update
+            # session only on the rank that raised, so end it here too, or the next update is refused
+            _end_worker_session(self)
         acc = getattr(torch, "accelerator", None)
         if acc is not None and acc.is_available():
             acc.synchronize()
