@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 from vllm_harness import (  # noqa: F401  (fixture_*: the fixtures vllm_python, tiny_model, trained_run)
+    FRESH_SCRIPT,
     TrainedRun,
     checkpoint_dir,
     fixture_tiny_model,
@@ -149,17 +150,6 @@ def check(p):
     out["checksums_last"] = ec.checksums(llm)
     out["fp_last"] = ec.fingerprint(llm)
     return out
-
-if __name__ == "__main__":
-    ec.main(check)
-"""
-
-FRESH_SCRIPT = """
-import engine_checks as ec
-
-def check(p):
-    llm = ec.make_llm(p["model"], tp=p["tp"])
-    return {"fp": ec.fingerprint(llm), "checksums": ec.checksums(llm)}
 
 if __name__ == "__main__":
     ec.main(check)

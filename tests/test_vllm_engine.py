@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 from vllm_harness import (  # noqa: F401  (fixture_*: the fixtures vllm_python, tiny_model, trained_run)
+    FRESH_SCRIPT,
     TrainedRun,
     checkpoint_dir,
     fixture_tiny_model,
@@ -73,17 +74,6 @@ if __name__ == "__main__":
     ec.main(check)
 """
 
-# a fresh TP=1 engine on a materialized step: what an in-place load must reproduce
-FRESH_SCRIPT = """
-import engine_checks as ec
-
-def check(p):
-    llm = ec.make_llm(p["model"], tp=p["tp"])
-    return {"fp": ec.fingerprint(llm), "checksums": ec.checksums(llm)}
-
-if __name__ == "__main__":
-    ec.main(check)
-"""
 
 # one TP=2 engine (3 processes: this one + 2 workers over "mp"), booted on step B, then q_proj of
 # step A loaded in place through the check worker extension on both ranks

@@ -347,6 +347,19 @@ def checkpoint_dir(run: TrainedRun, step: int, out: Path) -> Path:
 # ------------------------------------------------------------------------------- running vLLM
 
 
+#: a fresh engine on a (materialized) checkpoint dir: the reference an in-place update must equal
+FRESH_SCRIPT = """
+import engine_checks as ec
+
+def check(p):
+    llm = ec.make_llm(p["model"], tp=p["tp"])
+    return {"fp": ec.fingerprint(llm), "checksums": ec.checksums(llm)}
+
+if __name__ == "__main__":
+    ec.main(check)
+"""
+
+
 class VllmScriptFailed(AssertionError):
     """A vLLM script exited non-zero, timed out, or wrote no result."""
 
