@@ -186,6 +186,9 @@ def test_upload_interrupted_after_its_commit_says_so_and_drops_the_partial_cache
         text=True,
         cwd=tmp_path,
         env={**os.environ, "DELTASYNC_TEST_CACHE_GATE": str(gate)},
+        # a shell that starts pytest in the background (no job control) ignores SIGINT, and children
+        # inherit that: give this one the default, as a terminal's Ctrl-C would find it
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         out, err = _lines(proc, proc.stdout), _lines(proc, proc.stderr)
