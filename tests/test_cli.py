@@ -238,7 +238,7 @@ def test_what_an_interrupted_upload_reports_comes_from_its_commit_future() -> No
     """Ctrl-C before the push, after a failed commit, or after a landed one (the subprocess test covers the last)."""
     from concurrent.futures import Future
 
-    from deltasync.cli import _interrupted_commit
+    from deltasync._upload_cli import _interrupted_commit
     from deltasync.errors import CommitFailed
 
     assert _interrupted_commit(None, 5) == (None, False)  # interrupted before pushing: nothing committed

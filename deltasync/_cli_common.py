@@ -1,0 +1,55 @@
+"""Helpers shared by the ``deltasync`` and ``delta-upload`` commands."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["_human", "_progress", "_require_run", "_signing_key"]
+
+
+def _signing_key() -> bytes | None:
+    key = os.environ.get("DELTASYNC_SIGNING_KEY")
+    return key.encode() if key else None
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"  # pragma: no cover
+
+
+def _progress(desc: str) -> tuple[Callable[[int, int], None], Callable[[], None]]:
+    """A tqdm byte bar on stderr (silent when stderr is not a terminal)."""
+    from tqdm import tqdm
+
+    bar: Any = None
+
+    def update(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(
+                total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr, disable=not sys.stderr.isatty()
+            )
+        bar.update(done - bar.n)
+
+    def close() -> None:
+        if bar is not None:
+            bar.close()
+
+    return update, close
+
+
+def _require_run(store: Any) -> None:
+    """RunNotFound unless ``store`` holds a run (a committed step or a writer claim): a mistyped
+    URL must fail, not read as an empty run."""
+    from deltasync.storage import RunReader
+
+    RunReader(store).require()
+
+
+# ------------------------------------------------------------------ commands
