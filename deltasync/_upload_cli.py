@@ -59,13 +59,13 @@ def cmd_upload(args: argparse.Namespace) -> int:
             if latest is not None and not args.anchor:
                 base = _baseline(store, cache, latest)
                 try:
-                    up.resume(base, latest)
+                    up.resume(base, latest, strict=True)
                 except (ChecksumMismatch, InventoryMismatch):
                     print(f"cache at {cache} is stale; rebuilding step {latest} from the store", file=sys.stderr)
                     out = DeltaFetcher(store, signing_key=_signing_key()).materialize(
                         cache / "materialized", step=latest
                     )
-                    up.resume(load_checkpoint(out), latest)
+                    up.resume(load_checkpoint(out), latest, strict=True)
             t0 = time.perf_counter()
             fut = up.push(state, args.step)
             info = fut.result()

@@ -24,6 +24,7 @@ from deltasync.storage._claims import claim_epoch, is_fenced, newest_claim
 from deltasync.uploader._commit import StepJob, merge_jobs, write_step
 from deltasync.uploader._config import CommitInfo, UploaderConfig
 from deltasync.uploader._diff import Baseline, TensorChange, diff_tensor, inventory_of
+from deltasync.uploader._resume import prove_state, pushes_since_anchor, store_ahead_message
 from deltasync.uploader._retry import RetryPolicy
 
 if TYPE_CHECKING:
@@ -57,6 +58,7 @@ class DeltaUploader:
         self._pushes_since_anchor = 0
         self._last_step: int | None = None
         self._needs_anchor = True
+        self._resumed = False  # resume() was called, or a first push proved the store's head
         self._closed = False
         self._prev_job: StepJob | None = None
         # committer state (touched by the commit thread, read under _cond)
@@ -103,39 +105,104 @@ class DeltaUploader:
             self._last_committed = self._reader.committed(latest)
             self._last_step = latest
 
-    def resume(self, state: Any, step: int) -> None:
-        """Continue the chain from committed ``step`` whose weights are ``state`` (no push needed).
+    def resume(self, state: Any, step: int, *, strict: bool = False) -> bool:
+        """Continue the run from committed ``step``, whose weights the caller holds as ``state``.
 
-        The state is checked against the step's inventory and tensor digests; the
-        next push is then a patch (unless an anchor is due).
+        Call it before the first push of an uploader on an existing run (a restarted
+        trainer, with the state of the checkpoint it restarted from). Returns True
+        when ``state`` is proven equal to ``step`` by the tensor digests and ``step``
+        is the store's newest step: the next push is then a patch on it (unless an
+        anchor is due). Returns False when it cannot be proven (``step`` is not
+        committed, or the state differs): the next push is an anchor; with
+        ``strict=True`` that raises instead (ProtocolError, InventoryMismatch or
+        ChecksumMismatch). A ``step`` older than the store's newest step always
+        raises ProtocolError: the store is ahead of the trainer. Claims this
+        uploader's writer epoch, so an older uploader of the run still alive is
+        fenced off from then on.
         """
-        committed = self._reader.committed(step)
-        m = committed.manifest
-        tensors = self._prepare(state)
-        if inventory_of(tensors) != m.inventory:
-            raise InventoryMismatch(f"resume: the given state does not match step {step}'s tensor inventory")
-        base = {k: flat_bits(v).clone() for k, v in tensors.items()}
-        for name, dig in m.tensor_digests.items():
-            if xxh3_128_array(base[name].cpu().numpy()) != dig:
-                raise ChecksumMismatch(f"resume: tensor {name!r} differs from committed step {step}")
         with self._cond:
             if self._inflight or self._prev_job is not None:
                 raise RuntimeError("resume() must be called before the first push")
+        self._latest_in_store()
+        head = self._last_committed.manifest.step if self._last_committed else None
+        if head is not None and step < head:
+            raise ProtocolError(f"resume: {store_ahead_message(self.store, step, head)}")
+        self._resumed = True
+        try:
+            if head is None or step > head:
+                raise ProtocolError(f"step {step} is not committed in {self.store.url} (newest committed step: {head})")
+            self._adopt(state, step)
+        except (ProtocolError, InventoryMismatch, ChecksumMismatch) as exc:
+            if strict:
+                raise
+            self._needs_anchor = True
+            log.warning("resume from step %d: %s; the next push will be an anchor", step, exc)
+            self._claim()
+            return False
+        self._claim()
+        return True
+
+    def _adopt(self, state: Any, step: int) -> Committed:
+        """Make committed ``step`` the baseline once ``state`` is proven equal to it (raises otherwise)."""
+        committed = self._reader.committed(step)
+        m = committed.manifest
+        base = prove_state(m, self._prepare(state))
+        with self._cond:
             self._last_committed = committed
             self._last_ok = True
         self._baseline = Baseline(base, m.inventory)
         self._digest_cache = dict(m.tensor_digests)
         self._last_step = step
         self._needs_anchor = False
-        chain = self._reader.chain(step)  # the manifests down to the anchor, in batches
-        n, cur = 0, m
-        while cur.kind == "patch" and cur.parent_step is not None and n < self.config.anchor_every:
-            n += 1
-            parent = chain.get(cur.parent_step)
-            if parent is None:
-                break
-            cur = parent.manifest
-        self._pushes_since_anchor = n
+        self._pushes_since_anchor = pushes_since_anchor(self._reader, m, self.config.anchor_every)
+        return committed
+
+    def _push_committed_head(self, state: Any, step: int) -> Future[CommitInfo]:
+        """A new uploader's first push of a step the store already holds (a restarted trainer
+        re-pushing its checkpoint): prove and adopt the store's newest step, write nothing."""
+        head = self._last_step
+        assert head is not None and self._last_committed is not None
+        if step != head:
+            raise ProtocolError(store_ahead_message(self.store, step, head))
+        try:
+            committed = self._adopt(state, step)
+        except (InventoryMismatch, ChecksumMismatch) as exc:
+            raise ProtocolError(
+                f"step {step} is already committed in {self.store.url} and the pushed state differs from it "
+                f"({exc}). Committed steps are never rewritten: push the next step (it becomes an anchor), "
+                "or push to a new run prefix"
+            ) from exc
+        self._resumed = True
+        self._claim()
+        m = committed.manifest
+        fut: Future[CommitInfo] = Future()
+        fut.set_running_or_notify_cancel()
+        total = sum(t.numel for t in m.inventory)
+        fut.set_result(CommitInfo(step, "skipped", 0, 0, total, m.anchor_step, committed.digest, step, 0.0))
+        return fut
+
+    def _claim(self) -> None:
+        """Claim the next writer epoch (once): from now on an older uploader of this run is fenced off.
+
+        A step that such an uploader committed between our read of the head and
+        our claim is superseded (readers skip it) but its number is taken: the
+        next push must come after it.
+        """
+        if self.epoch:
+            return
+        head = self._last_step
+        self.epoch = claim_epoch(self.store, self.writer_id, head)
+        taken = [s for s in self._reader.refresh() if head is None or s > head]
+        if taken:
+            log.warning(
+                "steps %s were committed by a previous uploader of %s after step %s and are now superseded; "
+                "pushes must come after step %d",
+                taken,
+                self.store.url,
+                head,
+                max(taken),
+            )
+            self._last_step = max(taken)
 
     # ------------------------------------------------------------------ push
 
@@ -172,9 +239,16 @@ class DeltaUploader:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ProtocolError(f"step must be a non-negative integer, got {step!r}")
         if self._last_step is not None and step <= self._last_step:
+            if self._prev_job is None and not self._resumed and self._last_committed is not None:
+                return self._push_committed_head(state, step)  # a restarted trainer (see resume())
             raise ProtocolError(f"step {step} is not after the last step {self._last_step}; steps must increase")
         if not self.epoch:
-            self.epoch = claim_epoch(self.store, self.writer_id, self._last_step)
+            self._claim()
+            if self._last_step is not None and step <= self._last_step:
+                raise ProtocolError(
+                    f"step {step} is not after step {self._last_step}, which an older uploader of this run committed "
+                    "just before this one took over (superseded: readers skip it); push a later step"
+                )
         state_in = state_tensors(state)
         tensors = self._cast(state_in)
         inventory = inventory_of(tensors)
