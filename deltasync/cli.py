@@ -301,9 +301,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def upload_main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``delta-upload``."""
+    """Entry point of ``delta-upload`` (and of ``delta-upload watch``, when that is the first word)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["watch"]:
+        from deltasync._watch import cmd_watch, watch_parser
+
+        w = argparse.ArgumentParser(
+            prog="delta-upload watch",
+            description="Follow a training output dir and push each new complete checkpoint, in step order.",
+        )
+        watch_parser(w)
+        return _run(cmd_watch, w.parse_args(argv[1:]))
     p = argparse.ArgumentParser(
-        prog="delta-upload", description="Push one checkpoint as a patch (or anchor) to a store."
+        prog="delta-upload",
+        description="Push one checkpoint as a patch (or anchor) to a store.",
+        epilog="`delta-upload watch DIR --store URL` follows a training output dir instead (see "
+        "`delta-upload watch --help`); to push a checkpoint dir that is named watch, write ./watch.",
     )
     _upload_parser(p)
     return _run(cmd_upload, p.parse_args(argv))
