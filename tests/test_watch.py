@@ -251,6 +251,28 @@ def test_never_a_partial_checkpoint_poll_by_poll(tmp_path: Path) -> None:
     assert_store_equals(store, [1, 2, 3])
 
 
+def test_a_stop_request_finishes_the_current_commit_and_starts_no_other(tmp_path: Path) -> None:
+    """What Ctrl-C / SIGTERM do in the CLI (they only set the event that ``stopping`` reads)."""
+    out = tmp_path / "out"
+    for step in (1, 2, 3):
+        for _ in write_steps(out, step, pause=lambda: None):
+            pass
+    stop = False
+    said: list[str] = []
+
+    def say(m: str) -> None:
+        nonlocal stop
+        said.append(m)
+        stop = stop or m.startswith("step ")  # the request arrives while step 1 is being committed
+
+    store = ds.MemoryStore()
+    with ds.DeltaUploader(store) as up:
+        opts = WatchOptions(interval=1.0, wait=lambda _: False, stopping=lambda: stop, say=say, warn=said.append)
+        assert run_watch(CheckpointPattern(out), up, opts) == 0
+    assert [m.split(":")[0] for m in said if m.startswith("step ")] == ["step 1"]
+    assert ds.RunReader(store).steps() == [1]
+
+
 def assert_store_equals(store: ds.Store, steps: list[int]) -> None:
     f = ds.DeltaFetcher(store, verify="full")
     target = {k: torch.zeros_like(v) for k, v in ckpt_state(0).items()}
