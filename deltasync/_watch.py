@@ -94,6 +94,10 @@ class _Session:
         for i, c in enumerate(pending):
             if self.opts.stopping():
                 break
+            if self.head is not None and c.step <= self.head:  # two names for one step (checkpoint-10, step_10)
+                self.opts.warn(f"{c.name}: step {c.step} was just pushed from another checkpoint: skipped")
+                self.done.add(c.path)
+                continue
             ok, why = states[c.path]
             if not ok:
                 if any(states[d.path][0] for d in pending[i + 1 :]):

@@ -273,6 +273,23 @@ def test_a_stop_request_finishes_the_current_commit_and_starts_no_other(tmp_path
     assert ds.RunReader(store).steps() == [1]
 
 
+def test_two_names_for_one_step_are_pushed_once(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    for _ in write_steps(out, 1, pause=lambda: None):
+        pass
+    import shutil
+
+    shutil.copytree(out / "checkpoint-1", out / "step_1")
+    said: list[str] = []
+    store = ds.MemoryStore()
+    with ds.DeltaUploader(store) as up:
+        opts = WatchOptions(once=True, wait=lambda _: False, say=said.append, warn=said.append)
+        assert run_watch(CheckpointPattern(out), up, opts) == 0
+    assert [m for m in said if m.startswith("step ")][0].startswith("step 1: anchor")
+    assert "step_1: step 1 was just pushed from another checkpoint: skipped" in said
+    assert ds.RunReader(store).steps() == [1]
+
+
 def assert_store_equals(store: ds.Store, steps: list[int]) -> None:
     f = ds.DeltaFetcher(store, verify="full")
     target = {k: torch.zeros_like(v) for k, v in ckpt_state(0).items()}
