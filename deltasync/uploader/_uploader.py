@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     import torch
 
     from deltasync.signal import Notifier
+    from deltasync.uploader._sharded import ShardedPush
 
 __all__ = ["CommitInfo", "DeltaUploader", "UploaderConfig"]
 
@@ -79,11 +80,19 @@ class DeltaUploader:
         self.writer_id = uuid.uuid4().hex[:16]
         self.epoch = 0
         self.notifier: Notifier | None = None  # counts sent / failed signals
+        # under torch.distributed (world > 1) every rank pushes its own shards (a collective here)
+        self._sharded: ShardedPush | None = None
+        if self.config.distributed is not False:
+            from deltasync.uploader._sharded import sharded_push
+
+            self._sharded = sharded_push(self)
         if self.config.signal_url:
             from deltasync.signal import Notifier
 
             run = self.config.signal_run or self.run_id
             self.notifier = Notifier(self.config.signal_url, run, self.config.signal_token)
+            if self._sharded is not None and self._sharded.rank != 0:
+                self.notifier = None  # only rank 0 commits and signals
         self._digest_q: deque[StepJob | None] = deque()
         self._digest_cv = threading.Condition()
         self._pool = ThreadPoolExecutor(max(1, self.config.encode_threads), thread_name_prefix="deltasync-encode")
@@ -109,6 +118,8 @@ class DeltaUploader:
         The state is checked against the step's inventory and tensor digests; the
         next push is then a patch (unless an anchor is due).
         """
+        if self._sharded is not None:
+            raise NotImplementedError("resume() is not supported in a sharded push; the first push is an anchor")
         committed = self._reader.committed(step)
         m = committed.manifest
         tensors = self._prepare(state)
@@ -173,6 +184,8 @@ class DeltaUploader:
             raise ProtocolError(f"step must be a non-negative integer, got {step!r}")
         if self._last_step is not None and step <= self._last_step:
             raise ProtocolError(f"step {step} is not after the last step {self._last_step}; steps must increase")
+        if self._sharded is not None:
+            return self._sharded.push(state, step)
         if not self.epoch:
             self.epoch = claim_epoch(self.store, self.writer_id, self._last_step)
         state_in = state_tensors(state)
@@ -267,6 +280,8 @@ class DeltaUploader:
                     self._prefault_staging()
                 if job.staged:
                     self._diff(job)
+                for c in job.changes.values():
+                    c.wait()  # device tensors: the asynchronous copies of the changes to pinned memory
                 if self.config.tensor_digests:
                     self._digest(job)
             except Exception as exc:  # noqa: BLE001 - surfaced through the job's future
@@ -331,6 +346,9 @@ class DeltaUploader:
             self._commit(job)
 
     def _commit(self, job: StepJob) -> None:
+        if self._sharded is not None:
+            self._sharded.commit(job)
+            return
         t0 = time.perf_counter()
         try:
             if job.kind == "patch" and not self._last_ok:
