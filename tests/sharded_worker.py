@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from deltasync import DeltaFetcher, DeltaUploader
 from deltasync._tensors import flat_bits
@@ -58,7 +58,9 @@ class FaultyStore(Store):
         if steps & self.fail:
             raise StorageError(f"injected write failure for step {sorted(steps & self.fail)}")
         if steps & self.truncate:
-            items = {k: (bytes(v)[:-1] if isinstance(v, (bytes, bytearray, memoryview)) else v) for k, v in items.items()}
+            items = {
+                k: (bytes(v)[:-1] if isinstance(v, (bytes, bytearray, memoryview)) else v) for k, v in items.items()
+            }
         self.inner.put_many(items, mode=mode)
 
     def get_many(self, keys: Sequence[str]) -> dict[str, bytes]:
@@ -104,7 +106,11 @@ def gathered(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def main() -> None:
     rank, world, run_dir, scenario = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
     dist.init_process_group(
-        "gloo", init_method=f"file://{run_dir / 'rendezvous'}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+        "gloo",
+        init_method=f"file://{run_dir / 'rendezvous'}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
     )
     mesh = init_device_mesh("cpu", (world,))
     state = build_model(mesh, world)
@@ -115,9 +121,10 @@ def main() -> None:
     plan: list[int] = list(range(8))
     if scenario == "failure":
         # step 3: rank 1's writes fail; step 5: rank 1's files land truncated (rank 0 must notice);
-        # step 7: rank 1 pushes step 8 while the others push 7; then step 9 recovers with an anchor
+        # step 7: rank 1 pushes step 8 while the others push 7; then step 9 recovers with an anchor;
+        # step 11 carries a Partial DTensor (refused on every rank); step 12 recovers
         store = FaultyStore(inner, fail_steps=[3] if rank == 1 else [], truncate_steps=[5] if rank == 1 else [])
-        plan = [0, 1, 2, 3, 4, 5, 6, 7, 9, 10]
+        plan = [0, 1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12]
     masters: dict[str, torch.Tensor] = {}
     fetcher = DeltaFetcher(inner, verify="full") if rank == 0 else None
     target = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in state.items()}
@@ -129,8 +136,11 @@ def main() -> None:
             adamw_like_step(state, masters, step, rank)
         push_step = 8 if (scenario == "failure" and step == 7 and rank == 1) else step
         ev: dict[str, Any] = {"step": step}
+        pushed = state
+        if scenario == "failure" and step == 11:
+            pushed = dict(state, partial=DTensor.from_local(torch.ones(3), mesh, [Partial()]))
         try:
-            info = up.push(state, push_step).result(timeout=120)
+            info = up.push(pushed, push_step).result(timeout=120)
             ev.update(ok=True, kind=info.kind, changed=info.changed, total=info.total)
         except CommitFailed as exc:
             ev.update(ok=False, error=str(exc))

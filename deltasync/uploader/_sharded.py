@@ -150,7 +150,7 @@ class ShardedPush:
                 bad = [p for p in t.placements if type(p) not in (Shard, Replicate)]
                 if bad:
                     raise InventoryMismatch(
-                        f"tensor {name!r}: placement {bad[0]} is not supported by a sharded push (only Shard(dim) "
+                        f"tensor {name!r}: placement {type(bad[0]).__name__} ({bad[0]}) is not supported by a sharded push (only Shard(dim) "
                         "and Replicate()); reduce or redistribute it first, e.g. t.redistribute(placements=[...])"
                     )
                 local = t.to_local()
