@@ -154,7 +154,8 @@ def main() -> None:
     up.close()
     out = {"rank": rank, "events": events, "full_bytes": full_bytes, "max_buffer_bytes": max_buffer}
     out["owned_bytes"] = up._sharded.copies.nbytes
-    out["baseline_bytes"] = up._sharded.buffer_bytes - up._sharded.copies.nbytes
+    out["baseline_bytes"] = sum(t.numel() * t.element_size() for t in up._sharded.base.values())
+    out["staging_bytes"] = sum(t.numel() * t.element_size() for t in up._sharded.staging.values())
     (run_dir / f"rank{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
 

@@ -22,6 +22,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
+
 from deltasync._tensors import flat_bits, st_dtype, state_tensors
 from deltasync.errors import CommitFailed, InventoryMismatch, WriterFenced
 from deltasync.protocol import Committed, TensorInfo, Writer, inventory_digest
@@ -95,6 +97,7 @@ class ShardedPush:
         run_id, committed, last_step = self.ex.broadcast((up.run_id, up._last_committed, up._last_step))
         up.run_id, up._last_committed, up._last_step = run_id, committed, last_step
         self.base: dict[str, torch.Tensor] = {}  # flat bits of the local shards this rank contributes
+        self.staging: dict[str, torch.Tensor] = {}  # defer_diff: this step's shards, diffed on the commit thread
         self.boxes: dict[str, Box] = {}
         self.inventory: tuple[TensorInfo, ...] = ()
         self.owners: dict[str, int] = {}
@@ -104,8 +107,8 @@ class ShardedPush:
 
     @property
     def buffer_bytes(self) -> int:
-        """Bytes this rank's uploader holds: its baseline shards plus its owner copies."""
-        return sum(t.numel() * t.element_size() for t in self.base.values()) + self.copies.nbytes
+        """Bytes this rank's uploader holds: baseline and staged shards plus its owner copies."""
+        return _nbytes(self.base) + _nbytes(self.staging) + self.copies.nbytes
 
     # ------------------------------------------------------------------ push
 
@@ -198,11 +201,25 @@ class ShardedPush:
         if rebuild:
             self.base = {name: bits[name].clone() for name in boxes}
             self.boxes = boxes
+            self.staging = {}
+            return
+        if up.config.defer_diff:  # one copy of this rank's shards now; the diff runs on the commit thread
+            job.staged = {name: self._stage(name, bits[name]) for name in boxes}
             return
         for name in boxes:
             c = diff_tensor(self.base[name], bits[name])
             if c is not None:
                 job.local[name] = c
+
+    def _stage(self, name: str, bits: torch.Tensor) -> torch.Tensor:
+        buf = self.staging.get(name)
+        if buf is None or buf.dtype != bits.dtype or buf.shape != bits.shape or buf.device != bits.device:
+            buf = self.staging[name] = bits.new_empty(bits.shape)
+        if buf.device.type == "cpu":
+            np.copyto(buf.numpy(), bits.numpy())  # a plain memcpy
+        else:
+            buf.copy_(bits)
+        return buf
 
     # --------------------------------------------------------------- commit
 
@@ -316,6 +333,11 @@ class ShardedPush:
             return {}
         sparse: dict[int, list[tuple[str, Any, Any]]] = {}
         try:
+            for n, staged in job.staged.items():
+                c = diff_tensor(self.base[n], staged)
+                if c is not None:
+                    job.local[n] = c
+            job.staged = {}
             shapes = {t.name: t.shape for t in job.inventory}
             for n, c in job.local.items():
                 c.wait()
@@ -393,6 +415,10 @@ class ShardedPush:
 
 class _Collective(Exception):
     """A collective call failed (timeout, a peer died): the rank group cannot be trusted any more."""
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def _rounds(inventory: tuple[TensorInfo, ...]) -> list[list[str]]:
