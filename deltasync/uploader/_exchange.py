@@ -8,7 +8,6 @@ same order, or it times out after the group's timeout.
 
 from __future__ import annotations
 
-import contextlib
 import pickle
 from datetime import timedelta
 from typing import Any
@@ -80,8 +79,3 @@ class Exchange:
         if self.rank in outgoing:
             got[self.rank] = outgoing[self.rank]
         return got
-
-    def close(self) -> None:
-        """Destroy the group (a collective on some backends: call on every rank, or not at all)."""
-        with contextlib.suppress(Exception):  # best effort at shutdown
-            self._dist.destroy_process_group(self.group)
