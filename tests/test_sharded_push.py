@@ -205,3 +205,34 @@ def test_distributed_true_without_a_group_is_a_clear_error(tmp_path: Path) -> No
         DeltaUploader(tmp_path / "s", distributed=True)
     with DeltaUploader(tmp_path / "s") as up:  # no group: the single-process path
         assert up._sharded is None
+
+
+def test_a_change_waits_for_its_device_copies_once() -> None:
+    from deltasync.uploader._diff import TensorChange
+
+    calls: list[int] = []
+
+    class Event:
+        def synchronize(self) -> None:
+            calls.append(1)
+
+    c = TensorChange(np.zeros(1, np.int64), np.zeros(1, np.int16), np.ones(1, np.int16), Event())
+    c.wait()
+    c.wait()
+    assert calls == [1] and c.ready is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_diff_matches_the_cpu_diff_and_copies_only_the_changes_to_pinned_memory() -> None:
+    from deltasync.uploader._diff import diff_tensor
+
+    gen = torch.Generator().manual_seed(1)
+    base = torch.randint(-(2**15), 2**15, (1 << 20,), dtype=torch.int16, generator=gen)
+    new = base.clone()
+    new[torch.rand(1 << 20, generator=gen) < 0.03] ^= 3
+    b_gpu = base.cuda()
+    c_gpu, c_cpu = diff_tensor(b_gpu, new.cuda()), diff_tensor(base.clone(), new)
+    assert c_gpu is not None and c_cpu is not None and c_gpu.ready is not None
+    c_gpu.wait()
+    assert np.array_equal(c_gpu.idx, c_cpu.idx) and np.array_equal(c_gpu.old, c_cpu.old)
+    assert np.array_equal(c_gpu.new, c_cpu.new) and torch.equal(b_gpu.cpu(), new)
