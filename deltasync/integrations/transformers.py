@@ -77,12 +77,17 @@ class DeltaSyncCallback(TrainerCallback):
             raise DeltaSyncError("DeltaSyncCallback: the Trainer passed no model to on_train_begin")
         _refuse_unsupported(model)
         weights = model.state_dict()
-        if not (state.is_world_process_zero or _has_dtensors(weights)):
+        sharded = _has_dtensors(weights)
+        if not (state.is_world_process_zero or sharded):
             return  # replicated weights: the main process pushes them
         from deltasync.uploader import DeltaUploader
 
         self._stopped, self._skip_until, self._last_pushed = False, None, None
-        self.uploader = up = DeltaUploader(self.store, **self.uploader_options)
+        options = dict(self.uploader_options)
+        # replicated weights: the main process pushes alone, so its uploader must not wait for the other
+        # ranks (a multi-rank uploader's constructor is a collective); DTensor shards: every rank pushes
+        options.setdefault("distributed", sharded)
+        self.uploader = up = DeltaUploader(self.store, **options)
         head, step = up.last_committed_step, state.global_step
         if head is None or step > head:
             return  # a new run, or the store is behind the checkpoint: the first push is an anchor

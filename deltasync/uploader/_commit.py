@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -31,10 +31,19 @@ from deltasync.protocol.keys import HEAD_KEY
 from deltasync.protocol.manifest import Writer
 from deltasync.protocol.patchfile import build_patch_files
 from deltasync.storage import Store
+from deltasync.storage.base import Data
 from deltasync.uploader._diff import TensorChange
 from deltasync.uploader._retry import RetryPolicy, put_idempotent, with_retries
 
-__all__ = ["StepJob", "build_patch", "merge_jobs", "write_step"]
+__all__ = [
+    "StepJob",
+    "build_patch",
+    "make_manifest",
+    "merge_jobs",
+    "publish_manifest",
+    "put_step_files",
+    "write_step",
+]
 Bits = np.ndarray[Any, np.dtype[Any]]
 
 
@@ -101,7 +110,31 @@ def write_step(
         files, entries_a = build_checkpoint(job.inventory, job.snapshot, shard_bytes)
         entries = tuple(entries_a)
     infos = tuple(FileInfo(name, len(data), xxh3_128(data)) for name, data in sorted(files.items()))
-    manifest = Manifest(
+    manifest = make_manifest(
+        job, infos, entries, run_id=run_id, parent=parent, anchor_step=anchor_step, writer=writer, changed=job.changed
+    )
+    if signing_key is not None:
+        manifest = manifest.signed(signing_key)
+    if progress:
+        progress(f"step {job.step}: writing {len(files)} files")
+    policy = retry or RetryPolicy(retries=0)
+    put_step_files(store, job.step, files, policy)
+    return publish_manifest(store, manifest, policy, fence)
+
+
+def make_manifest(
+    job: StepJob,
+    infos: tuple[FileInfo, ...],
+    entries: tuple[PatchEntry, ...] | tuple[AnchorEntry, ...],
+    *,
+    run_id: str,
+    parent: Committed | None,
+    anchor_step: int,
+    writer: Writer | None,
+    changed: int,
+) -> Manifest:
+    """The (unsigned) manifest of ``job`` whose data files are ``infos`` holding ``entries``."""
+    return Manifest(
         run_id=run_id,
         step=job.step,
         kind=job.kind,
@@ -113,17 +146,15 @@ def write_step(
         files=infos,
         entries=entries,
         tensor_digests=dict(job.digests),
-        stats=Stats(job.changed, job.total, sum(f.size for f in infos)),
+        stats=Stats(changed, job.total, sum(f.size for f in infos)),
         writer=writer,
     )
-    if signing_key is not None:
-        manifest = manifest.signed(signing_key)
-    if progress:
-        progress(f"step {job.step}: writing {len(files)} files")
-    policy = retry or RetryPolicy(retries=0)
-    what = f"step {job.step}"
-    data = {file_key(job.step, n): d for n, d in files.items()}
-    mkey = manifest_key(job.step)
+
+
+def put_step_files(store: Store, step: int, files: Mapping[str, Data], policy: RetryPolicy) -> None:
+    """Write a step's data files (create-only, retried); returns once they are durable."""
+    data = {file_key(step, n): d for n, d in files.items()}
+    mkey = manifest_key(step)
 
     def put_files() -> None:
         try:
@@ -135,13 +166,24 @@ def write_step(
                 raise
             store.put_many(data, mode="overwrite")
 
-    with_retries(put_files, policy, f"{what}: writing {len(data)} data files")
+    with_retries(put_files, policy, f"step {step}: writing {len(data)} data files")
+
+
+def publish_manifest(
+    store: Store, manifest: Manifest, policy: RetryPolicy, fence: Callable[[], None] | None = None
+) -> Committed:
+    """Check the fence, then write the manifest (create-only) and HEAD.json: commits the step.
+
+    Call only once every data file the manifest lists is written."""
+    what = f"step {manifest.step}"
     if fence is not None:
         with_retries(fence, policy, f"{what}: checking the writer fence")
     body = manifest.to_json()
-    with_retries(lambda: put_idempotent(store, {mkey: body}), policy, f"{what}: writing its manifest")
+    with_retries(
+        lambda: put_idempotent(store, {manifest_key(manifest.step): body}), policy, f"{what}: writing its manifest"
+    )
     digest = xxh3_128(body)
-    head = Head(job.step, digest, run_id).to_json()
+    head = Head(manifest.step, digest, manifest.run_id).to_json()
     with_retries(lambda: store.put(HEAD_KEY, head), policy, f"{what}: writing HEAD.json")
     return Committed(manifest, digest)
 

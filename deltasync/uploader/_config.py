@@ -40,6 +40,15 @@ class UploaderConfig:
         storage error (throttling, 5xx, timeout, partial batch); then the step's
         Future raises CommitFailed and the next push is an anchor.
     retry_backoff: seconds before the first retry, doubling each time (max 30 s).
+    distributed: None (default) pushes sharded when torch.distributed is initialized
+        with world size > 1: every rank calls push() with its own state dict
+        (DTensor shards or replicated tensors; README "Sharded trainers"). One step
+        is in flight at a time (push waits for the previous step's outcome; no
+        coalescing, defer_diff does not apply). False forces single-process
+        behaviour (e.g. only rank 0 pushes a gathered state); True requires a group.
+        Creating the uploader is then a collective call on every rank.
+    distributed_timeout: seconds a rank waits for the others in a sharded push
+        before the uploader gives up (its steps fail; create a new uploader).
     """
 
     anchor_every: int = 50
@@ -58,6 +67,8 @@ class UploaderConfig:
     signal_run: str | None = None
     retries: int = 4
     retry_backoff: float = 0.5
+    distributed: bool | None = None
+    distributed_timeout: float = 600.0
 
     def __post_init__(self) -> None:
         if self.anchor_every < 1:
@@ -67,6 +78,8 @@ class UploaderConfig:
         if self.on_backlog not in ("coalesce", "block"):
             raise ValueError("on_backlog must be 'coalesce' or 'block'")
         RetryPolicy(self.retries, self.retry_backoff)  # validates
+        if not self.distributed_timeout > 0:
+            raise ValueError("distributed_timeout must be > 0")
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,11 +21,22 @@ Bits = np.ndarray[Any, np.dtype[Any]]
 
 @dataclass(slots=True)
 class TensorChange:
-    """Changed flat positions of one tensor with their old and new bits (host memory, owned)."""
+    """Changed flat positions of one tensor with their old and new bits (host memory, owned).
+
+    From a CUDA tensor the arrays are pinned host buffers still being filled by
+    asynchronous copies: call :meth:`wait` before reading them.
+    """
 
     idx: Bits
     old: Bits
     new: Bits
+    ready: Any = None  # a torch.cuda.Event recorded after the copies, or None
+
+    def wait(self) -> None:
+        """Block until the arrays hold their data (a no-op for changes from CPU tensors)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+            self.ready = None
 
 
 @dataclass(slots=True)
@@ -64,11 +75,26 @@ def diff_tensor(base: torch.Tensor, new: torch.Tensor) -> TensorChange | None:
         vals = n[idx]
         b[idx] = vals
         return TensorChange(idx.astype(np.int64, copy=False), old, vals)
-    nb = flat_bits(new)
-    idx_t = (base != nb).nonzero().squeeze(1)
-    if not idx_t.numel():
+    return _diff_torch(base, flat_bits(new))
+
+
+def _diff_torch(base: torch.Tensor, nb: torch.Tensor) -> TensorChange | None:
+    """The device path: compare, gather the changed elements and update ``base`` on the device; only
+    the sparse result crosses to the host (pinned, asynchronously: :meth:`TensorChange.wait`)."""
+    import torch
+
+    idx_t = (base != nb).nonzero().squeeze(1)  # sizing the result is the one host sync
+    n = int(idx_t.numel())
+    if not n:
         return None
     old_t = base[idx_t]
     new_t = nb[idx_t]
     base[idx_t] = new_t
-    return TensorChange(idx_t.cpu().numpy(), old_t.cpu().numpy(), new_t.cpu().numpy())
+    if base.device.type != "cuda":
+        return TensorChange(idx_t.cpu().numpy(), old_t.cpu().numpy(), new_t.cpu().numpy())
+    host = [torch.empty(n, dtype=t.dtype, pin_memory=True) for t in (idx_t, old_t, new_t)]
+    for h, t in zip(host, (idx_t, old_t, new_t), strict=True):
+        h.copy_(t, non_blocking=True)
+    ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    ready.record()  # on the current stream, after the copies
+    return TensorChange(host[0].numpy(), host[1].numpy(), host[2].numpy(), ready)

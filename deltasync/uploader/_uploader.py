@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     import torch
 
     from deltasync.signal import Notifier
+    from deltasync.uploader._sharded import ShardedPush
 
 __all__ = ["CommitInfo", "DeltaUploader", "UploaderConfig"]
 
@@ -81,11 +82,19 @@ class DeltaUploader:
         self.writer_id = uuid.uuid4().hex[:16]
         self.epoch = 0
         self.notifier: Notifier | None = None  # counts sent / failed signals
+        # under torch.distributed (world > 1) every rank pushes its own shards (a collective here)
+        self._sharded: ShardedPush | None = None
+        if self.config.distributed is not False:
+            from deltasync.uploader._sharded import sharded_push
+
+            self._sharded = sharded_push(self)
         if self.config.signal_url:
             from deltasync.signal import Notifier
 
             run = self.config.signal_run or self.run_id
             self.notifier = Notifier(self.config.signal_url, run, self.config.signal_token)
+            if self._sharded is not None and self._sharded.rank != 0:
+                self.notifier = None  # only rank 0 commits and signals
         self._digest_q: deque[StepJob | None] = deque()
         self._digest_cv = threading.Condition()
         self._pool = ThreadPoolExecutor(max(1, self.config.encode_threads), thread_name_prefix="deltasync-encode")
@@ -120,6 +129,13 @@ class DeltaUploader:
         uploader's writer epoch, so an older uploader of the run still alive is
         fenced off from then on.
         """
+        if self._sharded is not None:
+            # every rank holds only its shards: no rank can hash a whole tensor against the digests
+            msg = "resume() cannot prove a sharded state (no rank holds whole tensors); the first push is an anchor"
+            if strict:
+                raise ProtocolError(msg)
+            log.warning("%s", msg)
+            return False
         with self._cond:
             if self._inflight or self._prev_job is not None:
                 raise RuntimeError("resume() must be called before the first push")
@@ -239,9 +255,16 @@ class DeltaUploader:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ProtocolError(f"step must be a non-negative integer, got {step!r}")
         if self._last_step is not None and step <= self._last_step:
-            if self._prev_job is None and not self._resumed and self._last_committed is not None:
+            if (
+                self._prev_job is None
+                and not self._resumed
+                and self._last_committed is not None
+                and self._sharded is None
+            ):
                 return self._push_committed_head(state, step)  # a restarted trainer (see resume())
             raise ProtocolError(f"step {step} is not after the last step {self._last_step}; steps must increase")
+        if self._sharded is not None:
+            return self._sharded.push(state, step)
         if not self.epoch:
             self._claim()
             if self._last_step is not None and step <= self._last_step:
@@ -341,6 +364,8 @@ class DeltaUploader:
                     self._prefault_staging()
                 if job.staged:
                     self._diff(job)
+                for c in job.changes.values():
+                    c.wait()  # device tensors: the asynchronous copies of the changes to pinned memory
                 if self.config.tensor_digests:
                     self._digest(job)
             except Exception as exc:  # noqa: BLE001 - surfaced through the job's future
@@ -405,6 +430,9 @@ class DeltaUploader:
             self._commit(job)
 
     def _commit(self, job: StepJob) -> None:
+        if self._sharded is not None:
+            self._sharded.commit(job)
+            return
         t0 = time.perf_counter()
         try:
             if job.kind == "patch" and not self._last_ok:

@@ -1,0 +1,439 @@
+"""Sharded push: every rank of a torch.distributed group pushes its own (DTensor) shards.
+
+Each rank keeps a baseline of its local shards on their device and diffs them
+there; the changed positions, mapped to global flat positions, go to each
+tensor's owner rank over a dedicated gloo group; owners keep host copies of
+the tensors they own, encode them and write their own files; rank 0 checks the
+ranks' reports against the store and commits the manifest. No rank holds the
+whole state. One step is in flight at a time, so every rank takes the same
+decisions (anchor or patch, rebuild or not) from the same history.
+
+:class:`ShardedPush` hangs off a :class:`~deltasync.uploader.DeltaUploader`
+(its store, config, counters, commit thread and Futures) and replaces its
+push and commit.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+
+from deltasync._tensors import flat_bits, st_dtype, state_tensors
+from deltasync.errors import CommitFailed, InventoryMismatch, WriterFenced
+from deltasync.protocol import Committed, TensorInfo, Writer, inventory_digest
+from deltasync.protocol.checkpoint import group_by_size
+from deltasync.storage._claims import claim_epoch
+from deltasync.uploader._commit import StepJob
+from deltasync.uploader._config import CommitInfo
+from deltasync.uploader._diff import TensorChange, diff_tensor
+from deltasync.uploader._exchange import Exchange
+from deltasync.uploader._retry import RetryPolicy
+from deltasync.uploader._sharded_owner import OwnerCopies, RankReport, commit_on_rank0, write_rank_files
+from deltasync.uploader._shardmap import AnchorPlan, Box, anchor_plan, owner_map, to_global
+
+if TYPE_CHECKING:
+    import torch
+
+    from deltasync.uploader._uploader import DeltaUploader
+
+__all__ = ["ShardedJob", "ShardedPush", "sharded_push"]
+
+log = logging.getLogger("deltasync.uploader")
+ROUND_BYTES = 256 << 20  # tensor bytes per round when ranks send whole shards to owners
+
+
+def sharded_push(up: DeltaUploader) -> ShardedPush | None:
+    """The sharded engine for ``up`` when torch.distributed runs with world > 1 (or ``distributed=True``)."""
+    want = up.config.distributed
+    torch_mod = sys.modules.get("torch")  # never imported: no group can be initialized
+    dist = getattr(torch_mod, "distributed", None) if torch_mod is not None else None
+    active = dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if want is None and not active:
+        return None
+    if want and not (dist is not None and dist.is_available() and dist.is_initialized()):
+        raise ValueError("distributed=True needs an initialized torch.distributed process group")
+    return ShardedPush(up)
+
+
+@dataclass(frozen=True, slots=True)
+class _Header:
+    step: int
+    kind: str
+    inventory_digest: str
+    rebuild: bool
+    error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Outcome:
+    committed: Committed | None
+    error: str | None
+    fenced: bool = False
+    writer: tuple[str, int] = ("", 0)
+
+
+@dataclass(slots=True)
+class ShardedJob(StepJob):
+    """A step on one rank: its local changes (local flat positions) and whether owners rebuild."""
+
+    rebuild: bool = False
+    local: dict[str, TensorChange] = field(default_factory=dict)
+
+
+class ShardedPush:
+    """The per-rank engine. Constructing it is a collective (it creates a gloo group)."""
+
+    def __init__(self, up: DeltaUploader) -> None:
+        self.up = up
+        self.ex = Exchange(up.config.distributed_timeout)
+        self.rank, self.world = self.ex.rank, self.ex.world
+        # rank 0's view of the run is everyone's
+        run_id, committed, last_step = self.ex.broadcast((up.run_id, up._last_committed, up._last_step))
+        up.run_id, up._last_committed, up._last_step = run_id, committed, last_step
+        self.base: dict[str, torch.Tensor] = {}  # flat bits of the local shards this rank contributes
+        self.staging: dict[str, torch.Tensor] = {}  # defer_diff: this step's shards, diffed on the commit thread
+        self.boxes: dict[str, Box] = {}
+        self.inventory: tuple[TensorInfo, ...] = ()
+        self.owners: dict[str, int] = {}
+        self.plan: AnchorPlan | None = None
+        self.copies = OwnerCopies()
+        self.broken: str | None = None
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes this rank's uploader holds: baseline and staged shards plus its owner copies."""
+        return _nbytes(self.base) + _nbytes(self.staging) + self.copies.nbytes
+
+    # ------------------------------------------------------------------ push
+
+    def push(self, state: Any, step: int) -> Future[CommitInfo]:
+        """Diff this rank's shards against its baseline and queue the step (see DeltaUploader.push)."""
+        up = self.up
+        with up._cond:  # one step in flight: the previous outcome is known here on every rank
+            up._cond.wait_for(lambda: up._inflight == 0)
+        if self.broken is not None:
+            raise CommitFailed(self.broken)
+        if up._fenced is not None:
+            raise up._fenced
+        job = ShardedJob(step, "patch", ())
+        try:
+            self._snapshot(job, state)
+        except Exception as exc:  # noqa: BLE001 - every rank must still take part in the step's commit
+            log.exception("sharded push of step %d failed on rank %d", step, self.rank)
+            job.error = exc
+            self.base, self.boxes = {}, {}
+        job.digests_ready.set()
+        fut: Future[CommitInfo] = Future()
+        fut.set_running_or_notify_cancel()
+        job.futures.append((step, fut))
+        up._last_step = step
+        with up._cond:
+            up._inflight += 1
+            up._pending.append(job)
+            up._cond.notify_all()
+        return fut
+
+    def _local_parts(self, state: Any) -> tuple[dict[str, torch.Tensor], dict[str, Box | None], list[TensorInfo]]:
+        """This rank's flat local bits, the box each sits in (None: held replicated), and the global inventory."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        bits: dict[str, torch.Tensor] = {}
+        boxes: dict[str, Box | None] = {}
+        infos: list[TensorInfo] = []
+        for name, t in state_tensors(state).items():
+            shape = tuple(t.shape)
+            if isinstance(t, DTensor):
+                bad = [p for p in t.placements if type(p) not in (Shard, Replicate)]
+                if bad:
+                    raise InventoryMismatch(
+                        f"tensor {name!r}: placement {type(bad[0]).__name__} ({bad[0]}) is not supported by a sharded push (only Shard(dim) "
+                        "and Replicate()); reduce or redistribute it first, e.g. t.redistribute(placements=[...])"
+                    )
+                local = t.to_local()
+                coord = t.device_mesh.get_coordinate()
+                if all(isinstance(p, Replicate) for p in t.placements):
+                    box: Box | None = None
+                elif coord is None or any(isinstance(p, Replicate) and coord[i] for i, p in enumerate(t.placements)):
+                    box = Box((0,) * len(shape), (0,) * len(shape))  # another rank holds the same shard
+                    local = local.new_empty(0)
+                else:
+                    lshape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+                    box = Box(tuple(lshape), tuple(offset))
+                    if tuple(local.shape) != box.shape:
+                        raise InventoryMismatch(f"tensor {name!r}: local shard {tuple(local.shape)} is not {box.shape}")
+            else:
+                local, box = t, None
+            cast = self.up.config.cast_dtype
+            if cast is not None and local.is_floating_point() and local.dtype != cast:
+                local = local.to(cast)
+            infos.append(TensorInfo(name, st_dtype(local.dtype), shape))
+            bits[name] = flat_bits(local)
+            boxes[name] = box
+        return bits, boxes, sorted(infos, key=lambda i: i.name)
+
+    def _snapshot(self, job: ShardedJob, state: Any) -> None:
+        up = self.up
+        bits, boxes_in, infos = self._local_parts(state)
+        inventory = tuple(infos)
+        if inventory != self.inventory:
+            self.owners = owner_map(inventory, self.world)
+            self.plan = None
+        boxes: dict[str, Box] = {}
+        for info in inventory:
+            b = boxes_in[info.name]
+            if b is None:  # replicated: only its owner takes it
+                if self.owners[info.name] == self.rank:
+                    boxes[info.name] = Box.whole(info.shape)
+            elif b.numel:
+                boxes[info.name] = b
+        rebuild = up._needs_anchor or inventory != self.inventory or boxes != self.boxes
+        job.inventory, job.total = inventory, sum(t.numel for t in inventory)
+        job.kind = "anchor" if rebuild or up._anchor_due() else "patch"
+        job.rebuild = rebuild
+        self.inventory = inventory
+        if rebuild:
+            self.base = {name: bits[name].clone() for name in boxes}
+            self.boxes = boxes
+            self.staging = {}
+            return
+        if up.config.defer_diff:  # one copy of this rank's shards now; the diff runs on the commit thread
+            job.staged = {name: self._stage(name, bits[name]) for name in boxes}
+            return
+        for name in boxes:
+            c = diff_tensor(self.base[name], bits[name])
+            if c is not None:
+                job.local[name] = c
+
+    def _stage(self, name: str, bits: torch.Tensor) -> torch.Tensor:
+        buf = self.staging.get(name)
+        if buf is None or buf.dtype != bits.dtype or buf.shape != bits.shape or buf.device != bits.device:
+            buf = self.staging[name] = bits.new_empty(bits.shape)
+        if buf.device.type == "cpu":
+            np.copyto(buf.numpy(), bits.numpy())  # a plain memcpy
+        else:
+            buf.copy_(bits)
+        return buf
+
+    # --------------------------------------------------------------- commit
+
+    def commit(self, job: StepJob) -> None:
+        """The commit thread's work for one step, in lockstep with every other rank."""
+        assert isinstance(job, ShardedJob)
+        t0 = time.perf_counter()
+        if self.broken is not None:
+            self._resolve(job, _Outcome(None, self.broken), t0)
+            return
+        try:
+            outcome = self._commit_collective(job)
+        except Exception as exc:  # noqa: BLE001 - a collective failed: the ranks may be out of step
+            self.broken = (
+                f"the uploader's rank group failed at step {job.step} on rank {self.rank} ({exc}); "
+                "this uploader cannot continue: create a new DeltaUploader on every rank"
+            )
+            log.error("%s", self.broken)
+            outcome = _Outcome(None, self.broken)
+        self._resolve(job, outcome, t0)
+
+    def _commit_collective(self, job: ShardedJob) -> _Outcome:
+        up = self.up
+        err = None if job.error is None else f"{type(job.error).__name__}: {job.error}"
+        if self.rank == 0 and not up.epoch and err is None:
+            try:
+                last = up._last_committed
+                up.epoch = claim_epoch(up.store, up.writer_id, last.manifest.step if last else None)
+            except Exception as exc:  # noqa: BLE001 - fails the step on every rank
+                err = f"claiming the writer epoch: {exc}"
+        inv = inventory_digest(job.inventory) if job.inventory else ""
+        headers: list[_Header] = self.ex.all_gather(_Header(job.step, job.kind, inv, job.rebuild, err))
+        problem = _disagreement(headers)
+        if problem is not None:
+            return _Outcome(None, f"step {job.step}: {problem}")
+        job.kind = "anchor" if any(h.kind == "anchor" for h in headers) else "patch"
+        report = RankReport()
+        try:
+            changes = self._to_owners(job, any(h.rebuild for h in headers))
+            if job.kind == "anchor" and self.plan is None:
+                self.plan = anchor_plan(job.inventory, self.owners, self.world, up.config.shard_bytes)
+            report = write_rank_files(
+                up.store,
+                job,
+                rank=self.rank,
+                world=self.world,
+                copies=self.copies,
+                changes=changes,
+                plan=self.plan,
+                shard_bytes=up.config.shard_bytes,
+                pool=up._pool,
+                policy=self._policy,
+                tensor_digests=up.config.tensor_digests,
+            )
+        except _Collective:
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported to rank 0, fails the step everywhere
+            log.exception("step %d failed on rank %d", job.step, self.rank)
+            report = RankReport(f"{type(exc).__name__}: {exc}")
+        reports = self.ex.gather(report)
+        outcome: _Outcome | None = None
+        if self.rank == 0:
+            assert reports is not None
+            try:
+                committed = commit_on_rank0(
+                    up.store,
+                    job,
+                    reports,
+                    run_id=up.run_id,
+                    parent=up._last_committed,
+                    writer=Writer(up.writer_id, up.epoch),
+                    signing_key=up.config.signing_key,
+                    policy=self._policy,
+                    fence=up._check_fence,
+                )
+                outcome = _Outcome(committed, None, writer=(up.writer_id, up.epoch))
+            except Exception as exc:  # noqa: BLE001 - broadcast to every rank
+                log.error("commit of step %d failed: %s", job.step, exc)
+                outcome = _Outcome(None, str(exc), isinstance(exc, WriterFenced))
+        result: _Outcome = self.ex.broadcast(outcome)
+        return result
+
+    @property
+    def _policy(self) -> RetryPolicy:
+        return RetryPolicy(self.up.config.retries, self.up.config.retry_backoff)
+
+    def _to_owners(self, job: ShardedJob, rebuild: bool) -> dict[str, TensorChange]:
+        """Move this step's data to the owners: whole shards when rebuilding, else sparse changes."""
+        local_error: Exception | None = None
+        if rebuild:
+            self.copies.clear()
+            infos = {t.name: t for t in job.inventory}
+            for names in _rounds(job.inventory):
+                out: dict[int, list[tuple[str, Box, Any]]] = {}
+                try:
+                    for n in names:
+                        if n in self.base:
+                            out.setdefault(self.owners[n], []).append((n, self.boxes[n], self.base[n].cpu().numpy()))
+                except Exception as exc:  # noqa: BLE001 - still take part in the exchange
+                    local_error, out = exc, {}
+                got = self._send(out)
+                try:
+                    for n in names:
+                        if local_error is None and self.owners[n] == self.rank:
+                            parts = [(box, arr) for r in sorted(got) for (m, box, arr) in got[r] if m == n]
+                            self.copies.fill(infos[n], parts)
+                except Exception as exc:  # noqa: BLE001 - the next rounds are collectives too
+                    local_error = exc
+            if local_error is not None:
+                raise local_error
+            return {}
+        sparse: dict[int, list[tuple[str, Any, Any]]] = {}
+        try:
+            for n, staged in job.staged.items():
+                c = diff_tensor(self.base[n], staged)
+                if c is not None:
+                    job.local[n] = c
+            job.staged = {}
+            shapes = {t.name: t.shape for t in job.inventory}
+            for n, c in job.local.items():
+                c.wait()
+                gidx = to_global(c.idx, self.boxes[n], shapes[n])
+                sparse.setdefault(self.owners[n], []).append((n, gidx, c.new))
+        except Exception as exc:  # noqa: BLE001 - still take part in the exchange
+            local_error, sparse = exc, {}
+        got_s = self._send(sparse)
+        if local_error is not None:
+            raise local_error
+        if not self.copies.arrays and any(o == self.rank for o in self.owners.values()):
+            raise CommitFailed("owner copies are missing (an earlier step failed); the next push is an anchor")
+        by_name: dict[str, list[tuple[Any, Any]]] = {}
+        for r in sorted(got_s):
+            for n, gidx, new in got_s[r]:
+                by_name.setdefault(n, []).append((gidx, new))
+        changes: dict[str, TensorChange] = {}
+        for n, parts in by_name.items():
+            merged = self.copies.apply(n, parts)
+            if merged is not None:
+                changes[n] = merged
+        return changes
+
+    def _send(self, outgoing: dict[int, Any]) -> dict[int, Any]:
+        try:
+            return self.ex.send_to(outgoing)
+        except Exception as exc:
+            raise _Collective(str(exc)) from exc
+
+    # -------------------------------------------------------------- outcome
+
+    def _resolve(self, job: ShardedJob, outcome: _Outcome, t0: float) -> None:
+        """Apply the outcome rank 0 broadcast (the same on every rank) and resolve the step's Future."""
+        up = self.up
+        c = outcome.committed
+        if c is None:
+            err: CommitFailed = (WriterFenced if outcome.fenced else CommitFailed)(
+                outcome.error or f"step {job.step} failed"
+            )
+            if outcome.fenced:
+                up._fenced = err  # type: ignore[assignment]
+            self.copies.clear()
+            with up._cond:
+                up.failures += 1
+                up._last_ok = False
+                up._needs_anchor = True
+                up._inflight -= len(job.futures)
+                up._cond.notify_all()
+            for _, fut in job.futures:
+                fut.set_exception(err)
+            return
+        m = c.manifest
+        if self.rank != 0:
+            up.writer_id, up.epoch = outcome.writer
+        with up._cond:
+            up._last_committed = c
+            up._last_ok = True
+            up._needs_anchor = False
+            if m.kind == "anchor":
+                up._pushes_since_anchor = 0
+                up._anchor_bytes, up._bytes_since_anchor = m.stats.nbytes, 0
+            else:
+                up._pushes_since_anchor += 1
+                up._bytes_since_anchor += m.stats.nbytes
+            up._inflight -= len(job.futures)
+            up._cond.notify_all()
+        if self.rank == 0 and up.notifier is not None:
+            up.notifier.notify(m.step, c.digest, run_id=up.run_id, kind=m.kind)
+        secs = time.perf_counter() - t0
+        for step, fut in job.futures:
+            kind: Literal["anchor", "patch"] = m.kind
+            st = m.stats
+            fut.set_result(CommitInfo(step, kind, st.nbytes, st.changed, st.total, m.anchor_step, c.digest, step, secs))
+
+
+class _Collective(Exception):
+    """A collective call failed (timeout, a peer died): the rank group cannot be trusted any more."""
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _rounds(inventory: tuple[TensorInfo, ...]) -> list[list[str]]:
+    """Groups of tensors (the same on every rank) whose whole shards cross to the owners together."""
+    return [[inventory[i].name for i in g] for g in group_by_size([t.nbytes for t in inventory], ROUND_BYTES)]
+
+
+def _disagreement(headers: list[_Header]) -> str | None:
+    """Why the ranks cannot commit this step together, the same text on every rank; None when they can."""
+    errors = [f"rank {r}: {h.error}" for r, h in enumerate(headers) if h.error]
+    if errors:
+        return "failed on " + "; ".join(errors)
+    if len({h.step for h in headers}) > 1:
+        steps = ", ".join(f"rank {r}: {h.step}" for r, h in enumerate(headers))
+        return f"the ranks pushed different steps ({steps}); every rank must push the same step"
+    if len({h.inventory_digest for h in headers}) > 1:
+        return "the ranks pushed different tensor inventories (names, dtypes, global shapes); they must agree"
+    return None

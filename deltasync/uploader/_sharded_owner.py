@@ -1,0 +1,237 @@
+"""Owner side of a sharded push: host copies of the owned tensors, their files, rank 0's commit.
+
+Each tensor has one owner rank (:func:`deltasync.uploader._shardmap.owner_map`).
+The owner keeps a host copy of it (about ``1/world`` of the state per rank),
+updated from the sparse changes the ranks send it, hashes it, and writes the
+tensor's one patch entry or its anchor bytes. Rank 0 then checks what every
+rank reports against the store and writes the manifest. Nothing here talks to
+other ranks; :mod:`deltasync.uploader._sharded` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from deltasync.errors import CommitFailed
+from deltasync.protocol import AnchorEntry, Committed, FileInfo, PatchEntry, TensorInfo, encode_changes, xxh3_128
+from deltasync.protocol.checkpoint import CHECKPOINT_METADATA, INDEX_NAME, group_by_size, shard_layout
+from deltasync.protocol.digests import xxh3_128_array
+from deltasync.protocol.dtypes import dtype_info
+from deltasync.protocol.keys import file_key, step_prefix
+from deltasync.protocol.manifest import Writer
+from deltasync.protocol.patchfile import build_patch_file, patch_file_name
+from deltasync.protocol.safetensors_io import TensorBytes, to_bytes
+from deltasync.storage import Store
+from deltasync.uploader._commit import StepJob, make_manifest, publish_manifest, put_step_files
+from deltasync.uploader._diff import TensorChange
+from deltasync.uploader._retry import RetryPolicy
+from deltasync.uploader._shardmap import AnchorPlan, Box, patch_file_names, write_box
+
+__all__ = ["OwnerCopies", "RankReport", "commit_on_rank0", "write_rank_files"]
+
+Bits = np.ndarray[Any, np.dtype[Any]]
+
+
+@dataclass(slots=True)
+class RankReport:
+    """What one rank wrote for a step (sent to rank 0), or why it could not."""
+
+    error: str | None = None
+    files: tuple[FileInfo, ...] = ()
+    entries: tuple[PatchEntry, ...] | tuple[AnchorEntry, ...] = ()
+    digests: dict[str, str] = field(default_factory=dict)
+    changed: int = 0
+
+
+class OwnerCopies:
+    """Host copies (flat bits) of the tensors this rank owns, and their digests."""
+
+    def __init__(self) -> None:
+        self.arrays: dict[str, Bits] = {}
+        self.digests: dict[str, str] = {}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held."""
+        return sum(int(a.nbytes) for a in self.arrays.values())
+
+    def clear(self) -> None:
+        """Forget everything (after a failed step: the next one rebuilds from the ranks' shards)."""
+        self.arrays, self.digests = {}, {}
+
+    def fill(self, info: TensorInfo, parts: Iterable[tuple[Box, Bits]]) -> None:
+        """Build the copy of ``info`` from the ranks' local shards (boxes that must tile the tensor)."""
+        full = np.empty(info.numel, dtype=dtype_info(info.dtype).bits)
+        covered = 0
+        for box, local in parts:
+            if local.size != box.numel:
+                raise CommitFailed(f"tensor {info.name!r}: a local shard of {local.size} elements fills a {box}")
+            write_box(full, info.shape, box, local)
+            covered += box.numel
+        if covered != info.numel:
+            raise CommitFailed(
+                f"tensor {info.name!r}: the ranks' shards cover {covered} of its {info.numel} elements; "
+                "every element must be held by exactly one contributing rank (check the DTensor placements/mesh)"
+            )
+        self.arrays[info.name] = full
+        self.digests.pop(info.name, None)
+
+    def apply(self, name: str, parts: Sequence[tuple[Bits, Bits]]) -> TensorChange | None:
+        """Apply the changes (global positions, new bits) the ranks sent for ``name``; return the merged change."""
+        parts = [p for p in parts if p[0].size]
+        if not parts:
+            return None
+        if len(parts) == 1:
+            idx, new = parts[0]
+        else:
+            idx = np.concatenate([p[0] for p in parts])
+            new = np.concatenate([p[1] for p in parts])
+            order = np.argsort(idx, kind="stable")
+            idx, new = idx[order], new[order]
+            if np.any(idx[1:] == idx[:-1]):
+                raise CommitFailed(f"tensor {name!r}: two ranks sent changes for the same element")
+        arr = self.arrays[name]
+        old = arr[idx]
+        arr[idx] = new
+        self.digests.pop(name, None)
+        return TensorChange(idx, old, new)
+
+    def digest_all(self) -> dict[str, str]:
+        """xxh3-128 of every owned tensor (cached until it changes)."""
+        for name, arr in self.arrays.items():
+            if name not in self.digests:
+                self.digests[name] = xxh3_128_array(arr)
+        return dict(self.digests)
+
+
+def _patch_files(
+    step: int,
+    rank: int,
+    world: int,
+    changes: dict[str, TensorChange],
+    numel: dict[str, int],
+    shard_bytes: int,
+    pool: Executor | None,
+) -> tuple[dict[str, bytes], list[PatchEntry]]:
+    names = sorted(changes)
+
+    def enc(name: str) -> Any:
+        c = changes[name]
+        return encode_changes(numel[name], c.idx, c.old, c.new)
+
+    encoded = list(pool.map(enc, names)) if pool is not None and len(names) > 1 else [enc(n) for n in names]
+    items = list(zip(names, encoded, strict=True))
+    groups = group_by_size([e.nbytes for _, e in items], shard_bytes) if items else []
+    files: dict[str, bytes] = {}
+    entries: list[PatchEntry] = []
+    for fname, group in zip(patch_file_names(rank, world, len(groups)), groups, strict=True):
+        files[fname], ents = build_patch_file(step, fname, [items[j] for j in group])
+        entries.extend(ents)
+    if rank == 0 and not files:  # a patch step has at least one file (SPEC "Patches")
+        fname = patch_file_name(0)
+        files[fname], _ = build_patch_file(step, fname, [])
+    return files, entries
+
+
+def _anchor_files(
+    rank: int, plan: AnchorPlan, infos: dict[str, TensorInfo], copies: OwnerCopies
+) -> tuple[dict[str, bytes], list[AnchorEntry]]:
+    files: dict[str, bytes] = {}
+    entries: list[AnchorEntry] = []
+    for fname, names in plan.shards.get(rank, []):
+        shard = [TensorBytes(n, infos[n].dtype, infos[n].shape, copies.arrays[n]) for n in names]
+        ranges = shard_layout(shard, CHECKPOINT_METADATA)
+        files[fname] = to_bytes(shard, CHECKPOINT_METADATA)
+        entries.extend(AnchorEntry(n, fname, ranges[n]) for n in names)
+    if rank == 0:
+        files[INDEX_NAME] = plan.index
+    return files, entries
+
+
+def write_rank_files(
+    store: Store,
+    job: StepJob,
+    *,
+    rank: int,
+    world: int,
+    copies: OwnerCopies,
+    changes: dict[str, TensorChange],
+    plan: AnchorPlan | None,
+    shard_bytes: int,
+    pool: Executor | None,
+    policy: RetryPolicy,
+    tensor_digests: bool,
+) -> RankReport:
+    """Encode this rank's part of ``job`` (its owned tensors), write it durably, and report it."""
+    infos = {t.name: t for t in job.inventory}
+    entries: list[PatchEntry] | list[AnchorEntry]
+    if job.kind == "patch":
+        files, entries = _patch_files(
+            job.step, rank, world, changes, {n: t.numel for n, t in infos.items()}, shard_bytes, pool
+        )
+        changed = sum(int(c.idx.size) for c in changes.values())
+    else:
+        assert plan is not None
+        files, entries = _anchor_files(rank, plan, infos, copies)
+        changed = sum(int(a.size) for a in copies.arrays.values())
+    digests = copies.digest_all() if tensor_digests else {}
+    put_step_files(store, job.step, files, policy)
+    infos_out = tuple(FileInfo(n, len(d), xxh3_128(d)) for n, d in sorted(files.items()))
+    return RankReport(None, infos_out, tuple(entries), digests, changed)  # type: ignore[arg-type]
+
+
+def commit_on_rank0(
+    store: Store,
+    job: StepJob,
+    reports: Sequence[RankReport],
+    *,
+    run_id: str,
+    parent: Committed | None,
+    writer: Writer,
+    signing_key: bytes | None,
+    policy: RetryPolicy,
+    fence: Callable[[], None] | None,
+) -> Committed:
+    """Check every rank's report against the store, then write the step's manifest and HEAD."""
+    failed = [f"rank {r}: {rep.error}" for r, rep in enumerate(reports) if rep.error is not None]
+    if failed:
+        raise CommitFailed(f"step {job.step} failed on {len(failed)} rank(s): " + "; ".join(failed))
+    listed = {o.key: o.size for o in store.list(step_prefix(job.step))}
+    files: dict[str, FileInfo] = {}
+    for r, rep in enumerate(reports):
+        for f in rep.files:
+            if f.path in files:
+                raise CommitFailed(f"step {job.step}: rank {r} wrote {f.path}, which another rank wrote too")
+            got = listed.get(file_key(job.step, f.path))
+            if got != f.size:
+                raise CommitFailed(
+                    f"step {job.step}: rank {r} reported {f.path} of {f.size} bytes, the store holds "
+                    f"{'no such object' if got is None else f'{got} bytes'}; not committing"
+                )
+            files[f.path] = f
+    digests: dict[str, str] = {}
+    all_entries: list[Any] = []
+    for rep in reports:
+        digests.update(rep.digests)
+        all_entries.extend(rep.entries)
+    if job.kind == "patch":
+        all_entries.sort(key=lambda e: e.tensor)
+    job.digests = digests
+    manifest = make_manifest(
+        job,
+        tuple(files[n] for n in sorted(files)),
+        tuple(all_entries),
+        run_id=run_id,
+        parent=parent,
+        anchor_step=parent.manifest.anchor_step if parent else job.step,
+        writer=writer,
+        changed=sum(rep.changed for rep in reports),
+    )
+    if signing_key is not None:
+        manifest = manifest.signed(signing_key)
+    return publish_manifest(store, manifest, policy, fence)
