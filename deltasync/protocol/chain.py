@@ -151,13 +151,13 @@ def plan_fetch(
     used: list[tuple[int, int]] = []
     at: int | None = target_step
     while at is not None:
-        prev, span = came[at]
-        if prev is None and best[at][2] == 0:
+        back, via = came[at]
+        if back is None and best[at][2] == 0:
             break  # the held state: nothing to apply for it
         steps.append(at)
-        if span is not None:
-            used.append((span, at))
-        at = prev
+        if via is not None:
+            used.append((via, at))
+        at = back
     total, _, base = best[target_step]
     return FetchPlan(
         target_step, "anchor" if base else "current", tuple(reversed(steps)), total, tuple(reversed(used))
