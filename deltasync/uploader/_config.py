@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from deltasync.uploader._retry import RetryPolicy
+from deltasync.uploader._spans import check_levels
 
 __all__ = ["CommitInfo", "UploaderConfig"]
 
@@ -40,6 +41,10 @@ class UploaderConfig:
         storage error (throttling, 5xx, timeout, partial batch); then the step's
         Future raises CommitFailed and the next push is an anchor.
     retry_backoff: seconds before the first retry, doubling each time (max 30 s).
+    span_levels: after every ``n``-th patch since an anchor, for each ``n`` here, also
+        write a span squashing those ``n`` patches (SPEC.md "Spans"), so that a replica
+        far behind downloads a few spans instead of every patch; written on a background
+        thread after the commit, never failing a step. ``()`` disables spans.
     """
 
     anchor_every: int = 50
@@ -58,6 +63,7 @@ class UploaderConfig:
     signal_run: str | None = None
     retries: int = 4
     retry_backoff: float = 0.5
+    span_levels: tuple[int, ...] = (4, 16, 64)
 
     def __post_init__(self) -> None:
         if self.anchor_every < 1:
@@ -67,6 +73,7 @@ class UploaderConfig:
         if self.on_backlog not in ("coalesce", "block"):
             raise ValueError("on_backlog must be 'coalesce' or 'block'")
         RetryPolicy(self.retries, self.retry_backoff)  # validates
+        object.__setattr__(self, "span_levels", check_levels(self.span_levels))
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,7 @@ from deltasync.uploader._commit import StepJob, merge_jobs, write_step
 from deltasync.uploader._config import CommitInfo, UploaderConfig
 from deltasync.uploader._diff import Baseline, TensorChange, diff_tensor, inventory_of
 from deltasync.uploader._retry import RetryPolicy
+from deltasync.uploader._spans import SpanWriter
 
 if TYPE_CHECKING:
     import torch
@@ -88,6 +89,16 @@ class DeltaUploader:
         self._digest_cv = threading.Condition()
         self._pool = ThreadPoolExecutor(max(1, self.config.encode_threads), thread_name_prefix="deltasync-encode")
         self._stop = threading.Event()
+        #: writes spans after commits (None when ``span_levels`` is empty); counts written/failed spans
+        self.spans: SpanWriter | None = None
+        if self.config.span_levels:
+            self.spans = SpanWriter(
+                self.store,
+                self.config.span_levels,
+                shard_bytes=self.config.shard_bytes,
+                signing_key=self.config.signing_key,
+                retry=RetryPolicy(self.config.retries, self.config.retry_backoff),
+            )
         self._threads = [
             threading.Thread(target=self._digest_loop, name="deltasync-digest", daemon=True),
             threading.Thread(target=self._commit_loop, name="deltasync-commit", daemon=True),
@@ -381,6 +392,8 @@ class DeltaUploader:
             self._cond.notify_all()
         if self.notifier is not None:
             self.notifier.notify(m.step, committed.digest, run_id=self.run_id, kind=m.kind)
+        if self.spans is not None:
+            self.spans.submit(committed, job.changes if m.kind == "patch" else None)
         secs = time.perf_counter() - t0
         for step, fut in job.futures:
             kind: Literal["anchor", "patch", "skipped"] = m.kind if step == m.step else "skipped"
@@ -422,10 +435,12 @@ class DeltaUploader:
             return self._last_committed.manifest.step if self._last_committed else None
 
     def flush(self, timeout: float | None = None) -> None:
-        """Wait until every pushed step is committed, skipped or failed."""
+        """Wait until every pushed step is committed, skipped or failed (and its spans written)."""
         with self._cond:
             if not self._cond.wait_for(lambda: self._inflight == 0, timeout=timeout):
                 raise TimeoutError(f"flush: {self._inflight} steps still pending after {timeout} s")
+        if self.spans is not None and not self.spans.flush(timeout):
+            raise TimeoutError(f"flush: spans still being written after {timeout} s")
 
     def close(self, timeout: float | None = None) -> None:
         """Flush, then stop the background threads. Idempotent."""
@@ -443,6 +458,8 @@ class DeltaUploader:
                 self._cond.notify_all()
             for t in self._threads:
                 t.join(timeout)
+            if self.spans is not None:
+                self.spans.close(timeout)
             self._pool.shutdown(wait=True)
             if self.notifier is not None:
                 self.notifier.close()
