@@ -360,3 +360,26 @@ def test_transient_span_errors_are_retried(tmp_path: Path) -> None:
         up.flush()
         assert up.spans is not None and up.spans.written == 2 and up.spans.failures == 0
     assert span_keys(store) == {(0, 2), (2, 4)}
+
+
+def test_materialize_catches_up_through_spans_and_around_a_corrupt_one(
+    run: tuple[ds.Store, dict[int, dict[str, bytes]]], tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file
+
+    src, history = run
+    store = _copy_run(src, tmp_path / "store")
+    out = tmp_path / "ckpt"
+    fetcher = ds.DeltaFetcher(store)
+    fetcher.materialize(out, step=14)
+    for o in store.list("spans/000000000016-000000000032/"):
+        if o.key.endswith(".safetensors"):
+            path = tmp_path / "store" / o.key
+            data = bytearray(path.read_bytes())
+            data[len(data) // 2] ^= 0x08
+            path.write_bytes(bytes(data))
+    fetcher.materialize(out, step=59)
+    got: dict[str, bytes] = {}
+    for f in sorted(out.glob("model-*.safetensors")):
+        got.update({k: v.view(torch.int16).reshape(-1).numpy().tobytes() for k, v in load_file(f).items()})
+    assert got == history[59]
