@@ -383,3 +383,20 @@ def test_materialize_catches_up_through_spans_and_around_a_corrupt_one(
     for f in sorted(out.glob("model-*.safetensors")):
         got.update({k: v.view(torch.int16).reshape(-1).numpy().tobytes() for k, v in load_file(f).items()})
     assert got == history[59]
+
+
+def test_spans_continue_after_resume(tmp_path: Path) -> None:
+    store = ds.open_store(tmp_path)
+    stream = Stream()
+    opts: dict[str, Any] = dict(anchor_every=1000, anchor_bytes_fraction=0, span_levels=(2,), on_backlog="block")
+    with ds.DeltaUploader(store, **opts) as up:
+        for s in range(4):
+            up.push(stream.state if s == 0 else stream.advance(), s)
+    with ds.DeltaUploader(store, **opts) as up:
+        up.resume(stream.state, 3)
+        for s in range(4, 8):
+            assert up.push(stream.advance(), s).result(timeout=30).kind == "patch"
+    assert span_keys(store) == {(0, 2), (3, 5), (5, 7)}
+    target = {k: torch.zeros_like(v) for k, v in stream.state.items()}
+    assert ds.DeltaFetcher(store).sync(target) == 7
+    assert bits(target) == bits(stream.state)

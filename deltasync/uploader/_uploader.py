@@ -147,6 +147,8 @@ class DeltaUploader:
                 break
             cur = parent.manifest
         self._pushes_since_anchor = n
+        if self.spans is not None:
+            self.spans.submit(committed, None)  # spans continue from the resumed step
 
     # ------------------------------------------------------------------ push
 
