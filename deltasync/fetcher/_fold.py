@@ -58,34 +58,34 @@ def new_bits(c: Change, old: Bits) -> Bits:
 
 
 def _fold_one(tensor: str, parts: Sequence[DecodedEntry]) -> Folded | None:
-    """Compose one tensor's changes (oldest first); None when they cancel out entirely."""
-    idx = np.concatenate([c.idx for c in parts])
-    seq = np.concatenate([np.full(c.idx.size, i, dtype=np.int32) for i, c in enumerate(parts)])
-    raw = np.concatenate([np.full(c.idx.size, c.coding == "raw", dtype=bool) for c in parts])
-    vals = np.concatenate([c.values for c in parts])
-    order = np.lexsort((seq, idx))  # by position, then step order
-    idx, raw, vals = idx[order], raw[order], vals[order]
-    n = idx.size
+    """Compose one tensor's changes (oldest first); None when they cancel out entirely.
+
+    Scratch arrays as long as the highest position touched (bounded by the tensor's numel,
+    which decoding checked): each step is one scatter, no sort. A raw write sets the bits,
+    a later mask XORs onto them, so the scratch ends holding the new bits where a raw write
+    happened and the net mask elsewhere.
+    """
+    n = max(int(c.idx[-1]) + 1 for c in parts if c.idx.size) if any(c.idx.size for c in parts) else 0
     if n == 0:
         return None
-    first = np.ones(n, dtype=bool)
-    first[1:] = idx[1:] != idx[:-1]
-    starts = np.flatnonzero(first)
-    ends = np.append(starts[1:], n) - 1
-    group = np.cumsum(first) - 1
-    at = np.arange(n)
-    # index of the newest raw write at or before each element (across groups; checked below)
-    last_raw = np.maximum.accumulate(np.where(raw, at, -1))[ends]
-    has_raw = last_raw >= starts
-    lr = last_raw[group]
-    # what counts: that raw write, and every mask after it (all masks where there is none)
-    take = (at == lr) | (~raw & (at > lr))
-    acc = np.bitwise_xor.reduceat(np.where(take, vals, np.zeros(1, dtype=vals.dtype)), starts)
-    keep = has_raw | (acc != 0)  # masks that cancel out leave the element as it was
-    if not keep.any():
+    acc = np.zeros(n, dtype=parts[0].values.dtype)
+    raw = np.zeros(n, dtype=bool)
+    touched = np.zeros(n, dtype=bool)
+    for c in parts:
+        if c.coding == "raw":
+            acc[c.idx] = c.values
+            raw[c.idx] = True
+        else:
+            acc[c.idx] ^= c.values  # positions are unique within one step
+        touched[c.idx] = True
+    idx = np.flatnonzero(touched)
+    vals, is_raw = acc[idx], raw[idx]
+    keep = is_raw | (vals != 0)  # masks that cancel out leave the element as it was
+    if not keep.all():
+        idx, vals, is_raw = idx[keep], vals[keep], is_raw[keep]
+    if not idx.size:
         return None
-    kept_raw = has_raw[keep]
-    return Folded(tensor, idx[starts][keep], acc[keep], kept_raw if kept_raw.any() else None)
+    return Folded(tensor, idx.astype(np.int64, copy=False), vals, is_raw if is_raw.any() else None)
 
 
 def fold_steps(steps: Sequence[Sequence[DecodedEntry]]) -> list[Change]:
