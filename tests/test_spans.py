@@ -102,7 +102,7 @@ def test_spans_at_power_boundaries_never_across_anchors(tmp_path: Path) -> None:
 
 
 def test_span_levels_option() -> None:
-    assert ds.UploaderConfig().span_levels == (4, 16, 64)
+    assert ds.UploaderConfig().span_levels == (8, 64)
     assert ds.UploaderConfig(span_levels=()).span_levels == ()
     for bad in ((1,), (4, 6), (16, 4), (4, 4), (0,)):
         with pytest.raises(ValueError, match="span_levels"):

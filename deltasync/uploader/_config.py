@@ -63,7 +63,7 @@ class UploaderConfig:
     signal_run: str | None = None
     retries: int = 4
     retry_backoff: float = 0.5
-    span_levels: tuple[int, ...] = (4, 16, 64)
+    span_levels: tuple[int, ...] = (8, 64)
 
     def __post_init__(self) -> None:
         if self.anchor_every < 1:
