@@ -159,9 +159,7 @@ def plan_fetch(
             used.append((via, at))
         at = back
     total, _, base = best[target_step]
-    return FetchPlan(
-        target_step, "anchor" if base else "current", tuple(reversed(steps)), total, tuple(reversed(used))
-    )
+    return FetchPlan(target_step, "anchor" if base else "current", tuple(reversed(steps)), total, tuple(reversed(used)))
 
 
 def _walk(committed: Mapping[int, Committed], top: Committed) -> tuple[list[int], int | None, str]:

@@ -61,7 +61,9 @@ def parse_span_key(key: str) -> tuple[int, int] | None:
     return (start, end) if start < end else None
 
 
-def span_problem(span: Manifest, span_digest: str, start: Manifest, start_digest: str, end: Manifest, end_digest: str) -> str | None:
+def span_problem(
+    span: Manifest, span_digest: str, start: Manifest, start_digest: str, end: Manifest, end_digest: str
+) -> str | None:
     """Why the span manifest ``span`` (read from key ``(start.step, end.step)``) must not be used
     between committed steps ``start`` and ``end``, or None when it may.
 
