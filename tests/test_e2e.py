@@ -201,7 +201,8 @@ def test_resume_from_7_to_18_over_a_long_chain(runs: dict[str, Run], tmp_path: P
     """Without an anchor between them, 7 -> 18 is eleven small patches, not anchor + 18 patches."""
     run = runs["lr1e-6"]
     store = ds.LocalStore(tmp_path / "long", fsync=False)
-    with ds.DeltaUploader(store, anchor_every=100, anchor_bytes_fraction=0, on_backlog="block") as up:
+    # no spans: this is about the patch chain (tests/test_spans.py covers catching up through spans)
+    with ds.DeltaUploader(store, anchor_every=100, anchor_bytes_fraction=0, on_backlog="block", span_levels=()) as up:
         for step, state in enumerate(run.pushed):
             up.push(state, step)
     spy = SpyStore(store)

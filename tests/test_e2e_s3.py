@@ -122,7 +122,7 @@ def test_resume_over_a_long_patch_chain(s3_server: SeaweedFS) -> None:
     long = push_run(s3_server, lr=1e-6, anchor_every=100, anchor_bytes_fraction=100.0)
     with long.store() as store:
         spy = SpyStore(store)
-        f = ds.DeltaFetcher(spy)
+        f = ds.DeltaFetcher(spy, spans=False)  # the patch chain itself (spans: tests/test_spans.py)
         target = long.zeros()
         f.sync(target, step=7)
         spy.reset()

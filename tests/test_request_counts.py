@@ -28,7 +28,8 @@ def bench() -> Iterator[Any]:
 def test_sync_costs_do_not_grow_with_history(bench: Any, steps: int, sessions: int) -> None:
     c = bench.measure(steps, sessions)
     assert c.behind <= 4, f"a fetcher one step behind took {c.behind} round trips"
-    assert c.fresh <= 7, f"a fresh fetcher took {c.fresh} round trips"
+    # 7, plus a listing of spans/ and one batch of span manifests (its plan applies 2+ patches)
+    assert c.fresh <= 9, f"a fresh fetcher took {c.fresh} round trips"
 
 
 def test_polling_an_unchanged_run_lists_only(bench: Any) -> None:
@@ -57,7 +58,7 @@ def test_fresh_reader_without_head_lists_the_run_once(bench: Any) -> None:
         target = {k: torch.zeros_like(v) for k, v in stream.state.items()}
         assert ds.DeltaFetcher(counting).sync(target) == 59
         assert all(torch.equal(target[k].view(torch.uint8), stream.state[k].view(torch.uint8)) for k in target)
-        assert counting.requests <= 8
+        assert counting.requests <= 10  # 8, plus the spans listing and its batch
 
 
 def test_stale_head_still_finds_newer_steps(bench: Any) -> None:

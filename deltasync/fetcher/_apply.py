@@ -9,9 +9,9 @@ from typing import Any
 import numpy as np
 
 from deltasync.errors import ChecksumMismatch, InventoryMismatch
-from deltasync.protocol import DecodedEntry, Manifest, TensorInfo
+from deltasync.fetcher._fold import Change, new_bits
+from deltasync.protocol import Manifest, TensorInfo
 from deltasync.protocol.digests import xxh3_128_array
-from deltasync.protocol.encoding import apply_values
 
 __all__ = [
     "NumpySlot",
@@ -155,7 +155,7 @@ def alias_groups(slots: Mapping[str, Slot]) -> dict[str, str]:
     return out
 
 
-def changed_names(m: Manifest, parent: Manifest | None, changes: Sequence[DecodedEntry]) -> list[str]:
+def changed_names(m: Manifest, parent: Manifest | None, changes: Sequence[Change]) -> list[str]:
     """Tensors that step ``m`` changes: those it has entries for, plus every tensor whose digest
     differs from its parent's (a tensor the manifest says changed but whose entry is missing is
     still proven). Without the parent's digests every digested tensor counts."""
@@ -174,16 +174,16 @@ def check_digests(slots: Mapping[str, Slot], names: Sequence[str], m: Manifest) 
             raise ChecksumMismatch(f"step {m.step}: tensor {name!r} is not bit-exact after applying (digest mismatch)")
 
 
-def _result(idx: Bits, old: Bits, c: DecodedEntry | None) -> Bits:
+def _result(idx: Bits, old: Bits, c: Change | None) -> Bits:
     """The bits at ``idx`` after applying ``c`` onto ``old`` (``c.idx`` is a subset of ``idx``)."""
     out: Bits = np.array(old)
     if c is not None and c.idx.size:
         pos = np.searchsorted(idx, c.idx)
-        out[pos] = apply_values(c.coding, old[pos], c.values)
+        out[pos] = new_bits(c, old[pos])
     return out
 
 
-def same_effect(bits: Slot, a: DecodedEntry | None, b: DecodedEntry | None) -> bool:
+def same_effect(bits: Slot, a: Change | None, b: Change | None) -> bool:
     """Whether two changes turn the bits of ``bits`` into the same bits (codings may differ)."""
     if a is None and b is None:
         return True
@@ -193,7 +193,7 @@ def same_effect(bits: Slot, a: DecodedEntry | None, b: DecodedEntry | None) -> b
     return bool(np.array_equal(_result(idx, old, a), _result(idx, old, b)))
 
 
-def check_aliases(slots: Mapping[str, Slot], m: Manifest, changes: Sequence[DecodedEntry]) -> None:
+def check_aliases(slots: Mapping[str, Slot], m: Manifest, changes: Sequence[Change]) -> None:
     """Tied tensors (one memory, several names) must receive changes with the same effect on the
     target's current bits (the writer may have coded them differently)."""
     by_name = {c.tensor: c for c in changes}
@@ -225,11 +225,11 @@ class Undo:
         self._log: list[tuple[Slot, Bits | None, Bits]] = []
         self.names: set[str] = set()
 
-    def put(self, slot: Slot, idx: Bits, coding: str, values: Bits) -> None:
-        """Apply one decoded change, remembering what it overwrote."""
-        old = slot.take(idx)
-        self._log.append((slot, idx, old))
-        slot.put(idx, apply_values(coding, old, values))
+    def put(self, slot: Slot, c: Change) -> None:
+        """Apply one decoded (or folded) change, remembering what it overwrote."""
+        old = slot.take(c.idx)
+        self._log.append((slot, c.idx, old))
+        slot.put(c.idx, new_bits(c, old))
 
     def load(self, slot: Slot, old: Bits, new: Bits) -> None:
         """Overwrite a whole tensor (``old`` is a copy of its current bits), remembering ``old``."""
@@ -253,10 +253,10 @@ class Undo:
         self.names.clear()
 
 
-def apply_changes(slots: Mapping[str, Slot], changes: Sequence[DecodedEntry], undo: Undo) -> None:
-    """Apply a decoded patch in place (tied names once), logging into ``undo``."""
+def apply_changes(slots: Mapping[str, Slot], changes: Sequence[Change], undo: Undo) -> None:
+    """Apply a decoded (or folded) patch in place (tied names once), logging into ``undo``."""
     alias = alias_groups(slots)
     for c in changes:
         if alias[c.tensor] == c.tensor:
-            undo.put(slots[c.tensor], c.idx, c.coding, c.values)
+            undo.put(slots[c.tensor], c)
             undo.names.add(c.tensor)

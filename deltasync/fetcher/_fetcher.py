@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from deltasync.fetcher._apply import (
     check_inventory,
     same_effect,
 )
+from deltasync.fetcher._fold import Change, fold_steps, new_bits
 from deltasync.fetcher._follow import follow as _follow
 from deltasync.fetcher._identity import Held, live_tensors, slots_of
 from deltasync.fetcher._journal import SyncJournal, SyncStats, restore_held
@@ -38,12 +40,13 @@ from deltasync.fetcher._materialize import MARKER as MARKER  # re-exported (fetc
 from deltasync.fetcher._materialize import MaterializeStats
 from deltasync.fetcher._materialize import materialize as _materialize
 from deltasync.fetcher._reader import download
-from deltasync.protocol import Committed, DecodedEntry, FetchPlan, Manifest, TensorInfo, anchor_arrays, decode_patch
+from deltasync.protocol import Committed, FetchPlan, Manifest, TensorInfo, anchor_arrays, decode_patch
 from deltasync.protocol.digests import xxh3_128_array
-from deltasync.protocol.encoding import apply_values
 from deltasync.storage import RunReader, Store, open_store
 
 __all__ = ["DeltaFetcher", "SyncJournal", "SyncStats", "Verify"]
+
+log = logging.getLogger("deltasync.fetcher")
 
 Bits = np.ndarray[Any, np.dtype[Any]]
 #: ``False``: sizes only; ``True``: file checksums, and every tensor a step changes proven by its
@@ -53,11 +56,16 @@ Verify = bool | Literal["full"]
 
 @dataclass(frozen=True, slots=True)
 class _Loaded:
-    """A plan's steps, downloaded, checked and decoded; nothing applied yet."""
+    """A plan's steps, downloaded, checked and decoded; nothing applied yet.
+
+    ``steps`` holds one manifest per plan element (a span's own manifest for a span), so
+    ``steps[-1]`` carries the target's inventory and digests; ``patches`` are the decoded
+    patch elements, or one element (the target's manifest) when folded.
+    """
 
     steps: tuple[Committed, ...]
     anchor: Mapping[str, Bits] | None
-    patches: tuple[tuple[Manifest, tuple[DecodedEntry, ...], tuple[str, ...]], ...]
+    patches: tuple[tuple[Manifest, tuple[Change, ...], tuple[str, ...]], ...]
 
 
 class DeltaFetcher:
@@ -72,6 +80,10 @@ class DeltaFetcher:
     signing_key: require manifests signed with this HMAC key.
     progress: a callback ``(bytes_done, bytes_total)`` for downloads.
     reader: share a :class:`~deltasync.storage.RunReader` (its manifest cache) with other users.
+    spans: catch up through the run's spans when cheaper (SPEC.md "Spans"); a span that
+        fails a check is dropped and the sync goes on through patches.
+    fold: apply consecutive patches (and spans) as one change per tensor, so each changed
+        element is written once; verification then proves the final step's digests.
 
     A sync is all or nothing: the target ends at the step returned, or the call
     raises with the target as it was.
@@ -86,6 +98,8 @@ class DeltaFetcher:
         progress: Callable[[int, int], None] | None = None,
         shard_bytes: int = 2 << 30,
         reader: RunReader | None = None,
+        spans: bool = True,
+        fold: bool = True,
     ) -> None:
         if verify not in (True, False, "full"):
             raise ValueError(f"verify must be True, False or 'full', got {verify!r}")
@@ -93,7 +107,8 @@ class DeltaFetcher:
         self.verify: Verify = verify
         self.progress = progress
         self.shard_bytes = shard_bytes
-        self.reader = reader if reader is not None else RunReader(self.store, signing_key=signing_key)
+        self.reader = reader if reader is not None else RunReader(self.store, signing_key=signing_key, spans=spans)
+        self.fold = fold
         self._held: dict[int, Held] = {}
         #: timings and bytes of the last :meth:`sync` (None before the first)
         self.last_stats: SyncStats | None = None
@@ -132,7 +147,10 @@ class DeltaFetcher:
         self, plan: FetchPlan, inventory: Sequence[TensorInfo], base: Manifest | None, stats: SyncStats | None = None
     ) -> _Loaded:
         """Download, check and decode every step of ``plan`` (one batch of files); touches no target."""
-        steps = tuple(self.reader.committed(s) for s in plan.steps)
+        elements = plan.elements
+        steps = tuple(
+            self.reader.committed(e.step) if e.span is None else self.reader.span(e.span, e.step) for e in elements
+        )
         final = steps[-1].manifest
         for c in steps:
             check_inventory(inventory, c.manifest)
@@ -153,9 +171,16 @@ class DeltaFetcher:
 
         stats = stats or SyncStats(final.step)
         with stats.timing("download"):
-            files = download(self.store, [c.manifest for c in steps], verify=bool(self.verify), progress=tick)
+            files = download(
+                self.store,
+                [c.manifest for c in steps],
+                verify=bool(self.verify),
+                progress=tick,
+                spans=[e.span for e in elements],
+            )
         stats.nbytes += sum(len(b) for f in files for b in f.values())
         stats.steps += len(steps)
+        stats.spans += len(plan.spans)
         anchor: Mapping[str, Bits] | None = None
         patches = []
         parent = base
@@ -168,6 +193,11 @@ class DeltaFetcher:
                     changes = tuple(decode_patch(m, f))
                     patches.append((m, changes, tuple(changed_names(m, parent, changes))))
                 parent = m
+            if self.fold and len(patches) > 1:
+                # one change per tensor; every tensor any step touches is proven against the final digests
+                names = tuple(sorted({n for _, _, ns in patches for n in ns}))
+                folded: tuple[Change, ...] = tuple(fold_steps([ch for _, ch, _ in patches]))
+                return _Loaded(steps, anchor, ((final, folded, names),))
         return _Loaded(steps, anchor, tuple(patches))
 
     def _prove_anchor_plan(self, slots: Mapping[str, Slot], loaded: _Loaded) -> None:
@@ -196,7 +226,7 @@ class DeltaFetcher:
                             f"target ties {primary!r} and {twin!r} to one tensor, but step {m.step} changes them differently"
                         )
                 if c is not None:
-                    arr[c.idx] = apply_values(c.coding, arr[c.idx], c.values)
+                    arr[c.idx] = new_bits(c, arr[c.idx])
                 if not self.verify:
                     continue
                 digest: str | None = None
@@ -238,7 +268,7 @@ class DeltaFetcher:
                             arr = np.array(loaded.anchor[name])
                             for by in by_step:
                                 if (c := by.get(name)) is not None:
-                                    arr[c.idx] = apply_values(c.coding, arr[c.idx], c.values)
+                                    arr[c.idx] = new_bits(c, arr[c.idx])
                             if not np.array_equal(old := slots[name].snapshot(), arr):
                                 undo.load(slots[name], old, arr)
                                 undo.names.add(name)
@@ -275,19 +305,34 @@ class DeltaFetcher:
         base: Manifest | None,
         stats: SyncStats,
         keep: Undo | None,
+        have: tuple[int, str] | None = None,
     ) -> Committed:
-        try:
-            loaded = self._load(plan, inventory, base, stats)
-            if loaded.anchor is not None:
-                with stats.timing("verify"):
-                    self._prove_anchor_plan(slots, loaded)
-            self._apply(slots, loaded, stats, keep)
-        except (ChecksumMismatch, ProtocolError):
-            # the bad bytes may be a cached manifest (read corrupted, or since repaired):
-            # read the plan's manifests afresh next time instead of failing forever
-            self.reader.forget(plan.steps)
-            raise
-        return loaded.steps[-1]
+        """Load and apply ``plan`` (all or nothing); returns the committed target step.
+
+        A plan through spans that fails (a span's file missing or corrupt, or its
+        content caught by verification) is rolled back, its spans are never used
+        again, and the target is planned again from ``have`` without them.
+        """
+        while True:
+            try:
+                loaded = self._load(plan, inventory, base, stats)
+                if loaded.anchor is not None:
+                    with stats.timing("verify"):
+                        self._prove_anchor_plan(slots, loaded)
+                self._apply(slots, loaded, stats, keep)
+                return self.reader.committed(plan.target_step)
+            except (ChecksumMismatch, ProtocolError, ObjectNotFound) as exc:
+                if not isinstance(exc, ObjectNotFound):
+                    # the bad bytes may be a cached manifest (read corrupted, or since repaired):
+                    # read the plan's manifests afresh next time instead of failing forever
+                    self.reader.forget(plan.steps)
+                if not plan.spans:
+                    raise
+                log.warning("step %d: spans %s failed (%s); going on without them", plan.target_step, plan.spans, exc)
+                self.reader.distrust_spans(plan.spans)
+                stats.span_fallbacks += 1
+                plan = self.reader.plan(plan.target_step, have)
+                base = self.reader.committed(have[0]).manifest if plan.base == "current" and have else None
 
     # ---------------------------------------------------------------- sync
 
@@ -353,7 +398,7 @@ class DeltaFetcher:
             base = self.reader.committed(have[0]).manifest if plan.base == "current" and have else None
             stats.base_step = have[0] if base is not None and have else None
             try:
-                reached = self._execute(slots, inventory, plan, base, stats, keep)
+                reached = self._execute(slots, inventory, plan, base, stats, keep, have)
             except ChecksumMismatch:
                 # the target may not hold what we believed (changed behind our back): if so, an
                 # anchor is the safe start; if it does hold it, the store's data is what is wrong

@@ -26,12 +26,16 @@ class SyncStats:
 
     ``base_step`` is the step the target held when the plan started from it (None: an anchor was
     loaded); ``steps`` the committed steps the plan applied; ``download_s`` includes file checksums,
-    ``verify_s`` the tensor digest proofs, ``apply_s`` the writes into the target.
+    ``verify_s`` the tensor digest proofs, ``apply_s`` the writes into the target; ``spans`` the
+    plan's elements that were spans, ``span_fallbacks`` plans through spans that failed and were
+    made again without them.
     """
 
     step: int
     base_step: int | None = None
     steps: int = 0
+    spans: int = 0
+    span_fallbacks: int = 0
     nbytes: int = 0
     download_s: float = 0.0
     decode_s: float = 0.0

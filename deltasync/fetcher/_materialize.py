@@ -34,7 +34,7 @@ import numpy as np
 from deltasync.errors import ChecksumMismatch, DeltaSyncError, ObjectNotFound, ProtocolError, StorageError
 from deltasync.fetcher._apply import NumpySlot, check_anchor
 from deltasync.fetcher._swapdir import MARKER, exchange, fsync_path, lock_dir, point, recover, remove_version
-from deltasync.protocol import TensorInfo
+from deltasync.protocol import FetchPlan, TensorInfo
 from deltasync.protocol.checkpoint import CHECKPOINT_METADATA, INDEX_NAME, checkpoint_shards
 from deltasync.protocol.dtypes import dtype_info
 from deltasync.protocol.safetensors_io import TensorBytes, encode_header, parse_safetensors
@@ -277,6 +277,34 @@ def _same_file(path: Path, prev: _Shard) -> bool:
 # --------------------------------------------------------------- materialize
 
 
+def _build(
+    fetcher: DeltaFetcher,
+    plan: FetchPlan,
+    inventory: Sequence[TensorInfo],
+    have: tuple[int, str] | None,
+    arrays: dict[str, Bits],
+) -> tuple[dict[str, Bits], set[str] | None]:
+    """Load ``plan`` and apply it onto ``arrays`` (the dir's tensors; a failure undoes the writes).
+
+    Returns the arrays and the names changed (None: an anchor was loaded, compare everything).
+    """
+    base = fetcher.reader.committed(have[0]).manifest if plan.base == "current" and have else None
+    loaded = fetcher._load(plan, inventory, base)
+    changed: set[str] | None = set()
+    if loaded.anchor is not None:
+        # fresh memory, sized by the anchor's bytes (checked against the inventory)
+        arrays = {n: np.array(a) for n, a in loaded.anchor.items()}
+        changed = None
+    slots = {n: NumpySlot(a, key=n) for n, a in arrays.items()}
+    if loaded.anchor is not None:
+        check_anchor(slots, loaded.steps[0].manifest, loaded.anchor, verify=bool(fetcher.verify))
+        loaded = dataclasses.replace(loaded, anchor=None)  # loaded already: only the patches are left
+    fetcher._apply(slots, loaded)
+    if changed is not None:
+        changed.update(n for _, _, names in loaded.patches for n in names)
+    return arrays, changed
+
+
 def materialize(
     fetcher: DeltaFetcher,
     out_dir: str | os.PathLike[str],
@@ -307,30 +335,22 @@ def materialize(
             have = None  # the marker names another manifest of that step
     plan = fetcher.reader.plan(target_step, have)
     changed: set[str] | None = set()  # None: compare with the dir's tensors
-    if plan.base == "anchor":
-        arrays = {}
-    if not plan.is_noop:
-        base = fetcher.reader.committed(have[0]).manifest if plan.base == "current" and have else None
+    held = arrays
+    while True:
+        arrays = {} if plan.base == "anchor" else held
+        if plan.is_noop:
+            break
         try:
-            loaded = fetcher._load(plan, inventory, base)
-        except (ChecksumMismatch, ProtocolError):
-            fetcher.reader.forget(plan.steps)
-            raise
-        if loaded.anchor is not None:
-            # fresh memory, sized by the anchor's bytes (checked against the inventory)
-            arrays = {n: np.array(a) for n, a in loaded.anchor.items()}
-            changed = None
-        slots = {n: NumpySlot(a, key=n) for n, a in arrays.items()}
-        try:
-            if loaded.anchor is not None:
-                check_anchor(slots, loaded.steps[0].manifest, loaded.anchor, verify=bool(fetcher.verify))
-                loaded = dataclasses.replace(loaded, anchor=None)  # loaded already: only the patches are left
-            fetcher._apply(slots, loaded)
-        except (ChecksumMismatch, ProtocolError):
-            fetcher.reader.forget(plan.steps)
-            raise
-        if changed is not None:
-            changed.update(n for _, _, names in loaded.patches for n in names)
+            arrays, changed = _build(fetcher, plan, inventory, have, arrays)
+            break
+        except (ChecksumMismatch, ProtocolError, ObjectNotFound) as exc:
+            if not isinstance(exc, ObjectNotFound):
+                fetcher.reader.forget(plan.steps)
+            if not plan.spans:
+                raise
+            log.warning("step %d: spans %s failed (%s); going on without them", target_step, plan.spans, exc)
+            fetcher.reader.distrust_spans(plan.spans)
+            plan = fetcher.reader.plan(target_step, have)
     shards, index = checkpoint_shards(inventory, arrays, fetcher.shard_bytes)
     reusable: dict[str, _Shard] = {}
     if state is not None:

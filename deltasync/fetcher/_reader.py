@@ -9,25 +9,38 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from deltasync.errors import ChecksumMismatch
-from deltasync.protocol import Manifest, file_key, xxh3_128
+from deltasync.protocol import Manifest, file_key, span_file_key, xxh3_128
 from deltasync.storage import Store
 
 __all__ = ["download"]
 
 
 def download(
-    store: Store, manifests: Sequence[Manifest], *, verify: bool, progress: Callable[[int], None] | None = None
+    store: Store,
+    manifests: Sequence[Manifest],
+    *,
+    verify: bool,
+    progress: Callable[[int], None] | None = None,
+    spans: Sequence[int | None] | None = None,
 ) -> list[dict[str, bytes]]:
     """All data files of ``manifests`` in one batch, sizes and (when verifying) xxh3-128 checked.
 
-    Returns one ``{file name: bytes}`` per manifest. Nothing is decoded here.
+    ``spans``: per manifest, None for a step's own manifest, or the step a span manifest
+    starts from (its files live under ``spans/{from}-{to}/``). Returns one
+    ``{file name: bytes}`` per manifest. Nothing is decoded here.
     """
-    keys = {file_key(m.step, f.path): (i, f) for i, m in enumerate(manifests) for f in m.files}
+    via = list(spans) if spans is not None else [None] * len(manifests)
+
+    def key(i: int, name: str) -> str:
+        start, m = via[i], manifests[i]
+        return file_key(m.step, name) if start is None else span_file_key(start, m.step, name)
+
+    keys = {key(i, f.path): (i, f) for i, m in enumerate(manifests) for f in m.files}
     blobs = store.get_many(list(keys)) if keys else {}
     out: list[dict[str, bytes]] = [{} for _ in manifests]
-    for key, (i, info) in keys.items():
-        data = blobs[key]
-        step = manifests[i].step
+    for k, (i, info) in keys.items():
+        data = blobs[k]
+        step = manifests[i].step if via[i] is None else f"{manifests[i].step} (span from {via[i]})"
         if len(data) != info.size:
             raise ChecksumMismatch(
                 f"step {step}: file {info.path} is {len(data)} bytes, manifest says {info.size} (truncated or replaced)"

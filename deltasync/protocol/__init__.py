@@ -1,6 +1,6 @@
 """The wire format, protocol v1 (see SPEC.md). Pure: no I/O, no threads, no torch."""
 
-from deltasync.protocol.chain import Committed, FetchPlan, plan_fetch, superseded_by
+from deltasync.protocol.chain import Committed, FetchPlan, PlanStep, plan_fetch, superseded_by
 from deltasync.protocol.checkpoint import anchor_arrays
 from deltasync.protocol.digests import xxh3_128
 from deltasync.protocol.encoding import EncodedTensor, decode_positions, decode_values, encode_changes
@@ -36,6 +36,15 @@ from deltasync.protocol.patchfile import (
     decode_patch_entry,
     patch_entry_names,
 )
+from deltasync.protocol.spans import (
+    SPAN_OF,
+    SPANS_PREFIX,
+    parse_span_key,
+    span_file_key,
+    span_manifest_key,
+    span_prefix,
+    span_problem,
+)
 
 __all__ = [
     "FORMAT_VERSION",
@@ -50,6 +59,9 @@ __all__ = [
     "Head",
     "Manifest",
     "PatchEntry",
+    "PlanStep",
+    "SPANS_PREFIX",
+    "SPAN_OF",
     "Stats",
     "TensorInfo",
     "WRITERS_PREFIX",
@@ -69,7 +81,12 @@ __all__ = [
     "parse_manifest_key",
     "parse_writer_key",
     "patch_entry_names",
+    "parse_span_key",
     "plan_fetch",
+    "span_file_key",
+    "span_manifest_key",
+    "span_prefix",
+    "span_problem",
     "step_prefix",
     "superseded_by",
     "writer_key",

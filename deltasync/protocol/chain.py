@@ -8,8 +8,9 @@ from typing import Literal
 
 from deltasync.errors import ChainBroken
 from deltasync.protocol.manifest import Manifest, WriterClaim
+from deltasync.protocol.spans import span_problem
 
-__all__ = ["Committed", "FetchPlan", "plan_fetch", "superseded_by"]
+__all__ = ["Committed", "FetchPlan", "PlanStep", "plan_fetch", "superseded_by"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,23 +22,49 @@ class Committed:
 
 
 @dataclass(frozen=True, slots=True)
+class PlanStep:
+    """One element of a plan: the committed ``step`` it reaches, and how.
+
+    ``span`` is None when the step's own files are applied (an anchor, or a patch
+    onto its parent); otherwise the step is reached through the span from step
+    ``span`` (SPEC.md "Spans"), whose files replace the steps in between.
+    """
+
+    step: int
+    span: int | None = None
+
+    @property
+    def is_span(self) -> bool:
+        """True when this element is applied from a span's files."""
+        return self.span is not None
+
+
+@dataclass(frozen=True, slots=True)
 class FetchPlan:
     """What to apply, in order. ``base`` says whether ``steps`` start from the target's current
-    state (all patches) or from an anchor (``steps[0]`` is the anchor)."""
+    state (all patches) or from an anchor (``steps[0]`` is the anchor).
+
+    ``steps`` are the committed steps the plan reaches, one per element; ``spans`` lists
+    ``(from, to)`` for the elements reached through a span instead of their own patch
+    (empty when the plan uses no span), see :attr:`elements`.
+    """
 
     target_step: int
     base: Literal["current", "anchor"]
     steps: tuple[int, ...]
     nbytes: int
+    spans: tuple[tuple[int, int], ...] = ()
 
     @property
     def is_noop(self) -> bool:
         """True when the target already is at ``target_step``."""
         return not self.steps
 
-
-def _nbytes(committed: Mapping[int, Committed], steps: tuple[int, ...]) -> int:
-    return sum(committed[s].manifest.total_bytes for s in steps)
+    @property
+    def elements(self) -> tuple[PlanStep, ...]:
+        """The plan's elements in order, each saying whether it is a step's own files or a span."""
+        via = {end: start for start, end in self.spans}
+        return tuple(PlanStep(s, via.get(s)) for s in self.steps)
 
 
 def superseded_by(m: Manifest, claims: Iterable[WriterClaim]) -> WriterClaim | None:
@@ -59,18 +86,23 @@ def plan_fetch(
     have_step: int | None = None,
     have_digest: str | None = None,
     claims: Iterable[WriterClaim] = (),
+    spans: Mapping[tuple[int, int], Committed] | None = None,
 ) -> FetchPlan:
     """Plan the cheapest way to ``target_step``.
 
     Walks parent links down from the target (each link must match the parent
     manifest's digest, and a patch must have its parent's inventory) until the
     first anchor, so every step of a plan has the inventory of its anchor, whose
-    sizes its bytes bound. If the current state
-    ``(have_step, have_digest)`` lies on that walk, patching forward from it is
-    one option; loading the nearest anchor at or below the target plus its
-    patches is the other. The smaller download wins (ties favour patching).
-    Raises ChainBroken when neither works.
+    sizes its bytes bound. The steps of that walk are the nodes of a DAG whose
+    edges are the patches (parent -> step) and the usable ``spans``
+    (``(from, to)`` -> span manifest; see :func:`~deltasync.protocol.spans.span_problem`;
+    both ends on the walk, neither superseded; anything else is ignored). A route
+    starts at the current state ``(have_step, have_digest)`` when it lies on the
+    walk, or at the walk's anchor (paying for the anchor). The route with the
+    fewest bytes wins; ties favour fewer elements, then patching from the
+    current state. Raises ChainBroken when there is no route.
     """
+    claims = tuple(claims)
     top = committed.get(target_step)
     if top is None:
         raise ChainBroken(f"step {target_step} is not committed in this run")
@@ -82,35 +114,90 @@ def plan_fetch(
         )
     if have_step == target_step and have_digest in (None, top.digest):
         return FetchPlan(target_step, "current", (), 0)
-    path: list[int] = [target_step]
-    options: list[FetchPlan] = []
-    reason = ""
-    cur = top
-    while True:
-        m = cur.manifest
-        if m.kind == "anchor":
-            steps = tuple(reversed(path))
-            options.append(FetchPlan(target_step, "anchor", steps, _nbytes(committed, steps)))
-            break
-        parent = committed.get(m.parent_step) if m.parent_step is not None else None
-        if parent is None or parent.manifest.step != m.parent_step or m.parent_step >= m.step:
-            reason = f"step {m.step}'s parent step {m.parent_step} is not committed"
-            break
-        if parent.digest != m.parent_digest:
-            reason = f"step {m.step}'s parent digest does not match the manifest of step {m.parent_step}"
-            break
-        if parent.manifest.inventory_digest != m.inventory_digest:
-            # a patch changes values only; its inventory (hence every size it declares) is its parent's
-            reason = f"step {m.step}'s tensor inventory differs from its parent step {m.parent_step}'s"
-            break
-        if parent.manifest.step == have_step and have_digest in (None, parent.digest):
-            steps = tuple(reversed(path))
-            options.append(FetchPlan(target_step, "current", steps, _nbytes(committed, steps)))
-        path.append(parent.manifest.step)
-        cur = parent
-    if not options:
+    walk, anchor, reason = _walk(committed, top)
+    # cheapest route to each node: (bytes, elements, 0 current / 1 anchor), and how it got there
+    best: dict[int, tuple[int, int, int]] = {}
+    came: dict[int, tuple[int | None, int | None]] = {}  # node -> (previous node, span start or None)
+
+    def offer(node: int, cost: tuple[int, int, int], prev: int | None, span: int | None) -> None:
+        if node not in best or cost < best[node]:
+            best[node] = cost
+            came[node] = (prev, span)
+
+    on_walk = set(walk)
+    if have_step is not None and have_step in on_walk and have_digest in (None, committed[have_step].digest):
+        offer(have_step, (0, 0, 0), None, None)
+    if anchor is not None:
+        offer(anchor, (committed[anchor].manifest.total_bytes, 1, 1), None, None)
+    usable = _usable_spans(committed, spans or {}, on_walk, claims)
+    into: dict[int, list[tuple[int, int | None, int]]] = {}  # to -> (from, span start or None, bytes)
+    for node in walk:
+        m = committed[node].manifest
+        if m.kind == "patch" and m.parent_step in on_walk:
+            into.setdefault(node, []).append((m.parent_step, None, m.total_bytes))
+    for (start, end), nbytes in usable.items():
+        into.setdefault(end, []).append((start, start, nbytes))
+    for node in sorted(walk):  # a DAG: every edge goes to a higher step
+        for prev, span, nbytes in into.get(node, ()):
+            if prev in best:
+                b, n, base = best[prev]
+                offer(node, (b + nbytes, n + 1, base), prev, span)
+    if target_step not in best:
         raise ChainBroken(
             f"cannot reach step {target_step}: {reason}, and no anchor is reachable from it "
             "(the store may be incomplete or garbage-collected; pick another step)"
         )
-    return min(options, key=lambda p: (p.nbytes, p.base != "current"))
+    steps: list[int] = []
+    used: list[tuple[int, int]] = []
+    at: int | None = target_step
+    while at is not None:
+        back, via = came[at]
+        if back is None and best[at][2] == 0:
+            break  # the held state: nothing to apply for it
+        steps.append(at)
+        if via is not None:
+            used.append((via, at))
+        at = back
+    total, _, base = best[target_step]
+    return FetchPlan(target_step, "anchor" if base else "current", tuple(reversed(steps)), total, tuple(reversed(used)))
+
+
+def _walk(committed: Mapping[int, Committed], top: Committed) -> tuple[list[int], int | None, str]:
+    """Steps on the parent walk down from ``top`` (valid links only), the anchor it reaches
+    (or None), and why it stopped short of one."""
+    walk = [top.manifest.step]
+    cur = top
+    while True:
+        m = cur.manifest
+        if m.kind == "anchor":
+            return walk, m.step, ""
+        parent = committed.get(m.parent_step) if m.parent_step is not None else None
+        if parent is None or parent.manifest.step != m.parent_step or m.parent_step >= m.step:
+            return walk, None, f"step {m.step}'s parent step {m.parent_step} is not committed"
+        if parent.digest != m.parent_digest:
+            return walk, None, f"step {m.step}'s parent digest does not match the manifest of step {m.parent_step}"
+        if parent.manifest.inventory_digest != m.inventory_digest:
+            # a patch changes values only; its inventory (hence every size it declares) is its parent's
+            return walk, None, f"step {m.step}'s tensor inventory differs from its parent step {m.parent_step}'s"
+        walk.append(parent.manifest.step)
+        cur = parent
+
+
+def _usable_spans(
+    committed: Mapping[int, Committed],
+    spans: Mapping[tuple[int, int], Committed],
+    on_walk: set[int],
+    claims: tuple[WriterClaim, ...],
+) -> dict[tuple[int, int], int]:
+    """Bytes of every span that may be used: both ends on the walk and not superseded, and
+    the span checked against them (anything else is ignored, never an error)."""
+    out: dict[tuple[int, int], int] = {}
+    for (start, end), c in spans.items():
+        if start >= end or start not in on_walk or end not in on_walk:
+            continue
+        lo, hi = committed[start], committed[end]
+        if superseded_by(lo.manifest, claims) is not None or superseded_by(hi.manifest, claims) is not None:
+            continue
+        if span_problem(c.manifest, c.digest, lo.manifest, lo.digest, hi.manifest, hi.digest) is None:
+            out[(start, end)] = c.manifest.total_bytes
+    return out

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Sequence
 from deltasync.errors import DeltaSyncError, ObjectNotFound, ProtocolError, RunNotFound
 from deltasync.protocol import (
     HEAD_KEY,
+    SPANS_PREFIX,
     WRITERS_PREFIX,
     Committed,
     FetchPlan,
@@ -36,8 +37,10 @@ from deltasync.protocol import (
     WriterClaim,
     manifest_key,
     parse_manifest_key,
+    parse_span_key,
     parse_writer_key,
     plan_fetch,
+    span_manifest_key,
     superseded_by,
     writer_key,
     xxh3_128,
@@ -73,13 +76,20 @@ class RunReader:
     signing_key: when set, every manifest must carry a valid HMAC signature.
     max_cached: manifests kept in memory (least recently used go first; a manifest of a
         large model is tens of KB, and chains are as long as ``anchor_every``).
+    spans: let plans use the run's spans (SPEC.md "Spans"); they are listed only when a
+        plan would apply two or more patches.
 
     Thread-safe. Nothing here writes to the store.
     """
 
-    def __init__(self, store: Store, *, signing_key: bytes | None = None, max_cached: int = 4096) -> None:
+    def __init__(
+        self, store: Store, *, signing_key: bytes | None = None, max_cached: int = 4096, spans: bool = True
+    ) -> None:
         self.store = store
         self.signing_key = signing_key
+        self.use_spans = spans
+        # span manifests read so far, by (from, to); None: unreadable or distrusted (never used again)
+        self._spans: dict[tuple[int, int], Committed | None] = {}
         self._lock = threading.RLock()
         self.max_cached = max_cached
         self._manifests: OrderedDict[int, Committed] = OrderedDict()
@@ -333,8 +343,11 @@ class RunReader:
     def plan(self, target: int, have: tuple[int, str] | None = None) -> FetchPlan:
         """The cheapest plan to ``target`` from ``have`` = (step, manifest digest) (pure planner).
 
-        Raises ChainBroken when the target cannot be reached; the manifests read
-        for it are then dropped from the cache (they may be what breaks it).
+        When the plan applies two or more patches, the run's spans from the plan's
+        start on are listed (one listing, one batch of span manifests) and the plan
+        is made again with them (SPEC.md "Reading cost"). Raises ChainBroken when
+        the target cannot be reached; the manifests read for it are then dropped
+        from the cache (they may be what breaks it).
         """
         from deltasync.errors import ChainBroken
 
@@ -344,8 +357,54 @@ class RunReader:
             if top is not None:
                 self._ensure_claims_above(top.manifest.epoch)
             claims = [c for e, c in self._claims.items() if top is not None and e > top.manifest.epoch]
+            hs, hd = (have[0], have[1]) if have else (None, None)
             try:
-                return plan_fetch(committed, target, have[0] if have else None, have[1] if have else None, claims)
+                plan = plan_fetch(committed, target, hs, hd, claims)
             except ChainBroken:
                 self.forget(committed)
                 raise
+            patches = len(plan.steps) - (plan.base == "anchor")
+            if not self.use_spans or patches < 2:
+                return plan
+            start = hs if plan.base == "current" and hs is not None else plan.steps[0]
+            spans = self.spans_between(start, target, set(committed))
+            return plan_fetch(committed, target, hs, hd, claims, spans) if spans else plan
+
+    # ---------------------------------------------------------------- spans
+
+    def spans_between(self, start: int, end: int, steps: set[int]) -> dict[tuple[int, int], Committed]:
+        """Readable span manifests from ``start`` (or later) up to ``end``, both ends in ``steps``.
+
+        One listing of ``spans/`` after ``start``'s prefix, one batch for the manifests not
+        read yet. A span manifest that does not parse (or is not signed when a key is
+        configured) is left out for good; whether a span fits its ends is the planner's check.
+        """
+        with self._lock:
+            found = self.store.list_after(SPANS_PREFIX, f"{SPANS_PREFIX}{start:012d}")
+            keys = [k for o in found if (k := parse_span_key(o.key)) is not None]
+            want = [k for k in keys if start <= k[0] and k[1] <= end and k[0] in steps and k[1] in steps]
+            new = [k for k in want if k not in self._spans]
+            bodies = get_present(self.store, [span_manifest_key(a, b) for a, b in new])
+            for a, b in new:
+                body = bodies.get(span_manifest_key(a, b))
+                if body is None:
+                    continue  # deleted since listed
+                try:
+                    self._spans[(a, b)] = self._parse(b, body)
+                except DeltaSyncError:
+                    self._spans[(a, b)] = None
+            return {k: c for k in want if (c := self._spans.get(k)) is not None}
+
+    def span(self, start: int, end: int) -> Committed:
+        """The span manifest from ``start`` to ``end`` that a plan named (read by :meth:`plan`)."""
+        with self._lock:
+            c = self._spans.get((start, end))
+            if c is None:
+                raise ObjectNotFound(f"{span_manifest_key(start, end)}: no usable span from step {start} to {end}")
+            return c
+
+    def distrust_spans(self, spans: Iterable[tuple[int, int]]) -> None:
+        """Never plan with these spans again (their files were bad or their content lied)."""
+        with self._lock:
+            for key in spans:
+                self._spans[key] = None

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from deltasync.uploader._retry import RetryPolicy
+from deltasync.uploader._spans import check_levels
 
 __all__ = ["CommitInfo", "UploaderConfig"]
 
@@ -49,6 +50,10 @@ class UploaderConfig:
         Creating the uploader is then a collective call on every rank.
     distributed_timeout: seconds a rank waits for the others in a sharded push
         before the uploader gives up (its steps fail; create a new uploader).
+    span_levels: after every ``n``-th patch since an anchor, for each ``n`` here, also
+        write a span squashing those ``n`` patches (SPEC.md "Spans"), so that a replica
+        far behind downloads a few spans instead of every patch; written on a background
+        thread after the commit, never failing a step. ``()`` disables spans.
     """
 
     anchor_every: int = 50
@@ -69,6 +74,7 @@ class UploaderConfig:
     retry_backoff: float = 0.5
     distributed: bool | None = None
     distributed_timeout: float = 600.0
+    span_levels: tuple[int, ...] = (8, 64)
 
     def __post_init__(self) -> None:
         if self.anchor_every < 1:
@@ -80,6 +86,7 @@ class UploaderConfig:
         RetryPolicy(self.retries, self.retry_backoff)  # validates
         if not self.distributed_timeout > 0:
             raise ValueError("distributed_timeout must be > 0")
+        object.__setattr__(self, "span_levels", check_levels(self.span_levels))
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,7 @@ from deltasync.uploader._config import CommitInfo, UploaderConfig
 from deltasync.uploader._diff import Baseline, TensorChange, diff_tensor, inventory_of
 from deltasync.uploader._resume import prove_state, pushes_since_anchor, store_ahead_message
 from deltasync.uploader._retry import RetryPolicy
+from deltasync.uploader._spans import SpanWriter
 
 if TYPE_CHECKING:
     import torch
@@ -99,6 +100,17 @@ class DeltaUploader:
         self._digest_cv = threading.Condition()
         self._pool = ThreadPoolExecutor(max(1, self.config.encode_threads), thread_name_prefix="deltasync-encode")
         self._stop = threading.Event()
+        #: writes spans after commits (None when ``span_levels`` is empty, or in a sharded push, whose
+        #: changes live on their owner ranks); counts written/failed spans
+        self.spans: SpanWriter | None = None
+        if self.config.span_levels and self._sharded is None:
+            self.spans = SpanWriter(
+                self.store,
+                self.config.span_levels,
+                shard_bytes=self.config.shard_bytes,
+                signing_key=self.config.signing_key,
+                retry=RetryPolicy(self.config.retries, self.config.retry_backoff),
+            )
         self._threads = [
             threading.Thread(target=self._digest_loop, name="deltasync-digest", daemon=True),
             threading.Thread(target=self._commit_loop, name="deltasync-commit", daemon=True),
@@ -171,6 +183,8 @@ class DeltaUploader:
         self._last_step = step
         self._needs_anchor = False
         self._pushes_since_anchor = pushes_since_anchor(self._reader, m, self.config.anchor_every)
+        if self.spans is not None:
+            self.spans.submit(committed, None)  # spans continue from the resumed step
         return committed
 
     def _push_committed_head(self, state: Any, step: int) -> Future[CommitInfo]:
@@ -483,6 +497,8 @@ class DeltaUploader:
             self._cond.notify_all()
         if self.notifier is not None:
             self.notifier.notify(m.step, committed.digest, run_id=self.run_id, kind=m.kind)
+        if self.spans is not None:
+            self.spans.submit(committed, job.changes if m.kind == "patch" else None)
         secs = time.perf_counter() - t0
         for step, fut in job.futures:
             kind: Literal["anchor", "patch", "skipped"] = m.kind if step == m.step else "skipped"
@@ -524,10 +540,12 @@ class DeltaUploader:
             return self._last_committed.manifest.step if self._last_committed else None
 
     def flush(self, timeout: float | None = None) -> None:
-        """Wait until every pushed step is committed, skipped or failed."""
+        """Wait until every pushed step is committed, skipped or failed (and its spans written)."""
         with self._cond:
             if not self._cond.wait_for(lambda: self._inflight == 0, timeout=timeout):
                 raise TimeoutError(f"flush: {self._inflight} steps still pending after {timeout} s")
+        if self.spans is not None and not self.spans.flush(timeout):
+            raise TimeoutError(f"flush: spans still being written after {timeout} s")
 
     def close(self, timeout: float | None = None) -> None:
         """Flush, then stop the background threads. Idempotent."""
@@ -545,6 +563,8 @@ class DeltaUploader:
                 self._cond.notify_all()
             for t in self._threads:
                 t.join(timeout)
+            if self.spans is not None:
+                self.spans.close(timeout)
             self._pool.shutdown(wait=True)
             if self.notifier is not None:
                 self.notifier.close()

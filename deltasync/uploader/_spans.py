@@ -1,0 +1,235 @@
+"""Writing spans: committed patches squashed at power-of-b boundaries (SPEC.md "Spans").
+
+With levels ``(4, 16, 64)`` the uploader writes, after the 4th, 8th, ... patch
+since an anchor, a span over the last 4 patches; after the 16th, 32nd, ... one
+over the last 16 (composed from the four 4-spans), and so on. A replica many
+steps behind then downloads a few spans instead of every patch. Composition is
+hierarchical (level ``j`` composes level ``j - 1``'s spans), so only the newest
+partial composition of each level is held in memory. Spans never cross an
+anchor. Everything runs on its own thread after the step's commit: a span
+never delays a commit, and a failed span write is logged and counted, never
+raised.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+from deltasync.errors import AlreadyExists
+from deltasync.protocol import (
+    SPAN_OF,
+    Committed,
+    FileInfo,
+    Manifest,
+    Stats,
+    span_file_key,
+    span_manifest_key,
+    xxh3_128,
+)
+from deltasync.storage import Store
+from deltasync.uploader._commit import StepJob, _merge_changes, build_patch
+from deltasync.uploader._diff import TensorChange
+from deltasync.uploader._retry import RetryPolicy, put_idempotent, with_retries
+
+__all__ = ["SpanWriter", "check_levels", "merge_change_sets"]
+
+log = logging.getLogger("deltasync.uploader")
+
+Changes = dict[str, TensorChange]
+
+
+def check_levels(levels: Sequence[int]) -> tuple[int, ...]:
+    """Validate span levels: increasing, the first >= 2, each a multiple of the one before."""
+    out = tuple(levels)
+    prev = 1
+    for n in out:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 2 or n <= prev or n % prev:
+            raise ValueError(
+                f"span_levels must be increasing integers >= 2, each a multiple of the one before "
+                f"(e.g. (4, 16, 64)); got {levels!r}"
+            )
+        prev = n
+    return out
+
+
+def merge_change_sets(a: Changes, b: Changes) -> Changes:
+    """The changes of ``a`` then ``b`` as one set (elements that end where they started drop out)."""
+    out = dict(a)
+    for name, c in b.items():
+        merged = _merge_changes(out[name], c) if name in out else c
+        if merged is None:
+            out.pop(name, None)
+        else:
+            out[name] = merged
+    return out
+
+
+@dataclass(slots=True)
+class _Partial:
+    """A level's composition in progress: the changes of ``count`` patches since step ``start``."""
+
+    start: Committed
+    count: int = 0
+    changes: Changes = field(default_factory=dict)
+
+
+class SpanWriter:
+    """Composes committed patches into spans and writes them on a background thread.
+
+    ``submit`` is called by the commit thread after each commit (cheap: it queues
+    the step's changes). ``written``, ``failures`` and ``skipped`` count spans
+    written, span writes that failed, and steps not composed because the queue
+    was full (composition then restarts from the next step).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        levels: Sequence[int],
+        *,
+        shard_bytes: int,
+        signing_key: bytes | None,
+        retry: RetryPolicy,
+        pool: Executor | None = None,
+        max_queue: int = 16,
+    ) -> None:
+        self.store = store
+        self.levels = check_levels(levels)
+        self.shard_bytes = shard_bytes
+        self.signing_key = signing_key
+        self.retry = retry
+        self.pool = pool
+        self.max_queue = max_queue
+        self.written = 0
+        self.failures = 0
+        self.skipped = 0
+        self.nbytes = 0
+        self._queue: deque[tuple[Committed, Changes | None] | None] = deque()
+        self._cv = threading.Condition()
+        self._busy = False
+        self._last: Committed | None = None  # the newest step composed
+        self._partial: list[_Partial | None] = [None] * len(self.levels)
+        self._thread = threading.Thread(target=self._loop, name="deltasync-spans", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ commit side
+
+    def submit(self, committed: Committed, changes: Changes | None) -> None:
+        """Queue a committed step: a patch with its changes, or an anchor (``changes`` None)."""
+        with self._cv:
+            if len(self._queue) >= self.max_queue:
+                self.skipped += 1  # the next step no longer continues the composition: it restarts
+                return
+            self._queue.append((committed, changes))
+            self._cv.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued step is composed and its spans written; False on timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._queue and not self._busy, timeout=timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Finish the queue, then stop the thread."""
+        with self._cv:
+            self._queue.append(None)
+            self._cv.notify_all()
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------ span thread
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: bool(self._queue))
+                item = self._queue.popleft()
+                self._busy = item is not None
+            if item is None:
+                with self._cv:
+                    self._cv.notify_all()
+                return
+            try:
+                self._take(*item)
+            except Exception:  # noqa: BLE001 - spans are an optimisation: never fail the run
+                log.exception(
+                    "composing spans at step %d failed; spans restart at the next anchor", item[0].manifest.step
+                )
+                self.failures += 1
+                self._last, self._partial = None, [None] * len(self.levels)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def _take(self, c: Committed, changes: Changes | None) -> None:
+        m = c.manifest
+        last = self._last
+        self._last = c
+        if m.kind == "anchor" or changes is None or last is None or m.parent_digest != last.digest:
+            # an anchor, or a step that does not continue what was composed (a skipped step, a
+            # resumed chain): boundaries count from it, so no span ever crosses an anchor
+            self._partial = [None] * len(self.levels)
+            return
+        unit = _Partial(last, 1, changes)
+        for j, size in enumerate(self.levels):
+            p = self._partial[j]
+            if p is None:
+                p = self._partial[j] = _Partial(unit.start, 0, {})
+            p.changes = merge_change_sets(p.changes, unit.changes) if p.changes else dict(unit.changes)
+            p.count += unit.count
+            if p.count < size:
+                return
+            self._partial[j] = None
+            self._write(p.start, c, p.changes)
+            unit = p
+
+    def _write(self, start: Committed, end: Committed, changes: Changes) -> None:
+        m = end.manifest
+        try:
+            job = StepJob(m.step, "patch", m.inventory, changes=changes)
+            files, entries = build_patch(job, self.shard_bytes, self.pool)
+            infos = tuple(FileInfo(name, len(data), xxh3_128(data)) for name, data in sorted(files.items()))
+            span = Manifest(
+                run_id=m.run_id,
+                step=m.step,
+                kind="patch",
+                parent_step=start.manifest.step,
+                parent_digest=start.digest,
+                anchor_step=m.anchor_step,
+                inventory=m.inventory,
+                inventory_digest=m.inventory_digest,
+                files=infos,
+                entries=tuple(entries),
+                tensor_digests=dict(m.tensor_digests),
+                stats=Stats(sum(int(x.idx.size) for x in changes.values()), m.stats.total, sum(f.size for f in infos)),
+                extra={SPAN_OF: end.digest},
+                writer=m.writer,
+            )
+            if self.signing_key is not None:
+                span = span.signed(self.signing_key)
+            a, b = start.manifest.step, m.step
+            data = {span_file_key(a, b, n): d for n, d in files.items()}
+            mkey = span_manifest_key(a, b)
+            what = f"span {a}->{b}"
+
+            def put_files() -> None:
+                try:
+                    put_idempotent(self.store, data)
+                except AlreadyExists:
+                    if self.store.exists(mkey):
+                        raise
+                    self.store.put_many(data, mode="overwrite")  # leftovers of a span never committed
+
+            with_retries(put_files, self.retry, f"{what}: writing {len(data)} data files")
+            body = span.to_json()
+            with_retries(lambda: put_idempotent(self.store, {mkey: body}), self.retry, f"{what}: writing its manifest")
+        except Exception as exc:  # noqa: BLE001 - a failed span is logged and counted, never raised
+            self.failures += 1
+            log.warning("span %d->%d not written: %s", start.manifest.step, m.step, exc)
+            return
+        self.written += 1
+        self.nbytes += span.stats.nbytes
