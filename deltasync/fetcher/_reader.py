@@ -8,11 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from deltasync.errors import ChecksumMismatch
+from deltasync.errors import ChecksumMismatch, ObjectNotFound
 from deltasync.protocol import Manifest, file_key, xxh3_128
 from deltasync.storage import Store
 
-__all__ = ["download"]
+__all__ = ["PlanFilesGone", "download"]
+
+
+class PlanFilesGone(ObjectNotFound):
+    """A data file of a planned step is gone (deleted by gc after the plan was made)."""
 
 
 def download(
@@ -23,7 +27,11 @@ def download(
     Returns one ``{file name: bytes}`` per manifest. Nothing is decoded here.
     """
     keys = {file_key(m.step, f.path): (i, f) for i, m in enumerate(manifests) for f in m.files}
-    blobs = store.get_many(list(keys)) if keys else {}
+    try:
+        blobs = store.get_many(list(keys)) if keys else {}
+    except ObjectNotFound as exc:
+        steps = sorted({m.step for m in manifests})
+        raise PlanFilesGone(f"a file of steps {steps} is gone from the store (deleted by gc?): {exc}") from exc
     out: list[dict[str, bytes]] = [{} for _ in manifests]
     for key, (i, info) in keys.items():
         data = blobs[key]

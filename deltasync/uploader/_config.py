@@ -40,6 +40,9 @@ class UploaderConfig:
         storage error (throttling, 5xx, timeout, partial batch); then the step's
         Future raises CommitFailed and the next push is an anchor.
     retry_backoff: seconds before the first retry, doubling each time (max 30 s).
+    keep_anchors: after each committed anchor, garbage-collect the run in the background,
+        keeping the last N anchors and what live fetcher leases need (``deltasync gc``); a
+        failed gc is logged and counted (``uploader.retention.failures``), never raised. None: off.
     """
 
     anchor_every: int = 50
@@ -58,6 +61,7 @@ class UploaderConfig:
     signal_run: str | None = None
     retries: int = 4
     retry_backoff: float = 0.5
+    keep_anchors: int | None = None
 
     def __post_init__(self) -> None:
         if self.anchor_every < 1:
@@ -67,6 +71,10 @@ class UploaderConfig:
         if self.on_backlog not in ("coalesce", "block"):
             raise ValueError("on_backlog must be 'coalesce' or 'block'")
         RetryPolicy(self.retries, self.retry_backoff)  # validates
+        if self.keep_anchors is not None and (
+            isinstance(self.keep_anchors, bool) or not isinstance(self.keep_anchors, int) or self.keep_anchors < 1
+        ):
+            raise ValueError(f"keep_anchors must be None or an integer >= 1, got {self.keep_anchors!r}")
 
 
 @dataclass(frozen=True, slots=True)

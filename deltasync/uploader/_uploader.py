@@ -21,6 +21,7 @@ from deltasync.protocol import Committed, Writer
 from deltasync.protocol.digests import xxh3_128_array
 from deltasync.storage import RunReader, Store, open_store
 from deltasync.storage._claims import claim_epoch, is_fenced, newest_claim
+from deltasync.storage._gc import RetentionWorker
 from deltasync.uploader._commit import StepJob, merge_jobs, write_step
 from deltasync.uploader._config import CommitInfo, UploaderConfig
 from deltasync.uploader._diff import Baseline, TensorChange, diff_tensor, inventory_of
@@ -84,6 +85,9 @@ class DeltaUploader:
 
             run = self.config.signal_run or self.run_id
             self.notifier = Notifier(self.config.signal_url, run, self.config.signal_token)
+        self.retention: RetentionWorker | None = None  # keep_anchors: gc after each committed anchor
+        if self.config.keep_anchors is not None:
+            self.retention = RetentionWorker(self.store, self.config.keep_anchors, signing_key=self.config.signing_key)
         self._digest_q: deque[StepJob | None] = deque()
         self._digest_cv = threading.Condition()
         self._pool = ThreadPoolExecutor(max(1, self.config.encode_threads), thread_name_prefix="deltasync-encode")
@@ -381,6 +385,8 @@ class DeltaUploader:
             self._cond.notify_all()
         if self.notifier is not None:
             self.notifier.notify(m.step, committed.digest, run_id=self.run_id, kind=m.kind)
+        if m.kind == "anchor" and self.retention is not None:
+            self.retention.trigger()
         secs = time.perf_counter() - t0
         for step, fut in job.futures:
             kind: Literal["anchor", "patch", "skipped"] = m.kind if step == m.step else "skipped"
@@ -444,6 +450,8 @@ class DeltaUploader:
             for t in self._threads:
                 t.join(timeout)
             self._pool.shutdown(wait=True)
+            if self.retention is not None:
+                self.retention.close(timeout)
             if self.notifier is not None:
                 self.notifier.close()
 
