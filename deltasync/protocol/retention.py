@@ -174,23 +174,6 @@ def _valid_name(name: str) -> bool:
     return True
 
 
-def _descendants(live: Mapping[int, Committed], start: int) -> set[int]:
-    """``start`` and every patch whose parent links (with matching digests) lead down to it."""
-    children: dict[int, list[int]] = {}
-    for s, c in live.items():
-        m = c.manifest
-        p = m.parent_step
-        if m.kind == "patch" and p is not None and p < s and p in live and live[p].digest == m.parent_digest:
-            children.setdefault(p, []).append(s)
-    out, todo = {start}, [start]
-    while todo:
-        for child in children.get(todo.pop(), ()):
-            if child not in out:
-                out.add(child)
-                todo.append(child)
-    return out
-
-
 def _walk_to_anchor(live: Mapping[int, Committed], target: int) -> set[int]:
     """``target`` and its parent links down to the first anchor (or the first missing link)."""
     out: set[int] = set()
@@ -236,8 +219,9 @@ def plan_retention(
 
     The rule: the newest ``keep_anchors`` anchors that are not superseded are kept; the
     oldest of them is the floor. Every committed step at or above the floor stays, and so
-    does whatever an unexpired lease needs: the held step and every patch chained onto it,
-    and the in-flight target with its chain down to its anchor. The newest committed step
+    does whatever an unexpired lease needs: every step from the held one on (the holder may
+    go forward one step at a time, across anchors), and the in-flight target with its chain
+    down to its anchor. The newest committed step
     always stays. Other committed steps below the floor (superseded ones included) go.
     A span stays while both its ends stay. Step and span folders without a manifest go when
     every file in them is older than ``grace`` seconds and they lie below the newest anchor.
@@ -304,8 +288,10 @@ def plan_retention(
             continue
         left = f"expires in {lease.expires - now:.0f} s"
         if lease.step is not None and lease.step in live:
-            for s in _descendants(live, lease.step):
-                kept.setdefault(s, f"lease {lease.id} holds step {lease.step} ({left})")
+            # the holder moves forward from its step: through patches, across anchors, one step at a time
+            for s in listed:
+                if s >= lease.step:
+                    kept.setdefault(s, f"lease {lease.id} holds step {lease.step} ({left})")
         if lease.target is not None and lease.target in live:
             for s in _walk_to_anchor(live, lease.target):
                 kept.setdefault(s, f"lease {lease.id} is fetching step {lease.target} ({left})")
