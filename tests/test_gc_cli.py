@@ -117,3 +117,11 @@ def test_a_directory_that_is_not_a_run_is_refused_and_untouched(tmp_path: Path) 
 def test_bad_arguments_are_refused(tmp_path: Path, args: list[str], message: str) -> None:
     out = gc(str(tmp_path), *args)
     assert out.returncode == 2 and message in out.stderr
+
+
+def test_follow_takes_a_lease_ttl() -> None:
+    from deltasync.cli import build_parser
+
+    args = build_parser().parse_args(["follow", "--store", "s", "--out", "o", "--lease-ttl", "30"])
+    assert args.lease_ttl == 30.0
+    assert build_parser().parse_args(["follow", "--store", "s", "--out", "o"]).lease_ttl is None
