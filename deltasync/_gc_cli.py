@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from deltasync._cli_common import _human, _require_run, _signing_key
-from deltasync.protocol.retention import describe_kept
+from deltasync.protocol.retention import describe_kept, step_ranges
 from deltasync.storage import open_store
 from deltasync.storage._gc import GcReport, collect_garbage
 
@@ -62,7 +62,7 @@ def report_lines(report: GcReport, url: str) -> list[str]:
         f"keeping the last {plan.keep_anchors} ({', '.join(map(str, kept_anchors)) or 'none'})"
     ]
     steps = plan.deleted_steps
-    span = f" ({steps[0]}-{steps[-1]})" if steps else ""
+    span = f" ({step_ranges(steps)})" if steps else ""
     lines.append(
         f"{verb}: {_count(len(steps), 'step')}{span}, {_count(len(plan.deleted_spans), 'span')}, "
         f"{_count(len(plan.orphans), 'orphan file')}, {_count(len(plan.expired_leases), 'expired lease')}: "

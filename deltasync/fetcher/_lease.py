@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from deltasync.errors import ChainBroken, DeltaSyncError, ObjectNotFound
 from deltasync.fetcher._reader import PlanFilesGone
+from deltasync.protocol import manifest_key
 from deltasync.protocol.retention import Lease, lease_key
 from deltasync.storage import Store
 
@@ -82,6 +83,14 @@ def dir_step(out: str | os.PathLike[str]) -> int | None:
     return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
+def _committed(fetcher: DeltaFetcher, steps: tuple[int, ...]) -> bool:
+    """Whether every one of ``steps`` still has its manifest (gc deletes a step's manifest first)."""
+    try:
+        return bool(steps) and all(fetcher.store.exists(manifest_key(s)) for s in steps)
+    except DeltaSyncError:
+        return False
+
+
 def run_leased(fetcher: DeltaFetcher, step: int | None, held: Callable[[], int | None], once: Callable[[int], T]) -> T:
     """Run ``once(target_step)`` (a sync or a materialize) under the fetcher's lease.
 
@@ -107,6 +116,8 @@ def run_leased(fetcher: DeltaFetcher, step: int | None, held: Callable[[], int |
         try:
             result = once(target)
         except (PlanFilesGone, ChainBroken) as again:
+            if isinstance(again, PlanFilesGone) and _committed(fetcher, again.steps):
+                raise  # the steps are still committed: a file is missing, not collected (an incomplete store)
             raise ChainBroken(
                 f"step {target}: files of the plan were deleted from the store while syncing (garbage "
                 f"collection?) and re-planning from a fresh listing did not help: {again}. Sync to the "

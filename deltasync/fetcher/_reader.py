@@ -16,7 +16,12 @@ __all__ = ["PlanFilesGone", "download"]
 
 
 class PlanFilesGone(ObjectNotFound):
-    """A data file of a planned step is gone (deleted by gc after the plan was made)."""
+    """A data file of a planned step is missing: deleted by gc after the plan was made, or the store
+    is incomplete. ``steps``: the plan's steps (not pickled: only the message crosses processes)."""
+
+    def __init__(self, message: str, steps: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.steps = steps
 
 
 def download(
@@ -30,8 +35,8 @@ def download(
     try:
         blobs = store.get_many(list(keys)) if keys else {}
     except ObjectNotFound as exc:
-        steps = sorted({m.step for m in manifests})
-        raise PlanFilesGone(f"a file of steps {steps} is gone from the store (deleted by gc?): {exc}") from exc
+        steps = tuple(sorted({m.step for m in manifests}))
+        raise PlanFilesGone(str(exc), steps) from exc
     out: list[dict[str, bytes]] = [{} for _ in manifests]
     for key, (i, info) in keys.items():
         data = blobs[key]

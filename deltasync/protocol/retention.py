@@ -28,6 +28,7 @@ __all__ = [
     "parse_lease_key",
     "describe_kept",
     "plan_retention",
+    "step_ranges",
 ]
 
 LEASES_PREFIX = "leases/"
@@ -187,7 +188,7 @@ def _walk_to_anchor(live: Mapping[int, Committed], target: int) -> set[int]:
     return out
 
 
-def _ranges(steps: Iterable[int]) -> str:
+def step_ranges(steps: Iterable[int]) -> str:
     """``0-4, 7, 9-10``: runs of consecutive step numbers."""
     s = sorted(steps)
     parts: list[str] = []
@@ -380,5 +381,5 @@ def describe_kept(plan: RetentionPlan) -> list[str]:
         by_reason.setdefault(why, []).append(s)
     lines = []
     for why, ss in sorted(by_reason.items(), key=lambda kv: min(kv[1])):
-        lines.append(f"{'step' if len(ss) == 1 else 'steps'} {_ranges(ss)}: {why}")
+        lines.append(f"{'step' if len(ss) == 1 else 'steps'} {step_ranges(ss)}: {why}")
     return lines
