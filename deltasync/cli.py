@@ -1,4 +1,4 @@
-"""Command line: ``deltasync {fetch,follow,inspect,serve,demo}`` and ``delta-upload``.
+"""Command line: ``deltasync {fetch,follow,inspect,gc,serve,demo}`` and ``delta-upload``.
 
 Errors print as one ``error: ...`` line on stderr with a non-zero exit status. Ctrl-C exits
 130, except in ``delta-upload`` once its step is committed: it says so and exits 0.
@@ -34,6 +34,7 @@ __all__ = ["main", "upload_main"]
 
 
 from deltasync._cli_common import _human, _progress, _require_run, _signing_key
+from deltasync._gc_cli import cmd_gc, gc_parser
 from deltasync._upload_cli import _upload_parser, cmd_upload
 
 
@@ -132,7 +133,7 @@ def cmd_follow(args: argparse.Namespace) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-        fetcher = DeltaFetcher(store, verify=not args.no_verify, signing_key=_signing_key())
+        fetcher = DeltaFetcher(store, verify=not args.no_verify, signing_key=_signing_key(), lease_ttl=args.lease_ttl)
         t0 = time.perf_counter()
 
         def on_step(step: int) -> None:
@@ -236,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("url")
     i.add_argument("--last", type=int, default=0, help="only the last N steps")
     i.set_defaults(fn=cmd_inspect)
+    g = sub.add_parser("gc", help="delete old steps: keep the last K anchors and what fetcher leases need")
+    gc_parser(g)
+    g.set_defaults(fn=cmd_gc)
     u = sub.add_parser("upload", help="same as delta-upload")
     _upload_parser(u)
     u.set_defaults(fn=cmd_upload)
@@ -260,6 +264,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics at /metrics on PORT (0: any free)"
     )
     fo.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint (default 127.0.0.1)")
+    fo.add_argument(
+        "--lease-ttl",
+        type=float,
+        metavar="SECONDS",
+        help="write a lease (leases/<id>.json) valid this long after each step, so `deltasync gc` keeps what this "
+        "follower needs (needs write access to the store)",
+    )
     fo.set_defaults(fn=cmd_follow)
     d = sub.add_parser("demo", help="train a tiny Qwen3 and watch patches land live at http://127.0.0.1:7860")
     d.add_argument(

@@ -36,6 +36,7 @@ from deltasync.fetcher._fold import Change, fold_steps, new_bits
 from deltasync.fetcher._follow import follow as _follow
 from deltasync.fetcher._identity import Held, live_tensors, slots_of
 from deltasync.fetcher._journal import SyncJournal, SyncStats, restore_held
+from deltasync.fetcher._lease import LeaseWriter, dir_step, run_leased
 from deltasync.fetcher._materialize import MARKER as MARKER  # re-exported (fetcher.vllm)
 from deltasync.fetcher._materialize import MaterializeStats
 from deltasync.fetcher._materialize import materialize as _materialize
@@ -84,6 +85,9 @@ class DeltaFetcher:
         fails a check is dropped and the sync goes on through patches.
     fold: apply consecutive patches (and spans) as one change per tensor, so each changed
         element is written once; verification then proves the final step's digests.
+    lease_ttl: write a lease (``leases/<id>.json``, see :class:`~deltasync.fetcher._lease.LeaseWriter`)
+        at the start and end of each sync, valid this many seconds, so ``deltasync gc`` keeps what
+        this fetcher holds and fetches. None (default): no lease, the store is only read.
 
     A sync is all or nothing: the target ends at the step returned, or the call
     raises with the target as it was.
@@ -100,6 +104,7 @@ class DeltaFetcher:
         reader: RunReader | None = None,
         spans: bool = True,
         fold: bool = True,
+        lease_ttl: float | None = None,
     ) -> None:
         if verify not in (True, False, "full"):
             raise ValueError(f"verify must be True, False or 'full', got {verify!r}")
@@ -110,6 +115,7 @@ class DeltaFetcher:
         self.reader = reader if reader is not None else RunReader(self.store, signing_key=signing_key, spans=spans)
         self.fold = fold
         self._held: dict[int, Held] = {}
+        self.lease = LeaseWriter(self.store, lease_ttl) if lease_ttl is not None else None
         #: timings and bytes of the last :meth:`sync` (None before the first)
         self.last_stats: SyncStats | None = None
 
@@ -363,6 +369,12 @@ class DeltaFetcher:
         so it can be undone later (a live engine that refused the new tensors).
         Timings and bytes of the sync are left in :attr:`last_stats`.
         """
+        return run_leased(
+            self, step, lambda: self.current_step(target), lambda s: self._sync(target, s, have_step, journal)
+        )
+
+    def _sync(self, target: Any, step: int, have_step: int | None, journal: SyncJournal | None) -> int:
+        """One :meth:`sync` attempt to ``step``."""
         stats = SyncStats(-1)
         t0 = stats.clock()
         live = live_tensors(target)
@@ -465,6 +477,8 @@ class DeltaFetcher:
         a config.json). An existing dir without the marker is never replaced. Memory is sized
         from bytes present (the anchor or the dir), never from a manifest's declared shapes alone.
         """
-        out, stats = _materialize(self, out_dir, step, config_from)
+        out, stats = run_leased(
+            self, step, lambda: dir_step(out_dir), lambda s: _materialize(self, out_dir, s, config_from)
+        )
         self.last_materialize = stats
         return out

@@ -8,11 +8,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from deltasync.errors import ChecksumMismatch
+from deltasync.errors import ChecksumMismatch, ObjectNotFound
 from deltasync.protocol import Manifest, file_key, span_file_key, xxh3_128
 from deltasync.storage import Store
 
-__all__ = ["download"]
+__all__ = ["PlanFilesGone", "download"]
+
+
+class PlanFilesGone(ObjectNotFound):
+    """A data file of a planned step is missing: deleted by gc after the plan was made, or the store
+    is incomplete. ``steps``: the plan's steps (not pickled: only the message crosses processes)."""
+
+    def __init__(self, message: str, steps: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.steps = steps
 
 
 def download(
@@ -36,7 +45,11 @@ def download(
         return file_key(m.step, name) if start is None else span_file_key(start, m.step, name)
 
     keys = {key(i, f.path): (i, f) for i, m in enumerate(manifests) for f in m.files}
-    blobs = store.get_many(list(keys)) if keys else {}
+    try:
+        blobs = store.get_many(list(keys)) if keys else {}
+    except ObjectNotFound as exc:
+        steps = tuple(sorted({m.step for m in manifests}))
+        raise PlanFilesGone(str(exc), steps) from exc
     out: list[dict[str, bytes]] = [{} for _ in manifests]
     for k, (i, info) in keys.items():
         data = blobs[k]

@@ -299,14 +299,16 @@ class HFBucketStore(Store):
                 entries = list(self._api.list_bucket_tree(self.bucket_id, prefix=ask or None, recursive=True))
         except ObjectNotFound:  # a tree endpoint may answer 404 for a prefix that names nothing
             return []
-        seen: dict[str, int] = {}
+        seen: dict[str, ObjectInfo] = {}
         for e in entries:
             if getattr(e, "type", "") != "file" or not e.path.startswith(full):
                 continue
             if self.prefix and not e.path.startswith(self.prefix + "/"):
                 continue
-            seen[self._key(e.path)] = int(e.size)
-        return [ObjectInfo(k, seen[k]) for k in sorted(seen)]
+            when = getattr(e, "uploaded_at", None)  # the Hub's clock, not the client-provided mtime
+            key = self._key(e.path)
+            seen[key] = ObjectInfo(key, int(e.size), when.timestamp() if when is not None else None)
+        return [seen[k] for k in sorted(seen)]
 
     def delete_many(self, keys: Sequence[str]) -> None:
         # docstring inherited

@@ -163,7 +163,8 @@ class LocalStore(Store):
                     key = name if rel == "." else f"{rel}/{name}"
                     if key.startswith(prefix):
                         try:
-                            out.append(ObjectInfo(key, os.stat(os.path.join(dirpath, name)).st_size))
+                            st = os.stat(os.path.join(dirpath, name))
+                            out.append(ObjectInfo(key, st.st_size, st.st_mtime))
                         except FileNotFoundError:  # deleted while listing
                             continue
         out.sort(key=lambda o: o.key)

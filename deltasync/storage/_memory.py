@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -20,6 +21,7 @@ class MemoryStore(Store):
     def __init__(self, name: str = "") -> None:
         self.url = f"memory://{name}"
         self._objects: dict[str, bytes] = {}
+        self._mtimes: dict[str, float] = {}
         self._lock = threading.Lock()
 
     def put_many(self, items: Mapping[str, Data], *, mode: PutMode = "overwrite") -> None:
@@ -35,6 +37,7 @@ class MemoryStore(Store):
                 if mode == "create" and key in self._objects:
                     raise AlreadyExists(f"{self.url}: {key} already exists (create-only write)")
                 self._objects[key] = blob
+                self._mtimes[key] = time.time()
 
     def get_many(self, keys: Sequence[str]) -> dict[str, bytes]:
         # docstring inherited
@@ -52,7 +55,8 @@ class MemoryStore(Store):
         # docstring inherited
         with self._lock:
             return sorted(
-                (ObjectInfo(k, len(v)) for k, v in self._objects.items() if k.startswith(prefix)), key=lambda o: o.key
+                (ObjectInfo(k, len(v), self._mtimes.get(k)) for k, v in self._objects.items() if k.startswith(prefix)),
+                key=lambda o: o.key,
             )
 
     def delete_many(self, keys: Sequence[str]) -> None:
@@ -60,6 +64,7 @@ class MemoryStore(Store):
         with self._lock:
             for key in keys:
                 self._objects.pop(validate_key(key), None)
+                self._mtimes.pop(key, None)
 
     def exists(self, key: str) -> bool:
         # docstring inherited

@@ -209,6 +209,19 @@ class RunReader:
                 self._steps |= self._list_steps(start)
             return sorted(s for s in self._steps if s >= self._floor)
 
+    def relist(self) -> list[int]:
+        """List the whole run afresh and forget cached manifests of steps no longer listed.
+
+        For a reader that found a step gone (garbage collection): its plans must come from
+        what the store holds now. Returns every committed step, ascending.
+        """
+        with self._lock:
+            self._steps = set()
+            self._floor = None
+            steps = self.refresh(full=True)
+            self.forget([s for s in self._manifests if s not in self._steps])
+            return steps
+
     def steps(self) -> list[int]:
         """Every committed step of the run, ascending (the whole run is listed once)."""
         return self.refresh(full=True)

@@ -69,6 +69,12 @@ _ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
 _TRUE = ("1", "true", "yes", "on")
 
 
+def _mtime(meta: Any) -> float | None:
+    """Unix seconds of a listed object's ``last_modified`` (None when the server sent none)."""
+    when = meta.get("last_modified")
+    return when.timestamp() if when is not None else None
+
+
 def _is_loopback(endpoint: str) -> bool:
     host = urlparse(endpoint).hostname or ""
     if host == "localhost":
@@ -391,7 +397,8 @@ class S3Store(Store):
             f"list {prefix!r} in", None, lambda: obs.list(self._s3, directory, chunk_size=1000).collect()
         )
         return sorted(
-            (ObjectInfo(o["path"], o["size"]) for o in found if o["path"].startswith(prefix)), key=lambda o: o.key
+            (ObjectInfo(o["path"], o["size"], _mtime(o)) for o in found if o["path"].startswith(prefix)),
+            key=lambda o: o.key,
         )
 
     def list_after(self, prefix: str, start_after: str | None) -> builtins.list[ObjectInfo]:
@@ -413,7 +420,7 @@ class S3Store(Store):
         )
         return sorted(
             (
-                ObjectInfo(o["path"], o["size"])
+                ObjectInfo(o["path"], o["size"], _mtime(o))
                 for o in found
                 if o["path"].startswith(prefix) and o["path"] > start_after
             ),

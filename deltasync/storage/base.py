@@ -11,7 +11,7 @@ import builtins
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import ClassVar, Literal
@@ -26,10 +26,12 @@ Data = bytes | bytearray | memoryview | Path
 
 @dataclass(frozen=True, slots=True)
 class ObjectInfo:
-    """A listed object: its key and size in bytes."""
+    """A listed object: its key, its size in bytes and, where the backend reports it, ``mtime``:
+    when it was last written, in unix seconds (the store's clock; not part of equality)."""
 
     key: str
     size: int
+    mtime: float | None = field(default=None, compare=False)
 
 
 def validate_key(key: str) -> str:

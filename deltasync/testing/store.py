@@ -405,6 +405,16 @@ class StoreTests(ABC, Generic[S]):
         for key in _listing(store):
             store.get(key)
 
+    def test_list_reports_when_objects_were_written(self, store: S) -> None:
+        # gc ages orphan files by it (a day of slack for a store whose clock differs from ours)
+        import time
+
+        store.put("m/a", b"1")
+        store.put("m/b", b"22")
+        for o in store.list("m/"):
+            assert o.mtime is not None and abs(o.mtime - time.time()) < 86400, o
+        assert ObjectInfo("m/a", 1, 5.0) == ObjectInfo("m/a", 1)  # not part of equality
+
     def test_list_prefix_never_escapes(self, store: S) -> None:
         store.put("inside", b"x")
         for prefix in ("../", "..", "/", "/inside", "./inside", "a//", "\\"):

@@ -54,6 +54,9 @@ class UploaderConfig:
         write a span squashing those ``n`` patches (SPEC.md "Spans"), so that a replica
         far behind downloads a few spans instead of every patch; written on a background
         thread after the commit, never failing a step. ``()`` disables spans.
+    keep_anchors: after each committed anchor, garbage-collect the run in the background,
+        keeping the last N anchors and what live fetcher leases need (``deltasync gc``); a
+        failed gc is logged and counted (``uploader.retention.failures``), never raised. None: off.
     """
 
     anchor_every: int = 50
@@ -75,6 +78,7 @@ class UploaderConfig:
     distributed: bool | None = None
     distributed_timeout: float = 600.0
     span_levels: tuple[int, ...] = (8, 64)
+    keep_anchors: int | None = None
 
     def __post_init__(self) -> None:
         if self.anchor_every < 1:
@@ -87,6 +91,10 @@ class UploaderConfig:
         if not self.distributed_timeout > 0:
             raise ValueError("distributed_timeout must be > 0")
         object.__setattr__(self, "span_levels", check_levels(self.span_levels))
+        if self.keep_anchors is not None and (
+            isinstance(self.keep_anchors, bool) or not isinstance(self.keep_anchors, int) or self.keep_anchors < 1
+        ):
+            raise ValueError(f"keep_anchors must be None or an integer >= 1, got {self.keep_anchors!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -406,6 +406,8 @@ class ShardedPush:
             up._cond.notify_all()
         if self.rank == 0 and up.notifier is not None:
             up.notifier.notify(m.step, c.digest, run_id=up.run_id, kind=m.kind)
+        if m.kind == "anchor" and up.retention is not None:  # rank 0 only (keep_anchors)
+            up.retention.trigger()
         secs = time.perf_counter() - t0
         for step, fut in job.futures:
             kind: Literal["anchor", "patch"] = m.kind

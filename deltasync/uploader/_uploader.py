@@ -21,6 +21,7 @@ from deltasync.protocol import Committed, Writer
 from deltasync.protocol.digests import xxh3_128_array
 from deltasync.storage import RunReader, Store, open_store
 from deltasync.storage._claims import claim_epoch, is_fenced, newest_claim
+from deltasync.storage._gc import RetentionWorker
 from deltasync.uploader._commit import StepJob, merge_jobs, write_step
 from deltasync.uploader._config import CommitInfo, UploaderConfig
 from deltasync.uploader._diff import Baseline, TensorChange, diff_tensor, inventory_of
@@ -96,6 +97,9 @@ class DeltaUploader:
             self.notifier = Notifier(self.config.signal_url, run, self.config.signal_token)
             if self._sharded is not None and self._sharded.rank != 0:
                 self.notifier = None  # only rank 0 commits and signals
+        self.retention: RetentionWorker | None = None  # keep_anchors: gc after each committed anchor
+        if self.config.keep_anchors is not None and (self._sharded is None or self._sharded.rank == 0):
+            self.retention = RetentionWorker(self.store, self.config.keep_anchors, signing_key=self.config.signing_key)
         self._digest_q: deque[StepJob | None] = deque()
         self._digest_cv = threading.Condition()
         self._pool = ThreadPoolExecutor(max(1, self.config.encode_threads), thread_name_prefix="deltasync-encode")
@@ -499,6 +503,8 @@ class DeltaUploader:
             self.notifier.notify(m.step, committed.digest, run_id=self.run_id, kind=m.kind)
         if self.spans is not None:
             self.spans.submit(committed, job.changes if m.kind == "patch" else None)
+        if m.kind == "anchor" and self.retention is not None:
+            self.retention.trigger()
         secs = time.perf_counter() - t0
         for step, fut in job.futures:
             kind: Literal["anchor", "patch", "skipped"] = m.kind if step == m.step else "skipped"
@@ -566,6 +572,8 @@ class DeltaUploader:
             if self.spans is not None:
                 self.spans.close(timeout)
             self._pool.shutdown(wait=True)
+            if self.retention is not None:
+                self.retention.close(timeout)
             if self.notifier is not None:
                 self.notifier.close()
 
