@@ -15,6 +15,22 @@ def _signing_key() -> bytes | None:
     return key.encode() if key else None
 
 
+def _cli_uploader(store: Any, args: Any) -> Any:
+    """The DeltaUploader of `delta-upload` and `delta-upload watch`: ``args`` from their parsers
+    (anchor_every, signal, run); blocks on a backlog; keys and tokens from the environment."""
+    from deltasync.uploader import DeltaUploader
+
+    return DeltaUploader(
+        store,
+        anchor_every=args.anchor_every,
+        on_backlog="block",
+        signing_key=_signing_key(),
+        signal_url=args.signal,
+        signal_token=os.environ.get("DELTASYNC_PUBLISH_TOKEN") or None,
+        signal_run=args.run,
+    )
+
+
 def _human(n: float) -> str:
     for unit in ("B", "kB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":

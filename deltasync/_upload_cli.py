@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from deltasync._cli_common import _human, _signing_key
+from deltasync._cli_common import _cli_uploader, _human, _signing_key
 from deltasync.errors import DeltaSyncError
 from deltasync.protocol import xxh3_128
 from deltasync.storage import open_store
@@ -33,7 +33,6 @@ def cmd_upload(args: argparse.Namespace) -> int:
     from deltasync._checkpoint_io import load_checkpoint
     from deltasync.errors import ChecksumMismatch, InventoryMismatch
     from deltasync.fetcher import DeltaFetcher
-    from deltasync.uploader import DeltaUploader
 
     cast = getattr(torch, args.cast) if args.cast else None
     state = load_checkpoint(args.path)
@@ -41,15 +40,7 @@ def cmd_upload(args: argparse.Namespace) -> int:
         state = {k: v.to(cast) if v.is_floating_point() else v for k, v in state.items()}
     with open_store(args.store) as store:
         cache = _cache_dir(store.url, args.cache)
-        up = DeltaUploader(
-            store,
-            anchor_every=args.anchor_every,
-            on_backlog="block",
-            signing_key=_signing_key(),
-            signal_url=args.signal,
-            signal_token=os.environ.get("DELTASYNC_PUBLISH_TOKEN") or None,
-            signal_run=args.run,
-        )
+        up = _cli_uploader(store, args)
         fut: Any = None
         interrupted = abandoned = False
         try:

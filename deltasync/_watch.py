@@ -10,7 +10,6 @@ on disk and proven equal to the store by digests.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import signal
 import sys
@@ -22,7 +21,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from deltasync._cli_common import _human, _signing_key
+from deltasync._cli_common import _cli_uploader, _human
 from deltasync._watch_scan import Candidate, CheckpointPattern, Readiness, WatchError
 from deltasync.errors import CommitFailed, DeltaSyncError, WriterFenced
 from deltasync.storage import open_store
@@ -232,8 +231,6 @@ def cmd_watch(args: argparse.Namespace) -> int:
         raise WatchError("--interval must be > 0 seconds")
     import torch
 
-    from deltasync.uploader import DeltaUploader
-
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -246,15 +243,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         with open_store(args.store) as store:
-            up = DeltaUploader(
-                store,
-                anchor_every=args.anchor_every,
-                on_backlog="block",
-                signing_key=_signing_key(),
-                signal_url=args.signal,
-                signal_token=os.environ.get("DELTASYNC_PUBLISH_TOKEN") or None,
-                signal_run=args.run,
-            )
+            up = _cli_uploader(store, args)
             abandoned = False
             try:
                 opts = WatchOptions(
