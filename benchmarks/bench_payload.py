@@ -261,7 +261,7 @@ class Phases:
 
 def _instrument(phases: Phases, up: Any, fetcher: Any, up_store: Any, fetch_store: Any) -> None:
     """Wrap the functions whose time the breakdown table reports (names as of deltasync 0.1)."""
-    import deltasync.fetcher._fetcher as ffetcher
+    import deltasync.fetcher._execute as fexecute
     import deltasync.fetcher._reader as freader
     import deltasync.protocol.patchfile as fpatch
     import deltasync.uploader._commit as ucommit
@@ -282,11 +282,11 @@ def _instrument(phases: Phases, up: Any, fetcher: Any, up_store: Any, fetch_stor
     phases.wrap(fetcher.reader, "chain", "fetch.manifests")
     phases.wrap(fetch_store, "get_many", "fetch.store_read")
     phases.wrap(freader, "xxh3_128", "fetch.file_xxh3")
-    phases.wrap(ffetcher, "decode_patch", "fetch.decode")
+    phases.wrap(fexecute, "decode_patch", "fetch.decode")
     phases.wrap(fpatch, "decode_positions", "fetch.decode_positions")
     phases.wrap(fpatch, "decode_values", "fetch.decode_values")
-    phases.wrap(ffetcher, "apply_changes", "fetch.apply_patch")
-    phases.wrap(ffetcher, "check_digests", "fetch.verify_digests")
+    phases.wrap(fexecute, "apply_changes", "fetch.apply_patch")
+    phases.wrap(fexecute, "check_digests", "fetch.verify_digests")
 
 
 def _log(msg: str, quiet: bool) -> None:

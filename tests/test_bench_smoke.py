@@ -30,12 +30,12 @@ TINY = dict(hidden=64, layers=2, intermediate=128, vocab=512, heads=4, kv_heads=
 @pytest.mark.timeout(120)
 def test_core_runs_on_a_tiny_model(bench: Any, tmp_path: Path) -> None:
     cfg = bench.BenchConfig(**TINY, steps=2, warmup=0, lrs=(1e-5,), tmpdir=str(tmp_path))
-    import deltasync.fetcher._fetcher as ffetcher
+    import deltasync.fetcher._execute as fexecute
     import deltasync.uploader._uploader as uupl
 
-    originals = (uupl.diff_tensor, ffetcher.apply_changes)
+    originals = (uupl.diff_tensor, fexecute.apply_changes)
     res = bench.run(cfg, quiet=True)
-    assert (uupl.diff_tensor, ffetcher.apply_changes) == originals  # the timing wrappers are removed again
+    assert (uupl.diff_tensor, fexecute.apply_changes) == originals  # the timing wrappers are removed again
     recs = res.records
     assert [r.step for r in recs] == [1, 2]
     for r in recs:

@@ -2,37 +2,15 @@
 
 from __future__ import annotations
 
-import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
-
 from deltasync._tensors import inventory_of
-from deltasync.errors import (
-    ChainBroken,
-    ChecksumMismatch,
-    InventoryMismatch,
-    ObjectNotFound,
-    ProtocolError,
-)
-from deltasync.fetcher._apply import (
-    NumpySlot,
-    Slot,
-    Undo,
-    alias_groups,
-    apply_changes,
-    changed_names,
-    check_aliases,
-    check_anchor,
-    check_digests,
-    check_inventory,
-    same_effect,
-)
-from deltasync.fetcher._fold import Change, fold_steps, new_bits
+from deltasync.errors import ChainBroken, ChecksumMismatch, ObjectNotFound
+from deltasync.fetcher._apply import Slot, Undo
+from deltasync.fetcher._execute import execute
 from deltasync.fetcher._follow import follow as _follow
 from deltasync.fetcher._identity import Held, live_tensors, slots_of
 from deltasync.fetcher._journal import SyncJournal, SyncStats, restore_held
@@ -40,33 +18,14 @@ from deltasync.fetcher._lease import LeaseWriter, dir_step, run_leased
 from deltasync.fetcher._materialize import MARKER as MARKER  # re-exported (fetcher.vllm)
 from deltasync.fetcher._materialize import MaterializeStats
 from deltasync.fetcher._materialize import materialize as _materialize
-from deltasync.fetcher._reader import download
-from deltasync.protocol import Committed, FetchPlan, Manifest, TensorInfo, anchor_arrays, decode_patch
-from deltasync.protocol.digests import xxh3_128_array
+from deltasync.protocol import Manifest
 from deltasync.storage import RunReader, Store, open_store
 
 __all__ = ["DeltaFetcher", "SyncJournal", "SyncStats", "Verify"]
 
-log = logging.getLogger("deltasync.fetcher")
-
-Bits = np.ndarray[Any, np.dtype[Any]]
 #: ``False``: sizes only; ``True``: file checksums, and every tensor a step changes proven by its
 #: digest; ``"full"``: also every tensor of the target proven after each sync.
 Verify = bool | Literal["full"]
-
-
-@dataclass(frozen=True, slots=True)
-class _Loaded:
-    """A plan's steps, downloaded, checked and decoded; nothing applied yet.
-
-    ``steps`` holds one manifest per plan element (a span's own manifest for a span), so
-    ``steps[-1]`` carries the target's inventory and digests; ``patches`` are the decoded
-    patch elements, or one element (the target's manifest) when folded.
-    """
-
-    steps: tuple[Committed, ...]
-    anchor: Mapping[str, Bits] | None
-    patches: tuple[tuple[Manifest, tuple[Change, ...], tuple[str, ...]], ...]
 
 
 class DeltaFetcher:
@@ -147,199 +106,6 @@ class DeltaFetcher:
             raise ChainBroken(f"{self.store.url} has no committed steps yet")
         return latest
 
-    # -------------------------------------------------------------- loading
-
-    def _load(
-        self, plan: FetchPlan, inventory: Sequence[TensorInfo], base: Manifest | None, stats: SyncStats | None = None
-    ) -> _Loaded:
-        """Download, check and decode every step of ``plan`` (one batch of files); touches no target."""
-        elements = plan.elements
-        steps = tuple(
-            self.reader.committed(e.step) if e.span is None else self.reader.span(e.span, e.step) for e in elements
-        )
-        final = steps[-1].manifest
-        for c in steps:
-            check_inventory(inventory, c.manifest)
-        if self.verify == "full":
-            missing = sorted({t.name for t in inventory} - set(final.tensor_digests))
-            if missing:
-                raise ChecksumMismatch(
-                    f"step {final.step} carries no tensor digest for {missing[:5]}: verify='full' cannot prove it "
-                    "(the uploader ran with tensor_digests=False; use verify=True)"
-                )
-        total, done = plan.nbytes, 0
-
-        def tick(n: int) -> None:
-            nonlocal done
-            done += n
-            if self.progress:
-                self.progress(done, total)
-
-        stats = stats or SyncStats(final.step)
-        with stats.timing("download"):
-            files = download(
-                self.store,
-                [c.manifest for c in steps],
-                verify=bool(self.verify),
-                progress=tick,
-                spans=[e.span for e in elements],
-            )
-        stats.nbytes += sum(len(b) for f in files for b in f.values())
-        stats.steps += len(steps)
-        stats.spans += len(plan.spans)
-        anchor: Mapping[str, Bits] | None = None
-        patches = []
-        parent = base
-        with stats.timing("decode"):
-            for c, f in zip(steps, files, strict=True):
-                m = c.manifest
-                if m.kind == "anchor":
-                    anchor = anchor_arrays(m, f)
-                else:
-                    changes = tuple(decode_patch(m, f))
-                    patches.append((m, changes, tuple(changed_names(m, parent, changes))))
-                parent = m
-            if self.fold and len(patches) > 1:
-                # one change per tensor; every tensor any step touches is proven against the final digests
-                names = tuple(sorted({n for _, _, ns in patches for n in ns}))
-                folded: tuple[Change, ...] = tuple(fold_steps([ch for _, ch, _ in patches]))
-                return _Loaded(steps, anchor, ((final, folded, names),))
-        return _Loaded(steps, anchor, tuple(patches))
-
-    def _prove_anchor_plan(self, slots: Mapping[str, Slot], loaded: _Loaded) -> None:
-        """Replay the whole plan tensor by tensor off the target: every digest on the way is proven
-        (when verifying) and tied names must change alike; the target is not touched."""
-        assert loaded.anchor is not None
-        anchor_m = loaded.steps[0].manifest
-        final = loaded.steps[-1].manifest
-        check_anchor(slots, anchor_m, loaded.anchor, verify=bool(self.verify))
-        by_step = [({c.tensor: c for c in ch}, set(names)) for _, ch, names in loaded.patches]
-        twins: dict[str, list[str]] = {}
-        for name, primary in alias_groups(slots).items():
-            twins.setdefault(primary, [])
-            if primary != name:
-                twins[primary].append(name)
-        for primary, others in twins.items():
-            if not self.verify and not others:
-                continue  # nothing to prove without digests; ties need the replay
-            arr = np.array(loaded.anchor[primary])
-            proven = {n: anchor_m.tensor_digests.get(n) for n in (primary, *others)}  # check_anchor proved them
-            for (m, _, _), (by, names) in zip(loaded.patches, by_step, strict=True):
-                c = by.get(primary)
-                for twin in others:
-                    if not same_effect(NumpySlot(arr, key=primary), c, by.get(twin)):
-                        raise InventoryMismatch(
-                            f"target ties {primary!r} and {twin!r} to one tensor, but step {m.step} changes them differently"
-                        )
-                if c is not None:
-                    arr[c.idx] = new_bits(c, arr[c.idx])
-                if not self.verify:
-                    continue
-                digest: str | None = None
-                for n in (primary, *others):
-                    if n in names:
-                        proven[n] = want = m.tensor_digests.get(n)
-                        if want is not None and want != (digest := digest or xxh3_128_array(arr)):
-                            raise ChecksumMismatch(
-                                f"step {m.step}: tensor {n!r} is not bit-exact after applying (digest mismatch)"
-                            )
-            if self.verify == "full":
-                for n in (primary, *others):
-                    want = final.tensor_digests.get(n)
-                    if want is None or (proven[n] != want and xxh3_128_array(arr) != want):
-                        raise ChecksumMismatch(f"step {final.step}: tensor {n!r} does not match its digest")
-
-    def _apply(
-        self, slots: Mapping[str, Slot], loaded: _Loaded, stats: SyncStats | None = None, keep: Undo | None = None
-    ) -> None:
-        """Apply a loaded plan in place, all or nothing; ``keep`` receives the undo log on success."""
-        stats = stats or SyncStats(loaded.steps[-1].manifest.step)
-        undo = Undo()
-        try:
-            if loaded.anchor is not None:
-                # every digest was proven off the target: from here only the writes are left
-                with stats.timing("apply"):
-                    if keep is None:
-                        for name, primary in alias_groups(slots).items():
-                            if primary == name:
-                                slots[name].load(loaded.anchor[name])
-                        for _, changes, _ in loaded.patches:
-                            apply_changes(slots, changes, undo)
-                    else:
-                        # the caller keeps the undo: write (and remember) only tensors whose bits differ
-                        by_step = [{c.tensor: c for c in changes} for _, changes, _ in loaded.patches]
-                        for name, primary in alias_groups(slots).items():
-                            if primary != name:
-                                continue
-                            arr = np.array(loaded.anchor[name])
-                            for by in by_step:
-                                if (c := by.get(name)) is not None:
-                                    arr[c.idx] = new_bits(c, arr[c.idx])
-                            if not np.array_equal(old := slots[name].snapshot(), arr):
-                                undo.load(slots[name], old, arr)
-                                undo.names.add(name)
-                if keep is not None:
-                    keep.extend(undo)
-                return
-            for m, changes, names in loaded.patches:
-                with stats.timing("apply"):
-                    check_aliases(slots, m, changes)
-                    apply_changes(slots, changes, undo)
-                if self.verify:
-                    with stats.timing("verify"):
-                        check_digests(slots, names, m)
-            if self.verify == "full":
-                # what the last step proved is proven; the rest of the target is hashed now
-                final = loaded.steps[-1].manifest
-                done = set(loaded.patches[-1][2]) if loaded.patches and self.verify else set()
-                with stats.timing("verify"):
-                    check_digests(slots, sorted(set(slots) - done), final)
-                missing = sorted(n for n in slots if n not in final.tensor_digests)
-                if missing:
-                    raise ChecksumMismatch(f"step {final.step}: no tensor digest to prove {missing[:5]}")
-        except BaseException:
-            undo.rollback()
-            raise
-        if keep is not None:
-            keep.extend(undo)
-
-    def _execute(
-        self,
-        slots: Mapping[str, Slot],
-        inventory: Sequence[TensorInfo],
-        plan: FetchPlan,
-        base: Manifest | None,
-        stats: SyncStats,
-        keep: Undo | None,
-        have: tuple[int, str] | None = None,
-    ) -> Committed:
-        """Load and apply ``plan`` (all or nothing); returns the committed target step.
-
-        A plan through spans that fails (a span's file missing or corrupt, or its
-        content caught by verification) is rolled back, its spans are never used
-        again, and the target is planned again from ``have`` without them.
-        """
-        while True:
-            try:
-                loaded = self._load(plan, inventory, base, stats)
-                if loaded.anchor is not None:
-                    with stats.timing("verify"):
-                        self._prove_anchor_plan(slots, loaded)
-                self._apply(slots, loaded, stats, keep)
-                return self.reader.committed(plan.target_step)
-            except (ChecksumMismatch, ProtocolError, ObjectNotFound) as exc:
-                if not isinstance(exc, ObjectNotFound):
-                    # the bad bytes may be a cached manifest (read corrupted, or since repaired):
-                    # read the plan's manifests afresh next time instead of failing forever
-                    self.reader.forget(plan.steps)
-                if not plan.spans:
-                    raise
-                log.warning("step %d: spans %s failed (%s); going on without them", plan.target_step, plan.spans, exc)
-                self.reader.distrust_spans(plan.spans)
-                stats.span_fallbacks += 1
-                plan = self.reader.plan(plan.target_step, have)
-                base = self.reader.committed(have[0]).manifest if plan.base == "current" and have else None
-
     # ---------------------------------------------------------------- sync
 
     def _holds(self, slots: Mapping[str, Slot], step: int) -> tuple[int, str] | None:
@@ -410,7 +176,7 @@ class DeltaFetcher:
             base = self.reader.committed(have[0]).manifest if plan.base == "current" and have else None
             stats.base_step = have[0] if base is not None and have else None
             try:
-                reached = self._execute(slots, inventory, plan, base, stats, keep, have)
+                reached = execute(self, slots, inventory, plan, base, stats, keep, have)
             except ChecksumMismatch:
                 # the target may not hold what we believed (changed behind our back): if so, an
                 # anchor is the safe start; if it does hold it, the store's data is what is wrong
@@ -418,7 +184,7 @@ class DeltaFetcher:
                     raise
                 plan = self.reader.plan(target_step, None)
                 stats = SyncStats(target_step, clock=stats.clock)
-                reached = self._execute(slots, inventory, plan, None, stats, keep)
+                reached = execute(self, slots, inventory, plan, None, stats, keep)
         self._held[id(target)] = Held.record(target_step, reached.digest, target, live, slots)
         if journal is not None and keep is not None:
             key, records = id(target), self._held

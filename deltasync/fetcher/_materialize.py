@@ -33,6 +33,7 @@ import numpy as np
 
 from deltasync.errors import ChecksumMismatch, DeltaSyncError, ObjectNotFound, ProtocolError, StorageError
 from deltasync.fetcher._apply import NumpySlot, check_anchor
+from deltasync.fetcher._execute import apply_loaded, load
 from deltasync.fetcher._swapdir import MARKER, exchange, fsync_path, lock_dir, point, recover, remove_version
 from deltasync.protocol import FetchPlan, TensorInfo
 from deltasync.protocol.checkpoint import CHECKPOINT_METADATA, INDEX_NAME, checkpoint_shards
@@ -289,7 +290,7 @@ def _build(
     Returns the arrays and the names changed (None: an anchor was loaded, compare everything).
     """
     base = fetcher.reader.committed(have[0]).manifest if plan.base == "current" and have else None
-    loaded = fetcher._load(plan, inventory, base)
+    loaded = load(fetcher, plan, inventory, base)
     changed: set[str] | None = set()
     if loaded.anchor is not None:
         # fresh memory, sized by the anchor's bytes (checked against the inventory)
@@ -299,7 +300,7 @@ def _build(
     if loaded.anchor is not None:
         check_anchor(slots, loaded.steps[0].manifest, loaded.anchor, verify=bool(fetcher.verify))
         loaded = dataclasses.replace(loaded, anchor=None)  # loaded already: only the patches are left
-    fetcher._apply(slots, loaded)
+    apply_loaded(slots, loaded, verify=fetcher.verify)
     if changed is not None:
         changed.update(n for _, _, names in loaded.patches for n in names)
     return arrays, changed

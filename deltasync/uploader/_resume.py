@@ -8,19 +8,35 @@ cannot be continued: committed steps are never rewritten.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import logging
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
 
 from deltasync._tensors import flat_bits
-from deltasync.errors import ChecksumMismatch, InventoryMismatch
-from deltasync.protocol import Manifest
+from deltasync.errors import ChecksumMismatch, InventoryMismatch, ProtocolError
+from deltasync.protocol import Committed, Manifest
 from deltasync.protocol.digests import xxh3_128_array
 from deltasync.storage import RunReader, Store
-from deltasync.uploader._diff import inventory_of
+from deltasync.storage._claims import claim_epoch
+from deltasync.uploader._config import CommitInfo
+from deltasync.uploader._diff import Baseline, inventory_of
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["prove_state", "pushes_since_anchor", "store_ahead_message"]
+    from deltasync.uploader._uploader import DeltaUploader
+
+__all__ = [
+    "adopt",
+    "claim",
+    "prove_state",
+    "push_committed_head",
+    "pushes_since_anchor",
+    "resume",
+    "store_ahead_message",
+]
+
+log = logging.getLogger("deltasync.uploader")
 
 
 def prove_state(m: Manifest, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -66,3 +82,105 @@ def store_ahead_message(store: Store, step: int, head: int) -> str:
         f"never rewritten: push only steps after {head} (the first one becomes an anchor), or push to a new run "
         "prefix to keep every re-trained step"
     )
+
+
+# ------------------------------------------------------- DeltaUploader's resume family
+
+
+def resume(up: DeltaUploader, state: Any, step: int, *, strict: bool = False) -> bool:
+    """:meth:`DeltaUploader.resume` (see there)."""
+    if up._sharded is not None:
+        # every rank holds only its shards: no rank can hash a whole tensor against the digests
+        msg = "resume() cannot prove a sharded state (no rank holds whole tensors); the first push is an anchor"
+        if strict:
+            raise ProtocolError(msg)
+        log.warning("%s", msg)
+        return False
+    with up._cond:
+        if up._inflight or up._prev_job is not None:
+            raise RuntimeError("resume() must be called before the first push")
+    up._latest_in_store()
+    head = up._last_committed.manifest.step if up._last_committed else None
+    if head is not None and step < head:
+        raise ProtocolError(f"resume: {store_ahead_message(up.store, step, head)}")
+    up._resumed = True
+    try:
+        if head is None or step > head:
+            raise ProtocolError(f"step {step} is not committed in {up.store.url} (newest committed step: {head})")
+        adopt(up, state, step)
+    except (ProtocolError, InventoryMismatch, ChecksumMismatch) as exc:
+        if strict:
+            raise
+        up._needs_anchor = True
+        log.warning("resume from step %d: %s; the next push will be an anchor", step, exc)
+        claim(up)
+        return False
+    claim(up)
+    return True
+
+
+def adopt(up: DeltaUploader, state: Any, step: int) -> Committed:
+    """Make committed ``step`` the uploader's baseline once ``state`` is proven equal to it (raises otherwise)."""
+    committed = up._reader.committed(step)
+    m = committed.manifest
+    base = prove_state(m, up._prepare(state))
+    with up._cond:
+        up._last_committed = committed
+        up._last_ok = True
+    up._baseline = Baseline(base, m.inventory)
+    up._digest_cache = dict(m.tensor_digests)
+    up._last_step = step
+    up._needs_anchor = False
+    up._pushes_since_anchor = pushes_since_anchor(up._reader, m, up.config.anchor_every)
+    if up.spans is not None:
+        up.spans.submit(committed, None)  # spans continue from the resumed step
+    return committed
+
+
+def push_committed_head(up: DeltaUploader, state: Any, step: int) -> Future[CommitInfo]:
+    """A new uploader's first push of a step the store already holds (a restarted trainer
+    re-pushing its checkpoint): prove and adopt the store's newest step, write nothing."""
+    head = up._last_step
+    assert head is not None and up._last_committed is not None
+    if step != head:
+        raise ProtocolError(store_ahead_message(up.store, step, head))
+    try:
+        committed = adopt(up, state, step)
+    except (InventoryMismatch, ChecksumMismatch) as exc:
+        raise ProtocolError(
+            f"step {step} is already committed in {up.store.url} and the pushed state differs from it "
+            f"({exc}). Committed steps are never rewritten: push the next step (it becomes an anchor), "
+            "or push to a new run prefix"
+        ) from exc
+    up._resumed = True
+    claim(up)
+    m = committed.manifest
+    fut: Future[CommitInfo] = Future()
+    fut.set_running_or_notify_cancel()
+    total = sum(t.numel for t in m.inventory)
+    fut.set_result(CommitInfo(step, "skipped", 0, 0, total, m.anchor_step, committed.digest, step, 0.0))
+    return fut
+
+
+def claim(up: DeltaUploader) -> None:
+    """Claim the uploader's next writer epoch (once): from now on an older uploader of this run is fenced off.
+
+    A step that such an uploader committed between our read of the head and
+    our claim is superseded (readers skip it) but its number is taken: the
+    next push must come after it.
+    """
+    if up.epoch:
+        return
+    head = up._last_step
+    up.epoch = claim_epoch(up.store, up.writer_id, head)
+    taken = [s for s in up._reader.refresh() if head is None or s > head]
+    if taken:
+        log.warning(
+            "steps %s were committed by a previous uploader of %s after step %s and are now superseded; "
+            "pushes must come after step %d",
+            taken,
+            up.store.url,
+            head,
+            max(taken),
+        )
+        up._last_step = max(taken)

@@ -2,30 +2,29 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
-import time
 import uuid
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from deltasync._tensors import flat_bits, state_tensors
-from deltasync.errors import ChecksumMismatch, CommitFailed, InventoryMismatch, ProtocolError, WriterFenced
-from deltasync.protocol import Committed, Writer
+from deltasync.errors import ProtocolError, WriterFenced
+from deltasync.protocol import Committed
 from deltasync.protocol.digests import xxh3_128_array
 from deltasync.storage import RunReader, Store, open_store
-from deltasync.storage._claims import claim_epoch, is_fenced, newest_claim
+from deltasync.storage._claims import is_fenced, newest_claim
 from deltasync.storage._gc import RetentionWorker
-from deltasync.uploader._commit import StepJob, merge_jobs, write_step
+from deltasync.uploader import _resume
+from deltasync.uploader._commit import StepJob
 from deltasync.uploader._config import CommitInfo, UploaderConfig
 from deltasync.uploader._diff import Baseline, TensorChange, diff_tensor, inventory_of
-from deltasync.uploader._resume import prove_state, pushes_since_anchor, store_ahead_message
+from deltasync.uploader._pipeline import commit_loop, digest_loop
 from deltasync.uploader._retry import RetryPolicy
 from deltasync.uploader._spans import SpanWriter
 
@@ -36,8 +35,6 @@ if TYPE_CHECKING:
     from deltasync.uploader._sharded import ShardedPush
 
 __all__ = ["CommitInfo", "DeltaUploader", "UploaderConfig"]
-
-log = logging.getLogger("deltasync.uploader")
 
 
 class DeltaUploader:
@@ -116,8 +113,8 @@ class DeltaUploader:
                 retry=RetryPolicy(self.config.retries, self.config.retry_backoff),
             )
         self._threads = [
-            threading.Thread(target=self._digest_loop, name="deltasync-digest", daemon=True),
-            threading.Thread(target=self._commit_loop, name="deltasync-commit", daemon=True),
+            threading.Thread(target=digest_loop, args=(self,), name="deltasync-digest", daemon=True),
+            threading.Thread(target=commit_loop, args=(self,), name="deltasync-commit", daemon=True),
         ]
         for t in self._threads:
             t.start()
@@ -145,98 +142,7 @@ class DeltaUploader:
         uploader's writer epoch, so an older uploader of the run still alive is
         fenced off from then on.
         """
-        if self._sharded is not None:
-            # every rank holds only its shards: no rank can hash a whole tensor against the digests
-            msg = "resume() cannot prove a sharded state (no rank holds whole tensors); the first push is an anchor"
-            if strict:
-                raise ProtocolError(msg)
-            log.warning("%s", msg)
-            return False
-        with self._cond:
-            if self._inflight or self._prev_job is not None:
-                raise RuntimeError("resume() must be called before the first push")
-        self._latest_in_store()
-        head = self._last_committed.manifest.step if self._last_committed else None
-        if head is not None and step < head:
-            raise ProtocolError(f"resume: {store_ahead_message(self.store, step, head)}")
-        self._resumed = True
-        try:
-            if head is None or step > head:
-                raise ProtocolError(f"step {step} is not committed in {self.store.url} (newest committed step: {head})")
-            self._adopt(state, step)
-        except (ProtocolError, InventoryMismatch, ChecksumMismatch) as exc:
-            if strict:
-                raise
-            self._needs_anchor = True
-            log.warning("resume from step %d: %s; the next push will be an anchor", step, exc)
-            self._claim()
-            return False
-        self._claim()
-        return True
-
-    def _adopt(self, state: Any, step: int) -> Committed:
-        """Make committed ``step`` the baseline once ``state`` is proven equal to it (raises otherwise)."""
-        committed = self._reader.committed(step)
-        m = committed.manifest
-        base = prove_state(m, self._prepare(state))
-        with self._cond:
-            self._last_committed = committed
-            self._last_ok = True
-        self._baseline = Baseline(base, m.inventory)
-        self._digest_cache = dict(m.tensor_digests)
-        self._last_step = step
-        self._needs_anchor = False
-        self._pushes_since_anchor = pushes_since_anchor(self._reader, m, self.config.anchor_every)
-        if self.spans is not None:
-            self.spans.submit(committed, None)  # spans continue from the resumed step
-        return committed
-
-    def _push_committed_head(self, state: Any, step: int) -> Future[CommitInfo]:
-        """A new uploader's first push of a step the store already holds (a restarted trainer
-        re-pushing its checkpoint): prove and adopt the store's newest step, write nothing."""
-        head = self._last_step
-        assert head is not None and self._last_committed is not None
-        if step != head:
-            raise ProtocolError(store_ahead_message(self.store, step, head))
-        try:
-            committed = self._adopt(state, step)
-        except (InventoryMismatch, ChecksumMismatch) as exc:
-            raise ProtocolError(
-                f"step {step} is already committed in {self.store.url} and the pushed state differs from it "
-                f"({exc}). Committed steps are never rewritten: push the next step (it becomes an anchor), "
-                "or push to a new run prefix"
-            ) from exc
-        self._resumed = True
-        self._claim()
-        m = committed.manifest
-        fut: Future[CommitInfo] = Future()
-        fut.set_running_or_notify_cancel()
-        total = sum(t.numel for t in m.inventory)
-        fut.set_result(CommitInfo(step, "skipped", 0, 0, total, m.anchor_step, committed.digest, step, 0.0))
-        return fut
-
-    def _claim(self) -> None:
-        """Claim the next writer epoch (once): from now on an older uploader of this run is fenced off.
-
-        A step that such an uploader committed between our read of the head and
-        our claim is superseded (readers skip it) but its number is taken: the
-        next push must come after it.
-        """
-        if self.epoch:
-            return
-        head = self._last_step
-        self.epoch = claim_epoch(self.store, self.writer_id, head)
-        taken = [s for s in self._reader.refresh() if head is None or s > head]
-        if taken:
-            log.warning(
-                "steps %s were committed by a previous uploader of %s after step %s and are now superseded; "
-                "pushes must come after step %d",
-                taken,
-                self.store.url,
-                head,
-                max(taken),
-            )
-            self._last_step = max(taken)
+        return _resume.resume(self, state, step, strict=strict)
 
     # ------------------------------------------------------------------ push
 
@@ -279,12 +185,12 @@ class DeltaUploader:
                 and self._last_committed is not None
                 and self._sharded is None
             ):
-                return self._push_committed_head(state, step)  # a restarted trainer (see resume())
+                return _resume.push_committed_head(self, state, step)  # a restarted trainer (see resume())
             raise ProtocolError(f"step {step} is not after the last step {self._last_step}; steps must increase")
         if self._sharded is not None:
             return self._sharded.push(state, step)
         if not self.epoch:
-            self._claim()
+            _resume.claim(self)
             if self._last_step is not None and step <= self._last_step:
                 raise ProtocolError(
                     f"step {step} is not after step {self._last_step}, which an older uploader of this run committed "
@@ -370,40 +276,6 @@ class DeltaUploader:
 
     # -------------------------------------------------------------- digests
 
-    def _digest_loop(self) -> None:
-        while True:
-            with self._digest_cv:
-                self._digest_cv.wait_for(lambda: bool(self._digest_q))
-                job = self._digest_q.popleft()
-            if job is None:
-                return
-            try:
-                if job.kind == "anchor" and self.config.defer_diff:
-                    self._prefault_staging()
-                if job.staged:
-                    self._diff(job)
-                for c in job.changes.values():
-                    c.wait()  # device tensors: the asynchronous copies of the changes to pinned memory
-                if self.config.tensor_digests:
-                    self._digest(job)
-            except Exception as exc:  # noqa: BLE001 - surfaced through the job's future
-                log.exception("diffing or hashing step %d failed", job.step)
-                job.digests = {}
-                job.error = exc
-            try:
-                with self._cond:
-                    full = len(self._pending) >= self.config.max_pending
-                    if self._pending and full and self.config.on_backlog == "coalesce":
-                        self._pending[-1] = merge_jobs(self._pending[-1], job)
-                    else:
-                        self._pending.append(job)
-                    self._cond.notify_all()
-            finally:
-                # only now may the next push go on: in "block" mode it counts the queued
-                # jobs, and this one must already be among them (a merged job shares
-                # this Event, so the commit thread waits for it as well)
-                job.digests_ready.set()
-
     def _prefault_staging(self) -> None:
         """Allocate and touch the staging buffers now, off the caller's thread, so that the
         next push() copies into warm memory instead of paying the page faults."""
@@ -435,92 +307,6 @@ class DeltaUploader:
             job.digests[name] = self._digest_cache[name] = xxh3_128_array(arr)
 
     # --------------------------------------------------------------- commits
-
-    def _commit_loop(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: bool(self._pending) or self._stop.is_set())
-                if not self._pending:
-                    return
-                job = self._pending.popleft()
-                self._cond.notify_all()
-            job.digests_ready.wait()
-            self._commit(job)
-
-    def _commit(self, job: StepJob) -> None:
-        if self._sharded is not None:
-            self._sharded.commit(job)
-            return
-        t0 = time.perf_counter()
-        try:
-            if job.kind == "patch" and not self._last_ok:
-                raise CommitFailed(
-                    f"step {job.step}: its parent step was not committed; the next push will be an anchor"
-                )
-            if job.error is not None or (self.config.tensor_digests and len(job.digests) != len(job.inventory)):
-                raise CommitFailed(f"step {job.step}: diffing or hashing the state failed: {job.error}")
-            last = self._last_committed
-            committed = write_step(
-                self.store,
-                job,
-                run_id=self.run_id,
-                parent=last,
-                anchor_step=last.manifest.anchor_step if last else job.step,
-                shard_bytes=self.config.shard_bytes,
-                pool=self._pool,
-                signing_key=self.config.signing_key,
-                writer=Writer(self.writer_id, self.epoch),
-                fence=self._check_fence,
-                retry=RetryPolicy(self.config.retries, self.config.retry_backoff),
-            )
-        except Exception as exc:  # noqa: BLE001 - re-raised into the futures
-            self.failures += 1
-            if isinstance(exc, WriterFenced):
-                self._fenced = exc
-            log.error("commit of step %d failed: %s", job.step, exc)
-            err = exc if isinstance(exc, CommitFailed) else CommitFailed(f"step {job.step}: commit failed: {exc}")
-            if err is not exc:
-                err.__cause__ = exc
-            with self._cond:
-                self._last_ok = False
-                self._needs_anchor = True
-                self._inflight -= len(job.futures)
-                self._cond.notify_all()
-            for _, fut in job.futures:
-                fut.set_exception(err)
-            return
-        m = committed.manifest
-        with self._cond:
-            self._last_committed = committed
-            self._last_ok = True
-            if m.kind == "anchor":
-                self._anchor_bytes, self._bytes_since_anchor = m.stats.nbytes, 0
-            else:
-                self._bytes_since_anchor += m.stats.nbytes
-            self._inflight -= len(job.futures)
-            self._cond.notify_all()
-        if self.notifier is not None:
-            self.notifier.notify(m.step, committed.digest, run_id=self.run_id, kind=m.kind)
-        if self.spans is not None:
-            self.spans.submit(committed, job.changes if m.kind == "patch" else None)
-        if m.kind == "anchor" and self.retention is not None:
-            self.retention.trigger()
-        secs = time.perf_counter() - t0
-        for step, fut in job.futures:
-            kind: Literal["anchor", "patch", "skipped"] = m.kind if step == m.step else "skipped"
-            fut.set_result(
-                CommitInfo(
-                    step,
-                    kind,
-                    m.stats.nbytes,
-                    m.stats.changed,
-                    m.stats.total,
-                    m.anchor_step,
-                    committed.digest,
-                    m.step,
-                    secs,
-                )
-            )
 
     def _check_fence(self) -> None:
         if is_fenced(self.store, self.epoch):
