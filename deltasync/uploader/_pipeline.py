@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from deltasync.errors import CommitFailed, WriterFenced
 from deltasync.protocol import Writer
@@ -108,13 +108,7 @@ def commit_job(up: DeltaUploader, job: StepJob) -> None:
         err = exc if isinstance(exc, CommitFailed) else CommitFailed(f"step {job.step}: commit failed: {exc}")
         if err is not exc:
             err.__cause__ = exc
-        with up._cond:
-            up._last_ok = False
-            up._needs_anchor = True
-            up._inflight -= len(job.futures)
-            up._cond.notify_all()
-        for _, fut in job.futures:
-            fut.set_exception(err)
+        fail_step(up, job, err)
         return
     m = committed.manifest
     with up._cond:
@@ -148,3 +142,14 @@ def commit_job(up: DeltaUploader, job: StepJob) -> None:
                 secs,
             )
         )
+
+
+def fail_step(up: DeltaUploader, job: Any, err: BaseException) -> None:
+    """A step that did not commit: the next push is an anchor; ``err`` goes to its Futures."""
+    with up._cond:
+        up._last_ok = False
+        up._needs_anchor = True
+        up._inflight -= len(job.futures)
+        up._cond.notify_all()
+    for _, fut in job.futures:
+        fut.set_exception(err)

@@ -33,6 +33,7 @@ from deltasync.uploader._commit import StepJob
 from deltasync.uploader._config import CommitInfo
 from deltasync.uploader._diff import TensorChange, diff_tensor
 from deltasync.uploader._exchange import Exchange
+from deltasync.uploader._pipeline import fail_step
 from deltasync.uploader._retry import RetryPolicy
 from deltasync.uploader._sharded_owner import OwnerCopies, RankReport, commit_on_rank0, write_rank_files
 from deltasync.uploader._shardmap import AnchorPlan, Box, anchor_plan, owner_map, to_global
@@ -382,12 +383,7 @@ class ShardedPush:
             self.copies.clear()
             with up._cond:
                 up.failures += 1
-                up._last_ok = False
-                up._needs_anchor = True
-                up._inflight -= len(job.futures)
-                up._cond.notify_all()
-            for _, fut in job.futures:
-                fut.set_exception(err)
+            fail_step(up, job, err)
             return
         m = c.manifest
         if self.rank != 0:
