@@ -8,9 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from deltasync.errors import ChecksumMismatch, InventoryMismatch
+from deltasync.errors import ChecksumMismatch, InventoryMismatch, ProtocolError
 from deltasync.fetcher._fold import Change, new_bits
-from deltasync.protocol import Manifest, TensorInfo
+from deltasync.protocol import Manifest, TensorInfo, kernels
 from deltasync.protocol.digests import xxh3_128_array
 
 __all__ = [
@@ -52,6 +52,12 @@ class Slot(ABC):
     def digest(self) -> str:
         """xxh3-128 of the tensor's bytes."""
 
+    def apply(self, c: Change) -> Bits:
+        """Apply one change in place; returns the bits it overwrote (for the undo log)."""
+        old = self.take(c.idx)
+        self.put(c.idx, new_bits(c, old))
+        return old
+
     @abstractmethod
     def snapshot(self) -> Bits:
         """A host copy of all the bits."""
@@ -79,6 +85,27 @@ class NumpySlot(Slot):
     def digest(self) -> str:
         # docstring inherited
         return xxh3_128_array(self.arr)
+
+    def apply(self, c: Change) -> Bits:
+        # docstring inherited
+        kern = kernels.impl()
+        coding = c.coding
+        idx = c.idx
+        if (
+            kern is None
+            or coding == "mixed"
+            or not idx.size
+            or idx.dtype != np.int64
+            or c.values.dtype.itemsize != self.arr.dtype.itemsize
+            or not self.arr.flags.c_contiguous
+        ):
+            return super().apply(c)
+        if int(idx[0]) < 0 or int(idx[-1]) >= self.arr.size:  # sorted positions: the ends bound them all
+            raise ProtocolError(f"{c.tensor!r}: positions outside a tensor of {self.arr.size} elements")
+        old: Bits = np.empty(idx.size, dtype=self.arr.dtype)
+        vals = c.values.view(self.arr.dtype)
+        (kern.xor_apply if coding == "xor-rank" else kern.set_apply)(self.arr.reshape(-1), idx, vals, old)
+        return old
 
     def snapshot(self) -> Bits:
         # docstring inherited
@@ -227,9 +254,8 @@ class Undo:
 
     def put(self, slot: Slot, c: Change) -> None:
         """Apply one decoded (or folded) change, remembering what it overwrote."""
-        old = slot.take(c.idx)
+        old = slot.apply(c)
         self._log.append((slot, c.idx, old))
-        slot.put(c.idx, new_bits(c, old))
 
     def load(self, slot: Slot, old: Bits, new: Bits) -> None:
         """Overwrite a whole tensor (``old`` is a copy of its current bits), remembering ``old``."""

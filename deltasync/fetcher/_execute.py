@@ -104,7 +104,7 @@ def load(
             if m.kind == "anchor":
                 anchor = anchor_arrays(m, f)
             else:
-                changes = tuple(decode_patch(m, f))
+                changes = tuple(decode_patch(m, f, threads=fetcher.threads))
                 patches.append((m, changes, tuple(changed_names(m, parent, changes))))
             parent = m
         if fetcher.fold and len(patches) > 1:

@@ -47,6 +47,8 @@ class DeltaFetcher:
     lease_ttl: write a lease (``leases/<id>.json``, see :class:`~deltasync.fetcher._lease.LeaseWriter`)
         at the start and end of each sync, valid this many seconds, so ``deltasync gc`` keeps what
         this fetcher holds and fetches. None (default): no lease, the store is only read.
+    threads: decode up to this many tensors of a step at once (the compiled kernels release the
+        GIL; see :mod:`deltasync.protocol.kernels`).
 
     A sync is all or nothing: the target ends at the step returned, or the call
     raises with the target as it was.
@@ -64,6 +66,7 @@ class DeltaFetcher:
         spans: bool = True,
         fold: bool = True,
         lease_ttl: float | None = None,
+        threads: int = 2,
     ) -> None:
         if verify not in (True, False, "full"):
             raise ValueError(f"verify must be True, False or 'full', got {verify!r}")
@@ -73,6 +76,7 @@ class DeltaFetcher:
         self.shard_bytes = shard_bytes
         self.reader = reader if reader is not None else RunReader(self.store, signing_key=signing_key, spans=spans)
         self.fold = fold
+        self.threads = max(1, threads)
         self._held: dict[int, Held] = {}
         self.lease = LeaseWriter(self.store, lease_ttl) if lease_ttl is not None else None
         #: timings and bytes of the last :meth:`sync` (None before the first)

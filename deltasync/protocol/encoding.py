@@ -27,12 +27,14 @@ from __future__ import annotations
 import struct
 import threading
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Literal
 
 import numpy as np
 import zstandard
 
 from deltasync.errors import ProtocolError
+from deltasync.protocol import kernels
 from deltasync.protocol.manifest import ZSTD_MAX_RATIO
 
 __all__ = [
@@ -152,29 +154,38 @@ def _encode_pairs(sym: Ints) -> bytes:
         s = np.append(s, np.uint8(0))
     two = s.view("<u2")
     pairs = _PAIR_LUT[two]
-    esc = pairs == PAIR_ESCAPE
-    escaped = two[esc] if bool(esc.any()) else None
+    return _pairs_blob(pairs, two[pairs == PAIR_ESCAPE])
+
+
+def _pairs_blob(pairs: Ints, escaped: Ints) -> bytes:
+    """The pair stream's bytes from its pair bytes and its escaped pairs (little-endian u16)."""
     pz = _compress(pairs)
-    return b"".join([struct.pack("<I", len(pz)), pz, _compress(escaped.view(np.uint8)) if escaped is not None else b""])
+    esc = _compress(escaped.astype("<u2", copy=False).view(np.uint8)) if escaped.size else b""
+    return b"".join([struct.pack("<I", len(pz)), pz, esc])
 
 
-def _decode_pairs(blob: bytes | memoryview, count: int, what: str) -> Ints:
+def _pair_parts(blob: bytes | memoryview, count: int, what: str) -> tuple[Ints, Ints]:
+    """(pair bytes, escaped pairs as u16) of a pair stream coding ``count`` symbols."""
     mv = memoryview(blob)
     if len(mv) < 4:
         raise ProtocolError(f"{what}: symbol stream truncated")
     (plen,) = struct.unpack_from("<I", mv, 0)
     if len(mv) < 4 + plen:
         raise ProtocolError(f"{what}: symbol stream truncated")
-    npairs = (count + 1) // 2
-    pairs = np.frombuffer(_decompress(mv[4 : 4 + plen], npairs, what + " pairs"), dtype=np.uint8)
+    pairs = np.frombuffer(_decompress(mv[4 : 4 + plen], (count + 1) // 2, what + " pairs"), dtype=np.uint8)
+    n_esc = int(np.count_nonzero(pairs == PAIR_ESCAPE))
+    raw = _decompress(mv[4 + plen :], 2 * n_esc, what + " escaped pairs")
+    return pairs, np.frombuffer(raw, dtype="<u2")
+
+
+def _decode_pairs(blob: bytes | memoryview, count: int, what: str) -> Ints:
+    pairs, escaped = _pair_parts(blob, count, what)
     esc = pairs == PAIR_ESCAPE
-    n_esc = int(np.count_nonzero(esc))
-    if int(np.count_nonzero(pairs >= PAIR_BASE * PAIR_BASE)) != n_esc:
+    if int(np.count_nonzero(pairs >= PAIR_BASE * PAIR_BASE)) != escaped.size:
         raise ProtocolError(f"{what}: invalid pair byte")
     both = _PAIR_DECODE[pairs]  # (a, b) as one little-endian u16 per pair
-    raw = _decompress(mv[4 + plen :], 2 * n_esc, what + " escaped pairs")
-    if n_esc:
-        both[esc] = np.frombuffer(raw, dtype="<u2")
+    if escaped.size:
+        both[esc] = escaped
     flat = both.view(np.uint8)
     if count % 2 and flat[-1] != 0:
         raise ProtocolError(f"{what}: nonzero padding symbol")
@@ -206,9 +217,12 @@ def _rice_cost(gaps: Ints, k: int) -> int:
     return int(gaps.size * (k + 1) + int(np.sum(gaps >> k)))
 
 
+def _rice_k0(mean: float) -> int:
+    return max(0, int(np.floor(np.log2(mean * 0.6931 + 1.0))))
+
+
 def _rice_k(gaps: Ints) -> int:
-    mean = float(gaps.mean()) if gaps.size else 0.0
-    k0 = max(0, int(np.floor(np.log2(mean * 0.6931 + 1.0))))
+    k0 = _rice_k0(float(gaps.mean()) if gaps.size else 0.0)
     sample = gaps[:: max(1, gaps.size >> 16)]  # about 64k gaps decide as well as all of them
     return min((kk for kk in (k0 - 1, k0, k0 + 1) if 0 <= kk <= 62), key=lambda kk: _rice_cost(sample, kk))
 
@@ -227,8 +241,22 @@ def _encode_rice(gaps: Ints, k: int, zipped: bool) -> bytes:
     return b"".join([struct.pack("<I", len(p)), p, struct.pack("<I", len(bigs) // 8), bigs, planes])
 
 
+def _encode_rice_z_kernel(kern: ModuleType, idx: Ints) -> tuple[int, bytes]:
+    """The kernels' rice-z coding: the same k and bytes as :func:`_encode_rice` (zipped)."""
+    # the mean gap exactly as numpy's gaps.mean() gives it (the gap sum is exact in float64)
+    k = int(kern.rice_k(idx, _rice_k0(float(int(idx[-1]) - (idx.size - 1)) / idx.size)))
+    pairs, esc, ne, bigs, nb, planes = kern.rice_z_parts(idx, k)
+    p = _pairs_blob(pairs, esc[:ne])
+    bigs_b = bigs[:nb].astype("<u8", copy=False).tobytes()
+    return k, b"".join([struct.pack("<I", len(p)), p, struct.pack("<I", nb), bigs_b, planes.tobytes()])
+
+
 def _encode_positions(idx: Ints) -> tuple[PositionCoding, int, bytes]:
     """(coding, k, blob) of sorted non-empty int64 positions."""
+    kern = kernels.impl()
+    if kern is not None and idx.size >= ZIP_QUOTIENTS:
+        k, blob = _encode_rice_z_kernel(kern, np.ascontiguousarray(idx, dtype=np.int64))
+        return "rice-z", k, blob
     gaps = np.empty_like(idx)
     gaps[0] = idx[0]
     np.subtract(idx[1:], idx[:-1], out=gaps[1:])
@@ -267,6 +295,37 @@ def _zipped_quotients(mv: memoryview, count: int, what: str) -> Ints:
     return q
 
 
+_POSITION_ERRORS = {
+    1: "escaped quotient pairs do not match the pair stream",
+    2: "invalid pair byte",
+    3: "nonzero padding symbol",
+    4: "big-quotient stream does not match the quotients",
+    5: "big quotient out of range",
+    6: "a position gap exceeds the tensor",
+    7: "positions run outside the tensor",
+}
+
+
+def _rice_z_kernel(kern: ModuleType, head: Ints, planes: Ints, k: int, count: int, numel: int, what: str) -> Ints:
+    """Positions of a rice-z stream in one compiled pass (the checks of :func:`_zipped_quotients`)."""
+    mv = memoryview(head.data).cast("B")
+    if len(mv) < 4:
+        raise ProtocolError(f"{what}: position stream truncated")
+    (plen,) = struct.unpack_from("<I", mv, 0)
+    if len(mv) < 8 + plen:
+        raise ProtocolError(f"{what}: position stream truncated")
+    pairs, escaped = _pair_parts(mv[4 : 4 + plen], count, what + " quotients")
+    (nbig,) = struct.unpack_from("<I", mv, 4 + plen)
+    if len(mv) != 8 + plen + 8 * nbig:
+        raise ProtocolError(f"{what}: big-quotient stream does not match the quotients")
+    bigs = np.frombuffer(mv[8 + plen :], dtype="<u8")
+    pos, err = kern.rice_z_positions(pairs, escaped, bigs, planes, k, count, numel)
+    if err:
+        raise ProtocolError(f"{what}: {_POSITION_ERRORS[err]} (a tensor of {numel} elements)")
+    out: Ints = pos
+    return out
+
+
 def decode_positions(blob: bytes | memoryview, coding: str, k: int, count: int, numel: int, what: str) -> Ints:
     """Sorted int64 flat positions of a tensor with ``numel`` elements."""
     if coding == "dense":
@@ -282,8 +341,11 @@ def decode_positions(blob: bytes | memoryview, coding: str, k: int, count: int, 
         raise ProtocolError(f"{what}: position stream truncated")
     buf = np.frombuffer(blob, dtype=np.uint8)
     head = buf[: buf.size - rem_len]
+    kern = kernels.impl()
     if coding == "rice":
         q = _unary_quotients(head, count, what)
+    elif kern is not None:
+        return _rice_z_kernel(kern, head, buf[buf.size - rem_len :], k, count, numel, what)
     else:
         q = _zipped_quotients(memoryview(head.data).cast("B"), count, what)
     # No gap reaches numel, so a larger quotient is corrupt; checking it first also keeps
@@ -302,15 +364,37 @@ def decode_positions(blob: bytes | memoryview, coding: str, k: int, count: int, 
 # ---------------------------------------------------------------- values
 
 
+def _table_of_counts(counts: Ints) -> tuple[Ints, Ints]:
+    """(the up to 255 commonest values, most frequent first, ties by value; rank lookup table)."""
+    nz = np.flatnonzero(counts)
+    order = nz[np.argsort(-counts[nz], kind="stable")][:ESCAPE]
+    lut = np.full(counts.size, ESCAPE, dtype=np.uint8)
+    lut[order] = np.arange(order.size, dtype=np.uint8)
+    return order, lut
+
+
+def _unsigned(a: Ints) -> Ints:
+    return a.view(f"u{a.dtype.itemsize}")
+
+
+def _xor_rank_kernel(kern: ModuleType, old: Ints, new: Ints) -> bytes:
+    """:func:`_encode_xor_rank` of ``old ^ new`` (bits of at most 2 bytes) in two compiled passes."""
+    o, n = _unsigned(old), _unsigned(new)
+    counts = np.zeros(1 << (8 * old.dtype.itemsize), dtype=np.int64)
+    kern.xor_histogram(o, n, counts)
+    order, lut = _table_of_counts(counts)
+    table = order.astype(o.dtype).view(old.dtype)
+    pairs, pesc, ne, vesc, nv = kern.xor_rank_parts(o, n, lut)
+    rank_p = _pairs_blob(pairs, pesc[:ne])
+    esc_z = _compress(_planes(vesc[:nv].view(old.dtype))) if nv else b""
+    return b"".join([struct.pack("<H", table.size), table.tobytes(), struct.pack("<I", len(rank_p)), rank_p, esc_z])
+
+
 def _rank_table(xor: Ints) -> tuple[Ints, Ints]:
     """(table of most frequent XOR values, uint8 rank per element; ESCAPE if not in table)."""
     if xor.dtype.itemsize <= 2:
         u = xor.view(np.uint8 if xor.dtype.itemsize == 1 else np.uint16)
-        counts = np.bincount(u, minlength=1 << (8 * xor.dtype.itemsize))
-        nz = np.flatnonzero(counts)
-        order = nz[np.argsort(-counts[nz], kind="stable")][:ESCAPE]
-        lut = np.full(counts.size, ESCAPE, dtype=np.uint8)
-        lut[order] = np.arange(order.size, dtype=np.uint8)
+        order, lut = _table_of_counts(np.bincount(u, minlength=1 << (8 * xor.dtype.itemsize)))
         return order.astype(u.dtype).view(xor.dtype), lut[u]
     values, inverse, counts = np.unique(xor, return_inverse=True, return_counts=True)
     order = np.argsort(-counts, kind="stable")[:ESCAPE]
@@ -341,6 +425,9 @@ def _decode_xor_rank(blob: bytes | memoryview, count: int, bits: np.dtype[Any], 
     off += 4
     if len(mv) < off + rlen:
         raise ProtocolError(f"{what}: rank stream truncated")
+    kern = kernels.impl()
+    if kern is not None:
+        return _xor_rank_decode_kernel(kern, mv, off, rlen, table, count, what)
     ranks = _decode_pairs(mv[off : off + rlen], count, what + " ranks")
     esc_mask = ranks == ESCAPE
     n_esc = int(np.count_nonzero(esc_mask))
@@ -356,6 +443,42 @@ def _decode_xor_rank(blob: bytes | memoryview, count: int, bits: np.dtype[Any], 
     out[ok] = table[ranks[ok]]
     out[esc_mask] = _unplanes(esc_raw, n_esc, bits)
     return out
+
+
+_VALUE_ERRORS = {
+    1: "escaped rank pairs do not match the pair stream",
+    2: "invalid pair byte",
+    3: "nonzero padding symbol",
+    4: "escaped values do not match the escaped ranks",
+    5: "escaped rank with a table of fewer than 255 entries",
+    6: "rank outside the table",
+}
+
+
+def _xor_rank_decode_kernel(
+    kern: ModuleType, mv: memoryview, off: int, rlen: int, table: Ints, count: int, what: str
+) -> Ints:
+    """XOR masks in one compiled pass; the escaped values' frame is sized from its own header
+    (bounded by ``count``) and the kernel checks that their number matches the escaped ranks."""
+    pairs, escaped = _pair_parts(mv[off : off + rlen], count, what + " ranks")
+    rest = mv[off + rlen :]
+    w = table.dtype.itemsize
+    n_esc = 0
+    if len(rest):
+        try:
+            declared = zstandard.frame_content_size(rest)
+        except zstandard.ZstdError as exc:
+            raise ProtocolError(f"{what} escapes: not a zstd frame ({exc})") from None
+        if declared < 0 or declared % w or declared > count * w:
+            raise ProtocolError(f"{what} escapes: zstd frame declares {declared} bytes for {count} values")
+        n_esc = declared // w
+    raw = _decompress(rest, n_esc * w, what + " escapes")
+    vesc = _unplanes(raw, n_esc, table.dtype) if n_esc else np.empty(0, dtype=table.dtype)
+    out, err = kern.xor_rank_values(pairs, escaped, table, vesc, count)
+    if err:
+        raise ProtocolError(f"{what}: {_VALUE_ERRORS[err]} ({table.size} entries)")
+    vals: Ints = out
+    return vals
 
 
 def decode_values(blob: bytes | memoryview, coding: str, count: int, bits: np.dtype[Any], what: str) -> Ints:
@@ -386,15 +509,19 @@ def encode_changes(numel: int, idx: Ints, old: Ints, new: Ints) -> EncodedTensor
     count = int(idx.size)
     if count == 0 or count > numel:
         raise ValueError(f"encode_changes needs 1..{numel} changed positions, got {count}")
-    xor = old ^ new
+    kern = kernels.impl()
     pcoding, k, pos_blob = _encode_positions(idx)
-    best = EncodedTensor(count, pcoding, k, "xor-rank", pos_blob, _encode_xor_rank(xor))
+    if kern is not None and new.dtype.itemsize <= 2:
+        val_blob = _xor_rank_kernel(kern, np.ascontiguousarray(old), np.ascontiguousarray(new))
+    else:
+        val_blob = _encode_xor_rank(old ^ new)
+    best = EncodedTensor(count, pcoding, k, "xor-rank", pos_blob, val_blob)
     if count < 65536 or best.nbytes > count * new.dtype.itemsize:
         raw = EncodedTensor(count, pcoding, k, "raw", pos_blob, _compress(_planes(new)))
         best = min(best, raw, key=lambda e: e.nbytes)
     if count * 2 > numel:  # below half density the dense trial never won in the benchmark
-        dense_xor = np.zeros(numel, dtype=xor.dtype)
-        dense_xor[idx] = xor
+        dense_xor = np.zeros(numel, dtype=new.dtype)
+        dense_xor[idx] = old ^ new
         dense = EncodedTensor(numel, "dense", 0, "xor-rank", b"", _encode_xor_rank(dense_xor))
         best = min(best, dense, key=lambda e: e.nbytes)
     return best

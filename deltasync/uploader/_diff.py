@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from deltasync._tensors import flat_bits, inventory_of
-from deltasync.protocol import TensorInfo
+from deltasync.protocol import TensorInfo, kernels
 
 if TYPE_CHECKING:
     import torch
@@ -60,6 +61,16 @@ def _diff_numpy(base: Bits, new: Bits) -> Bits:
     return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
 
+def _diff_kernel(kern: ModuleType, base: Bits, new: Bits) -> TensorChange | None:
+    """Compare, collect and update in one compiled pass (the GIL released)."""
+    idx, old, vals, n = kern.diff_update(base, new)
+    if not n:
+        return None
+    if 2 * n < idx.size:  # the kernel grows its buffers by doubling: keep only what is used
+        return TensorChange(idx[:n].copy(), old[:n].copy(), vals[:n].copy())
+    return TensorChange(idx[:n], old[:n], vals[:n])
+
+
 def diff_tensor(base: torch.Tensor, new: torch.Tensor) -> TensorChange | None:
     """Changed positions of ``new`` against ``base`` (both flat bit views), and update ``base``.
 
@@ -68,6 +79,9 @@ def diff_tensor(base: torch.Tensor, new: torch.Tensor) -> TensorChange | None:
     """
     if base.device.type == "cpu":
         b, n = base.numpy(), flat_bits(new).numpy()
+        kern = kernels.impl()
+        if kern is not None:
+            return _diff_kernel(kern, b, n)
         idx = _diff_numpy(b, n)
         if not idx.size:
             return None

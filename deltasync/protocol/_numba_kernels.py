@@ -1,0 +1,369 @@
+"""numba kernels for the codec's hot loops (imported only through :mod:`deltasync.protocol.kernels`).
+
+Each kernel is one pass over a tensor's changed elements (or, for the diff, over
+the tensor) doing what the numpy code in :mod:`deltasync.protocol.encoding` does
+with several whole-array passes and int64 temporaries. The outputs are the same
+arrays, so the coded bytes are identical. Arrays come in as unsigned views; the
+decoders return an error code (0: fine) instead of raising, and never write
+outside their own output arrays. All release the GIL, so a thread pool encodes
+or decodes several tensors at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numba import njit
+
+Arr = Any
+
+ESCAPE = 255
+PAIR_BASE = 15
+PAIR_ESCAPE = 255
+BIG_Q = 255
+_jit: Any = njit(nogil=True, cache=True, boundscheck=False)  # compiled on first call, cached on disk
+
+
+LSBS = np.uint64(0x0101010101010101)
+GATHER = np.uint64(0x0102040810204080)  # bit 8t of a word -> bit 56 + t: no two terms collide or carry
+# SPREAD[b]: bit t of the byte b moved to bit 8t of a word (a plane byte back to eight remainders)
+SPREAD = np.array([sum(((b >> t) & 1) << (8 * t) for t in range(8)) for b in range(256)], dtype=np.uint64)
+CHUNK = 1 << 15  # elements (or pairs) per inner call: outputs grow between chunks, never inside a hot loop
+
+
+@_jit
+def _reserve(a: Arr, used: int, more: int) -> Arr:
+    """``a`` itself when ``used + more`` elements fit, else a copy with room (doubling)."""
+    if used + more <= a.size:
+        return a
+    b = np.empty(max(2 * a.size, used + more), a.dtype)
+    b[:used] = a[:used]
+    return b
+
+
+# ---------------------------------------------------------------- diff
+
+
+@_jit
+def _diff_chunk(base: Arr, new: Arr, lo: int, hi: int, idx: Arr, old: Arr, nw: Arr, c: int) -> int:
+    for i in range(lo, hi):
+        a = base[i]
+        b = new[i]
+        if a != b:
+            idx[c] = i
+            old[c] = a
+            nw[c] = b
+            base[i] = b
+            c += 1
+    return c
+
+
+@_jit
+def diff_update(base: Arr, new: Arr) -> tuple[Arr, Arr, Arr, int]:
+    """Positions where ``new`` differs from ``base``, the old and new bits there; ``base`` takes the
+    new bits. Returns (idx, old, new, count): the arrays may be longer than ``count``."""
+    n = base.size
+    cap = min(n, max(CHUNK, n >> 5))
+    idx = np.empty(cap, np.int64)
+    old = np.empty(cap, base.dtype)
+    nw = np.empty(cap, base.dtype)
+    c = 0
+    for lo in range(0, n, CHUNK):
+        hi = min(n, lo + CHUNK)
+        idx = _reserve(idx, c, hi - lo)
+        old = _reserve(old, c, hi - lo)
+        nw = _reserve(nw, c, hi - lo)
+        c = _diff_chunk(base, new, lo, hi, idx, old, nw, c)
+    return idx, old, nw, c
+
+
+# ---------------------------------------------------------------- positions (rice-z)
+
+
+@_jit
+def rice_k(idx: Arr, k0: int) -> int:
+    """The Rice parameter :func:`deltasync.protocol.encoding._rice_k` picks around ``k0`` (the
+    estimate from the mean gap): the cheapest of k0-1, k0, k0+1 on a sample of the gaps."""
+    n = idx.size
+    step = max(1, n >> 16)
+    best_k = -1
+    best_cost = 0
+    for kk in range(k0 - 1, k0 + 2):
+        if kk < 0 or kk > 62:
+            continue
+        cost = 0
+        m = 0
+        for j in range(0, n, step):
+            g = idx[0] if j == 0 else idx[j] - idx[j - 1] - 1
+            cost += g >> kk
+            m += 1
+        cost += m * (kk + 1)
+        if best_k < 0 or cost < best_cost:
+            best_k = kk
+            best_cost = cost
+    return best_k
+
+
+@_jit
+def _rice_chunk(
+    idx: Arr, k: int, plo: int, phi: int, prev: int, pairs: Arr, esc: Arr, ne: int, bigs: Arr, nb: int, planes: Arr
+) -> tuple[int, int, int]:
+    n = idx.size
+    plane = (n + 7) // 8
+    mask = (np.int64(1) << k) - 1
+    x = np.uint64(0)
+    for p in range(plo, phi):
+        s0 = 0
+        s1 = 0
+        for t in range(2):
+            i = 2 * p + t
+            if i >= n:
+                break
+            g = idx[i] - prev - 1
+            prev = idx[i]
+            q = g >> k
+            s = q
+            if q >= BIG_Q:
+                bigs[nb] = q
+                nb += 1
+                s = BIG_Q
+            if k > 8:
+                r = g & mask
+                byte = i >> 3
+                sh = i & 7
+                for j in range(k):
+                    planes[j * plane + byte] |= np.uint8(((r >> j) & 1) << sh)
+            elif k:
+                # eight remainders as the bytes of one word, transposed into k plane bytes at once
+                x |= np.uint64(g & mask) << np.uint64(8 * (i & 7))
+                if i & 7 == 7 or i == n - 1:
+                    byte = i >> 3
+                    for j in range(k):
+                        planes[j * plane + byte] = np.uint8(((x >> np.uint64(j)) & LSBS) * GATHER >> np.uint64(56))
+                    x = np.uint64(0)
+            if t == 0:
+                s0 = s
+            else:
+                s1 = s
+        if s0 < PAIR_BASE and s1 < PAIR_BASE:
+            pairs[p] = s0 * PAIR_BASE + s1
+        else:
+            pairs[p] = PAIR_ESCAPE
+            esc[ne] = s0 | (s1 << 8)
+            ne += 1
+    return prev, ne, nb
+
+
+@_jit
+def rice_z_parts(idx: Arr, k: int) -> tuple[Arr, Arr, int, Arr, int, Arr]:
+    """Quotient pairs, escaped pairs (u16), big quotients (u64) and remainder bit planes of the gaps."""
+    n = idx.size
+    npairs = (n + 1) // 2
+    pairs = np.empty(npairs, np.uint8)
+    esc = np.empty(CHUNK, np.uint16)
+    bigs = np.empty(2 * CHUNK, np.uint64)
+    planes = np.zeros(k * ((n + 7) // 8), np.uint8)
+    ne = 0
+    nb = 0
+    prev = np.int64(-1)
+    for plo in range(0, npairs, CHUNK):
+        phi = min(npairs, plo + CHUNK)
+        esc = _reserve(esc, ne, phi - plo)
+        bigs = _reserve(bigs, nb, 2 * (phi - plo))
+        prev, ne, nb = _rice_chunk(idx, k, plo, phi, prev, pairs, esc, ne, bigs, nb, planes)
+    return pairs, esc, ne, bigs, nb, planes
+
+
+@_jit
+def rice_z_positions(pairs: Arr, esc: Arr, bigs: Arr, planes: Arr, k: int, count: int, numel: int) -> tuple[Arr, int]:
+    """Sorted positions from a rice-z stream, and an error code:
+    1 escaped pairs do not match, 2 invalid pair byte, 3 nonzero padding, 4 big quotients do not
+    match, 5 big quotient out of range, 6 a gap exceeds the tensor, 7 a position outside it."""
+    out = np.empty(count, np.int64)
+    plane = (count + 7) // 8
+    limit = (min(numel, np.int64(1) << 62) - 1) >> k
+    ei = 0
+    bi = 0
+    prev = np.int64(-1)
+    x = np.uint64(0)
+    for p in range(pairs.size):
+        b = pairs[p]
+        if b == PAIR_ESCAPE:
+            if ei >= esc.size:
+                return out, 1
+            e = np.int64(esc[ei])
+            ei += 1
+            s0 = e & 0xFF
+            s1 = e >> 8
+        elif b >= PAIR_BASE * PAIR_BASE:
+            return out, 2
+        else:
+            s0 = np.int64(b) // PAIR_BASE
+            s1 = np.int64(b) % PAIR_BASE
+        for t in range(2):
+            i = 2 * p + t
+            s = s0 if t == 0 else s1
+            if i >= count:
+                if s != 0:
+                    return out, 3
+                continue
+            q = s
+            if s == BIG_Q:
+                if bi >= bigs.size:
+                    return out, 4
+                v = bigs[bi]
+                bi += 1
+                if v < BIG_Q or v >= np.uint64(1) << np.uint64(62):
+                    return out, 5
+                q = np.int64(v)
+            if q > limit:
+                return out, 6
+            g = q << k
+            if k > 8:
+                byte = i >> 3
+                sh = i & 7
+                for j in range(k):
+                    g |= np.int64((planes[j * plane + byte] >> sh) & 1) << j
+            elif k:
+                if i & 7 == 0:  # the next eight remainders, one per byte of a word
+                    byte = i >> 3
+                    x = np.uint64(0)
+                    for j in range(k):
+                        x |= SPREAD[planes[j * plane + byte]] << np.uint64(j)
+                g |= np.int64((x >> np.uint64(8 * (i & 7))) & np.uint64(0xFF))
+            pos = prev + g + 1
+            if pos >= numel:
+                return out, 7
+            out[i] = pos
+            prev = pos
+    if ei != esc.size:
+        return out, 1
+    if bi != bigs.size:
+        return out, 4
+    return out, 0
+
+
+# ---------------------------------------------------------------- values (xor-rank)
+
+
+@_jit
+def xor_histogram(old: Arr, new: Arr, counts: Arr) -> None:
+    """counts[old ^ new] += 1 over all elements (u8/u16 bits)."""
+    for i in range(old.size):
+        counts[old[i] ^ new[i]] += 1
+
+
+@_jit
+def _rank_chunk(
+    old: Arr, new: Arr, lut: Arr, plo: int, phi: int, pairs: Arr, pesc: Arr, ne: int, vesc: Arr, nv: int
+) -> tuple[int, int]:
+    n = old.size
+    for p in range(plo, phi):
+        i = 2 * p
+        x0 = old[i] ^ new[i]
+        r0 = np.int64(lut[x0])
+        if r0 == ESCAPE:
+            vesc[nv] = x0
+            nv += 1
+        r1 = np.int64(0)
+        if i + 1 < n:
+            x1 = old[i + 1] ^ new[i + 1]
+            r1 = np.int64(lut[x1])
+            if r1 == ESCAPE:
+                vesc[nv] = x1
+                nv += 1
+        if r0 < PAIR_BASE and r1 < PAIR_BASE:
+            pairs[p] = r0 * PAIR_BASE + r1
+        else:
+            pairs[p] = PAIR_ESCAPE
+            pesc[ne] = r0 | (r1 << 8)
+            ne += 1
+    return ne, nv
+
+
+@_jit
+def xor_rank_parts(old: Arr, new: Arr, lut: Arr) -> tuple[Arr, Arr, int, Arr, int]:
+    """Rank pairs, escaped rank pairs (u16) and escaped XOR values (in element order)."""
+    npairs = (old.size + 1) // 2
+    pairs = np.empty(npairs, np.uint8)
+    pesc = np.empty(CHUNK, np.uint16)
+    vesc = np.empty(2 * CHUNK, old.dtype)
+    ne = 0
+    nv = 0
+    for plo in range(0, npairs, CHUNK):
+        phi = min(npairs, plo + CHUNK)
+        pesc = _reserve(pesc, ne, phi - plo)
+        vesc = _reserve(vesc, nv, 2 * (phi - plo))
+        ne, nv = _rank_chunk(old, new, lut, plo, phi, pairs, pesc, ne, vesc, nv)
+    return pairs, pesc, ne, vesc, nv
+
+
+@_jit
+def xor_rank_values(pairs: Arr, pesc: Arr, table: Arr, vesc: Arr, count: int) -> tuple[Arr, int]:
+    """XOR masks from rank pairs, and an error code: 1 escaped pairs do not match, 2 invalid pair
+    byte, 3 nonzero padding, 4 escaped values do not match, 5 escape with a short table, 6 a rank
+    outside the table."""
+    out = np.empty(count, table.dtype)
+    tlen = table.size
+    ei = 0
+    vi = 0
+    for p in range(pairs.size):
+        b = pairs[p]
+        if b == PAIR_ESCAPE:
+            if ei >= pesc.size:
+                return out, 1
+            e = np.int64(pesc[ei])
+            ei += 1
+            r0 = e & 0xFF
+            r1 = e >> 8
+        elif b >= PAIR_BASE * PAIR_BASE:
+            return out, 2
+        else:
+            r0 = np.int64(b) // PAIR_BASE
+            r1 = np.int64(b) % PAIR_BASE
+        for t in range(2):
+            i = 2 * p + t
+            r = r0 if t == 0 else r1
+            if i >= count:
+                if r != 0:
+                    return out, 3
+                continue
+            if r == ESCAPE:
+                if tlen < ESCAPE:
+                    return out, 5
+                if vi >= vesc.size:
+                    return out, 4
+                out[i] = vesc[vi]
+                vi += 1
+            elif r >= tlen:
+                return out, 6
+            else:
+                out[i] = table[r]
+    if ei != pesc.size:
+        return out, 1
+    if vi != vesc.size:
+        return out, 4
+    return out, 0
+
+
+# ---------------------------------------------------------------- apply
+
+
+@_jit
+def xor_apply(arr: Arr, idx: Arr, vals: Arr, old: Arr) -> None:
+    """old[i] = arr[idx[i]]; arr[idx[i]] ^= vals[i] (positions validated by the decoder)."""
+    for i in range(idx.size):
+        j = idx[i]
+        a = arr[j]
+        old[i] = a
+        arr[j] = a ^ vals[i]
+
+
+@_jit
+def set_apply(arr: Arr, idx: Arr, vals: Arr, old: Arr) -> None:
+    """old[i] = arr[idx[i]]; arr[idx[i]] = vals[i]."""
+    for i in range(idx.size):
+        j = idx[i]
+        old[i] = arr[j]
+        arr[j] = vals[i]
