@@ -63,7 +63,10 @@ import numpy as np
 import torch
 
 import deltasync as ds
-from deltasync.protocol import encode_changes
+from deltasync.protocol import encode_changes, kernels
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _codec_side_by_side as side_by_side  # noqa: E402
 
 Bits = np.ndarray[Any, np.dtype[Any]]
 
@@ -144,6 +147,7 @@ class StepRecord:
     t_enc_dense_trials: float  # dense-fallback trials (tensors with > 1/8 changed), one thread
     n_dense_trials: int
     phases: dict[str, float] = field(default_factory=dict)
+    codec: dict[str, float] = field(default_factory=dict)  # _codec_side_by_side.measure
 
     @property
     def density(self) -> float:
@@ -483,6 +487,7 @@ def _encode_parts(
     from deltasync.protocol import encoding as enc
 
     rice, xrank = getattr(enc, "_encode_positions", None), getattr(enc, "_encode_xor_rank", None)
+    values = getattr(enc, "_encode_values", None)  # the kernels' entry point (deltasync >= 0.2)
     if rice is None or xrank is None:
         return float("nan"), float("nan"), float("nan"), 0
     t_rice = t_x = t_dense = 0.0
@@ -492,7 +497,7 @@ def _encode_parts(
         rice(idx)
         t1 = time.perf_counter()
         xor = old ^ new
-        xrank(xor)
+        values(old, new) if values is not None else xrank(xor)
         t2 = time.perf_counter()
         t_rice += t1 - t0
         t_x += t2 - t1
@@ -621,6 +626,7 @@ def run_lr(cfg: BenchConfig, lr: float, log: Callable[[str], None]) -> tuple[int
             t_enc1, encoded = refs.encode(changes, pooled=False)
             t_encp, _ = refs.encode(changes, pooled=True)
             t_rice, t_xrank, t_dense, n_dense = _encode_parts(refs.numel, changes)
+            codec = side_by_side.measure(refs.numel, changes, refs.prev)
             pos_bits, val_bits, val_bits_t = entropy_bound(refs.numel, changes)
             pos_ctx, val_ctx = context_bound(hist, changes)
             itemsize = state[refs.names[0]].element_size()
@@ -661,6 +667,7 @@ def run_lr(cfg: BenchConfig, lr: float, log: Callable[[str], None]) -> tuple[int
                 t_enc_dense_trials=t_dense,
                 n_dense_trials=n_dense,
                 phases=ph,
+                codec=codec,
             )
             records.append(rec)
             del changes, encoded, new_np
@@ -1031,6 +1038,18 @@ def render(res: BenchResult) -> str:
         "Background and encode-pool times are sums over threads where work runs in parallel. "
         "'apply' includes 'verify digests' (the post-apply xxh3 of every touched tensor)."
     )
+    per_lr = {lr: [(r.changed, r.codec) for r in res.measured(lr)] for lr in res.config.lrs}
+    header, body = side_by_side.rows(per_lr)
+    if body:
+        out += ["", "### Codec per core: compiled kernels vs the numpy fallback, same data, one thread", ""]
+        out.append(_table(header, body))
+        out.append("")
+        out.append(
+            "Changed elements per second on one thread (medians over the measured steps): encode = "
+            "encode_changes of every changed tensor; decode+apply = decode_positions + decode_values + "
+            "NumpySlot.apply (the fetcher's write, keeping the undo bits), no verification. Both "
+            f"implementations coded every step to identical bytes. Pipeline rows above ran on: {kernels.backend()}."
+        )
     return "\n".join(out) + "\n"
 
 

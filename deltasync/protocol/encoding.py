@@ -498,6 +498,14 @@ def apply_values(coding: str, old: Ints, decoded: Ints) -> Ints:
 # ---------------------------------------------------------------- encoder
 
 
+def _encode_values(old: Ints, new: Ints) -> bytes:
+    """The ``xor-rank`` value blob of ``old ^ new`` (compiled for bits of up to 2 bytes)."""
+    kern = kernels.impl()
+    if kern is not None and new.dtype.itemsize <= 2:
+        return _xor_rank_kernel(kern, np.ascontiguousarray(old), np.ascontiguousarray(new))
+    return _encode_xor_rank(old ^ new)
+
+
 def encode_changes(numel: int, idx: Ints, old: Ints, new: Ints) -> EncodedTensor:
     """Code one tensor's change; ``idx`` sorted int64 positions, ``old``/``new`` their bits.
 
@@ -509,13 +517,8 @@ def encode_changes(numel: int, idx: Ints, old: Ints, new: Ints) -> EncodedTensor
     count = int(idx.size)
     if count == 0 or count > numel:
         raise ValueError(f"encode_changes needs 1..{numel} changed positions, got {count}")
-    kern = kernels.impl()
     pcoding, k, pos_blob = _encode_positions(idx)
-    if kern is not None and new.dtype.itemsize <= 2:
-        val_blob = _xor_rank_kernel(kern, np.ascontiguousarray(old), np.ascontiguousarray(new))
-    else:
-        val_blob = _encode_xor_rank(old ^ new)
-    best = EncodedTensor(count, pcoding, k, "xor-rank", pos_blob, val_blob)
+    best = EncodedTensor(count, pcoding, k, "xor-rank", pos_blob, _encode_values(old, new))
     if count < 65536 or best.nbytes > count * new.dtype.itemsize:
         raw = EncodedTensor(count, pcoding, k, "raw", pos_blob, _compress(_planes(new)))
         best = min(best, raw, key=lambda e: e.nbytes)

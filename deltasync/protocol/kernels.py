@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from types import ModuleType
 from typing import Literal
 
-__all__ = ["Backend", "backend", "impl", "set_backend", "using"]
+__all__ = ["Backend", "available", "backend", "impl", "set_backend", "using"]
 
 Backend = Literal["numba", "numpy"]
 ENV = "DELTASYNC_KERNELS"  # "numba", "numpy" or "auto" (the default)
@@ -62,6 +62,11 @@ def impl() -> ModuleType | None:
                 raise ValueError(f"{ENV}={want!r}: expected auto, numba or numpy")
             _state["impl"] = _choose(want)
     return _state["impl"]  # type: ignore[return-value]
+
+
+def available() -> bool:
+    """Whether the compiled kernels can run here (whatever the current choice)."""
+    return _load() is not None
 
 
 def backend() -> Backend:

@@ -1,0 +1,106 @@
+"""Codec throughput per core, compiled kernels and numpy fallback side by side on the same data.
+
+Used by ``bench_payload.py``: each measured step's changes are encoded, decoded and
+applied on one thread by both implementations (:mod:`deltasync.protocol.kernels`);
+the coded bytes must be identical, or the run stops.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from deltasync.fetcher._apply import NumpySlot
+from deltasync.protocol import EncodedTensor, decode_positions, decode_values, encode_changes, kernels
+
+Bits = np.ndarray[Any, np.dtype[Any]]
+BACKENDS = ("numpy", "numba")
+PARTS = {"encode": ("encode",), "decode+apply": ("decode", "apply")}
+GOALS = {"encode": 200e6, "decode+apply": 250e6}  # changed elements per second per core (issue 14)
+
+
+class _Entry:
+    """What :meth:`NumpySlot.apply` reads from a decoded entry."""
+
+    def __init__(self, tensor: str, idx: Bits, values: Bits, coding: str) -> None:
+        self.tensor, self.idx, self.values, self.coding = tensor, idx, values, coding
+
+
+def measure(
+    numel: Mapping[str, int], changes: Mapping[str, tuple[Bits, Bits, Bits]], state: Mapping[str, Bits]
+) -> dict[str, float]:
+    """Seconds per backend for encode / decode / apply of every changed tensor, one thread.
+
+    ``state`` holds the new bits (the harness' baseline after its diff); apply XORs them back
+    to the old bits and then forward again, so ``state`` ends as it started.
+    """
+    out: dict[str, float] = {}
+    coded: dict[str, list[EncodedTensor]] = {}
+    names = sorted(changes)
+    for be in BACKENDS:
+        if be == "numba" and not kernels.available():
+            continue
+        with kernels.using(be):  # type: ignore[arg-type]
+            t0 = time.perf_counter()
+            enc = [encode_changes(numel[k], *changes[k]) for k in names]
+            t1 = time.perf_counter()
+            dec = []
+            for k, e in zip(names, enc, strict=True):
+                bits = changes[k][1].dtype
+                pos = decode_positions(e.pos_blob, e.positions, e.rice_k, e.count, numel[k], k)
+                vals = decode_values(e.val_blob, e.values, e.count, bits, k)
+                dec.append(_Entry(k, pos, vals, e.values))
+            t2 = time.perf_counter()
+            slots = {k: NumpySlot(state[k].reshape(-1)) for k in names}
+            for d in dec:
+                slots[d.tensor].apply(d)  # type: ignore[arg-type]
+            t3 = time.perf_counter()
+            for d in dec:
+                if d.coding == "xor-rank":  # raw wrote the new bits, which the state already held
+                    slots[d.tensor].apply(d)  # type: ignore[arg-type]
+        coded[be] = enc
+        out[f"{be}.encode"], out[f"{be}.decode"], out[f"{be}.apply"] = t1 - t0, t2 - t1, t3 - t2
+    if len(coded) == 2 and coded["numpy"] != coded["numba"]:
+        raise RuntimeError("the kernels and the numpy fallback coded this step differently")
+    return out
+
+
+def rows(per_lr: Mapping[float, Sequence[tuple[int, Mapping[str, float]]]]) -> tuple[list[str], list[list[str]]]:
+    """Table rows: per lr, median changed elements/s per core for each backend, the speed-up, the goal."""
+    header = [
+        "lr",
+        "changed / step",
+        "encode: numpy",
+        "encode: kernels",
+        "speed-up",
+        "encode goal (>=200M/s)",
+        "decode+apply: numpy",
+        "decode+apply: kernels",
+        "speed-up",
+        "decode+apply goal (>=250M/s)",
+        "decode / apply (kernels, ms)",
+    ]
+    body = []
+    for lr, recs in sorted(per_lr.items()):
+        if not recs or "numba.encode" not in recs[0][1]:
+            continue
+        row = [f"{lr:g}", f"{np.median([n for n, _ in recs]) / 1e6:.2f}M"]
+        for kind in ("encode", "decode+apply"):
+            per = {}
+            for be in BACKENDS:
+                per[be] = float(np.median([n / sum(c[f"{be}.{p}"] for p in PARTS[kind]) for n, c in recs]))
+            ok = per["numba"] >= GOALS[kind]
+            row += [
+                f"{per['numpy'] / 1e6:.0f}M/s",
+                f"{per['numba'] / 1e6:.0f}M/s",
+                f"{per['numba'] / per['numpy']:.2f}x",
+                f"{per['numba'] / GOALS[kind]:.2f} of goal {'ok' if ok else 'MISS'}",
+            ]
+        dec = np.median([c["numba.decode"] for _, c in recs]) * 1e3
+        app = np.median([c["numba.apply"] for _, c in recs]) * 1e3
+        row.append(f"{dec:.1f} / {app:.1f}")
+        body.append(row)
+    return header, body
