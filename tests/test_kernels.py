@@ -241,3 +241,31 @@ def test_a_run_written_by_one_implementation_reads_with_the_other(tmp_path: Any,
         )
         assert out.returncode == 0, out.stderr[-3000:]
         assert out.stdout.strip() == ("numba" if backend == "auto" else backend)
+
+
+def test_parallel_apply_logs_every_write_when_one_tensor_fails() -> None:
+    """threads > 1: a tensor whose write fails does not lose the undo bits of those written beside it."""
+    from deltasync.fetcher._apply import apply_changes
+    from deltasync.protocol import DecodedEntry, PatchEntry
+    from deltasync.protocol.manifest import ByteRange
+
+    class Broken(NumpySlot):
+        def apply(self, c: Any) -> Arr:
+            raise ProtocolError("refused")
+
+    rng = np.random.default_rng(3)
+    arrays = {n: rng.integers(0, 1 << 16, 50_000, dtype=np.uint64).astype("<u2").view("<i2") for n in "abcd"}
+    before = {n: a.copy() for n, a in arrays.items()}
+    slots = {n: (Broken if n == "c" else NumpySlot)(a, key=n) for n, a in arrays.items()}
+    changes = []
+    for n in "abcd":
+        idx = np.arange(0, 50_000, 7, dtype=np.int64)
+        entry = PatchEntry(n, "f", int(idx.size), "rice-z", 0, "xor-rank", ByteRange(0, 0), ByteRange(0, 0))
+        changes.append(DecodedEntry(entry, idx, np.full(idx.size, 5, dtype="<i2")))
+    undo = Undo()
+    with pytest.raises(ProtocolError, match="refused"):
+        apply_changes(slots, changes, undo, threads=3)
+    assert undo.names == {"a", "b", "d"}
+    assert not np.array_equal(arrays["a"], before["a"])
+    undo.rollback()
+    assert all(np.array_equal(arrays[n], before[n]) for n in arrays)

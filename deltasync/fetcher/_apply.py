@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -254,8 +255,11 @@ class Undo:
 
     def put(self, slot: Slot, c: Change) -> None:
         """Apply one decoded (or folded) change, remembering what it overwrote."""
-        old = slot.apply(c)
-        self._log.append((slot, c.idx, old))
+        self.record(slot, c.idx, slot.apply(c))
+
+    def record(self, slot: Slot, idx: Bits, old: Bits) -> None:
+        """Remember that the bits at ``idx`` of ``slot`` were ``old`` before a write."""
+        self._log.append((slot, idx, old))
 
     def load(self, slot: Slot, old: Bits, new: Bits) -> None:
         """Overwrite a whole tensor (``old`` is a copy of its current bits), remembering ``old``."""
@@ -279,10 +283,28 @@ class Undo:
         self.names.clear()
 
 
-def apply_changes(slots: Mapping[str, Slot], changes: Sequence[Change], undo: Undo) -> None:
-    """Apply a decoded (or folded) patch in place (tied names once), logging into ``undo``."""
+def apply_changes(slots: Mapping[str, Slot], changes: Sequence[Change], undo: Undo, *, threads: int = 1) -> None:
+    """Apply a decoded (or folded) patch in place (tied names once), logging into ``undo``.
+
+    With ``threads`` > 1 different tensors are written at once (the compiled apply releases the
+    GIL). Every write that happened is in ``undo`` even when another one raised.
+    """
     alias = alias_groups(slots)
-    for c in changes:
-        if alias[c.tensor] == c.tensor:
+    todo = [c for c in changes if alias[c.tensor] == c.tensor]
+    if threads <= 1 or len(todo) < 2:
+        for c in todo:
             undo.put(slots[c.tensor], c)
             undo.names.add(c.tensor)
+        return
+    with ThreadPoolExecutor(min(threads, len(todo)), thread_name_prefix="deltasync-apply") as pool:
+        futures = [(c, pool.submit(slots[c.tensor].apply, c)) for c in todo]
+        failed: BaseException | None = None
+        for c, fut in futures:  # each tensor once: the order of the log does not matter across tensors
+            try:
+                undo.record(slots[c.tensor], c.idx, fut.result())
+            except BaseException as exc:  # noqa: BLE001 - re-raised below once every write is logged
+                failed = failed or exc
+                continue
+            undo.names.add(c.tensor)
+    if failed is not None:
+        raise failed

@@ -166,8 +166,10 @@ def apply_loaded(
     verify: Verify,
     stats: SyncStats | None = None,
     keep: Undo | None = None,
+    threads: int = 1,
 ) -> None:
-    """Apply a loaded plan in place, all or nothing; ``keep`` receives the undo log on success."""
+    """Apply a loaded plan in place, all or nothing; ``keep`` receives the undo log on success.
+    ``threads``: tensors written at once."""
     stats = stats or SyncStats(loaded.steps[-1].manifest.step)
     undo = Undo()
     try:
@@ -179,7 +181,7 @@ def apply_loaded(
                         if primary == name:
                             slots[name].load(loaded.anchor[name])
                     for _, changes, _ in loaded.patches:
-                        apply_changes(slots, changes, undo)
+                        apply_changes(slots, changes, undo, threads=threads)
                 else:
                     # the caller keeps the undo: write (and remember) only tensors whose bits differ
                     by_step = [{c.tensor: c for c in changes} for _, changes, _ in loaded.patches]
@@ -199,7 +201,7 @@ def apply_loaded(
         for m, changes, names in loaded.patches:
             with stats.timing("apply"):
                 check_aliases(slots, m, changes)
-                apply_changes(slots, changes, undo)
+                apply_changes(slots, changes, undo, threads=threads)
             if verify:
                 with stats.timing("verify"):
                     check_digests(slots, names, m)
@@ -241,7 +243,7 @@ def execute(
             if loaded.anchor is not None:
                 with stats.timing("verify"):
                     prove_anchor_plan(slots, loaded, fetcher.verify)
-            apply_loaded(slots, loaded, verify=fetcher.verify, stats=stats, keep=keep)
+            apply_loaded(slots, loaded, verify=fetcher.verify, stats=stats, keep=keep, threads=fetcher.threads)
             return fetcher.reader.committed(plan.target_step)
         except (ChecksumMismatch, ProtocolError, ObjectNotFound) as exc:
             if not isinstance(exc, ObjectNotFound):

@@ -300,7 +300,7 @@ def _build(
     if loaded.anchor is not None:
         check_anchor(slots, loaded.steps[0].manifest, loaded.anchor, verify=bool(fetcher.verify))
         loaded = dataclasses.replace(loaded, anchor=None)  # loaded already: only the patches are left
-    apply_loaded(slots, loaded, verify=fetcher.verify)
+    apply_loaded(slots, loaded, verify=fetcher.verify, threads=fetcher.threads)
     if changed is not None:
         changed.update(n for _, _, names in loaded.patches for n in names)
     return arrays, changed
