@@ -285,11 +285,14 @@ class DeltaUploader:
                 self._staging[name] = base.new_zeros(base.shape)
 
     def _diff(self, job: StepJob) -> None:
-        changes: dict[str, TensorChange] = {}
-        for name, bits in job.staged.items():
-            c = diff_tensor(self._baseline.tensors[name], bits)
-            if c is not None:
-                changes[name] = c
+        names = list(job.staged)
+
+        def one(name: str) -> TensorChange | None:
+            return diff_tensor(self._baseline.tensors[name], job.staged[name])
+
+        # tensors at once: the compiled diff releases the GIL (each updates its own baseline)
+        found = list(self._pool.map(one, names)) if len(names) > 1 else [one(n) for n in names]
+        changes = {n: c for n, c in zip(names, found, strict=True) if c is not None}
         job.staged = {}
         job.changes = changes
         job.changed = sum(int(c.idx.size) for c in changes.values())
