@@ -104,3 +104,33 @@ def rows(per_lr: Mapping[float, Sequence[tuple[int, Mapping[str, float]]]]) -> t
         row.append(f"{dec:.1f} / {app:.1f}")
         body.append(row)
     return header, body
+
+
+def projection(
+    per_lr: Mapping[float, Sequence[tuple[int, Mapping[str, float]]]],
+    density: Mapping[float, float],
+    bytes_per_changed: Mapping[float, float],
+    threads: Sequence[int] = (1, 2),
+) -> tuple[list[str], list[list[str]]]:
+    """A PROJECTION, not a measurement: codec seconds per step for 7B and 70B bf16 models at 1% and
+    10% density, from the measured per-core kernel rates at the nearest measured density, divided
+    by the thread count (perfect scaling assumed; the thread-scaling table shows how close it is)."""
+    measured = {
+        lr: {kind: float(np.median([n / sum(c[f"numba.{p}"] for p in PARTS[kind]) for n, c in recs])) for kind in PARTS}
+        for lr, recs in per_lr.items()
+        if recs and "numba.encode" in recs[0][1]
+    }
+    header = ["model", "density", "changed / step", "payload / step", "rates from lr"]
+    header += [f"{kind}, {t} thr" for t in threads for kind in PARTS]
+    body = []
+    for params in (7e9, 70e9):
+        for d in (0.01, 0.10):
+            if not measured:
+                continue
+            lr = min(measured, key=lambda x: abs(density[x] - d))
+            n = params * d
+            row = [f"{params / 1e9:.0f}B", f"{d:.0%}", f"{n / 1e6:.0f}M", f"{n * bytes_per_changed[lr] / 1e9:.2f} GB"]
+            row.append(f"{lr:g} ({density[lr]:.1%})")
+            row += [f"{n / measured[lr][kind] / t:.1f} s" for t in threads for kind in PARTS]
+            body.append(row)
+    return header, body

@@ -1050,6 +1050,17 @@ def render(res: BenchResult) -> str:
             "NumpySlot.apply (the fetcher's write, keeping the undo bits), no verification. Both "
             f"implementations coded every step to identical bytes. Pipeline rows above ran on: {kernels.backend()}."
         )
+        dens = {lr: _median([r.density for r in res.measured(lr)]) for lr in per_lr if res.measured(lr)}
+        bpc = {lr: _median([r.ds_bpc for r in res.measured(lr)]) for lr in per_lr if res.measured(lr)}
+        header, body = side_by_side.projection(per_lr, dens, bpc)
+        out += ["", "### PROJECTION (not measured): codec time per step at 7B and 70B", ""]
+        out.append(_table(header, body))
+        out.append("")
+        out.append(
+            "Changed elements x the measured per-core kernel rate at the nearest measured density, "
+            "divided by the threads (assumes perfect scaling across tensors; big models have hundreds of "
+            "tensors to spread). Excludes I/O, the diff and verification."
+        )
     return "\n".join(out) + "\n"
 
 
