@@ -63,9 +63,43 @@ def measure(
                     slots[d.tensor].apply(d)  # type: ignore[arg-type]
         coded[be] = enc
         out[f"{be}.encode"], out[f"{be}.decode"], out[f"{be}.apply"] = t1 - t0, t2 - t1, t3 - t2
+    if "numba" in coded:
+        out.update(_two_threads(numel, changes, state, names))
     if len(coded) == 2 and coded["numpy"] != coded["numba"]:
         raise RuntimeError("the kernels and the numpy fallback coded this step differently")
     return out
+
+
+def _two_threads(
+    numel: Mapping[str, int],
+    changes: Mapping[str, tuple[Bits, Bits, Bits]],
+    state: Mapping[str, Bits],
+    names: list[str],
+) -> dict[str, float]:
+    """The kernels' encode and decode+apply with tensors spread over 2 threads (as the uploader's
+    encode pool and the fetcher's ``threads`` do)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def enc(k: str) -> EncodedTensor:
+        return encode_changes(numel[k], *changes[k])
+
+    def dec_apply(ke: tuple[str, EncodedTensor]) -> _Entry:
+        k, e = ke
+        pos = decode_positions(e.pos_blob, e.positions, e.rice_k, e.count, numel[k], k)
+        d = _Entry(k, pos, decode_values(e.val_blob, e.values, e.count, changes[k][1].dtype, k), e.values)
+        NumpySlot(state[k].reshape(-1)).apply(d)  # type: ignore[arg-type]
+        return d
+
+    with kernels.using("numba"), ThreadPoolExecutor(2) as pool:
+        t0 = time.perf_counter()
+        enc_out = list(pool.map(enc, names))
+        t1 = time.perf_counter()
+        dec = list(pool.map(dec_apply, zip(names, enc_out, strict=True)))
+        t2 = time.perf_counter()
+        for d in dec:  # back to the new bits
+            if d.coding == "xor-rank":
+                NumpySlot(state[d.tensor].reshape(-1)).apply(d)  # type: ignore[arg-type]
+    return {"numba2.encode": t1 - t0, "numba2.decode+apply": t2 - t1}
 
 
 def rows(per_lr: Mapping[float, Sequence[tuple[int, Mapping[str, float]]]]) -> tuple[list[str], list[list[str]]]:
@@ -82,12 +116,14 @@ def rows(per_lr: Mapping[float, Sequence[tuple[int, Mapping[str, float]]]]) -> t
         "speed-up",
         "decode+apply goal (>=250M/s)",
         "decode / apply (kernels, ms)",
+        "2 threads vs 1 (kernels): encode; decode+apply",
     ]
     body = []
     for lr, recs in sorted(per_lr.items()):
         if not recs or "numba.encode" not in recs[0][1]:
             continue
         row = [f"{lr:g}", f"{np.median([n for n, _ in recs]) / 1e6:.2f}M"]
+        scaling: list[str] = []
         for kind in ("encode", "decode+apply"):
             per = {}
             for be in BACKENDS:
@@ -99,9 +135,15 @@ def rows(per_lr: Mapping[float, Sequence[tuple[int, Mapping[str, float]]]]) -> t
                 f"{per['numba'] / per['numpy']:.2f}x",
                 f"{per['numba'] / GOALS[kind]:.2f} of goal {'ok' if ok else 'MISS'}",
             ]
+        if "numba2.encode" in recs[0][1]:
+            for kind, one in (("encode", ("encode",)), ("decode+apply", ("decode", "apply"))):
+                t1 = [sum(c[f"numba.{p}"] for p in one) for _, c in recs]
+                t2 = [c[f"numba2.{kind}"] for _, c in recs]
+                scaling.append(f"{lr:g} {kind}: {np.median(np.array(t1) / np.array(t2)):.2f}x")
         dec = np.median([c["numba.decode"] for _, c in recs]) * 1e3
         app = np.median([c["numba.apply"] for _, c in recs]) * 1e3
         row.append(f"{dec:.1f} / {app:.1f}")
+        row.append("; ".join(s.split(": ", 1)[1] for s in scaling) if scaling else "n/a")
         body.append(row)
     return header, body
 
