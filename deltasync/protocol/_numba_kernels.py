@@ -84,24 +84,31 @@ def diff_update(base: Arr, new: Arr) -> tuple[Arr, Arr, Arr, int]:
 @_jit
 def rice_k(idx: Arr, k0: int) -> int:
     """The Rice parameter :func:`deltasync.protocol.encoding._rice_k` picks around ``k0`` (the
-    estimate from the mean gap): the cheapest of k0-1, k0, k0+1 on a sample of the gaps."""
+    estimate from the mean gap): the cheapest of k0-1, k0, k0+1 on a sample of the gaps (the
+    first of them on a tie), all three costed in one pass."""
     n = idx.size
     step = max(1, n >> 16)
-    best_k = -1
-    best_cost = 0
-    for kk in range(k0 - 1, k0 + 2):
-        if kk < 0 or kk > 62:
-            continue
-        cost = 0
-        m = 0
-        for j in range(0, n, step):
-            g = idx[0] if j == 0 else idx[j] - idx[j - 1] - 1
-            cost += g >> kk
-            m += 1
-        cost += m * (kk + 1)
-        if best_k < 0 or cost < best_cost:
-            best_k = kk
-            best_cost = cost
+    lo = max(k0 - 1, 0)  # k0 >= 0, so the candidates are lo, lo+1 and (when k0 > 0) lo+2
+    s1 = min(lo + 1, 62)  # shifts stay defined; candidates above 62 are never taken
+    s2 = min(lo + 2, 62)
+    g = idx[0]
+    c0 = g >> lo
+    c1 = g >> s1
+    c2 = g >> s2
+    m = 1
+    for j in range(step, n, step):
+        g = idx[j] - idx[j - 1] - 1
+        c0 += g >> lo
+        c1 += g >> s1
+        c2 += g >> s2
+        m += 1
+    best_k = lo
+    best = c0 + m * (lo + 1)
+    if lo + 1 <= 62 and c1 + m * (lo + 2) < best:
+        best_k = lo + 1
+        best = c1 + m * (lo + 2)
+    if k0 > 0 and lo + 2 <= 62 and c2 + m * (lo + 3) < best:
+        best_k = lo + 2
     return best_k
 
 
