@@ -196,6 +196,11 @@ def test_numpy_is_forced_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
 
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True)
     assert out.stdout.strip() == "numpy", out.stderr
+    # numba missing (no wheel for the platform): the fallback is chosen on its own, and works
+    gone = "import sys; sys.modules['numba'] = None; " + code + "; from tests.kernel_streams import change_stream; "
+    gone += "from deltasync.protocol import encode_changes; print(encode_changes(9000, *change_stream(1, 9000, 0.5, 2)).count)"
+    out = subprocess.run([sys.executable, "-c", gone], env=os.environ, capture_output=True, text=True)
+    assert out.stdout.split() == ["numpy", str(change_stream(1, 9000, 0.5, 2)[0].size)], out.stderr
     bad = subprocess.run(
         [sys.executable, "-c", code], env={**os.environ, "DELTASYNC_KERNELS": "fast"}, capture_output=True, text=True
     )
