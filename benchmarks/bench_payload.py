@@ -626,7 +626,7 @@ def run_lr(cfg: BenchConfig, lr: float, log: Callable[[str], None]) -> tuple[int
             t_enc1, encoded = refs.encode(changes, pooled=False)
             t_encp, _ = refs.encode(changes, pooled=True)
             t_rice, t_xrank, t_dense, n_dense = _encode_parts(refs.numel, changes)
-            codec = side_by_side.measure(refs.numel, changes, refs.prev)
+            codec = {} if warm else side_by_side.measure(refs.numel, changes, refs.prev)
             pos_bits, val_bits, val_bits_t = entropy_bound(refs.numel, changes)
             pos_ctx, val_ctx = context_bound(hist, changes)
             itemsize = state[refs.names[0]].element_size()

@@ -124,6 +124,8 @@ def commit_job(up: DeltaUploader, job: StepJob) -> None:
         up.notifier.notify(m.step, committed.digest, run_id=up.run_id, kind=m.kind)
     if up.spans is not None:
         up.spans.submit(committed, job.changes if m.kind == "patch" else None)
+    # the job stays referenced until the next push (coalescing): let go of its arrays now
+    job.changes, job.snapshot, job.staged = {}, {}, {}
     if m.kind == "anchor" and up.retention is not None:
         up.retention.trigger()
     secs = time.perf_counter() - t0

@@ -42,6 +42,11 @@ log = logging.getLogger("deltasync.uploader")
 
 Changes = dict[str, TensorChange]
 
+#: a level's composition is dropped once it changes more than this fraction of all elements: its
+#: memory (12 bytes per changed bf16 element) would pass the state's, and an anchor is close in size
+SPAN_MAX_DENSITY = 0.125
+SPAN_MEMORY_FLOOR = 64 << 20  # bytes: below this a composition is kept whatever its density
+
 
 def check_levels(levels: Sequence[int]) -> tuple[int, ...]:
     """Validate span levels: increasing, the first >= 2, each a multiple of the one before."""
@@ -175,12 +180,20 @@ class SpanWriter:
             self._partial = [None] * len(self.levels)
             return
         unit = _Partial(last, 1, changes)
+        total = sum(t.numel for t in m.inventory)
         for j, size in enumerate(self.levels):
             p = self._partial[j]
             if p is None:
                 p = self._partial[j] = _Partial(unit.start, 0, {})
             p.changes = merge_change_sets(p.changes, unit.changes) if p.changes else dict(unit.changes)
             p.count += unit.count
+            held = sum(int(c.idx.size) for c in p.changes.values())
+            if held > SPAN_MAX_DENSITY * total and held * 12 > SPAN_MEMORY_FLOOR:
+                # a composition this dense holds more memory than the state and saves little over
+                # an anchor: drop it and every level above, and count again from this step
+                self.skipped += 1
+                self._partial[j:] = [None] * (len(self.levels) - j)
+                return
             if p.count < size:
                 return
             self._partial[j] = None
