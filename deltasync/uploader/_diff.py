@@ -63,12 +63,8 @@ def _diff_numpy(base: Bits, new: Bits) -> Bits:
 
 def _diff_kernel(kern: ModuleType, base: Bits, new: Bits) -> TensorChange | None:
     """Compare, collect and update in one compiled pass (the GIL released)."""
-    idx, old, vals, n = kern.diff_update(base, new)
-    if not n:
-        return None
-    if 2 * n < idx.size:  # the kernel grows its buffers by doubling: keep only what is used
-        return TensorChange(idx[:n].copy(), old[:n].copy(), vals[:n].copy())
-    return TensorChange(idx[:n], old[:n], vals[:n])
+    idx, old, vals, n = kern.diff_update(base, new)  # sized exactly by a counting pass
+    return TensorChange(idx[:n], old[:n], vals[:n]) if n else None
 
 
 def diff_tensor(base: torch.Tensor, new: torch.Tensor) -> TensorChange | None:
