@@ -29,6 +29,10 @@ LSBS = np.uint64(0x0101010101010101)
 GATHER = np.uint64(0x0102040810204080)  # bit 8t of a word -> bit 56 + t: no two terms collide or carry
 # SPREAD[b]: bit t of the byte b moved to bit 8t of a word (a plane byte back to eight remainders)
 SPREAD = np.array([sum(((b >> t) & 1) << (8 * t) for t in range(8)) for b in range(256)], dtype=np.uint64)
+DEBRUIJN = np.uint64(0x03F79D71B4CB0A89)  # (lowest set bit * DEBRUIJN) >> 58 is unique per bit: its index
+DEBRUIJN_POS = np.zeros(64, dtype=np.int64)
+for _b in range(64):
+    DEBRUIJN_POS[(((1 << _b) * 0x03F79D71B4CB0A89) & (2**64 - 1)) >> 58] = _b
 CHUNK = 1 << 15  # elements (or pairs) per inner call: outputs grow between chunks, never inside a hot loop
 
 
@@ -46,38 +50,46 @@ def _reserve(a: Arr, used: int, more: int) -> Arr:
 
 
 @_jit
-def _diff_chunk(base: Arr, new: Arr, lo: int, hi: int, idx: Arr, old: Arr, nw: Arr, c: int) -> int:
-    for i in range(lo, hi):
-        a = base[i]
-        b = new[i]
-        if a != b:
+def diff_words(base: Arr, new: Arr, idx: Arr, old: Arr, nw: Arr, tab: Arr) -> int:
+    """Positions where ``new`` differs from ``base`` into ``idx`` (sized by :func:`count_changed`),
+    the old and new bits there into ``old`` / ``nw``; ``base`` takes the new bits. Returns the count.
+
+    64 compares into one word (vectorised), then only its set bits are visited (``tab``: the
+    de Bruijn bit-index table), so no per-element branch mispredicts at RL densities; the last
+    ``size % 64`` elements one by one."""
+    n = base.size
+    c = 0
+    full = n - (n & 63)
+    for w in range(0, full, 64):
+        m = np.uint64(0)
+        for j in range(64):
+            m |= np.uint64(base[w + j] != new[w + j]) << np.uint64(j)
+        while m:
+            low = m & (~m + np.uint64(1))
+            j = tab[(low * np.uint64(0x03F79D71B4CB0A89)) >> np.uint64(58)]
+            i = w + j
             idx[c] = i
-            old[c] = a
-            nw[c] = b
-            base[i] = b
+            old[c] = base[i]
+            nw[c] = new[i]
+            base[i] = new[i]
+            c += 1
+            m ^= low
+    for i in range(full, n):
+        if base[i] != new[i]:
+            idx[c] = i
+            old[c] = base[i]
+            nw[c] = new[i]
+            base[i] = new[i]
             c += 1
     return c
 
 
 @_jit
-def _count_changed(base: Arr, new: Arr) -> int:
-    c = 0
+def count_changed(base: Arr, new: Arr) -> int:
+    c = 0  # vectorised by LLVM
     for i in range(base.size):
         c += base[i] != new[i]
     return c
-
-
-@_jit
-def diff_update(base: Arr, new: Arr) -> tuple[Arr, Arr, Arr, int]:
-    """Positions where ``new`` differs from ``base``, the old and new bits there; ``base`` takes the
-    new bits. Returns (idx, old, new, count). A counting pass first (vectorised, a fraction of the
-    fill's cost) sizes the outputs exactly: no regrowth, no slack."""
-    c = _count_changed(base, new)
-    idx = np.empty(c, np.int64)
-    old = np.empty(c, base.dtype)
-    nw = np.empty(c, base.dtype)
-    n = _diff_chunk(base, new, 0, base.size, idx, old, nw, 0)
-    return idx, old, nw, n
 
 
 # ---------------------------------------------------------------- positions (rice-z)

@@ -63,8 +63,15 @@ def _diff_numpy(base: Bits, new: Bits) -> Bits:
 
 def _diff_kernel(kern: ModuleType, base: Bits, new: Bits) -> TensorChange | None:
     """Compare, collect and update in one compiled pass (the GIL released)."""
-    idx, old, vals, n = kern.diff_update(base, new)  # sized exactly by a counting pass
-    return TensorChange(idx[:n], old[:n], vals[:n]) if n else None
+    n = int(kern.count_changed(base, new))  # a vectorised pass sizes the outputs exactly
+    if not n:
+        return None
+    idx = np.empty(n, dtype=np.int64)
+    old = np.empty(n, dtype=base.dtype)
+    vals = np.empty(n, dtype=base.dtype)
+    if kern.diff_words(base, new, idx, old, vals, kern.DEBRUIJN_POS) != n:  # base and new are ours
+        raise RuntimeError("the state changed while it was being diffed")
+    return TensorChange(idx, old, vals)
 
 
 def diff_tensor(base: torch.Tensor, new: torch.Tensor) -> TensorChange | None:
