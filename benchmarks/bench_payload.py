@@ -731,6 +731,10 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
+def _section(title: str, header: Sequence[str], body: Sequence[Sequence[str]], caption: str) -> list[str]:
+    return ["", f"### {title}", "", _table(header, body), "", caption]
+
+
 def render(res: BenchResult) -> str:
     """The markdown report: setup, per-step payload table, medians, breakdowns."""
     cfg = res.config
@@ -1041,25 +1045,23 @@ def render(res: BenchResult) -> str:
     per_lr = {lr: [(r.changed, r.codec) for r in res.measured(lr)] for lr in res.config.lrs}
     header, body = side_by_side.rows(per_lr)
     if body:
-        out += ["", "### Codec per core: compiled kernels vs the numpy fallback, same data, one thread", ""]
-        out.append(_table(header, body))
-        out.append("")
-        out.append(
+        out += _section(
+            "Codec per core: compiled kernels vs the numpy fallback, same data, one thread",
+            header,
+            body,
             "Changed elements per second on one thread (medians over the measured steps): encode = "
             "encode_changes of every changed tensor; decode+apply = decode_positions + decode_values + "
             "NumpySlot.apply (the fetcher's write, keeping the undo bits), no verification. Both "
-            f"implementations coded every step to identical bytes. Pipeline rows above ran on: {kernels.backend()}."
+            f"implementations coded every step to identical bytes. Pipeline rows above ran on: {kernels.backend()}.",
         )
         dens = {lr: _median([r.density for r in res.measured(lr)]) for lr in per_lr if res.measured(lr)}
         bpc = {lr: _median([r.ds_bpc for r in res.measured(lr)]) for lr in per_lr if res.measured(lr)}
-        header, body = side_by_side.projection(per_lr, dens, bpc)
-        out += ["", "### PROJECTION (not measured): codec time per step at 7B and 70B", ""]
-        out.append(_table(header, body))
-        out.append("")
-        out.append(
+        out += _section(
+            "PROJECTION (not measured): codec time per step at 7B and 70B",
+            *side_by_side.projection(per_lr, dens, bpc),
             "Changed elements x the measured per-core kernel rate at the nearest measured density, "
             "divided by the threads (assumes perfect scaling across tensors; big models have hundreds of "
-            "tensors to spread). Excludes I/O, the diff and verification."
+            "tensors to spread). Excludes I/O, the diff and verification.",
         )
     return "\n".join(out) + "\n"
 

@@ -197,6 +197,20 @@ def rice_z_parts(idx: Arr, k: int) -> tuple[Arr, Arr, int, Arr, int, Arr]:
 
 
 @_jit
+def _unpair(b: int, esc: Arr, ei: int) -> tuple[int, int, int, int]:
+    """The two symbols of pair byte ``b`` (an escape byte takes ``esc[ei]``): (s0, s1, next ei,
+    error: 1 escaped pairs run out, 2 invalid pair byte)."""
+    if b == PAIR_ESCAPE:
+        if ei >= esc.size:
+            return np.int64(0), np.int64(0), ei, 1
+        e = np.int64(esc[ei])
+        return e & 0xFF, e >> 8, ei + 1, 0
+    if b >= PAIR_BASE * PAIR_BASE:
+        return np.int64(0), np.int64(0), ei, 2
+    return np.int64(b) // PAIR_BASE, np.int64(b) % PAIR_BASE, ei, 0
+
+
+@_jit
 def rice_z_positions(pairs: Arr, esc: Arr, bigs: Arr, planes: Arr, k: int, count: int, numel: int) -> tuple[Arr, int]:
     """Sorted positions from a rice-z stream, and an error code:
     1 escaped pairs do not match, 2 invalid pair byte, 3 nonzero padding, 4 big quotients do not
@@ -209,19 +223,9 @@ def rice_z_positions(pairs: Arr, esc: Arr, bigs: Arr, planes: Arr, k: int, count
     prev = np.int64(-1)
     x = np.uint64(0)
     for p in range(pairs.size):
-        b = pairs[p]
-        if b == PAIR_ESCAPE:
-            if ei >= esc.size:
-                return out, 1
-            e = np.int64(esc[ei])
-            ei += 1
-            s0 = e & 0xFF
-            s1 = e >> 8
-        elif b >= PAIR_BASE * PAIR_BASE:
-            return out, 2
-        else:
-            s0 = np.int64(b) // PAIR_BASE
-            s1 = np.int64(b) % PAIR_BASE
+        s0, s1, ei, err = _unpair(pairs[p], esc, ei)
+        if err:
+            return out, err
         for t in range(2):
             i = 2 * p + t
             s = s0 if t == 0 else s1
@@ -330,19 +334,9 @@ def xor_rank_values(pairs: Arr, pesc: Arr, table: Arr, vesc: Arr, count: int) ->
     ei = 0
     vi = 0
     for p in range(pairs.size):
-        b = pairs[p]
-        if b == PAIR_ESCAPE:
-            if ei >= pesc.size:
-                return out, 1
-            e = np.int64(pesc[ei])
-            ei += 1
-            r0 = e & 0xFF
-            r1 = e >> 8
-        elif b >= PAIR_BASE * PAIR_BASE:
-            return out, 2
-        else:
-            r0 = np.int64(b) // PAIR_BASE
-            r1 = np.int64(b) % PAIR_BASE
+        r0, r1, ei, err = _unpair(pairs[p], pesc, ei)
+        if err:
+            return out, err
         for t in range(2):
             i = 2 * p + t
             r = r0 if t == 0 else r1
