@@ -222,9 +222,22 @@ _CONFIG_HELP = (
 )
 
 
+def _add_version(p: argparse.ArgumentParser) -> None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from deltasync import __version__
+
+    try:
+        v = version("deltasync")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        v = __version__
+    p.add_argument("--version", action="version", version=f"%(prog)s {v} (python {sys.version.split()[0]})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``deltasync`` argument parser."""
     p = argparse.ArgumentParser(prog="deltasync", description="Sync RL weights as sparse bit-exact patches.")
+    _add_version(p)
     sub = p.add_subparsers(dest="command", required=True)
     f = sub.add_parser("fetch", help="materialize a committed step as a safetensors checkpoint dir")
     f.add_argument("--store", required=True)
@@ -321,6 +334,7 @@ def upload_main(argv: Sequence[str] | None = None) -> int:
             prog="delta-upload watch",
             description="Follow a training output dir and push each new complete checkpoint, in step order.",
         )
+        _add_version(w)
         watch_parser(w)
         return _run(cmd_watch, w.parse_args(argv[1:]))
     p = argparse.ArgumentParser(
@@ -329,6 +343,7 @@ def upload_main(argv: Sequence[str] | None = None) -> int:
         epilog="`delta-upload watch DIR --store URL` follows a training output dir instead (see "
         "`delta-upload watch --help`); to push a checkpoint dir that is named watch, write ./watch.",
     )
+    _add_version(p)
     _upload_parser(p)
     return _run(cmd_upload, p.parse_args(argv))
 

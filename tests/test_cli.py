@@ -248,3 +248,17 @@ def test_what_an_interrupted_upload_reports_comes_from_its_commit_future() -> No
     landed: Future[object] = Future()
     landed.set_result("info")
     assert _interrupted_commit(landed, 5) == ("info", False)
+
+
+@pytest.mark.parametrize("cmd", [["deltasync"], ["delta-upload"], ["delta-upload", "watch"]])
+def test_version(cmd: list[str]) -> None:
+    """`--version` prints the installed version and exits 0 (no store, no network)."""
+    from deltasync import __version__
+
+    entry = "main" if cmd[0] == "deltasync" else "upload_main"
+    code = f"import sys; from deltasync.cli import {entry}; sys.exit({entry}())"
+    out = subprocess.run(
+        [sys.executable, "-c", code, *cmd[1:], "--version"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(" ".join(cmd) + " " + __version__), out.stdout
