@@ -17,7 +17,13 @@ from deltasync.protocol.safetensors_io import parse_safetensors
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["checkpoint_files", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CONVERT_HINT", "checkpoint_files", "load_checkpoint", "save_checkpoint"]
+
+CONVERT_HINT = (
+    "deltasync reads safetensors only: save with model.save_pretrained(dir, safe_serialization=True), or convert "
+    "a state dict with safetensors.torch.save_file(torch.load(path), 'model.safetensors')"
+)
+_OTHER_FORMATS = (".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -40,7 +46,11 @@ def checkpoint_files(path: Path) -> list[Path]:
         return files
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise ObjectNotFound(f"{path}: no *.safetensors files (expected a checkpoint dir or a .safetensors file)")
+        other = sorted(p.name for ext in _OTHER_FORMATS for p in path.glob(f"*{ext}"))
+        found = f"; it holds {', '.join(other[:3])}{' ...' if len(other) > 3 else ''}, not safetensors" if other else ""
+        raise ObjectNotFound(
+            f"{path}: no *.safetensors files (expected a checkpoint dir or a .safetensors file){found}. {CONVERT_HINT}"
+        )
     return files
 
 
@@ -50,7 +60,14 @@ def load_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
     out: dict[str, Any] = {}
     for f in checkpoint_files(Path(path)):
         raw = np.fromfile(f, dtype=np.uint8)
-        st = parse_safetensors(raw.data, what=str(f))
+        try:
+            st = parse_safetensors(raw.data, what=str(f))
+        except ProtocolError as exc:
+            if "not a safetensors file" in str(exc):
+                raise ProtocolError(f"{exc}. {CONVERT_HINT}") from None
+            if "truncated safetensors file" in str(exc):
+                raise ProtocolError(f"{exc}; an interrupted save or copy? Save or copy it again") from None
+            raise
         for e in st.entries.values():
             if e.name in out:
                 raise ProtocolError(f"{f}: tensor {e.name!r} appears in more than one shard")
