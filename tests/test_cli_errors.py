@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 from test_cli import checkpoints, run
 
+import deltasync as ds
 from deltasync.errors import ProtocolError
+from deltasync.protocol import manifest_key
 from deltasync.protocol.safetensors_io import parse_safetensors
 
 torch = pytest.importorskip("torch")
@@ -70,3 +72,55 @@ def test_delta_upload_of_a_non_safetensors_checkpoint_says_how_to_convert(tmp_pa
         for needle in (*needles, "deltasync reads safetensors only"):
             assert needle in r.stderr, (needle, r.stderr)
     assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()  # nothing written
+
+
+# ------------------------------------------------------------ a damaged manifest
+
+
+def pushed_run(tmp_path: Path, n: int, store: str = "run") -> list[Path]:
+    """``n`` checkpoints pushed as steps 0..n-1 to ``tmp_path/store`` (cache in ``tmp_path/cache``)."""
+    ckpts = checkpoints(tmp_path, n)
+    for i, ckpt in enumerate(ckpts):
+        r = run("delta-upload", str(ckpt), "--store", store, "--step", str(i), "--cache", "cache", cwd=tmp_path)
+        assert r.returncode == 0, r
+    return ckpts
+
+
+def cut_manifest(store: Path, step: int) -> str:
+    key = manifest_key(step)
+    path = store / key
+    path.write_bytes(path.read_bytes()[:200])  # an interrupted copy of the store, a disk error
+    return key
+
+
+def test_a_cut_manifest_names_its_step_and_key_and_inspect_lists_the_rest(tmp_path: Path) -> None:
+    pushed_run(tmp_path, 4)
+    key = cut_manifest(tmp_path / "run", 2)
+    before = snapshot(tmp_path / "run")
+    r = run("deltasync", "inspect", "run", cwd=tmp_path)
+    assert r.returncode == 1, r
+    rows = {line.split()[0]: line.split()[1] for line in r.stdout.splitlines()[1:]}
+    assert rows == {"0": "anchor", "1": "patch", "2": "BROKEN", "3": "patch"}, r.stdout
+    assert f"step 2 ({key}): manifest is not valid UTF-8 JSON" in r.stderr, r.stderr
+    assert "damaged or cut short" in r.stderr and "Traceback" not in r.stderr
+    # fetching through the broken link names it; a step before it still fetches, bit-exact
+    r = run("deltasync", "fetch", "--store", "run", "--out", "out", cwd=tmp_path)
+    assert r.returncode == 1 and f"cannot reach step 3: {(tmp_path / 'run').as_uri()}: step 2 ({key})" in r.stderr, r
+    assert not (tmp_path / "out").exists()
+    r = run("deltasync", "fetch", "--store", "run", "--out", "out", "--step", "1", cwd=tmp_path)
+    assert r.returncode == 0, r
+    assert snapshot(tmp_path / "run") == before  # readers never write
+
+
+def test_reader_names_the_broken_link_of_a_chain(tmp_path: Path) -> None:
+    pushed_run(tmp_path, 3)
+    cut_manifest(tmp_path / "run", 1)
+    with ds.open_store(str(tmp_path / "run")) as store:
+        reader = ds.RunReader(store)
+        assert reader.steps() == [0, 1, 2]
+        with pytest.raises(ProtocolError, match=r"cannot reach step 2: .*step 1 \(steps/000000000001/manifest.json\)"):
+            reader.plan(2)
+        assert reader.plan(0).steps == (0,)
+        reader.forget([1])  # a forgotten step is read again
+        with pytest.raises(ProtocolError, match=r"step 1 \(steps/000000000001/manifest.json\): manifest is not"):
+            reader.committed(1)
