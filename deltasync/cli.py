@@ -67,7 +67,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if not steps:
             print(f"{store.url}: no committed steps")
             return 0
-        rows, broken = [], []
+        rows: list[tuple[str, ...]] = []
+        broken: list[DeltaSyncError] = []
         for s in steps[-args.last :] if args.last else steps:
             try:
                 m = reader.committed(s).manifest
@@ -83,8 +84,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     for r in [head, *rows]:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
-    for exc in broken:
-        print(f"error: {exc}", file=sys.stderr)
+    for bad in broken:
+        print(f"error: {bad}", file=sys.stderr)
     return 1 if broken else 0
 
 
