@@ -31,7 +31,7 @@ def cmd_upload(args: argparse.Namespace) -> int:
     import torch
 
     from deltasync._checkpoint_io import load_checkpoint
-    from deltasync.errors import ChecksumMismatch, InventoryMismatch
+    from deltasync.errors import ChainBroken, ChecksumMismatch, InventoryMismatch, ObjectNotFound, ProtocolError
     from deltasync.fetcher import DeltaFetcher
 
     cast = getattr(torch, args.cast) if args.cast else None
@@ -40,7 +40,14 @@ def cmd_upload(args: argparse.Namespace) -> int:
         state = {k: v.to(cast) if v.is_floating_point() else v for k, v in state.items()}
     with open_store(args.store) as store:
         cache = _cache_dir(store.url, args.cache)
-        up = _cli_uploader(store, args)
+        try:
+            up = _cli_uploader(store, args)
+        except ProtocolError as exc:  # the newest step's manifest does not parse: nothing can follow it
+            raise ProtocolError(
+                f"{exc}. No push can follow an unreadable newest step: restore that object from a copy of the "
+                "store, or move it away (its step is then no longer committed) and push again, or push to a new "
+                "run prefix"
+            ) from exc
         fut: Any = None
         interrupted = abandoned = False
         try:
@@ -48,15 +55,23 @@ def cmd_upload(args: argparse.Namespace) -> int:
             if latest is not None and args.step <= latest:
                 raise DeltaSyncError(f"step {args.step} is not after the last committed step {latest} in {store.url}")
             if latest is not None and not args.anchor:
-                base = _baseline(store, cache, latest)
                 try:
-                    up.resume(base, latest, strict=True)
-                except (ChecksumMismatch, InventoryMismatch):
-                    print(f"cache at {cache} is stale; rebuilding step {latest} from the store", file=sys.stderr)
-                    out = DeltaFetcher(store, signing_key=_signing_key()).materialize(
-                        cache / "materialized", step=latest
-                    )
-                    up.resume(load_checkpoint(out), latest, strict=True)
+                    base = _baseline(store, cache, latest)
+                    try:
+                        up.resume(base, latest, strict=True)
+                    except (ChecksumMismatch, InventoryMismatch):
+                        print(f"cache at {cache} is stale; rebuilding step {latest} from the store", file=sys.stderr)
+                        out = DeltaFetcher(store, signing_key=_signing_key()).materialize(
+                            cache / "materialized", step=latest
+                        )
+                        up.resume(load_checkpoint(out), latest, strict=True)
+                except (ChainBroken, ObjectNotFound, ProtocolError) as exc:
+                    raise ChainBroken(
+                        f"cannot continue the chain of step {latest}, the newest step in {store.url}: {exc}. "
+                        f"Push this checkpoint as a full anchor instead (readers fetch it and every later step "
+                        f"without the broken chain): delta-upload {args.path} --store {args.store} "
+                        f"--step {args.step} --anchor"
+                    ) from exc
             t0 = time.perf_counter()
             fut = up.push(state, args.step)
             info = fut.result()

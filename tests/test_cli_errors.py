@@ -11,6 +11,7 @@ import pytest
 from test_cli import checkpoints, run
 
 import deltasync as ds
+from deltasync._checkpoint_io import load_checkpoint
 from deltasync.errors import ProtocolError
 from deltasync.protocol import manifest_key
 from deltasync.protocol.safetensors_io import parse_safetensors
@@ -124,3 +125,54 @@ def test_reader_names_the_broken_link_of_a_chain(tmp_path: Path) -> None:
         reader.forget([1])  # a forgotten step is read again
         with pytest.raises(ProtocolError, match=r"step 1 \(steps/000000000001/manifest.json\): manifest is not"):
             reader.committed(1)
+
+
+# ------------------------------------------------------------ a broken chain under delta-upload
+
+
+@pytest.mark.parametrize("damage", ["cut manifest", "deleted manifest", "deleted patch file"])
+@pytest.mark.parametrize("cache", [True, False])
+def test_delta_upload_on_a_broken_chain_suggests_anchor_and_anchor_works(
+    tmp_path: Path, damage: str, cache: bool
+) -> None:
+    ckpts = pushed_run(tmp_path, 4)
+    store = tmp_path / "run"
+    step2 = store / "steps" / "000000000002"
+    if damage == "cut manifest":
+        cut_manifest(store, 2)
+    elif damage == "deleted manifest":
+        (step2 / "manifest.json").unlink()
+    else:
+        (step2 / "patch-00000.safetensors").unlink()
+    if not cache:
+        for p in (tmp_path / "cache").iterdir():
+            p.unlink()
+    before = snapshot(store)
+    args = [str(ckpts[3]), "--store", "run", "--step", "4", "--cache", "cache"]
+    r = run("delta-upload", *args, cwd=tmp_path)
+    assert r.returncode == 1, r
+    assert "error: cannot continue the chain of step 3" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "--step 4 --anchor" in r.stderr.splitlines()[-1], r.stderr
+    assert snapshot(store) == before  # nothing written: no patch on the broken chain, no writer claim
+    r = run("delta-upload", *args, "--anchor", cwd=tmp_path)
+    assert r.returncode == 0 and "step 4: anchor" in r.stdout, r
+    r = run("deltasync", "fetch", "--store", "run", "--out", "out", cwd=tmp_path)
+    assert r.returncode == 0, r
+    got = load_checkpoint(tmp_path / "out")
+    want = load_checkpoint(ckpts[3])
+    assert got.keys() == want.keys() and all(
+        torch.equal(got[k].view(-1).view(torch.uint8), want[k].view(-1).view(torch.uint8)) for k in want
+    )
+
+
+def test_delta_upload_after_an_unreadable_newest_step_says_what_to_do(tmp_path: Path) -> None:
+    ckpts = pushed_run(tmp_path, 2)
+    key = cut_manifest(tmp_path / "run", 1)
+    before = snapshot(tmp_path / "run")
+    for extra in ([], ["--anchor"]):
+        r = run(
+            "delta-upload", str(ckpts[1]), "--store", "run", "--step", "2", "--cache", "cache", *extra, cwd=tmp_path
+        )
+        assert r.returncode == 1, r
+        assert f"step 1 ({key})" in r.stderr and "restore that object from a copy" in r.stderr, r.stderr
+    assert snapshot(tmp_path / "run") == before

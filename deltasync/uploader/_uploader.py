@@ -135,9 +135,10 @@ class DeltaUploader:
         when ``state`` is proven equal to ``step`` by the tensor digests and ``step``
         is the store's newest step: the next push is then a patch on it (unless an
         anchor is due). Returns False when it cannot be proven (``step`` is not
-        committed, or the state differs): the next push is an anchor; with
-        ``strict=True`` that raises instead (ProtocolError, InventoryMismatch or
-        ChecksumMismatch). A ``step`` older than the store's newest step always
+        committed, the state differs, or a reader could not rebuild ``step``: a step
+        or file of its chain is missing): the next push is an anchor; with
+        ``strict=True`` that raises instead (ProtocolError, ChainBroken,
+        InventoryMismatch or ChecksumMismatch). A ``step`` older than the store's newest step always
         raises ProtocolError: the store is ahead of the trainer. Claims this
         uploader's writer epoch, so an older uploader of the run still alive is
         fenced off from then on.
