@@ -3,12 +3,14 @@ do; the store and the local baseline cache stay at their last good state (real p
 
 from __future__ import annotations
 
+import os
 import pickle
+import subprocess
 import zipfile
 from pathlib import Path
 
 import pytest
-from test_cli import checkpoints, run
+from test_cli import TIMEOUT, _finish, _lines, _script, checkpoints, read_until, run
 
 import deltasync as ds
 from deltasync._checkpoint_io import load_checkpoint
@@ -176,3 +178,46 @@ def test_delta_upload_after_an_unreadable_newest_step_says_what_to_do(tmp_path: 
         assert r.returncode == 1, r
         assert f"step 1 ({key})" in r.stderr and "restore that object from a copy" in r.stderr, r.stderr
     assert snapshot(tmp_path / "run") == before
+
+
+# ------------------------------------------------------------ signal server tokens
+
+
+def test_signal_401_and_403_name_the_token_variable_to_set(tmp_path: Path) -> None:
+    from server_harness import ThreadServer
+
+    from deltasync.server import Settings, create_app
+
+    app = create_app(
+        Settings(publish_token="pub-token-123", subscribe_token="sub-token-456", db_path=str(tmp_path / "s.db"))
+    )
+    no_tokens = {"DELTASYNC_PUBLISH_TOKEN": "", "DELTASYNC_SUBSCRIBE_TOKEN": ""}
+    ckpts = checkpoints(tmp_path, 2)
+    with ThreadServer(app) as srv:
+        for token, why in (("", "no token was sent"), ("wrong-token", "the token sent was refused")):
+            env = {**no_tokens, "DELTASYNC_PUBLISH_TOKEN": token}
+            args = ["--store", f"run-{bool(token)}", "--step", "0", "--signal", srv.url, "--run", "r"]
+            r = run("delta-upload", str(ckpts[0]), *args, cwd=tmp_path, env=env)
+            assert r.returncode == 0, r  # the store is the truth: a refused signal never fails the push
+            assert f"HTTP {403 if token else 401}" in r.stderr and why in r.stderr, r.stderr
+            assert "set DELTASYNC_PUBLISH_TOKEN to the server's publish token" in r.stderr, r.stderr
+        # a follower without the subscribe token: told which variable to set, and it polls the store meanwhile
+        follow = [*_script("deltasync"), "follow", "--store", "run-False", "--out", "out", "--signal", srv.url]
+        proc = subprocess.Popen(
+            [*follow, "--run", "r", "--until", "1", "--poll-interval", "0.2"],
+            cwd=tmp_path,
+            env={**os.environ, **no_tokens},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            err = _lines(proc, proc.stderr)
+            line = read_until(err, "HTTP 401", proc)
+            assert "set DELTASYNC_SUBSCRIBE_TOKEN to the server's subscribe token" in line, line
+            r = run("delta-upload", str(ckpts[1]), "--store", "run-False", "--step", "1", cwd=tmp_path, env=no_tokens)
+            assert r.returncode == 0, r
+            assert proc.wait(TIMEOUT) == 0
+        finally:
+            _finish(proc)
