@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from deltasync._cli_common import _cli_uploader, _human, _signing_key
+from deltasync._cli_common import _cli_uploader, _human, _signing_key, cast_name
 from deltasync.errors import DeltaSyncError
 from deltasync.protocol import xxh3_128
 from deltasync.storage import open_store
@@ -188,7 +188,12 @@ def _upload_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step", required=True, type=int, help="training step of this checkpoint (must increase)")
     p.add_argument("--anchor-every", type=int, default=50, help="full anchor every N steps (default 50)")
     p.add_argument("--anchor", action="store_true", help="force a full anchor for this step")
-    p.add_argument("--cast", choices=["bfloat16", "float16", "float32"], help="cast floating tensors before diffing")
+    p.add_argument(
+        "--cast",
+        type=cast_name,
+        metavar="{bf16,fp16,fp32}",
+        help="cast floating tensors to this dtype before diffing (keeps a bf16 run bf16 when the trainer saves fp32)",
+    )
     p.add_argument("--cache", help="baseline cache dir (default: $XDG_CACHE_HOME/deltasync/upload/<store hash>)")
     p.add_argument("--signal", metavar="URL", help="signal server to notify (token: $DELTASYNC_PUBLISH_TOKEN)")
     p.add_argument("--run", help="run name at the signal server (default: the store's run id)")

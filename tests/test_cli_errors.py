@@ -13,7 +13,7 @@ import pytest
 from test_cli import TIMEOUT, _finish, _lines, _script, checkpoints, read_until, run
 
 import deltasync as ds
-from deltasync._checkpoint_io import load_checkpoint
+from deltasync._checkpoint_io import load_checkpoint, save_checkpoint
 from deltasync.errors import ProtocolError
 from deltasync.protocol import manifest_key
 from deltasync.protocol.safetensors_io import parse_safetensors
@@ -221,3 +221,45 @@ def test_signal_401_and_403_name_the_token_variable_to_set(tmp_path: Path) -> No
             assert proc.wait(TIMEOUT) == 0
         finally:
             _finish(proc)
+
+
+# ------------------------------------------------------------ fp32 pushed into a bf16 run
+
+
+def test_dtype_change_warning_names_tensors_and_the_size_cost() -> None:
+    from deltasync.protocol import TensorInfo
+    from deltasync.uploader._dtypes import dtype_change_warning
+
+    bf16 = [TensorInfo("a", "BF16", (4, 4)), TensorInfo("b", "BF16", (8,)), TensorInfo("n", "I64", (2,))]
+    fp32 = [TensorInfo("a", "F32", (4, 4)), TensorInfo("b", "F32", (8,)), TensorInfo("n", "I64", (2,))]
+    msg = dtype_change_warning(7, bf16, fp32)
+    assert msg is not None and msg.startswith("step 7: 2 tensors change dtype (2 BF16 -> F32, e.g. 'a')")
+    assert "full anchor of 112 B instead of 64 B (1.75x)" in msg and "--cast bf16" in msg
+    assert "cast_dtype=torch.bfloat16" in msg
+    assert dtype_change_warning(7, bf16, bf16) is None
+    assert dtype_change_warning(7, bf16, [TensorInfo("a", "F32", (2, 8))]) is None  # another shape: another model
+
+
+def test_fp32_into_a_bf16_run_warns_and_cast_keeps_it_a_patch(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(1)
+    state = {"w": torch.randn(64, 64, generator=g).to(torch.bfloat16), "b": torch.randn(64, generator=g).bfloat16()}
+    ckpt = save_checkpoint(state, tmp_path / "bf16.safetensors")
+    fp32 = {k: v.float() for k, v in state.items()}
+    fp32["w"].view(-1)[:3] += 1
+    save_checkpoint(fp32, tmp_path / "fp32.safetensors")
+    base = ["--store", "run", "--cache", "cache"]
+    assert run("delta-upload", str(ckpt), *base, "--step", "0", cwd=tmp_path).returncode == 0
+    r = run("delta-upload", "fp32.safetensors", *base, "--step", "1", "--cast", "bf16", cwd=tmp_path)
+    assert r.returncode == 0 and "step 1: patch" in r.stdout and "change dtype" not in r.stderr, r
+    r = run("delta-upload", "fp32.safetensors", *base, "--step", "2", cwd=tmp_path)
+    assert r.returncode == 0 and "step 2: anchor" in r.stdout, r
+    assert "step 2: 2 tensors change dtype (2 BF16 -> F32" in r.stderr, r.stderr
+    assert "(2.00x)" in r.stderr and "delta-upload --cast bf16" in r.stderr, r.stderr
+    for step, want in ((1, {k: v.to(torch.bfloat16) for k, v in fp32.items()}), (2, fp32)):
+        out = tmp_path / f"out-{step}"
+        r = run("deltasync", "fetch", "--store", "run", "--out", str(out), "--step", str(step), cwd=tmp_path)
+        assert r.returncode == 0, r
+        got = load_checkpoint(out)
+        assert {k: (v.dtype, v.view(-1).view(torch.uint8).tolist()) for k, v in got.items()} == {
+            k: (v.dtype, v.view(-1).view(torch.uint8).tolist()) for k, v in want.items()
+        }
