@@ -28,13 +28,15 @@ def _signing_key() -> bytes | None:
     return key.encode() if key else None
 
 
-def _cli_uploader(store: Any, args: Any) -> Any:
+def _cli_uploader(store: Any, args: Any, **options: Any) -> Any:
     """The DeltaUploader of `delta-upload` and `delta-upload watch`: ``args`` from their parsers
-    (anchor_every, signal, run); blocks on a backlog; keys and tokens from the environment."""
+    (anchor_every, signal, run); blocks on a backlog; keys and tokens from the environment;
+    ``options``: more UploaderConfig fields."""
     from deltasync.uploader import DeltaUploader
 
     return DeltaUploader(
         store,
+        **options,
         anchor_every=args.anchor_every,
         on_backlog="block",
         signing_key=_signing_key(),

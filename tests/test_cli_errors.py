@@ -263,3 +263,63 @@ def test_fp32_into_a_bf16_run_warns_and_cast_keeps_it_a_patch(tmp_path: Path) ->
         assert {k: (v.dtype, v.view(-1).view(torch.uint8).tolist()) for k, v in got.items()} == {
             k: (v.dtype, v.view(-1).view(torch.uint8).tolist()) for k, v in want.items()
         }
+
+
+# ------------------------------------------------------------ the baseline cache
+
+
+def cache_listing(cache: Path) -> list[str]:
+    return sorted(str(p.relative_to(cache)) for p in cache.rglob("*"))
+
+
+def fetched_equals(tmp_path: Path, ckpt: Path, step: int) -> bool:
+    out = tmp_path / f"check-{step}"
+    r = run("deltasync", "fetch", "--store", "run", "--out", str(out), "--step", str(step), cwd=tmp_path)
+    assert r.returncode == 0, r
+    got, want = load_checkpoint(out), load_checkpoint(ckpt)
+    return got.keys() == want.keys() and all(
+        got[k].dtype == want[k].dtype and torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)) for k in want
+    )
+
+
+def test_the_cache_keeps_one_copy_says_where_and_rebuilds_in_memory(tmp_path: Path) -> None:
+    ckpts = checkpoints(tmp_path, 4)
+    cache = tmp_path / "cache"
+    args = ["--store", "run", "--cache", "cache"]
+    r = run("delta-upload", str(ckpts[0]), *args, "--step", "0", cwd=tmp_path)
+    assert r.returncode == 0, r
+    size = sum(p.stat().st_size for p in cache.iterdir())
+    assert f"baseline cache: cache ({size / 1000:.2f} kB, one copy of step 0;" in r.stderr, r.stderr
+    (cache / "state.json").unlink()  # no valid cache: step 1's baseline comes from the store
+    r = run("delta-upload", str(ckpts[1]), *args, "--step", "1", cwd=tmp_path)
+    assert r.returncode == 0 and "step 1: patch" in r.stdout and "fetching it from" in r.stderr, r
+    save_checkpoint(load_checkpoint(ckpts[0]), cache / "state.safetensors")  # a stale cache (not step 1's state)
+    r = run("delta-upload", str(ckpts[2]), *args, "--step", "2", cwd=tmp_path)
+    assert r.returncode == 0 and "step 2: patch" in r.stdout and "is stale; rebuilding" in r.stderr, r
+    assert cache_listing(cache) == ["state.json", "state.safetensors"]  # one copy, no materialized/ dir
+    assert fetched_equals(tmp_path, ckpts[2], 2)
+    r = run("delta-upload", str(ckpts[3]), *args, "--step", "3", "--no-cache", cwd=tmp_path)
+    assert r.returncode == 0 and "step 3: patch" in r.stdout and "--no-cache: no local baseline kept" in r.stderr
+    assert cache_listing(cache) == []
+    assert fetched_equals(tmp_path, ckpts[3], 3)
+
+
+def test_a_materialized_copy_left_by_earlier_versions_goes_and_nothing_else(tmp_path: Path) -> None:
+    ckpts = pushed_run(tmp_path, 2)
+    cache = tmp_path / "cache"
+    # what earlier versions left: step 1 materialized into the cache, never removed
+    r = run("deltasync", "fetch", "--store", "run", "--out", "cache/materialized", cwd=tmp_path)
+    assert r.returncode == 0, r
+    (cache / "materialized" / "notes.txt").write_text("the user's own file")
+    other = tmp_path / "other-cache"
+    r = run("deltasync", "fetch", "--store", "run", "--out", "other-cache/materialized", cwd=tmp_path)
+    assert r.returncode == 0, r
+    marker = other / "materialized" / ".deltasync.json"
+    marker.write_text(marker.read_text().replace((tmp_path / "run").as_uri(), "file:///somewhere/else"))
+    before_other = snapshot(other)
+    r = run("delta-upload", str(ckpts[1]), "--store", "run", "--step", "2", "--cache", "cache", cwd=tmp_path)
+    assert r.returncode == 0 and "removed cache/materialized (" in r.stderr, r
+    assert cache_listing(cache) == ["materialized", "materialized/notes.txt", "state.json", "state.safetensors"]
+    r = run("delta-upload", str(ckpts[1]), "--store", "run", "--step", "3", "--cache", "other-cache", cwd=tmp_path)
+    assert r.returncode == 0 and "removed" not in r.stderr, r
+    assert {k: v for k, v in snapshot(other).items() if k.startswith("materialized")} == before_other
