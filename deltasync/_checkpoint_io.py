@@ -17,7 +17,13 @@ from deltasync.protocol.safetensors_io import parse_safetensors
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["checkpoint_files", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CONVERT_HINT", "checkpoint_files", "load_checkpoint", "save_checkpoint"]
+
+CONVERT_HINT = (
+    "deltasync reads safetensors only: save with model.save_pretrained(dir, safe_serialization=True), or convert "
+    "a state dict with safetensors.torch.save_file(torch.load(path), 'model.safetensors')"
+)
+_OTHER_FORMATS = (".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -40,17 +46,38 @@ def checkpoint_files(path: Path) -> list[Path]:
         return files
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise ObjectNotFound(f"{path}: no *.safetensors files (expected a checkpoint dir or a .safetensors file)")
+        other = sorted(p.name for ext in _OTHER_FORMATS for p in path.glob(f"*{ext}"))
+        found = f"; it holds {', '.join(other[:3])}{' ...' if len(other) > 3 else ''}, not safetensors" if other else ""
+        raise ObjectNotFound(
+            f"{path}: no *.safetensors files (expected a checkpoint dir or a .safetensors file){found}. {CONVERT_HINT}"
+        )
     return files
 
 
-def load_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint as CPU torch tensors (owned memory, writable)."""
+def load_checkpoint(path: str | Path, *, mmap: bool = False) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint as CPU torch tensors (writable).
+
+    ``mmap``: map the files copy-on-write instead of reading them into owned memory:
+    pages are read when touched and stay in the page cache (no anonymous copy), and
+    writes to the tensors never reach the file. The file must not be truncated while
+    the tensors are alive.
+    """
     torch = require_torch()
     out: dict[str, Any] = {}
     for f in checkpoint_files(Path(path)):
-        raw = np.fromfile(f, dtype=np.uint8)
-        st = parse_safetensors(raw.data, what=str(f))
+        raw: np.ndarray[Any, Any]
+        if mmap and f.stat().st_size > 0:
+            raw = np.memmap(f, dtype=np.uint8, mode="c")
+        else:
+            raw = np.fromfile(f, dtype=np.uint8)
+        try:
+            st = parse_safetensors(raw.data, what=str(f))
+        except ProtocolError as exc:
+            if "not a safetensors file" in str(exc):
+                raise ProtocolError(f"{exc}. {CONVERT_HINT}") from None
+            if "truncated safetensors file" in str(exc):
+                raise ProtocolError(f"{exc}; an interrupted save or copy? Save or copy it again") from None
+            raise
         for e in st.entries.values():
             if e.name in out:
                 raise ProtocolError(f"{f}: tensor {e.name!r} appears in more than one shard")
@@ -65,7 +92,7 @@ def save_checkpoint(state: dict[str, torch.Tensor], path: str | Path, metadata: 
     import os
 
     from deltasync._tensors import numpy_bits, st_dtype
-    from deltasync.protocol.safetensors_io import TensorBytes, to_bytes
+    from deltasync.protocol.safetensors_io import TensorBytes, encode_header
 
     path = Path(path)
     items = [
@@ -74,8 +101,11 @@ def save_checkpoint(state: dict[str, torch.Tensor], path: str | Path, metadata: 
     ]
     tmp = path.with_name(path.name + ".tmp")
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(tmp, "wb") as fh:
-        fh.write(to_bytes(items, metadata or {"format": "pt"}))
+    with open(tmp, "wb") as fh:  # header, then each tensor's bytes as they are: no whole-file copy in memory
+        fh.write(encode_header(items, metadata or {"format": "pt"}))
+        for t in items:
+            data = t.data
+            fh.write(data.reshape(-1).view(np.uint8).data if isinstance(data, np.ndarray) else memoryview(data))
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)

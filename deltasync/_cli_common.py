@@ -7,7 +7,20 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["_human", "_progress", "_require_run", "_signing_key"]
+__all__ = ["_human", "_progress", "_require_run", "_signing_key", "cast_name"]
+
+_CASTS = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "half": "float16"}
+_CASTS |= {"fp32": "float32", "float32": "float32", "float": "float32"}
+
+
+def cast_name(value: str) -> str:
+    """``--cast``: the torch dtype name for bf16 / fp16 / fp32 (or their torch spellings)."""
+    try:
+        return _CASTS[value.strip().lower()]
+    except KeyError:
+        import argparse
+
+        raise argparse.ArgumentTypeError(f"unknown dtype {value!r}: choose bf16, fp16 or fp32") from None
 
 
 def _signing_key() -> bytes | None:
@@ -15,13 +28,15 @@ def _signing_key() -> bytes | None:
     return key.encode() if key else None
 
 
-def _cli_uploader(store: Any, args: Any) -> Any:
+def _cli_uploader(store: Any, args: Any, **options: Any) -> Any:
     """The DeltaUploader of `delta-upload` and `delta-upload watch`: ``args`` from their parsers
-    (anchor_every, signal, run); blocks on a backlog; keys and tokens from the environment."""
+    (anchor_every, signal, run); blocks on a backlog; keys and tokens from the environment;
+    ``options``: more UploaderConfig fields."""
     from deltasync.uploader import DeltaUploader
 
     return DeltaUploader(
         store,
+        **options,
         anchor_every=args.anchor_every,
         on_backlog="block",
         signing_key=_signing_key(),

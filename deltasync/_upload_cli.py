@@ -4,43 +4,46 @@ baseline cache so separate invocations chain (see ``deltasync.cli`` for the envi
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from deltasync._cli_common import _cli_uploader, _human, _signing_key
+from deltasync._cli_common import _cli_uploader, _human, _signing_key, cast_name
+from deltasync._upload_cache import (
+    cache_dir,
+    cache_size,
+    cached_baseline,
+    drop_cache,
+    drop_legacy_materialized,
+    write_cache,
+)
 from deltasync.errors import DeltaSyncError
-from deltasync.protocol import xxh3_128
 from deltasync.storage import open_store
 
 __all__ = ["cmd_upload"]
-
-
-def _cache_dir(store_url: str, override: str | None) -> Path:
-    if override:
-        return Path(override)
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "deltasync" / "upload" / xxh3_128(store_url.encode())[:16]
 
 
 def cmd_upload(args: argparse.Namespace) -> int:
     import torch
 
     from deltasync._checkpoint_io import load_checkpoint
-    from deltasync.errors import ChecksumMismatch, InventoryMismatch
-    from deltasync.fetcher import DeltaFetcher
+    from deltasync.errors import ChainBroken, ObjectNotFound, ProtocolError
 
     cast = getattr(torch, args.cast) if args.cast else None
-    state = load_checkpoint(args.path)
+    state = load_checkpoint(args.path, mmap=True)  # pages are read as the diff touches them
     if cast is not None:
-        state = {k: v.to(cast) if v.is_floating_point() else v for k, v in state.items()}
+        state = {k: v.to(cast) if v.is_floating_point() and v.dtype != cast else v for k, v in state.items()}
     with open_store(args.store) as store:
-        cache = _cache_dir(store.url, args.cache)
-        up = _cli_uploader(store, args)
+        cache = cache_dir(store.url, args.cache)
+        try:
+            up = _cli_uploader(store, args, defer_diff=False)  # one step: diff in push(), no staging copy
+        except ProtocolError as exc:  # the newest step's manifest does not parse: nothing can follow it
+            raise ProtocolError(
+                f"{exc}. No push can follow an unreadable newest step: restore that object from a copy of the "
+                "store, or move it away (its step is then no longer committed) and push again, or push to a new "
+                "run prefix"
+            ) from exc
         fut: Any = None
         interrupted = abandoned = False
         try:
@@ -48,15 +51,15 @@ def cmd_upload(args: argparse.Namespace) -> int:
             if latest is not None and args.step <= latest:
                 raise DeltaSyncError(f"step {args.step} is not after the last committed step {latest} in {store.url}")
             if latest is not None and not args.anchor:
-                base = _baseline(store, cache, latest)
                 try:
-                    up.resume(base, latest, strict=True)
-                except (ChecksumMismatch, InventoryMismatch):
-                    print(f"cache at {cache} is stale; rebuilding step {latest} from the store", file=sys.stderr)
-                    out = DeltaFetcher(store, signing_key=_signing_key()).materialize(
-                        cache / "materialized", step=latest
-                    )
-                    up.resume(load_checkpoint(out), latest, strict=True)
+                    _resume(up, store, cache, latest, state, use_cache=not args.no_cache)
+                except (ChainBroken, ObjectNotFound, ProtocolError) as exc:
+                    raise ChainBroken(
+                        f"cannot continue the chain of step {latest}, the newest step in {store.url}: {exc}. "
+                        f"Push this checkpoint as a full anchor instead (readers fetch it and every later step "
+                        f"without the broken chain): delta-upload {args.path} --store {args.store} "
+                        f"--step {args.step} --anchor"
+                    ) from exc
             t0 = time.perf_counter()
             fut = up.push(state, args.step)
             info = fut.result()
@@ -83,19 +86,77 @@ def cmd_upload(args: argparse.Namespace) -> int:
             f"changed, {info.nbytes / full:.4f} of a full checkpoint) committed in {time.perf_counter() - t0:.2f} s",
             flush=True,
         )
-        try:
-            if interrupted:
-                raise KeyboardInterrupt
-            _write_cache(cache, state, info, store.url)
-        except (KeyboardInterrupt, OSError) as exc:
-            _drop_cache(cache)
-            why = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"cannot write the baseline cache ({exc})"
-            print(
-                f"{why}: step {info.step} is committed to {store.url}; the local baseline cache at {cache} was "
-                f"removed (the next delta-upload fetches step {info.step} from the store)",
-                file=sys.stderr,
-            )
+        _keep_baseline(args, cache, state, info, store.url, interrupted)
     return 0
+
+
+def _resume(up: Any, store: Any, cache: Path, latest: int, state: dict[str, Any], *, use_cache: bool) -> None:
+    """Make committed ``latest`` the uploader's baseline: from the local cache when it is that step,
+    else synced from the store into memory. When ``state``'s tensors (names, dtypes, shapes) differ
+    from ``latest``'s, the push is an anchor anyway and nothing is fetched."""
+    import torch
+
+    from deltasync._tensors import inventory_of
+    from deltasync.errors import ChecksumMismatch, InventoryMismatch
+    from deltasync.fetcher import DeltaFetcher
+
+    base = cached_baseline(cache, store.url, latest) if use_cache else None
+    if base is not None:
+        try:
+            up.resume(base, latest, strict=True)
+            return
+        except (ChecksumMismatch, InventoryMismatch):
+            print(f"cache at {cache} is stale; rebuilding step {latest} from the store", file=sys.stderr)
+        finally:
+            del base  # unmaps the cache file: the uploader keeps its own copy
+    elif use_cache:
+        print(f"no local baseline for step {latest}; fetching it from {store.url}", file=sys.stderr)
+    fetcher = DeltaFetcher(store, signing_key=_signing_key())
+    if fetcher.reader.manifest(latest).inventory != inventory_of(state):
+        print(
+            f"the checkpoint's tensors (names, dtypes or shapes) differ from step {latest}'s: it is pushed as "
+            "a full anchor",
+            file=sys.stderr,
+        )
+        return
+    target = {k: torch.empty_like(v) for k, v in state.items()}  # sized by the local checkpoint, not the manifest
+    fetcher.sync(target, step=latest)
+    up.resume(target, latest, strict=True)
+
+
+def _keep_baseline(args: Any, cache: Path, state: dict[str, Any], info: Any, store_url: str, interrupted: bool) -> None:
+    """After the commit: write the baseline cache (or drop it with --no-cache) and say where it is."""
+    freed = drop_legacy_materialized(cache, store_url)
+    if freed:
+        print(
+            f"removed {cache / 'materialized'} ({_human(freed)}), a stale copy earlier versions kept", file=sys.stderr
+        )
+    if args.no_cache:
+        drop_cache(cache)
+        print(
+            f"--no-cache: no local baseline kept; the next delta-upload fetches step {info.step} from {store_url}",
+            file=sys.stderr,
+        )
+        return
+    try:
+        if interrupted:
+            raise KeyboardInterrupt
+        cache.mkdir(parents=True, exist_ok=True)
+        write_cache(cache, state, info, store_url)
+    except (KeyboardInterrupt, OSError) as exc:
+        drop_cache(cache)
+        why = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"cannot write the baseline cache ({exc})"
+        print(
+            f"{why}: step {info.step} is committed to {store_url}; the local baseline cache at {cache} was "
+            f"removed (the next delta-upload fetches step {info.step} from the store)",
+            file=sys.stderr,
+        )
+        return
+    print(
+        f"baseline cache: {cache} ({_human(cache_size(cache))}, one copy of step {info.step}; "
+        "--no-cache skips it, deleting the dir is safe)",
+        file=sys.stderr,
+    )
 
 
 def _interrupted_commit(fut: Any, step: int) -> tuple[Any, bool]:
@@ -121,50 +182,6 @@ def _interrupted_commit(fut: Any, step: int) -> tuple[Any, bool]:
     return (None if fut.exception() is not None else fut.result()), False
 
 
-CACHE_FILES = ("state.json", "state.json.tmp", "state.safetensors", "state.safetensors.tmp")
-
-
-def _write_cache(cache: Path, state: dict[str, Any], info: Any, store_url: str) -> None:
-    """Keep the pushed state as the next upload's baseline; ``state.json`` (written last) makes it valid."""
-    from deltasync._checkpoint_io import save_checkpoint
-
-    meta = cache / "state.json"
-    meta.unlink(missing_ok=True)  # the cache of the previous step stops being valid first
-    save_checkpoint(state, cache / "state.safetensors")
-    gate = os.environ.get("DELTASYNC_TEST_CACHE_GATE")
-    if gate:  # test hook: hold here, the cache half written, until that file exists
-        print(f"test hook: waiting for {gate}", file=sys.stderr, flush=True)
-        while not os.path.exists(gate):
-            time.sleep(0.01)
-    tmp = cache / "state.json.tmp"
-    tmp.write_text(json.dumps({"step": info.step, "manifest_digest": info.manifest_digest, "store": store_url}))
-    os.replace(tmp, meta)
-
-
-def _drop_cache(cache: Path) -> None:
-    """Remove the baseline cache's files, whole or partial (best effort)."""
-    for name in CACHE_FILES:
-        with contextlib.suppress(OSError):
-            (cache / name).unlink(missing_ok=True)
-
-
-def _baseline(store: Any, cache: Path, step: int) -> dict[str, Any]:
-    """The weights of committed ``step``: from the local cache when it matches, else from the store."""
-    from deltasync._checkpoint_io import load_checkpoint
-    from deltasync.fetcher import DeltaFetcher
-
-    meta_path = cache / "state.json"
-    try:
-        meta = json.loads(meta_path.read_text())
-        if meta.get("step") == step and meta.get("store") == store.url:
-            return load_checkpoint(cache / "state.safetensors")
-    except (OSError, ValueError, DeltaSyncError):
-        pass
-    print(f"no local baseline for step {step}; fetching it from {store.url}", file=sys.stderr)
-    out = DeltaFetcher(store, signing_key=_signing_key()).materialize(cache / "materialized", step=step)
-    return load_checkpoint(out)
-
-
 def _upload_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", help="a .safetensors file or an HF checkpoint dir (with model.safetensors.index.json)")
     p.add_argument(
@@ -173,7 +190,18 @@ def _upload_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step", required=True, type=int, help="training step of this checkpoint (must increase)")
     p.add_argument("--anchor-every", type=int, default=50, help="full anchor every N steps (default 50)")
     p.add_argument("--anchor", action="store_true", help="force a full anchor for this step")
-    p.add_argument("--cast", choices=["bfloat16", "float16", "float32"], help="cast floating tensors before diffing")
+    p.add_argument(
+        "--cast",
+        type=cast_name,
+        metavar="{bf16,fp16,fp32}",
+        help="cast floating tensors to this dtype before diffing (keeps a bf16 run bf16 when the trainer saves fp32)",
+    )
     p.add_argument("--cache", help="baseline cache dir (default: $XDG_CACHE_HOME/deltasync/upload/<store hash>)")
+    p.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="keep no local copy of the pushed state (and remove this store's cached one); the next upload "
+        "fetches its baseline from the store",
+    )
     p.add_argument("--signal", metavar="URL", help="signal server to notify (token: $DELTASYNC_PUBLISH_TOKEN)")
     p.add_argument("--run", help="run name at the signal server (default: the store's run id)")

@@ -21,7 +21,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from deltasync._cli_common import _cli_uploader, _human
+from deltasync._cli_common import _cli_uploader, _human, cast_name
 from deltasync._watch_scan import Candidate, CheckpointPattern, Readiness, WatchError
 from deltasync.errors import CommitFailed, DeltaSyncError, WriterFenced
 from deltasync.storage import open_store
@@ -288,6 +288,11 @@ def watch_parser(p: argparse.ArgumentParser) -> None:
         "process pushed and that match the pattern, never the newest pushed one (the baseline after a restart)",
     )
     p.add_argument("--anchor-every", type=int, default=50, help="full anchor every N pushes (default 50)")
-    p.add_argument("--cast", choices=["bfloat16", "float16", "float32"], help="cast floating tensors before diffing")
+    p.add_argument(
+        "--cast",
+        type=cast_name,
+        metavar="{bf16,fp16,fp32}",
+        help="cast floating tensors to this dtype before diffing (keeps a bf16 run bf16 when the trainer saves fp32)",
+    )
     p.add_argument("--signal", metavar="URL", help="signal server to notify (token: $DELTASYNC_PUBLISH_TOKEN)")
     p.add_argument("--run", help="run name at the signal server (default: the store's run id)")

@@ -67,9 +67,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if not steps:
             print(f"{store.url}: no committed steps")
             return 0
-        rows = []
+        rows: list[tuple[str, ...]] = []
+        broken: list[DeltaSyncError] = []
         for s in steps[-args.last :] if args.last else steps:
-            m = reader.committed(s).manifest
+            try:
+                m = reader.committed(s).manifest
+            except DeltaSyncError as exc:  # list the other steps; report this one below
+                rows.append((str(s), "BROKEN", "-", "-", "-", "-"))
+                broken.append(exc)
+                continue
             full = sum(t.nbytes for t in m.inventory) or 1
             changed = f"{100 * m.stats.changed / m.stats.total:.3f}%" if m.kind == "patch" and m.stats.total else "-"
             parent = "-" if m.parent_step is None else str(m.parent_step)
@@ -78,7 +84,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     for r in [head, *rows]:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
-    return 0
+    for bad in broken:
+        print(f"error: {bad}", file=sys.stderr)
+    return 1 if broken else 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -101,6 +101,25 @@ def _int(v: Any, what: str) -> int:
     return v
 
 
+_MAGIC = (
+    (b"PK\x03\x04", "a zip archive, as torch.save writes .pt/.bin files"),
+    (b"GGUF", "a GGUF file"),
+    (b"\x93NUMPY", "a NumPy .npy file"),
+    (b"\x89HDF", "an HDF5 file"),
+)
+
+
+def _sniff(data: bytes | bytearray | memoryview, lead: str, tail: str = "") -> str:
+    """``lead + "it looks like ..." + tail`` when a file's first bytes tell what it is, else ``""``."""
+    head = bytes(data[:64])
+    what = next((name for magic, name in _MAGIC if head.startswith(magic)), None)
+    if what is None and head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        what = "a Python pickle, as an old torch.save writes .pt/.bin files"
+    elif what is None and head and all(32 <= c < 127 or c in (9, 10, 13) for c in head):
+        what = "a text file"
+    return "" if what is None else f"{lead}it looks like {what}{tail}"
+
+
 def parse_safetensors(data: bytes | bytearray | memoryview, *, what: str = "file") -> StFile:
     """Parse and validate a safetensors header against the buffer it came with.
 
@@ -109,10 +128,15 @@ def parse_safetensors(data: bytes | bytearray | memoryview, *, what: str = "file
     """
     size = len(data)
     if size < 8:
-        raise ProtocolError(f"{what}: truncated safetensors file ({size} bytes, need at least 8)")
+        raise ProtocolError(f"{what}: not a safetensors file (only {size} bytes{_sniff(data, '; ')})")
     (hlen,) = struct.unpack_from("<Q", data, 0)
-    if hlen > MAX_HEADER or 8 + hlen > size:
-        raise ProtocolError(f"{what}: safetensors header length {hlen} exceeds the file ({size} bytes)")
+    if hlen > MAX_HEADER or bytes(data[8:9]) != b"{":  # the spec: the header begins with "{"
+        raise ProtocolError(
+            f"{what}: not a safetensors file ({_sniff(data, '', '; ')}it does not begin with a header length "
+            f"and a JSON header: first bytes {bytes(data[:12])!r}, {size} bytes in all)"
+        )
+    if 8 + hlen > size:
+        raise ProtocolError(f"{what}: truncated safetensors file (a {hlen}-byte header, {size} bytes in all)")
     try:
         header = json.loads(bytes(data[8 : 8 + hlen]).decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -142,6 +166,11 @@ def parse_safetensors(data: bytes | bytearray | memoryview, *, what: str = "file
         n = 1
         for s in dims:
             n *= s
+        if b <= e and (e - b) == n * itemsize and start + e > size:
+            raise ProtocolError(
+                f"{what}: truncated safetensors file: tensor {name!r} ends at byte {start + e}, "
+                f"the file has {size} bytes"
+            )
         if e < b or start + e > size or (e - b) != n * itemsize:
             raise ProtocolError(
                 f"{what}: entry {name!r} spans bytes [{b}, {e}) which do not fit the file "

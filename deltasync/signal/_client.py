@@ -56,6 +56,18 @@ class CommitEvent:
             raise SignalUnavailable(f"malformed commit from the signal server: {str(raw)[:200]}") from exc
 
 
+def _token_hint(method: str, path: str, status: int, sent: bool) -> str:
+    """What to set after a 401/403: the subscribe token for reads, the publish token for writes."""
+    if method == "GET" and not path.rstrip("/").endswith("/webhooks"):
+        scope, env = "subscribe", "DELTASYNC_SUBSCRIBE_TOKEN"
+        who = "`deltasync fetch`/`follow` read it; or pass token= (the publish token works too)"
+    else:
+        scope, env = "publish", "DELTASYNC_PUBLISH_TOKEN"
+        who = "`delta-upload --signal` reads it; or UploaderConfig(signal_token=...) / SignalClient(token=...)"
+    why = "no token was sent" if not sent or status == 401 else "the token sent was refused"
+    return f" ({why}: set {env} to the server's {scope} token; {who})"
+
+
 def _check(r: httpx.Response) -> httpx.Response:
     if r.status_code < 400:
         return r
@@ -67,6 +79,8 @@ def _check(r: httpx.Response) -> httpx.Response:
     except (ValueError, AttributeError, httpx.HTTPError):
         detail = r.text if r.is_stream_consumed else ""
     msg = f"signal server: {r.request.method} {r.request.url.path} -> HTTP {r.status_code}: {detail}"
+    if r.status_code in (401, 403):
+        msg += _token_hint(r.request.method, r.request.url.path, r.status_code, "authorization" in r.request.headers)
     if r.status_code >= 500:
         raise SignalUnavailable(msg)
     if r.status_code == 409:

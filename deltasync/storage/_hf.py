@@ -35,7 +35,7 @@ import re
 import shutil
 import tempfile
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -48,11 +48,13 @@ from deltasync.errors import (
     StorageError,
     TransientStorageError,
 )
+from deltasync.storage._reach import check_reachable
 from deltasync.storage.base import Data, ObjectInfo, PutMode, Store, validate_key
 
 __all__ = ["DEFAULT_ENDPOINT", "HFBucketStore", "parse_hf_url"]
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
+ENDPOINT_HINT = "HF_ENDPOINT / DELTASYNC_HF_ENDPOINT (the Hub's URL) or proxy (HTTPS_PROXY) setting"
 TOKEN_HINT = "set HF_TOKEN, run `hf auth login`, or pass token= (a token with write access for uploads)"
 _TRANSIENT_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
 
@@ -144,6 +146,10 @@ class HFBucketStore(Store):
     ``DELTASYNC_HF_ENDPOINT`` or ``HF_ENDPOINT``). ``create``: create the bucket if it
     is missing (``private`` by default). ``spill_bytes``: in-memory payloads larger
     than this are uploaded from a temp file. ``hf_api``: an ``HfApi`` to use instead.
+    ``reach_check``: called as ``reach_check(endpoint, what=, hint=)`` before the first
+    request; the default (:func:`~deltasync.storage._reach.check_reachable`) fails within a
+    few seconds when the endpoint cannot be reached at all, instead of huggingface_hub's
+    ~25 s of retries. None skips it.
     """
 
     supports_conditional_put = False
@@ -159,6 +165,7 @@ class HFBucketStore(Store):
         private: bool = True,
         spill_bytes: int = 8 << 20,
         hf_api: Any = None,
+        reach_check: Callable[..., Any] | None = check_reachable,
     ) -> None:
         from huggingface_hub import HfApi
 
@@ -176,6 +183,8 @@ class HFBucketStore(Store):
         self._api = hf_api if hf_api is not None else HfApi(endpoint=self.endpoint, token=token)
         self._tmp: Path | None = None
         self._lock = threading.Lock()
+        self.reach_check = reach_check
+        self._reached = False
         if create:
             with self._errors("cannot create bucket"):
                 self._api.create_bucket(bucket_id, private=private, exist_ok=True)
@@ -183,7 +192,19 @@ class HFBucketStore(Store):
     # ---------------------------------------------------------------- helpers
 
     def _errors(self, what: str) -> Any:
+        if not self._reached:
+            self._reach()
         return map_hf_errors(f"{self.url}: {what}", self.bucket_id)
+
+    def _reach(self) -> None:
+        """Before the first call: fail within seconds when the endpoint cannot be reached at all."""
+        from huggingface_hub import constants
+
+        if self.reach_check is None or constants.HF_HUB_OFFLINE:
+            self._reached = True  # offline mode raises its own clear error
+            return
+        self.reach_check(self.endpoint, what=self.url, hint=ENDPOINT_HINT)
+        self._reached = True
 
     def _remote(self, key: str) -> str:
         validate_key(key)

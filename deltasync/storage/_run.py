@@ -25,7 +25,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from deltasync.errors import DeltaSyncError, ObjectNotFound, ProtocolError, RunNotFound
+from deltasync.errors import DeltaSyncError, ObjectNotFound, ProtocolError, RunNotFound, UnsupportedVersion
 from deltasync.protocol import (
     HEAD_KEY,
     SPANS_PREFIX,
@@ -99,16 +99,28 @@ class RunReader:
         self._claims: dict[int, WriterClaim] = {}
         # every claim with an epoch above _claims_above is known (None: never listed)
         self._claims_above: int | None = None
+        # steps whose manifest exists but did not parse (or verify), with the error
+        self._broken: dict[int, DeltaSyncError] = {}
 
     def __repr__(self) -> str:
         return f"RunReader({self.store.url!r})"
 
     # ------------------------------------------------------------ manifests
 
-    def _parse(self, step: int, body: bytes) -> Committed:
-        m = Manifest.from_json(body)
+    def _parse(self, step: int, body: bytes, key: str | None = None) -> Committed:
+        """Parse the manifest of ``step`` stored under ``key``; a bad one raises naming the step and the key."""
+        key = key or manifest_key(step)
+        try:
+            m = Manifest.from_json(body)
+        except UnsupportedVersion as exc:
+            raise UnsupportedVersion(f"{self.store.url}: step {step} ({key}): {exc}") from None
+        except ProtocolError as exc:
+            raise ProtocolError(
+                f"{self.store.url}: step {step} ({key}): {exc}; the object is damaged or cut short "
+                "(`deltasync inspect` lists the readable steps)"
+            ) from None
         if m.step != step:
-            raise ProtocolError(f"{manifest_key(step)}: the manifest stored under step {step} says step {m.step}")
+            raise ProtocolError(f"{key}: the manifest stored under step {step} says step {m.step}")
         if self.signing_key is not None:
             m.check_signature(self.signing_key)
         return Committed(m, xxh3_128(body))
@@ -151,7 +163,8 @@ class RunReader:
                     continue
                 try:
                     self._remember(s, self._parse(s, body))
-                except DeltaSyncError:
+                except DeltaSyncError as exc:
+                    self._broken[s] = exc  # raised by chain() when a walk needs this step
                     continue
                 self._steps.add(s)
             return {s: c for s in steps if (c := self._manifests.get(s)) is not None}
@@ -168,6 +181,7 @@ class RunReader:
         with self._lock:
             for step in steps:
                 self._manifests.pop(step, None)
+                self._broken.pop(step, None)
 
     # -------------------------------------------------------------- listing
 
@@ -327,8 +341,10 @@ class RunReader:
 
         Fetched in batches: the target first, then every known step between
         its declared anchor and it, then (only if a link is still missing)
-        one manifest per round trip. Steps that are not committed or whose
-        manifest is bad are left out; the planner reports the broken link.
+        one manifest per round trip. Steps that are not committed are left out
+        (the planner reports the missing link); a manifest on the walk that does
+        not parse or verify raises its error (ProtocolError, SignatureMismatch)
+        naming its step and key.
         """
         with self._lock:
             extra = [] if also is None else [also]
@@ -349,6 +365,9 @@ class RunReader:
                 if m.kind == "anchor" or m.parent_step is None or m.parent_step >= m.step:
                     break
                 cur = self.committed_many([m.parent_step]).get(m.parent_step)
+                bad = self._broken.get(m.parent_step) if cur is None else None
+                if bad is not None:  # say what breaks the chain, not only that a link is missing
+                    raise type(bad)(f"cannot reach step {target}: {bad}")
             if also is not None and also in self._manifests:
                 out[also] = self._manifests[also]
             return out
@@ -403,7 +422,7 @@ class RunReader:
                 if body is None:
                     continue  # deleted since listed
                 try:
-                    self._spans[(a, b)] = self._parse(b, body)
+                    self._spans[(a, b)] = self._parse(b, body, span_manifest_key(a, b))
                 except DeltaSyncError:
                     self._spans[(a, b)] = None
             return {k: c for k in want if (c := self._spans.get(k)) is not None}

@@ -13,9 +13,10 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from deltasync._tensors import flat_bits
-from deltasync.errors import ChecksumMismatch, InventoryMismatch, ProtocolError
+from deltasync.errors import ChainBroken, ChecksumMismatch, InventoryMismatch, ProtocolError
 from deltasync.protocol import Committed, Manifest
 from deltasync.protocol.digests import xxh3_128_array
+from deltasync.protocol.keys import STEPS_PREFIX, file_key, step_prefix
 from deltasync.storage import RunReader, Store
 from deltasync.storage._claims import claim_epoch
 from deltasync.uploader._config import CommitInfo
@@ -62,16 +63,32 @@ def prove_state(m: Manifest, tensors: dict[str, torch.Tensor]) -> dict[str, torc
 
 
 def pushes_since_anchor(reader: RunReader, m: Manifest, limit: int) -> int:
-    """Patches between committed step ``m`` and its anchor (counted up to ``limit``)."""
+    """Patches between committed step ``m`` and its anchor (counted up to ``limit``).
+
+    Raises ChainBroken when a reader could not rebuild ``m``: a step on its walk down to
+    the anchor is not committed, or a data file of one is missing from the store (one
+    listing); a manifest on the walk that does not parse raises its ProtocolError.
+    """
     chain = reader.chain(m.step)  # the manifests down to the anchor, in batches
     n, cur = 0, m
-    while cur.kind == "patch" and cur.parent_step is not None and n < limit:
-        n += 1
+    while cur.kind == "patch" and cur.parent_step is not None:
         parent = chain.get(cur.parent_step)
         if parent is None:
-            break
+            raise ChainBroken(
+                f"step {m.step} cannot be rebuilt from {reader.store.url}: step {cur.step}'s parent step "
+                f"{cur.parent_step} is not committed"
+            )
+        n += 1
         cur = parent.manifest
-    return n
+    listed = {o.key for o in reader.store.list_after(STEPS_PREFIX, f"{step_prefix(cur.step)[:-1]}")}
+    for c in chain.values():
+        gone = [f.path for f in c.manifest.files if file_key(c.manifest.step, f.path) not in listed]
+        if gone:
+            raise ChainBroken(
+                f"step {m.step} cannot be rebuilt from {reader.store.url}: file {gone[0]} of step "
+                f"{c.manifest.step} is missing"
+            )
+    return min(n, limit)
 
 
 def store_ahead_message(store: Store, step: int, head: int) -> str:
@@ -108,7 +125,7 @@ def resume(up: DeltaUploader, state: Any, step: int, *, strict: bool = False) ->
         if head is None or step > head:
             raise ProtocolError(f"step {step} is not committed in {up.store.url} (newest committed step: {head})")
         adopt(up, state, step)
-    except (ProtocolError, InventoryMismatch, ChecksumMismatch) as exc:
+    except (ProtocolError, InventoryMismatch, ChecksumMismatch, ChainBroken) as exc:
         if strict:
             raise
         up._needs_anchor = True

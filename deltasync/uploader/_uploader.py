@@ -24,6 +24,7 @@ from deltasync.uploader import _resume
 from deltasync.uploader._commit import StepJob
 from deltasync.uploader._config import CommitInfo, UploaderConfig
 from deltasync.uploader._diff import Baseline, TensorChange, diff_tensor, inventory_of
+from deltasync.uploader._dtypes import warn_dtype_change
 from deltasync.uploader._pipeline import commit_loop, digest_loop
 from deltasync.uploader._retry import RetryPolicy
 from deltasync.uploader._spans import SpanWriter
@@ -135,9 +136,10 @@ class DeltaUploader:
         when ``state`` is proven equal to ``step`` by the tensor digests and ``step``
         is the store's newest step: the next push is then a patch on it (unless an
         anchor is due). Returns False when it cannot be proven (``step`` is not
-        committed, or the state differs): the next push is an anchor; with
-        ``strict=True`` that raises instead (ProtocolError, InventoryMismatch or
-        ChecksumMismatch). A ``step`` older than the store's newest step always
+        committed, the state differs, or a reader could not rebuild ``step``: a step
+        or file of its chain is missing): the next push is an anchor; with
+        ``strict=True`` that raises instead (ProtocolError, ChainBroken,
+        InventoryMismatch or ChecksumMismatch). A ``step`` older than the store's newest step always
         raises ProtocolError: the store is ahead of the trainer. Claims this
         uploader's writer epoch, so an older uploader of the run still alive is
         fenced off from then on.
@@ -199,6 +201,8 @@ class DeltaUploader:
         state_in = state_tensors(state)
         tensors = self._cast(state_in)
         inventory = inventory_of(tensors)
+        head = self._last_committed.manifest.inventory if self._last_committed else ()
+        warn_dtype_change(step, self._baseline.inventory or head, inventory)  # fp32 pushed into a bf16 run
         # the previous step's diff and digests read the baseline and the staging buffers:
         # wait for them before touching either
         if self._prev_job is not None:
