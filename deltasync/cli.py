@@ -57,8 +57,22 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inspect_url(args: argparse.Namespace) -> str:
+    """``inspect URL`` and ``inspect --store URL`` are the same; both, differing, is an error."""
+    url: str | None = args.url or args.store_opt
+    if url is None:
+        raise SystemExit("deltasync inspect: error: a store is required: deltasync inspect --store URL")
+    if args.url and args.store_opt and args.url != args.store_opt:
+        raise SystemExit(
+            f"deltasync inspect: error: two different stores given: {args.url!r} and --store {args.store_opt!r}"
+        )
+    return url
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from deltasync.storage import RunReader
+
+    args.url = _inspect_url(args)
 
     with open_store(args.url) as store:
         _require_run(store)
@@ -254,8 +268,11 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--config-from", metavar="DIR", help=_CONFIG_HELP)
     f.add_argument("--no-verify", action="store_true", help="skip checksum and digest verification")
     f.set_defaults(fn=cmd_fetch)
-    i = sub.add_parser("inspect", help="list the committed steps of a store")
-    i.add_argument("url")
+    i = sub.add_parser(
+        "inspect", help="list the committed steps of a store", description="List the committed steps of a store."
+    )
+    i.add_argument("url", nargs="?", help="store URL or path (or --store, like the other commands)")
+    i.add_argument("--store", dest="store_opt", metavar="URL", help="store URL or path")
     i.add_argument("--last", type=int, default=0, help="only the last N steps")
     i.set_defaults(fn=cmd_inspect)
     g = sub.add_parser("gc", help="delete old steps: keep the last K anchors and what fetcher leases need")

@@ -262,3 +262,20 @@ def test_version(cmd: list[str]) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(" ".join(cmd) + " " + __version__), out.stdout
+
+
+def test_inspect_takes_store_like_the_other_commands(tmp_path: Path) -> None:
+    """`inspect --store URL` and `inspect URL` are the same; two different stores or none is an error."""
+    from deltasync.storage._claims import claim_epoch
+
+    claim_epoch(ds.open_store(tmp_path / "run"), "w", None)
+    want = f"{(tmp_path / 'run').as_uri()}: no committed steps"
+    for args in (["--store", "run"], ["run"], ["run", "--store", "run"]):
+        r = run("deltasync", "inspect", *args, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == want
+    r = run("deltasync", "inspect", "run", "--store", "other", cwd=tmp_path)
+    assert r.returncode != 0 and "two different stores" in r.stderr
+    r = run("deltasync", "inspect", cwd=tmp_path)
+    assert r.returncode != 0 and "deltasync inspect --store URL" in r.stderr
+    assert sorted(os.listdir(tmp_path)) == ["run"]
