@@ -120,6 +120,23 @@ function render() {
   lagChart();
 }
 
+// Staleness, the one definition the page shows: committed (store head) − applied, both from S,
+// so the tile always agrees with the "committed" and "applied" tiles next to it (the server's
+// snapshot computes the same difference for the staleness chart and the terminal).
+function staleness() {
+  if (S.head == null) return null;
+  return Math.max(0, S.head - (S.applied ? S.applied.step : -1));
+}
+
+// What the "committed" tile counts: the training steps whose manifests this page has seen.
+// Step 0 is the initial weights (the first anchor), pushed before any training step, so a
+// `--steps 400` run commits steps 0..400 and ends at "400 training steps seen".
+function stepsSeen() {
+  const training = S.commits.filter((c) => c.step > 0).length;
+  const initial = S.commits.length - training;
+  return `${training} training step${training === 1 ? "" : "s"} seen` + (initial ? " + initial weights" : "");
+}
+
 function renderKpis() {
   const t = S.trainer;
   $("trainer-step").textContent = t ? t.step : "–";
@@ -128,14 +145,16 @@ function renderKpis() {
     : (S.mode === "follower" ? "elsewhere" : "starting");
   $("head-step").textContent = S.head == null ? "–" : S.head;
   const last = S.commits.length ? S.commits[S.commits.length - 1] : null;
-  $("head-sub").textContent = last ? `${S.commits.length} steps seen · last: ${last.kind}` : "no step yet";
+  $("head-sub").textContent = last ? `${stepsSeen()} · last: ${last.kind}` : "no step yet";
   const a = S.applied;
   $("applied-step").textContent = a ? a.step : "–";
   $("applied-sub").textContent = a ? `sync ${a.sync_ms.toFixed(1)} ms · verified ✓` : "waiting";
-  const s = S.staleness || {};
-  $("lag-steps").textContent = s.steps == null ? "–" : `${s.steps} step${s.steps === 1 ? "" : "s"}`;
-  $("lag-sub").textContent = `${(s.seconds || 0).toFixed(1)} s behind` +
-    (a && a.latency != null ? ` · last push→applied ${(1000 * a.latency).toFixed(0)} ms` : "");
+  const lag = staleness();
+  $("lag-steps").textContent = lag == null ? "–" : `${lag} step${lag === 1 ? "" : "s"}`;
+  const ahead = t && S.head != null ? t.step - S.head : 0;
+  $("lag-sub").textContent = `committed − applied · ${((S.staleness || {}).seconds || 0).toFixed(1)} s behind` +
+    (a && a.latency != null ? ` · push→applied ${(1000 * a.latency).toFixed(0)} ms` : "") +
+    (ahead > 0 ? ` · trainer ${ahead} ahead of the store` : "");
   const patches = S.commits.filter((c) => c.kind === "patch");
   const lp = patches.length ? patches[patches.length - 1] : null;
   $("patch-bytes").textContent = lp ? fmtBytes(lp.nbytes) : "–";
