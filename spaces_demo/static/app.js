@@ -2,6 +2,7 @@
 "use strict";
 
 const WINDOW = 120; // steps shown in the charts
+const HISTORY_ROWS = 8; // answers listed under the current one (the first answer stays the last row)
 const SVGNS = "http://www.w3.org/2000/svg";
 let S = null; // the state, as /api/state returns it, kept current by events
 let clockSkew = 0; // server time - local time
@@ -112,6 +113,8 @@ function render() {
   err.textContent = S.error || "";
   renderKpis();
   renderGeneration();
+  renderCosts(fmtBytes, pct);
+  renderHeatScale(heatColor);
   const commits = S.commits.slice(-WINDOW);
   timeline(commits);
   bytesChart(commits);
@@ -192,18 +195,31 @@ function renderGeneration() {
     g.textContent = "waiting for the first step…";
     $("gen-step").textContent = "";
   }
+  // newest answers first; when there are more than fit, the oldest (first) answer stays as the
+  // last row and a marker says how many are left out: the box never scrolls or cuts a row
   const h = $("history");
-  const items = S.generations.slice().reverse();
-  const hkey = `${S.episode || 0}:${S.generations.length}:${items.length ? items[0].step : ""}`;
+  const all = S.generations;
+  const hkey = `${S.episode || 0}:${all.length}:${all.length ? all[all.length - 1].step : ""}`;
   if (h.dataset.key !== hkey) {
     h.dataset.key = hkey;
-    h.replaceChildren(...items.map((it) => {
+    const row = (it) => {
       const li = document.createElement("li");
       const s = document.createElement("span"); s.className = "s"; s.textContent = "step " + it.step;
       const t = document.createElement("span"); t.className = "t"; t.textContent = JSON.stringify(it.text);
       li.append(s, t);
       return li;
-    }));
+    };
+    const newest = all.slice(-HISTORY_ROWS).reverse();
+    const rows = newest.map(row);
+    if (all.length > HISTORY_ROWS) {
+      const gap = document.createElement("li");
+      gap.className = "gap";
+      const left = all.length - HISTORY_ROWS - 1;
+      gap.textContent = left > 0 ? `⋯ ${left} more answer${left === 1 ? "" : "s"} ⋯` : "⋯";
+      rows.pop();
+      rows.push(gap, row(all[0]));
+    }
+    h.replaceChildren(...rows);
   }
 }
 
@@ -327,7 +343,7 @@ function heatmap(commits) {
     }
   });
   s.appendChild(el("text", { x: L, y: H - 3 }, "step " + commits[0].step));
-  s.appendChild(el("text", { x: W - R, y: H - 3, "text-anchor": "end" }, "0% " + "\u2192" + " 100% (sqrt color scale)"));
+  s.appendChild(el("text", { x: W - R, y: H - 3, "text-anchor": "end" }, "step " + commits[commits.length - 1].step));
 }
 
 function lagChart() {
