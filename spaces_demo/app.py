@@ -30,6 +30,7 @@ from fastapi.staticfiles import StaticFiles
 from deltasync.errors import DemoError, StorageError
 from deltasync.storage import Store, open_store
 from spaces_demo.live import DemoOptions, DemoRun, prepare_demo_store
+from spaces_demo.summary import end_of_run_lines
 
 __all__ = ["connect_signal", "create_app", "prepare_store", "run_demo"]
 
@@ -220,13 +221,16 @@ def _can_open_browser() -> bool:
     return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
 
 
-def _console(run: DemoRun, print_: Callable[[str], None]) -> Callable[[], None]:
-    """Print one line per change of the inference copy's answer; returns a stopper."""
+def _console(run: DemoRun, print_: Callable[[str], None], url: str | None) -> Callable[[], None]:
+    """Print one line per change of the inference copy's answer, and a summary when a run ends
+    (``url``: where the page is still served, None with --exit-when-done); returns a stopper."""
     stop = threading.Event()
 
     def loop() -> None:
         last_text: str | None = None
+        summarized = -1  # the episode whose end was printed
         while not stop.wait(0.5):
+            episode, finished = run.episode, run.finished.is_set()
             s = run.hub.snapshot()
             a = s["applied"]
             if a is not None and a.get("text") != last_text:
@@ -236,6 +240,10 @@ def _console(run: DemoRun, print_: Callable[[str], None]) -> Callable[[], None]:
                     f"step {a['step']:>4}  applied in {a['sync_ms']:.1f} ms  (lag {lag['steps']} steps)  "
                     f"inference copy answers {last_text!r}"
                 )
+            if url is not None and finished and summarized != episode and s.get("episode", episode) == episode:
+                summarized = episode
+                for line in end_of_run_lines(s, url, loop=run.options.loop):
+                    print_(line)
 
     t = threading.Thread(target=loop, name="demo-console", daemon=True)
     t.start()
@@ -283,7 +291,7 @@ def run_demo(
     mode = "self-contained: trainer, store, fetcher" if options.train else "follower: no trainer here"
     print_(f"deltasync demo ({mode}); store {store.url}")
     print_(f"open {url} to watch patches land (Ctrl-C to stop)")
-    stop_console = _console(run, print_)
+    stop_console = _console(run, print_, None if exit_when_done else url)
 
     def watch() -> None:
         if open_browser and _can_open_browser():
@@ -301,6 +309,9 @@ def run_demo(
         stop_console()
         store.close()
     if run.finished.is_set():
+        if exit_when_done:
+            for line in end_of_run_lines(run.hub.snapshot(), None):
+                print_(line)
         ok = "bit-exact with the trainer's" if run.bit_exact else "NOT bit-exact with the trainer's"
         print_(f"done: the inference copy holds step {run.hub.applied_step}, {ok}")
     if run.hub.error and run.bit_exact is None and exit_when_done:

@@ -140,15 +140,25 @@ class Hub:
         self._subs = [s for s in self._subs if not s.dropped]
 
     def _staleness_locked(self) -> dict[str, Any]:
-        newest = self._head
-        if self._trainer is not None and self._trainer.get("step") is not None:
-            newest = max(newest or 0, int(self._trainer["step"]))
+        """How far the inference copy is behind the store: committed (store head) - applied.
+
+        The one definition of staleness: the page's tile, the staleness chart and the terminal
+        all show ``steps`` from here (or, on the page, the same difference of the same snapshot's
+        ``head`` and ``applied.step``). ``seconds``: since the oldest committed step the copy
+        does not hold yet was produced (or first seen). Steps the trainer made that are not
+        committed yet are not staleness (they are the uploader's pipeline, ``trainer.step``).
+        """
+        committed = self._head
         applied = None if self._applied is None else int(self._applied["step"])
-        behind = [t for s, t in self._pending_since.items() if applied is None or s > applied]
+        behind = [
+            t
+            for s, t in self._pending_since.items()
+            if committed is not None and s <= committed and (applied is None or s > applied)
+        ]
         return {
-            "newest": newest,
+            "committed": committed,
             "applied": applied,
-            "steps": None if newest is None else newest - (applied if applied is not None else -1),
+            "steps": None if committed is None else max(0, committed - (applied if applied is not None else -1)),
             "seconds": max(0.0, self._clock() - min(behind)) if behind else 0.0,
         }
 

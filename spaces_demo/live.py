@@ -27,13 +27,15 @@ from typing import Any
 
 from deltasync.errors import DeltaSyncError, DemoError, ObjectNotFound
 from deltasync.fetcher import DeltaFetcher
-from deltasync.protocol import Manifest
 from deltasync.storage import Store
 from deltasync.uploader import CommitInfo, DeltaUploader
 from spaces_demo.hub import Hub
+from spaces_demo.rows import bit_snapshot, layer_change, manifest_row
+from spaces_demo.step_signal import StepSignal
 from spaces_demo.toy import PROMPT, TARGET, build_model, greedy, layer_groups, training_batch
 
 __all__ = [
+    "ANCHOR_BYTES_FRACTION",
     "DEMO_KEY",
     "DEMO_MARKER",
     "DemoOptions",
@@ -76,6 +78,10 @@ def prepare_demo_store(store: Store) -> None:
         store.delete_many(rest)
 
 
+ANCHOR_BYTES_FRACTION = 1.0
+"""The demo's uploader writes an anchor once the patch bytes since the last anchor exceed this
+fraction of that anchor's size (besides every ``--anchor-every`` pushes); shown on the page."""
+
 MAX_NEW_MANIFESTS = 64  # a follower far behind reads only the newest manifests for the charts
 STEP_THROUGH = 16  # up to this many new steps are applied one by one (exact per-step heatmap), more are jumped
 
@@ -114,92 +120,6 @@ class DemoOptions:
             raise DemoError("--loop empties the store before each new run: use it with a local store only")
 
 
-# ------------------------------------------------------------------ signal
-
-
-class StepSignal:
-    """Wakes the follower when a step is committed.
-
-    ``notify(step)`` is called by whoever learns of a commit first (the uploader's
-    Future callbacks in-process, or a signal-server client). ``wait`` returns early
-    on a notification and otherwise after ``timeout``, so a follower that nobody
-    notifies falls back to polling the store at that interval.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._latest: int | None = None
-        self._closed = False
-        self.source = "store polling"
-
-    def notify(self, step: int) -> None:
-        """A step up to ``step`` is committed."""
-        with self._cond:
-            if self._latest is None or step > self._latest:
-                self._latest = step
-            self._cond.notify_all()
-
-    def close(self) -> None:
-        """Wake every waiter for good."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-
-    def wait(self, after: int | None, timeout: float) -> bool:
-        """Wait until a step newer than ``after`` is announced; False on timeout (then poll)."""
-        with self._cond:
-            return self._cond.wait_for(
-                lambda: self._closed or (self._latest is not None and (after is None or self._latest > after)),
-                timeout=timeout,
-            )
-
-
-# --------------------------------------------------------------- manifests
-
-
-def manifest_row(m: Manifest) -> dict[str, Any]:
-    """One committed step as the page's timeline row: kind, parent, bytes and density."""
-    return {
-        "step": m.step,
-        "kind": m.kind,
-        "parent": m.parent_step,
-        "anchor": m.anchor_step,
-        "nbytes": m.stats.nbytes,
-        "changed": m.stats.changed,
-        "total": m.stats.total,
-        "full_bytes": sum(t.nbytes for t in m.inventory),
-    }
-
-
-def bit_snapshot(model: Any) -> dict[str, Any]:
-    """Copies of a bf16 model's raw bits (int16), to diff against after a sync."""
-    import torch
-
-    return {k: v.detach().view(torch.int16).clone() for k, v in model.state_dict().items()}
-
-
-def layer_change(before: dict[str, Any], model: Any, groups: list[tuple[str, list[str]]]) -> tuple[list[float], int]:
-    """Fraction of each group's elements whose bits differ from ``before``, and the changed count."""
-    import torch
-
-    after = model.state_dict()
-    fractions: list[float] = []
-    changed = 0
-    for _, names in groups:
-        n = sum(int((before[k] != after[k].detach().view(torch.int16)).sum()) for k in names)
-        total = sum(before[k].numel() for k in names)
-        fractions.append(n / total if total else 0.0)
-        changed += n
-    return fractions, changed
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 # -------------------------------------------------------------------- run
 
 
@@ -222,6 +142,10 @@ class DemoRun:
                 "model": None,
                 "groups": [],
                 "bit_exact": None,
+                # the anchor rules the page explains (null in follower mode: the trainer elsewhere decides)
+                "uploader": {"anchor_every": options.anchor_every, "anchor_bytes_fraction": ANCHOR_BYTES_FRACTION}
+                if options.train
+                else None,
             }
         )
         self.episode = 0
@@ -356,7 +280,7 @@ class DemoRun:
         with DeltaUploader(
             self.store,
             anchor_every=opts.anchor_every,
-            anchor_bytes_fraction=1.0,
+            anchor_bytes_fraction=ANCHOR_BYTES_FRACTION,
             cast_dtype=torch.bfloat16,
             signal_url=self.publish_url,
             signal_token=self.publish_token,

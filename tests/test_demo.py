@@ -97,13 +97,17 @@ class FakeClock:
         return self.t
 
 
-def test_hub_staleness_counts_steps_and_seconds_behind() -> None:
+def test_hub_staleness_is_committed_minus_applied() -> None:
     clock = FakeClock()
     hub = Hub({"mode": "self-contained"}, clock=clock)
     hub.trainer_step(0, loss=None)
-    assert hub.snapshot()["staleness"] == {"newest": 0, "applied": None, "steps": 1, "seconds": 0.0}
+    # produced but not committed yet: the uploader's pipeline, not staleness
+    assert hub.snapshot()["staleness"] == {"committed": None, "applied": None, "steps": None, "seconds": 0.0}
+    hub.set_head(0)
+    assert hub.snapshot()["staleness"] == {"committed": 0, "applied": None, "steps": 1, "seconds": 0.0}
     clock.t += 2
     hub.trainer_step(1, loss=1.0)
+    hub.set_head(1)
     st = hub.snapshot()["staleness"]
     assert st["steps"] == 2 and st["seconds"] == pytest.approx(2.0)
     hub.applied(0, text="a", sync_ms=1.0)
@@ -111,6 +115,9 @@ def test_hub_staleness_counts_steps_and_seconds_behind() -> None:
     st = hub.snapshot()["staleness"]
     assert (st["steps"], st["seconds"]) == (1, pytest.approx(0.5))  # step 1 waits since t=1002
     assert hub.snapshot()["applied"]["latency"] == pytest.approx(2.0)
+    hub.trainer_step(2, loss=0.5)  # the trainer is ahead of the store: still 1 committed step behind
+    snap = hub.snapshot()
+    assert snap["staleness"]["steps"] == snap["head"] - snap["applied"]["step"] == 1
     hub.applied(1, text="a", sync_ms=1.0)
     st = hub.snapshot()["staleness"]
     assert (st["steps"], st["seconds"]) == (0, 0.0)

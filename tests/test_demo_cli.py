@@ -194,3 +194,31 @@ def test_bad_options_are_one_line_errors(args: list[str], message: str, tmp_path
         cwd=tmp_path,
     )
     assert r.returncode == 1 and message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_the_terminal_prints_a_summary_when_the_run_ends_and_keeps_serving(
+    demo_factory: Callable[..., Demo],
+) -> None:
+    demo = demo_factory("--store", "store", *FAST)
+    demo.wait_until(
+        "the end-of-run summary",
+        lambda: "run finished:" in demo.log() and "Ctrl-C to stop)" in demo.log().split("run finished:")[-1],
+        START_TIMEOUT + RUN_TIMEOUT,
+    )
+    out = demo.log()
+    summary = out[out.index("run finished:") :].splitlines()
+    s = demo.state()
+    n = len(s["commits"])  # 26 (steps 0..25) unless the uploader coalesced some while the store was busy
+    assert summary[0] == (
+        f"run finished: {n - 1} training steps (+ initial weights at step 0), {n} commits; "
+        "inference copy at step 25, bit-exact with the trainer's"
+    ), out
+    anchors = [c for c in s["commits"] if c["kind"] == "anchor"]
+    assert summary[1].startswith("shipped ") and f": {len(anchors)} anchors " in summary[1], out
+    assert f" + {n - len(anchors)} patches " in summary[1] and "as full checkpoints" in summary[1]
+    assert summary[2] == f"still serving http://127.0.0.1:{demo.port} (Ctrl-C to stop)"
+    assert out.count("run finished:") == 1
+    # printed after the run ended, while the page is still served
+    assert demo.proc.poll() is None and demo.client.get("/healthz").json()["status"] == "done"
+    assert demo.stop(signal.SIGINT) in (0, 130)
+    assert "Traceback" not in demo.log()

@@ -2,6 +2,7 @@
 "use strict";
 
 const WINDOW = 120; // steps shown in the charts
+const HISTORY_ROWS = 8; // answers listed under the current one (the first answer stays the last row)
 const SVGNS = "http://www.w3.org/2000/svg";
 let S = null; // the state, as /api/state returns it, kept current by events
 let clockSkew = 0; // server time - local time
@@ -112,12 +113,31 @@ function render() {
   err.textContent = S.error || "";
   renderKpis();
   renderGeneration();
+  renderCosts(fmtBytes, pct);
+  renderHeatScale(heatColor);
   const commits = S.commits.slice(-WINDOW);
   timeline(commits);
   bytesChart(commits);
   densityChart(commits);
   heatmap(commits);
   lagChart();
+}
+
+// Staleness, the one definition the page shows: committed (store head) − applied, both from S,
+// so the tile always agrees with the "committed" and "applied" tiles next to it (the server's
+// snapshot computes the same difference for the staleness chart and the terminal).
+function staleness() {
+  if (S.head == null) return null;
+  return Math.max(0, S.head - (S.applied ? S.applied.step : -1));
+}
+
+// What the "committed" tile counts: the training steps whose manifests this page has seen.
+// Step 0 is the initial weights (the first anchor), pushed before any training step, so a
+// `--steps 400` run commits steps 0..400 and ends at "400 training steps seen".
+function stepsSeen() {
+  const training = S.commits.filter((c) => c.step > 0).length;
+  const initial = S.commits.length - training;
+  return `${training} training step${training === 1 ? "" : "s"} seen` + (initial ? " + initial weights" : "");
 }
 
 function renderKpis() {
@@ -128,14 +148,16 @@ function renderKpis() {
     : (S.mode === "follower" ? "elsewhere" : "starting");
   $("head-step").textContent = S.head == null ? "–" : S.head;
   const last = S.commits.length ? S.commits[S.commits.length - 1] : null;
-  $("head-sub").textContent = last ? `${S.commits.length} steps seen · last: ${last.kind}` : "no step yet";
+  $("head-sub").textContent = last ? `${stepsSeen()} · last: ${last.kind}` : "no step yet";
   const a = S.applied;
   $("applied-step").textContent = a ? a.step : "–";
   $("applied-sub").textContent = a ? `sync ${a.sync_ms.toFixed(1)} ms · verified ✓` : "waiting";
-  const s = S.staleness || {};
-  $("lag-steps").textContent = s.steps == null ? "–" : `${s.steps} step${s.steps === 1 ? "" : "s"}`;
-  $("lag-sub").textContent = `${(s.seconds || 0).toFixed(1)} s behind` +
-    (a && a.latency != null ? ` · last push→applied ${(1000 * a.latency).toFixed(0)} ms` : "");
+  const lag = staleness();
+  $("lag-steps").textContent = lag == null ? "–" : `${lag} step${lag === 1 ? "" : "s"}`;
+  const ahead = t && S.head != null ? t.step - S.head : 0;
+  $("lag-sub").textContent = `committed − applied · ${((S.staleness || {}).seconds || 0).toFixed(1)} s behind` +
+    (a && a.latency != null ? ` · push→applied ${(1000 * a.latency).toFixed(0)} ms` : "") +
+    (ahead > 0 ? ` · trainer ${ahead} ahead of the store` : "");
   const patches = S.commits.filter((c) => c.kind === "patch");
   const lp = patches.length ? patches[patches.length - 1] : null;
   $("patch-bytes").textContent = lp ? fmtBytes(lp.nbytes) : "–";
@@ -173,18 +195,31 @@ function renderGeneration() {
     g.textContent = "waiting for the first step…";
     $("gen-step").textContent = "";
   }
+  // newest answers first; when there are more than fit, the oldest (first) answer stays as the
+  // last row and a marker says how many are left out: the box never scrolls or cuts a row
   const h = $("history");
-  const items = S.generations.slice().reverse();
-  const hkey = `${S.episode || 0}:${S.generations.length}:${items.length ? items[0].step : ""}`;
+  const all = S.generations;
+  const hkey = `${S.episode || 0}:${all.length}:${all.length ? all[all.length - 1].step : ""}`;
   if (h.dataset.key !== hkey) {
     h.dataset.key = hkey;
-    h.replaceChildren(...items.map((it) => {
+    const row = (it) => {
       const li = document.createElement("li");
       const s = document.createElement("span"); s.className = "s"; s.textContent = "step " + it.step;
       const t = document.createElement("span"); t.className = "t"; t.textContent = JSON.stringify(it.text);
       li.append(s, t);
       return li;
-    }));
+    };
+    const newest = all.slice(-HISTORY_ROWS).reverse();
+    const rows = newest.map(row);
+    if (all.length > HISTORY_ROWS) {
+      const gap = document.createElement("li");
+      gap.className = "gap";
+      const left = all.length - HISTORY_ROWS - 1;
+      gap.textContent = left > 0 ? `⋯ ${left} more answer${left === 1 ? "" : "s"} ⋯` : "⋯";
+      rows.pop();
+      rows.push(gap, row(all[0]));
+    }
+    h.replaceChildren(...rows);
   }
 }
 
@@ -308,7 +343,7 @@ function heatmap(commits) {
     }
   });
   s.appendChild(el("text", { x: L, y: H - 3 }, "step " + commits[0].step));
-  s.appendChild(el("text", { x: W - R, y: H - 3, "text-anchor": "end" }, "0% " + "\u2192" + " 100% (sqrt color scale)"));
+  s.appendChild(el("text", { x: W - R, y: H - 3, "text-anchor": "end" }, "step " + commits[commits.length - 1].step));
 }
 
 function lagChart() {
