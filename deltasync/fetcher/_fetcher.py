@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any, Literal
 
-from deltasync._tensors import inventory_of
-from deltasync.errors import ChainBroken, ChecksumMismatch, ObjectNotFound
+from deltasync._tensors import inventory_of, require_torch, torch_dtype
+from deltasync.errors import ChainBroken, ChecksumMismatch, InventoryMismatch, ObjectNotFound
 from deltasync.fetcher._apply import Slot, Undo
 from deltasync.fetcher._execute import execute
 from deltasync.fetcher._follow import follow as _follow
@@ -128,6 +128,9 @@ class DeltaFetcher:
     ) -> int:
         """Bring ``target`` (nn.Module or dict of tensors) in place to ``step`` (default: latest).
 
+        A dict must hold the run's tensor names, shapes and dtypes, or be empty: an empty dict is
+        filled with CPU tensors allocated from the step's inventory (and emptied again on failure).
+
         Patches forward when the target provably holds an earlier step of the
         chain: it holds the very tensors this fetcher last wrote, unmodified
         since (torch version counters, memory addresses), or ``have_step`` is
@@ -144,7 +147,24 @@ class DeltaFetcher:
         )
 
     def _sync(self, target: Any, step: int, have_step: int | None, journal: SyncJournal | None) -> int:
-        """One :meth:`sync` attempt to ``step``."""
+        """One :meth:`sync` attempt to ``step``; an empty dict is first filled with the run's tensors."""
+        added = _allocate_empty(target, lambda: self.manifest(self._target_step(step)))
+        try:
+            return self._sync_into(target, step, have_step, journal)
+        except InventoryMismatch as exc:
+            for name in added:  # all or nothing: the dict is empty again
+                target.pop(name, None)
+            if isinstance(target, Mapping) and not added:
+                raise InventoryMismatch(
+                    f"{exc}; or pass an empty dict, which sync fills with the run's tensors"
+                ) from exc
+            raise
+        except BaseException:
+            for name in added:
+                target.pop(name, None)
+            raise
+
+    def _sync_into(self, target: Any, step: int, have_step: int | None, journal: SyncJournal | None) -> int:
         stats = SyncStats(-1)
         t0 = stats.clock()
         live = live_tensors(target)
@@ -252,3 +272,21 @@ class DeltaFetcher:
         )
         self.last_materialize = stats
         return out
+
+
+def _allocate_empty(target: Any, manifest: Callable[[], Manifest]) -> list[str]:
+    """Fill an empty dict target with CPU tensors shaped as the run's (``manifest()``'s) inventory,
+    so ``fetcher.sync({})`` works without knowing the model; returns the names added."""
+    if not isinstance(target, MutableMapping) or len(target) > 0:
+        return []
+    torch = require_torch()
+    added: list[str] = []
+    try:
+        for info in manifest().inventory:
+            target[info.name] = torch.zeros(info.shape, dtype=torch_dtype(info.dtype))
+            added.append(info.name)
+    except BaseException:
+        for name in added:
+            target.pop(name, None)
+        raise
+    return added
