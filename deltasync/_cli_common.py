@@ -2,15 +2,65 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["_human", "_progress", "_require_run", "_signing_key", "cast_name"]
+__all__ = [
+    "HelpFormatter",
+    "_human",
+    "_progress",
+    "_require_run",
+    "_signing_key",
+    "add_store_args",
+    "cast_name",
+    "store_url",
+]
 
 _CASTS = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "half": "float16"}
 _CASTS |= {"fp32": "float32", "float32": "float32", "float": "float32"}
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions keep their line breaks; every option shows its default unless its help says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (
+            not action.option_strings
+            or action.default in (None, False, argparse.SUPPRESS)
+            or "default" in text.lower()
+            or "%(default)" in text
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+STORE_HELP = "store URL: a path, file:///..., memory://, s3://bucket/prefix, hf://buckets/owner/name/prefix"
+
+
+def add_store_args(p: argparse.ArgumentParser) -> None:
+    """The store as a positional ``STORE`` or as ``--store URL`` (like every other command)."""
+    p.add_argument("url", nargs="?", metavar="STORE", help=f"{STORE_HELP} (or --store URL)")
+    p.add_argument("--store", dest="store_opt", metavar="URL", help="the store, as the other commands take it")
+
+
+def store_url(args: argparse.Namespace, prog: str) -> str:
+    """The store of :func:`add_store_args`: ``STORE`` or ``--store URL``; none, or two different, exits 2."""
+    url: str | None = args.url or args.store_opt
+    if url is None:
+        print(
+            f"usage: {prog} --store URL ...\n{prog}: error: a store is required (STORE or --store URL)", file=sys.stderr
+        )
+        raise SystemExit(2)
+    if args.url and args.store_opt and args.url != args.store_opt:
+        print(
+            f"{prog}: error: two different stores given: {args.url!r} and --store {args.store_opt!r}", file=sys.stderr
+        )
+        raise SystemExit(2)
+    return url
 
 
 def cast_name(value: str) -> str:

@@ -1,10 +1,10 @@
-"""``deltasync gc URL --keep-anchors K [--grace SECONDS] [--dry-run]``: retention of a run."""
+"""``deltasync gc [--store] URL --keep-anchors K [--grace SECONDS] [--dry-run]``: retention of a run."""
 
 from __future__ import annotations
 
 import argparse
 
-from deltasync._cli_common import _human, _require_run, _signing_key
+from deltasync._cli_common import _human, _require_run, _signing_key, add_store_args, store_url
 from deltasync.protocol.retention import describe_kept, step_ranges
 from deltasync.storage import open_store
 from deltasync.storage._gc import GcReport, collect_garbage
@@ -38,7 +38,7 @@ def _positive(raw: str) -> int:
 
 def gc_parser(p: argparse.ArgumentParser) -> None:
     """Arguments of ``deltasync gc``."""
-    p.add_argument("url", help="store URL of the run (a path, file://, s3://, hf://buckets/...)")
+    add_store_args(p)
     p.add_argument(
         "--keep-anchors", type=_positive, required=True, metavar="K", help="keep the newest K anchors and their chains"
     )
@@ -78,7 +78,7 @@ def report_lines(report: GcReport, url: str) -> list[str]:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     """Run ``deltasync gc``."""
-    with open_store(args.url) as store:
+    with open_store(store_url(args, "deltasync gc")) as store:
         _require_run(store)  # not a run: nothing is read further, nothing deleted
         report = collect_garbage(
             store, keep_anchors=args.keep_anchors, grace=args.grace, dry_run=args.dry_run, signing_key=_signing_key()

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from deltasync._cli_common import _cli_uploader, _human, _signing_key, cast_name
+from deltasync._cli_common import STORE_HELP, _cli_uploader, _human, _signing_key, cast_name
 from deltasync._upload_cache import (
     cache_dir,
     cache_size,
@@ -184,19 +184,20 @@ def _interrupted_commit(fut: Any, step: int) -> tuple[Any, bool]:
 
 def _upload_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", help="a .safetensors file or an HF checkpoint dir (with model.safetensors.index.json)")
-    p.add_argument(
-        "--store", required=True, help="store URL: a path, file:///..., memory://, s3://bucket/prefix, hf://buckets/..."
-    )
+    p.add_argument("--store", required=True, metavar="URL", help=STORE_HELP)
     p.add_argument("--step", required=True, type=int, help="training step of this checkpoint (must increase)")
-    p.add_argument("--anchor-every", type=int, default=50, help="full anchor every N steps (default 50)")
+    p.add_argument("--anchor-every", type=int, default=50, metavar="N", help="full anchor every N steps")
     p.add_argument("--anchor", action="store_true", help="force a full anchor for this step")
     p.add_argument(
         "--cast",
         type=cast_name,
         metavar="{bf16,fp16,fp32}",
-        help="cast floating tensors to this dtype before diffing (keeps a bf16 run bf16 when the trainer saves fp32)",
+        help="cast floating tensors to this dtype before diffing (keeps a bf16 run bf16 when the trainer saves "
+        "fp32; default: each tensor's own dtype)",
     )
-    p.add_argument("--cache", help="baseline cache dir (default: $XDG_CACHE_HOME/deltasync/upload/<store hash>)")
+    p.add_argument(
+        "--cache", metavar="DIR", help="baseline cache dir (default: $XDG_CACHE_HOME/deltasync/upload/<store hash>)"
+    )
     p.add_argument(
         "--no-cache",
         action="store_true",
@@ -204,4 +205,4 @@ def _upload_parser(p: argparse.ArgumentParser) -> None:
         "fetches its baseline from the store",
     )
     p.add_argument("--signal", metavar="URL", help="signal server to notify (token: $DELTASYNC_PUBLISH_TOKEN)")
-    p.add_argument("--run", help="run name at the signal server (default: the store's run id)")
+    p.add_argument("--run", metavar="NAME", help="run name at the signal server (default: the store's run id)")

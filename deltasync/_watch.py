@@ -21,7 +21,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from deltasync._cli_common import _cli_uploader, _human, cast_name
+from deltasync._cli_common import STORE_HELP, _cli_uploader, _human, cast_name
 from deltasync._watch_scan import Candidate, CheckpointPattern, Readiness, WatchError
 from deltasync.errors import CommitFailed, DeltaSyncError, WriterFenced
 from deltasync.storage import open_store
@@ -274,12 +274,18 @@ def watch_parser(p: argparse.ArgumentParser) -> None:
     from deltasync._watch_scan import DEFAULT_HELP
 
     p.add_argument("dir", help=f"training output dir holding checkpoints: {DEFAULT_HELP}")
-    p.add_argument("--store", required=True, help="store URL (a path, file:///..., s3://..., hf://buckets/...)")
-    p.add_argument("--glob", help="checkpoints are what this pattern (relative to DIR) matches: dirs or .safetensors")
+    p.add_argument("--store", required=True, metavar="URL", help=STORE_HELP)
     p.add_argument(
-        "--step-regex", help="regex whose group 1 is the step, searched in the matched path (default: its last number)"
+        "--glob",
+        metavar="PATTERN",
+        help="checkpoints are what this pattern (relative to DIR) matches: dirs or .safetensors",
     )
-    p.add_argument("--interval", type=float, default=10.0, help="seconds between polls of DIR (default 10)")
+    p.add_argument(
+        "--step-regex",
+        metavar="REGEX",
+        help="regex whose group 1 is the step, searched in the matched path (default: its last number)",
+    )
+    p.add_argument("--interval", type=float, default=10.0, metavar="SECONDS", help="seconds between polls of DIR")
     p.add_argument("--once", action="store_true", help="push what is complete now (two polls) and exit")
     p.add_argument(
         "--delete-pushed",
@@ -287,12 +293,13 @@ def watch_parser(p: argparse.ArgumentParser) -> None:
         help="delete a checkpoint dir (all of it, optimizer state too) once a newer one is pushed: only dirs this "
         "process pushed and that match the pattern, never the newest pushed one (the baseline after a restart)",
     )
-    p.add_argument("--anchor-every", type=int, default=50, help="full anchor every N pushes (default 50)")
+    p.add_argument("--anchor-every", type=int, default=50, metavar="N", help="full anchor every N pushes")
     p.add_argument(
         "--cast",
         type=cast_name,
         metavar="{bf16,fp16,fp32}",
-        help="cast floating tensors to this dtype before diffing (keeps a bf16 run bf16 when the trainer saves fp32)",
+        help="cast floating tensors to this dtype before diffing (keeps a bf16 run bf16 when the trainer saves "
+        "fp32; default: each tensor's own dtype)",
     )
     p.add_argument("--signal", metavar="URL", help="signal server to notify (token: $DELTASYNC_PUBLISH_TOKEN)")
-    p.add_argument("--run", help="run name at the signal server (default: the store's run id)")
+    p.add_argument("--run", metavar="NAME", help="run name at the signal server (default: the store's run id)")
