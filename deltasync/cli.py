@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from deltasync.errors import DeltaSyncError, DemoError
-from deltasync.storage import LocalStore, open_store
+from deltasync.storage import LocalStore, Store, open_store
 
 __all__ = ["main", "upload_main"]
 
@@ -76,6 +76,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     with open_store(args.url) as store:
         _require_run(store)
+        if args.verify:
+            return _inspect_verify(store, args.last)
         reader = RunReader(store)
         steps = reader.steps()
         if not steps:
@@ -101,6 +103,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for bad in broken:
         print(f"error: {bad}", file=sys.stderr)
     return 1 if broken else 0
+
+
+def _inspect_verify(store: Store, last: int) -> int:
+    from deltasync.storage._verify import verify_run
+
+    total = failed = 0
+    for check in verify_run(store, last=last, signing_key=_signing_key()):
+        print(check.line(), flush=True)
+        total += 1
+        failed += not check.ok
+    print(f"{total} steps verified, {failed} failed")
+    return 1 if failed else 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -274,6 +288,13 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("url", nargs="?", help="store URL or path (or --store, like the other commands)")
     i.add_argument("--store", dest="store_opt", metavar="URL", help="store URL or path")
     i.add_argument("--last", type=int, default=0, help="only the last N steps")
+    i.add_argument(
+        "--verify",
+        action="store_true",
+        help="check each step instead of listing it: its manifest parses, every data file exists with the "
+        "manifest's size and xxh3-128 checksum, and its parent link (digest) and chain to a committed anchor "
+        "hold; prints `step N: OK` or `step N: FAIL <reason>` per step, exits 1 if any step fails",
+    )
     i.set_defaults(fn=cmd_inspect)
     g = sub.add_parser("gc", help="delete old steps: keep the last K anchors and what fetcher leases need")
     gc_parser(g)
