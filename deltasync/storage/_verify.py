@@ -123,9 +123,12 @@ def _chain_problem(reader: RunReader, step: int, failed: set[int]) -> str | None
     except DeltaSyncError as exc:  # a manifest on the walk does not parse (its message names it)
         return str(exc)
     bad = sorted(failed.intersection(plan.steps))
-    if bad:
-        return f"its chain from anchor {plan.steps[0]} passes through step {bad[-1]}, which failed (see above)"
-    return None
+    if not bad:
+        return None
+    anchor = plan.steps[0]
+    if bad[0] == anchor:
+        return f"its anchor, step {anchor}, failed (see above)"
+    return f"its chain from anchor {anchor} passes through step {bad[0]}, which failed (see above)"
 
 
 def _advice(step: int, last_good: int | None, own: bool) -> str:
@@ -165,7 +168,7 @@ def verify_run(
             problems.append(f"manifest {manifest_key(s)} is gone (deleted since it was listed)")
         except DeltaSyncError as exc:  # ProtocolError, SignatureMismatch
             m = None
-            msg = str(exc)
+            msg = str(exc).replace(" (`deltasync inspect` lists the readable steps)", "")
             problems.append(msg if manifest_key(s) in msg else f"manifest {manifest_key(s)}: {msg}")
         if m is not None:
             problems += _file_problems(store, m, chunk_bytes)
