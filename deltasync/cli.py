@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from deltasync.errors import DeltaSyncError, DemoError
-from deltasync.storage import LocalStore, open_store
+from deltasync.storage import LocalStore, Store, open_store
 
 __all__ = ["build_parser", "build_upload_parser", "build_watch_parser", "main", "upload_main"]
 
@@ -74,6 +74,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     with open_store(args.url) as store:
         _require_run(store)
+        if args.verify:
+            return _inspect_verify(store, args.last)
         reader = RunReader(store)
         steps = reader.steps()
         if not steps:
@@ -99,6 +101,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for bad in broken:
         print(f"error: {bad}", file=sys.stderr)
     return 1 if broken else 0
+
+
+def _inspect_verify(store: Store, last: int) -> int:
+    from deltasync.storage._verify import verify_run
+
+    total = failed = 0
+    for check in verify_run(store, last=last, signing_key=_signing_key()):
+        print(check.line(), flush=True)
+        total += 1
+        failed += not check.ok
+    print(f"{total} steps verified, {failed} failed")
+    return 1 if failed else 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -308,11 +322,24 @@ def build_parser() -> argparse.ArgumentParser:
         """
         List the committed steps of a store: kind (anchor or patch), parent step, the fraction of
         elements changed, bytes written, and bytes relative to a full checkpoint. A step whose
-        manifest cannot be read is listed as BROKEN and the exit status is 1.
+        manifest cannot be read is listed as BROKEN and the exit status is 1. With --verify every
+        file is read and checked instead (see below).
+        """,
+        """
+        examples:
+          deltasync inspect --store s3://bucket/runs/r1 --last 20
+          deltasync inspect --store s3://bucket/runs/r1 --verify
         """,
     )
     add_store_args(i)
     i.add_argument("--last", type=int, default=0, metavar="N", help="only the last N steps (default: all)")
+    i.add_argument(
+        "--verify",
+        action="store_true",
+        help="check each step instead of listing it: its manifest parses, every data file exists with the "
+        "manifest's size and xxh3-128 checksum, and its parent link (digest) and chain to a committed anchor "
+        "hold; prints `step N: OK` or `step N: FAIL <reason>` per step, exits 1 if any step fails",
+    )
     i.set_defaults(fn=cmd_inspect)
     g = _command(
         sub,
