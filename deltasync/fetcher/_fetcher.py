@@ -151,17 +151,13 @@ class DeltaFetcher:
         added = _allocate_empty(target, lambda: self.manifest(self._target_step(step)))
         try:
             return self._sync_into(target, step, have_step, journal)
-        except InventoryMismatch as exc:
+        except BaseException as exc:
             for name in added:  # all or nothing: the dict is empty again
                 target.pop(name, None)
-            if isinstance(target, Mapping) and not added:
+            if isinstance(exc, InventoryMismatch) and isinstance(target, Mapping) and not added:
                 raise InventoryMismatch(
                     f"{exc}; or pass an empty dict, which sync fills with the run's tensors"
                 ) from exc
-            raise
-        except BaseException:
-            for name in added:
-                target.pop(name, None)
             raise
 
     def _sync_into(self, target: Any, step: int, have_step: int | None, journal: SyncJournal | None) -> int:
