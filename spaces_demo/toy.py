@@ -152,18 +152,17 @@ def greedy(model: Any, tok: CharTokenizer, prompt: str = PROMPT, max_new: int = 
     """Greedy continuation of ``prompt`` (without the prompt), up to end-of-text or a newline."""
     import torch
 
+    # no KV cache: the whole sequence each token (a few ms on the toy model), so no dependence on the
+    # cache argument's name, which transformers renamed (past_key_values -> cache in 5.x)
+    ids = tok.encode(prompt)
     out: list[int] = []
     with torch.inference_mode():
-        step_in = torch.tensor([tok.encode(prompt)])
-        past = None
         for _ in range(max_new):
-            res = model(input_ids=step_in, past_key_values=past, use_cache=True)
-            past = res.past_key_values
+            res = model(input_ids=torch.tensor([ids + out]), use_cache=False)
             nxt = int(res.logits[0, -1].float().argmax())
             if nxt in (tok.EOS, tok.PAD) or tok.chars[nxt] == "\n":
                 break
             out.append(nxt)
-            step_in = torch.tensor([[nxt]])
     return tok.decode(out)
 
 
