@@ -203,3 +203,23 @@ def check_finished_page(page: Any) -> None:
     assert box["lastBottom"] <= box["boxBottom"] + 0.5 and box["lastBottom"] <= box["cardBottom"], box
     rows = page.locator("#history li").all_text_contents()
     assert rows[-1].startswith("step 0"), rows  # the first answer stays the last row
+
+    # the store/model line may wrap on a narrow window, but between words: a figure such as
+    # "850.8 kB" is never cut in two (it once was, by word-break: break-all on the whole line)
+    for width in (WIDTH, 700):
+        page.set_viewport_size({"width": width, "height": 1400})
+        cut = page.evaluate(
+            """() => {
+              const node = document.getElementById("model").firstChild, text = node.textContent;
+              const words = [...text.matchAll(/[0-9][0-9.,]*\\s?[kMG]?B|[0-9.]+M\\s?params/g)];
+              const range = document.createRange();
+              if (words.length < 2) return ["(no figures found in: " + text + ")"];
+              return words.filter((m) => {
+                range.setStart(node, m.index); range.setEnd(node, m.index + m[0].length);
+                const tops = new Set([...range.getClientRects()].map((r) => Math.round(r.top)));
+                return tops.size > 1;
+              }).map((m) => m[0]);
+            }"""
+        )
+        assert cut == [], f"at {width} px the header cuts {cut} across lines"
+    page.set_viewport_size({"width": WIDTH, "height": 1400})

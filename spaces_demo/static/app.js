@@ -107,7 +107,7 @@ function render() {
   $("store").textContent = "store: " + S.store + (S.episode ? ` · run ${S.episode + 1}` : "");
   $("signal").textContent = S.signal ? "· new steps via " + S.signal : "";
   const m = S.model;
-  $("model").textContent = m ? `· ${m.arch} ${m.layers} layers, hidden ${m.hidden}, ${(m.params / 1e6).toFixed(2)}M params, bf16 checkpoint ${fmtBytes(m.full_bytes)}` : "";
+  $("model").textContent = m ? `· ${m.arch} ${m.layers} layers, hidden ${m.hidden}, ${(m.params / 1e6).toFixed(2)}M\u00a0params, bf16 checkpoint ${fmtBytes(m.full_bytes).replace(" ", "\u00a0")}` : "";
   const err = $("error");
   err.hidden = !S.error;
   err.textContent = S.error || "";
