@@ -265,8 +265,8 @@ class Phases:
 
 def _instrument(phases: Phases, up: Any, fetcher: Any, up_store: Any, fetch_store: Any) -> None:
     """Wrap the functions whose time the breakdown table reports (names as of deltasync 0.1)."""
+    import deltasync.fetcher._download as freader
     import deltasync.fetcher._execute as fexecute
-    import deltasync.fetcher._reader as freader
     import deltasync.protocol.patchfile as fpatch
     import deltasync.uploader._commit as ucommit
     import deltasync.uploader._uploader as uupl

@@ -134,7 +134,7 @@ def main() -> None:
             max_model_len=256,
             kv_cache_memory_bytes=256 << 20,
             weight_transfer_config={"backend": "deltasync"},
-            worker_extension_cls="deltasync.fetcher.vllm.DeltasyncWorkerExtension",
+            worker_extension_cls="deltasync.integrations.vllm.backend.DeltasyncWorkerExtension",
         )
         sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
         llm.init_weight_transfer_engine({"init_info": {"store": url}})

@@ -9,7 +9,8 @@ ds.DeltaFetcher(store).sync(inference_model)
 
 from deltasync import errors
 from deltasync.fetcher import DeltaFetcher
-from deltasync.storage import HFBucketStore, LocalStore, MemoryStore, ObjectInfo, RunReader, Store, open_store
+from deltasync.run import RunReader
+from deltasync.storage import HFBucketStore, LocalStore, MemoryStore, ObjectInfo, Store, open_store
 from deltasync.uploader import CommitInfo, DeltaUploader, UploaderConfig
 
 __version__ = "0.1.0"

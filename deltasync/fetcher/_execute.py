@@ -23,9 +23,9 @@ from deltasync.fetcher._apply import (
     check_inventory,
     same_effect,
 )
+from deltasync.fetcher._download import download
 from deltasync.fetcher._fold import Change, fold_steps, new_bits
 from deltasync.fetcher._journal import SyncStats
-from deltasync.fetcher._reader import download
 from deltasync.protocol import Committed, FetchPlan, Manifest, TensorInfo, anchor_arrays, decode_patch
 from deltasync.protocol.digests import xxh3_128_array
 

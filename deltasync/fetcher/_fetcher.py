@@ -19,7 +19,8 @@ from deltasync.fetcher._materialize import MARKER as MARKER  # re-exported (fetc
 from deltasync.fetcher._materialize import MaterializeStats
 from deltasync.fetcher._materialize import materialize as _materialize
 from deltasync.protocol import Manifest
-from deltasync.storage import RunReader, Store, open_store
+from deltasync.run import RunReader
+from deltasync.storage import Store, open_store
 
 __all__ = ["DeltaFetcher", "SyncJournal", "SyncStats", "Verify"]
 

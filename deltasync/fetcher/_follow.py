@@ -27,7 +27,7 @@ from deltasync.protocol.keys import HEAD_KEY
 
 if TYPE_CHECKING:
     from deltasync.fetcher._fetcher import DeltaFetcher
-    from deltasync.metrics import SyncMetrics
+    from deltasync.fetcher.metrics import SyncMetrics
 
 __all__ = ["FollowStats", "follow"]
 
@@ -89,7 +89,7 @@ def follow(
     on_step: called with each step reached.
     config_from: a dir target only: copy this HF model dir's config and tokenizer files into
         every version (see :meth:`DeltaFetcher.materialize`); checked before anything else.
-    metrics: a :class:`~deltasync.metrics.SyncMetrics` to record the head seen, each step reached
+    metrics: a :class:`~deltasync.fetcher.metrics.SyncMetrics` to record the head seen, each step reached
         (with :attr:`DeltaFetcher.last_stats` for tensor targets; step and seconds for a dir) and
         failures (``apply``, ``signal``, ``store``).
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from deltasync.errors import ChainBroken, DeltaSyncError, ObjectNotFound
-from deltasync.fetcher._reader import PlanFilesGone
+from deltasync.fetcher._download import PlanFilesGone
 from deltasync.protocol import manifest_key
 from deltasync.protocol.retention import Lease, lease_key
 from deltasync.storage import Store

@@ -1,2 +1,5 @@
-"""Integrations with training frameworks. Each lives in its own module and imports its framework
-only there: ``deltasync.integrations.transformers`` (a ``transformers`` ``TrainerCallback``)."""
+"""Integrations with the frameworks around deltasync. Each imports its framework only in its own module:
+
+- :mod:`deltasync.integrations.transformers`: a ``transformers`` ``TrainerCallback`` that pushes each step;
+- :mod:`deltasync.integrations.vllm`: the vLLM weight-transfer backend, worker extension and host mirror.
+"""

@@ -1,6 +1,14 @@
 """The wire format, protocol v1 (see SPEC.md). Pure: no I/O, no threads, no torch."""
 
-from deltasync.protocol.chain import Committed, FetchPlan, PlanStep, plan_fetch, superseded_by
+from deltasync.protocol.chain import (
+    ChainWalk,
+    Committed,
+    FetchPlan,
+    PlanStep,
+    plan_fetch,
+    superseded_by,
+    walk_chain,
+)
 from deltasync.protocol.checkpoint import anchor_arrays
 from deltasync.protocol.digests import xxh3_128
 from deltasync.protocol.encoding import EncodedTensor, decode_positions, decode_values, encode_changes
@@ -51,6 +59,7 @@ __all__ = [
     "HEAD_KEY",
     "AnchorEntry",
     "ByteRange",
+    "ChainWalk",
     "Committed",
     "DecodedEntry",
     "EncodedTensor",
@@ -89,6 +98,7 @@ __all__ = [
     "span_problem",
     "step_prefix",
     "superseded_by",
+    "walk_chain",
     "writer_key",
     "xxh3_128",
 ]

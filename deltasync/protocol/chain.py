@@ -10,7 +10,16 @@ from deltasync.errors import ChainBroken
 from deltasync.protocol.manifest import Manifest, WriterClaim
 from deltasync.protocol.spans import span_problem
 
-__all__ = ["Committed", "FetchPlan", "PlanStep", "plan_fetch", "superseded_by"]
+__all__ = [
+    "ChainWalk",
+    "Committed",
+    "FetchPlan",
+    "LinkProblem",
+    "PlanStep",
+    "plan_fetch",
+    "superseded_by",
+    "walk_chain",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +123,8 @@ def plan_fetch(
         )
     if have_step == target_step and have_digest in (None, top.digest):
         return FetchPlan(target_step, "current", (), 0)
-    walk, anchor, reason = _walk(committed, top)
+    chain = walk_chain(committed, target_step)
+    walk, anchor, reason = chain.steps, chain.anchor, chain.reason
     # cheapest route to each node: (bytes, elements, 0 current / 1 anchor), and how it got there
     best: dict[int, tuple[int, int, int]] = {}
     came: dict[int, tuple[int | None, int | None]] = {}  # node -> (previous node, span start or None)
@@ -162,24 +172,88 @@ def plan_fetch(
     return FetchPlan(target_step, "anchor" if base else "current", tuple(reversed(steps)), total, tuple(reversed(used)))
 
 
-def _walk(committed: Mapping[int, Committed], top: Committed) -> tuple[list[int], int | None, str]:
-    """Steps on the parent walk down from ``top`` (valid links only), the anchor it reaches
-    (or None), and why it stopped short of one."""
-    walk = [top.manifest.step]
-    cur = top
+LinkProblem = Literal["no-parent", "missing", "digest", "inventory"]
+
+
+@dataclass(frozen=True, slots=True)
+class ChainWalk:
+    """The parent walk down from one committed step: what :func:`walk_chain` found.
+
+    ``steps`` runs from the top step down: to the anchor (included) when the walk reached one,
+    else to the last step whose parent link holds. When it stopped short, ``broken_at`` is that
+    step, ``problem`` says what is wrong with its link (``no-parent``: it names no earlier parent
+    step; ``missing``: the parent is not committed; ``digest``: the parent's manifest is not the
+    one it recorded; ``inventory``: its tensors differ from the parent's) and ``reason`` says it
+    in words. A top step that is not committed gives an empty walk with problem ``missing``.
+    """
+
+    top: int
+    steps: tuple[int, ...]
+    anchor: int | None
+    broken_at: int | None = None
+    problem: LinkProblem | None = None
+    reason: str = ""
+    #: the parent step that is not committed (problem ``missing``), so a reader can fetch it and walk again
+    missing: int | None = None
+
+    @property
+    def complete(self) -> bool:
+        """True when the walk reached an anchor."""
+        return self.anchor is not None
+
+    @property
+    def patches(self) -> int:
+        """Patches on the walk above its anchor (or all of it, when it reached none)."""
+        return len(self.steps) - (self.anchor is not None)
+
+
+def walk_chain(committed: Mapping[int, Committed], top: int, *, check_links: bool = True) -> ChainWalk:
+    """Follow parent links down from step ``top`` through ``committed`` to the first anchor.
+
+    Pure: the one walk that planning, retention, the run reader, ``inspect --verify`` and resume
+    share. With ``check_links`` each link must also carry the parent's manifest digest and
+    inventory (what a fetcher relies on); without, only parent step numbers are followed (what
+    retention keeps: never less than a strict walk). Never raises; see :class:`ChainWalk`.
+    """
+    cur = committed.get(top)
+    if cur is None:
+        return ChainWalk(top, (), None, top, "missing", f"step {top} is not committed", top)
+    walk = [top]
     while True:
         m = cur.manifest
         if m.kind == "anchor":
-            return walk, m.step, ""
-        parent = committed.get(m.parent_step) if m.parent_step is not None else None
-        if parent is None or parent.manifest.step != m.parent_step or m.parent_step >= m.step:
-            return walk, None, f"step {m.step}'s parent step {m.parent_step} is not committed"
-        if parent.digest != m.parent_digest:
-            return walk, None, f"step {m.step}'s parent digest does not match the manifest of step {m.parent_step}"
-        if parent.manifest.inventory_digest != m.inventory_digest:
+            return ChainWalk(top, tuple(walk), m.step)
+        p = m.parent_step
+        if p is None or p >= m.step:
+            # the message a fetcher has always printed for it
+            return ChainWalk(
+                top, tuple(walk), None, m.step, "no-parent", f"step {m.step}'s parent step {p} is not committed"
+            )
+        parent = committed.get(p)
+        if parent is None or parent.manifest.step != p:
+            return ChainWalk(
+                top, tuple(walk), None, m.step, "missing", f"step {m.step}'s parent step {p} is not committed", p
+            )
+        if check_links and parent.digest != m.parent_digest:
+            return ChainWalk(
+                top,
+                tuple(walk),
+                None,
+                m.step,
+                "digest",
+                f"step {m.step}'s parent digest does not match the manifest of step {p}",
+            )
+        if check_links and parent.manifest.inventory_digest != m.inventory_digest:
             # a patch changes values only; its inventory (hence every size it declares) is its parent's
-            return walk, None, f"step {m.step}'s tensor inventory differs from its parent step {m.parent_step}'s"
-        walk.append(parent.manifest.step)
+            return ChainWalk(
+                top,
+                tuple(walk),
+                None,
+                m.step,
+                "inventory",
+                f"step {m.step}'s tensor inventory differs from its parent step {p}'s",
+            )
+        walk.append(p)
         cur = parent
 
 

@@ -2,7 +2,7 @@
 
 :func:`plan_retention` decides, from one listing of the run prefix, the parsed manifests,
 the writer claims, the leases and a clock value, which keys to delete and why everything
-else stays. It does no I/O; :mod:`deltasync.storage._gc` executes its plan.
+else stays. It does no I/O; :mod:`deltasync.run.gc` executes its plan.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from deltasync.errors import ProtocolError
-from deltasync.protocol.chain import Committed, superseded_by
+from deltasync.protocol.chain import Committed, superseded_by, walk_chain
 from deltasync.protocol.keys import MANIFEST_NAME, check_file_name
 from deltasync.protocol.manifest import FORMAT_VERSION, WriterClaim, _int, _load_json, _obj, _version, canonical_json
 
@@ -175,19 +175,6 @@ def _valid_name(name: str) -> bool:
     return True
 
 
-def _walk_to_anchor(live: Mapping[int, Committed], target: int) -> set[int]:
-    """``target`` and its parent links down to the first anchor (or the first missing link)."""
-    out: set[int] = set()
-    cur = live.get(target)
-    while cur is not None and cur.manifest.step not in out:
-        m = cur.manifest
-        out.add(m.step)
-        if m.kind == "anchor" or m.parent_step is None or m.parent_step >= m.step:
-            break
-        cur = live.get(m.parent_step)
-    return out
-
-
 def step_ranges(steps: Iterable[int]) -> str:
     """``0-4, 7, 9-10``: runs of consecutive step numbers."""
     s = sorted(steps)
@@ -294,7 +281,7 @@ def plan_retention(
                 if s >= lease.step:
                     kept.setdefault(s, f"lease {lease.id} holds step {lease.step} ({left})")
         if lease.target is not None and lease.target in live:
-            for s in _walk_to_anchor(live, lease.target):
+            for s in walk_chain(live, lease.target, check_links=False).steps:
                 kept.setdefault(s, f"lease {lease.id} is fetching step {lease.target} ({left})")
     deleted_steps = sorted(listed - set(kept))
 

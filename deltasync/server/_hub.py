@@ -23,11 +23,12 @@ import httpx
 
 from deltasync.errors import DeltaSyncError, ObjectNotFound, StorageError
 from deltasync.protocol import Committed
+from deltasync.run import RunReader
 from deltasync.server._db import Commit, Database, Webhook
 from deltasync.server._metrics import Metrics
 from deltasync.server._settings import Settings
 from deltasync.server.webhooks import DELIVERY_HEADER, EVENT_HEADER, sign_webhook
-from deltasync.storage import RunReader, Store
+from deltasync.storage import Store
 
 __all__ = ["Conflict", "Hub", "NotInStore", "StoreUnavailable"]
 

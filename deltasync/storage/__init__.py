@@ -10,7 +10,6 @@ from deltasync.errors import StorageError
 from deltasync.storage._hf import HFBucketStore, open_hf_url
 from deltasync.storage._local import LocalStore
 from deltasync.storage._memory import MemoryStore
-from deltasync.storage._run import RunReader
 from deltasync.storage._s3 import S3Store
 from deltasync.storage.base import Data, ObjectInfo, PutMode, Store, validate_key
 
@@ -21,7 +20,6 @@ __all__ = [
     "MemoryStore",
     "ObjectInfo",
     "PutMode",
-    "RunReader",
     "S3Store",
     "Store",
     "open_store",

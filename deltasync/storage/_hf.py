@@ -48,7 +48,7 @@ from deltasync.errors import (
     StorageError,
     TransientStorageError,
 )
-from deltasync.storage._reach import check_reachable
+from deltasync.storage._hf_reach import check_reachable
 from deltasync.storage.base import Data, ObjectInfo, PutMode, Store, validate_key
 
 __all__ = ["DEFAULT_ENDPOINT", "HFBucketStore", "parse_hf_url"]
@@ -147,7 +147,7 @@ class HFBucketStore(Store):
     is missing (``private`` by default). ``spill_bytes``: in-memory payloads larger
     than this are uploaded from a temp file. ``hf_api``: an ``HfApi`` to use instead.
     ``reach_check``: called as ``reach_check(endpoint, what=, hint=)`` before the first
-    request; the default (:func:`~deltasync.storage._reach.check_reachable`) fails within a
+    request; the default (:func:`~deltasync.storage._hf_reach.check_reachable`) fails within a
     few seconds when the endpoint cannot be reached at all, instead of huggingface_hub's
     ~25 s of retries. None skips it.
     """

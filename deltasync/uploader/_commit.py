@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from deltasync._retry import RetryPolicy
 from deltasync.errors import AlreadyExists
 from deltasync.protocol import (
     AnchorEntry,
@@ -33,7 +34,7 @@ from deltasync.protocol.patchfile import build_patch_files
 from deltasync.storage import Store
 from deltasync.storage.base import Data
 from deltasync.uploader._diff import TensorChange
-from deltasync.uploader._retry import RetryPolicy, put_idempotent, with_retries
+from deltasync.uploader._writes import put_idempotent, with_retries
 
 __all__ = [
     "StepJob",

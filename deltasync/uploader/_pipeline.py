@@ -12,11 +12,11 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Literal
 
+from deltasync._retry import RetryPolicy
 from deltasync.errors import CommitFailed, WriterFenced
 from deltasync.protocol import Writer
 from deltasync.uploader._commit import StepJob, merge_jobs, write_step
 from deltasync.uploader._config import CommitInfo
-from deltasync.uploader._retry import RetryPolicy
 
 if TYPE_CHECKING:
     from deltasync.uploader._uploader import DeltaUploader

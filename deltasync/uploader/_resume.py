@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 from deltasync._tensors import flat_bits
 from deltasync.errors import ChainBroken, ChecksumMismatch, InventoryMismatch, ProtocolError
-from deltasync.protocol import Committed, Manifest
+from deltasync.protocol import Committed, Manifest, walk_chain
 from deltasync.protocol.digests import xxh3_128_array
 from deltasync.protocol.keys import STEPS_PREFIX, file_key, step_prefix
-from deltasync.storage import RunReader, Store
-from deltasync.storage._claims import claim_epoch
+from deltasync.run import RunReader
+from deltasync.run.claims import claim_epoch
+from deltasync.storage import Store
 from deltasync.uploader._config import CommitInfo
 from deltasync.uploader._diff import Baseline, inventory_of
 
@@ -70,16 +71,11 @@ def pushes_since_anchor(reader: RunReader, m: Manifest, limit: int) -> int:
     listing); a manifest on the walk that does not parse raises its ProtocolError.
     """
     chain = reader.chain(m.step)  # the manifests down to the anchor, in batches
-    n, cur = 0, m
-    while cur.kind == "patch" and cur.parent_step is not None:
-        parent = chain.get(cur.parent_step)
-        if parent is None:
-            raise ChainBroken(
-                f"step {m.step} cannot be rebuilt from {reader.store.url}: step {cur.step}'s parent step "
-                f"{cur.parent_step} is not committed"
-            )
-        n += 1
-        cur = parent.manifest
+    walk = walk_chain(chain, m.step, check_links=False)
+    if not walk.complete:
+        raise ChainBroken(f"step {m.step} cannot be rebuilt from {reader.store.url}: {walk.reason}")
+    n = walk.patches
+    cur = chain[walk.steps[-1]].manifest
     listed = {o.key for o in reader.store.list_after(STEPS_PREFIX, f"{step_prefix(cur.step)[:-1]}")}
     for c in chain.values():
         gone = [f.path for f in c.manifest.files if file_key(c.manifest.step, f.path) not in listed]

@@ -24,17 +24,17 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from deltasync._retry import RetryPolicy
 from deltasync._tensors import flat_bits, st_dtype, state_tensors
 from deltasync.errors import CommitFailed, InventoryMismatch, WriterFenced
 from deltasync.protocol import Committed, TensorInfo, Writer, inventory_digest
 from deltasync.protocol.checkpoint import group_by_size
-from deltasync.storage._claims import claim_epoch
+from deltasync.run.claims import claim_epoch
 from deltasync.uploader._commit import StepJob
 from deltasync.uploader._config import CommitInfo
 from deltasync.uploader._diff import TensorChange, diff_tensor
 from deltasync.uploader._exchange import Exchange
 from deltasync.uploader._pipeline import fail_step
-from deltasync.uploader._retry import RetryPolicy
 from deltasync.uploader._sharded_owner import OwnerCopies, RankReport, commit_on_rank0, write_rank_files
 from deltasync.uploader._shardmap import AnchorPlan, Box, anchor_plan, owner_map, to_global
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from deltasync._retry import RetryPolicy
 from deltasync.errors import CommitFailed
 from deltasync.protocol import AnchorEntry, Committed, FileInfo, PatchEntry, TensorInfo, encode_changes, xxh3_128
 from deltasync.protocol.checkpoint import CHECKPOINT_METADATA, INDEX_NAME, group_by_size, shard_layout
@@ -29,7 +30,6 @@ from deltasync.protocol.safetensors_io import TensorBytes, to_bytes
 from deltasync.storage import Store
 from deltasync.uploader._commit import StepJob, make_manifest, publish_manifest, put_step_files
 from deltasync.uploader._diff import TensorChange
-from deltasync.uploader._retry import RetryPolicy
 from deltasync.uploader._shardmap import AnchorPlan, Box, patch_file_names, write_box
 
 __all__ = ["OwnerCopies", "RankReport", "commit_on_rank0", "write_rank_files"]

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
+from deltasync._retry import RetryPolicy
 from deltasync.errors import AlreadyExists
 from deltasync.protocol import (
     SPAN_OF,
@@ -34,7 +35,7 @@ from deltasync.protocol import (
 from deltasync.storage import Store
 from deltasync.uploader._commit import StepJob, _merge_changes, build_patch
 from deltasync.uploader._diff import TensorChange
-from deltasync.uploader._retry import RetryPolicy, put_idempotent, with_retries
+from deltasync.uploader._writes import put_idempotent, with_retries
 
 __all__ = ["SpanWriter", "check_levels", "merge_change_sets"]
 

@@ -13,20 +13,21 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from deltasync._retry import RetryPolicy
 from deltasync._tensors import flat_bits, state_tensors
 from deltasync.errors import ProtocolError, WriterFenced
 from deltasync.protocol import Committed
 from deltasync.protocol.digests import xxh3_128_array
-from deltasync.storage import RunReader, Store, open_store
-from deltasync.storage._claims import is_fenced, newest_claim
-from deltasync.storage._gc import RetentionWorker
+from deltasync.run import RunReader
+from deltasync.run.claims import is_fenced, newest_claim
+from deltasync.run.gc import RetentionWorker
+from deltasync.storage import Store, open_store
 from deltasync.uploader import _resume
 from deltasync.uploader._commit import StepJob
 from deltasync.uploader._config import CommitInfo, UploaderConfig
 from deltasync.uploader._diff import Baseline, TensorChange, diff_tensor, inventory_of
 from deltasync.uploader._dtypes import warn_dtype_change
 from deltasync.uploader._pipeline import commit_loop, digest_loop
-from deltasync.uploader._retry import RetryPolicy
 from deltasync.uploader._spans import SpanWriter
 
 if TYPE_CHECKING:

@@ -1,0 +1,136 @@
+"""Helpers shared by the ``deltasync`` and ``delta-upload`` commands."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+__all__ = [
+    "HelpFormatter",
+    "_human",
+    "_progress",
+    "_require_run",
+    "_signing_key",
+    "add_store_args",
+    "cast_name",
+    "store_url",
+]
+
+_CASTS = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "half": "float16"}
+_CASTS |= {"fp32": "float32", "float32": "float32", "float": "float32"}
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions keep their line breaks; every option shows its default unless its help says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (
+            not action.option_strings
+            or action.default in (None, False, argparse.SUPPRESS)
+            or "default" in text.lower()
+            or "%(default)" in text
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+STORE_HELP = "store URL: a path, file:///..., memory://, s3://bucket/prefix, hf://buckets/owner/name/prefix"
+
+
+def add_store_args(p: argparse.ArgumentParser) -> None:
+    """The store as a positional ``STORE`` or as ``--store URL`` (like every other command)."""
+    p.add_argument("url", nargs="?", metavar="STORE", help=f"{STORE_HELP} (or --store URL)")
+    p.add_argument("--store", dest="store_opt", metavar="URL", help="the store, as the other commands take it")
+
+
+def store_url(args: argparse.Namespace, prog: str) -> str:
+    """The store of :func:`add_store_args`: ``STORE`` or ``--store URL``; none, or two different, exits 2."""
+    url: str | None = args.url or args.store_opt
+    if url is None:
+        print(
+            f"usage: {prog} --store URL ...\n{prog}: error: a store is required (STORE or --store URL)", file=sys.stderr
+        )
+        raise SystemExit(2)
+    if args.url and args.store_opt and args.url != args.store_opt:
+        print(
+            f"{prog}: error: two different stores given: {args.url!r} and --store {args.store_opt!r}", file=sys.stderr
+        )
+        raise SystemExit(2)
+    return url
+
+
+def cast_name(value: str) -> str:
+    """``--cast``: the torch dtype name for bf16 / fp16 / fp32 (or their torch spellings)."""
+    try:
+        return _CASTS[value.strip().lower()]
+    except KeyError:
+        import argparse
+
+        raise argparse.ArgumentTypeError(f"unknown dtype {value!r}: choose bf16, fp16 or fp32") from None
+
+
+def _signing_key() -> bytes | None:
+    key = os.environ.get("DELTASYNC_SIGNING_KEY")
+    return key.encode() if key else None
+
+
+def _cli_uploader(store: Any, args: Any, **options: Any) -> Any:
+    """The DeltaUploader of `delta-upload` and `delta-upload watch`: ``args`` from their parsers
+    (anchor_every, signal, run); blocks on a backlog; keys and tokens from the environment;
+    ``options``: more UploaderConfig fields."""
+    from deltasync.uploader import DeltaUploader
+
+    return DeltaUploader(
+        store,
+        **options,
+        anchor_every=args.anchor_every,
+        on_backlog="block",
+        signing_key=_signing_key(),
+        signal_url=args.signal,
+        signal_token=os.environ.get("DELTASYNC_PUBLISH_TOKEN") or None,
+        signal_run=args.run,
+    )
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"  # pragma: no cover
+
+
+def _progress(desc: str) -> tuple[Callable[[int, int], None], Callable[[], None]]:
+    """A tqdm byte bar on stderr (silent when stderr is not a terminal)."""
+    from tqdm import tqdm
+
+    bar: Any = None
+
+    def update(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(
+                total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr, disable=not sys.stderr.isatty()
+            )
+        bar.update(done - bar.n)
+
+    def close() -> None:
+        if bar is not None:
+            bar.close()
+
+    return update, close
+
+
+def _require_run(store: Any) -> None:
+    """RunNotFound unless ``store`` holds a run (a committed step or a writer claim): a mistyped
+    URL must fail, not read as an empty run."""
+    from deltasync.run import RunReader
+
+    RunReader(store).require()
+
+
+# ------------------------------------------------------------------ commands

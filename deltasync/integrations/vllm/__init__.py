@@ -1,0 +1,9 @@
+"""deltasync inside a vLLM engine.
+
+- :mod:`deltasync.integrations.vllm.backend`: the ``"deltasync"`` weight-transfer backend and the
+  worker extension (imports vLLM and torch);
+- :mod:`deltasync.integrations.vllm.mirror`: the host mirror each worker keeps in checkpoint names
+  (imports neither at module level).
+
+This package imports nothing itself, so the mirror can be used and tested without vLLM.
+"""

@@ -1,0 +1,405 @@
+"""deltasync as a vLLM weight-transfer backend, and a worker extension for ``collective_rpc``.
+
+Registered through the ``vllm.general_plugins`` entry point (installing deltasync in
+vLLM's environment is enough) under the name ``"deltasync"``::
+
+    vllm serve MODEL_DIR --weight-transfer-config '{"backend": "deltasync"}'
+
+then, at each step the trainer commits, the standard four phases (HTTP twins under
+``VLLM_SERVER_DEV_MODE=1``)::
+
+    llm.init_weight_transfer_engine({"init_info": {"store": URL, "prefetch": True}})   # once
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"store": URL, "step": N}})
+    llm.finish_weight_update(weight_version=str(N))
+
+Each worker keeps a host mirror in checkpoint names (seeded from the checkpoint dir the
+engine loaded), brings it to the step with :class:`~deltasync.DeltaFetcher` (chain
+catch-up, checksums, digests) and hands vLLM only the tensors that changed through
+the model's own ``load_weights``, so fused parameters and tensor parallelism stay
+vLLM's business. With ``prefetch`` (or :meth:`DeltasyncWorkerExtension.deltasync_prepare`)
+the download, checks and decode happen while the engine keeps generating; the
+update itself is the in-place load. See :mod:`deltasync.integrations.vllm.mirror` for the
+failure states. Unquantized weights only (bf16/fp16/fp32): a quantized engine's
+parameters are not the checkpoint's bits.
+
+Payloads never cross the RPC as tensors: the update names a store and a step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import sys
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from deltasync.errors import DeltaSyncError
+from deltasync.fetcher._fetcher import MARKER, DeltaFetcher, Verify
+from deltasync.integrations.vllm.mirror import EngineMirror
+
+__all__ = [
+    "BACKEND",
+    "DeltasyncInitInfo",
+    "DeltasyncUpdateInfo",
+    "DeltasyncWeightTransferEngine",
+    "DeltasyncWorkerExtension",
+    "register",
+]
+
+log = logging.getLogger("deltasync.vllm")
+
+BACKEND = "deltasync"
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: make ``{"backend": "deltasync"}`` selectable.
+    vLLM runs it in every process, maybe more than once."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    with contextlib.suppress(ValueError):  # registered already in this process
+        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "DeltasyncWeightTransferEngine")
+
+
+@dataclass
+class DeltasyncInitInfo(WeightTransferInitInfo):  # type: ignore[misc]
+    """``init_weight_transfer_engine`` options (all optional).
+
+    store: the run's URL (``hf://buckets/...``, ``s3://...``, a local dir); updates may name it instead.
+    verify: ``True`` (checksums and digests of every changed tensor), ``"full"`` or ``False``.
+    signing_key: require manifests signed with this HMAC key (UTF-8).
+    prefetch: prepare each new committed step in the background as soon as it lands.
+    poll_interval: seconds between store polls while prefetching.
+    metrics_port: serve Prometheus metrics on 127.0.0.1 at this port plus the worker's rank.
+    """
+
+    store: str | None = None
+    verify: bool | str = True
+    signing_key: str | None = None
+    prefetch: bool = False
+    poll_interval: float = 2.0
+    metrics_port: int | None = None
+
+
+@dataclass
+class DeltasyncUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
+    """``update_weights`` payload: ``{"store": URL, "step": N}`` (step default: the newest committed).
+    ``prepare_only`` starts preparing the step in the background and returns at once."""
+
+    step: int | None = None
+    store: str | None = None
+    prepare_only: bool = False
+
+
+def _model_dir(vllm_config: Any) -> Path | None:
+    path = Path(str(getattr(vllm_config.model_config, "model", "")))
+    return path if path.is_dir() else None
+
+
+def _seed(model_dir: Path | None) -> tuple[dict[str, Any] | None, int | None]:
+    """The tensors of the checkpoint dir the engine loaded, and its deltasync step when it says so."""
+    if model_dir is None:
+        return None, None
+    from deltasync._checkpoint_io import load_checkpoint
+
+    try:
+        seed = load_checkpoint(model_dir)
+    except (OSError, ValueError, DeltaSyncError) as exc:
+        log.warning("cannot read %s to seed the mirror (%s): the first update loads every tensor", model_dir, exc)
+        return None, None
+    try:
+        step: int | None = int(json.loads((model_dir / MARKER).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        step = None
+    return seed, step
+
+
+class WorkerSync:
+    """One worker's deltasync state: its mirror, options, background prefetch and metrics.
+
+    Ranks of one engine (tensor/pipeline parallel) commit or undo together: they exchange their
+    outcome over vLLM's CPU world group at each phase. Only the last rank raises an agreed error:
+    vLLM's multiprocess executor stops reading replies at the first failed one, and the replies of
+    later ranks would then answer the next RPC (observed with vllm 0.32, TP=2).
+    """
+
+    def __init__(self, model: torch.nn.Module, vllm_config: Any, rank: int = 0, world_size: int = 1) -> None:
+        self.model = model
+        self.vllm_config = vllm_config
+        self.rank = rank
+        self.world_size = world_size
+        self.options = DeltasyncInitInfo()
+        self.mirror: EngineMirror | None = None
+        self._stop = threading.Event()
+        self._prefetcher: threading.Thread | None = None
+        self._lock = threading.Lock()
+        from deltasync.fetcher.metrics import SyncMetrics
+
+        self.metrics = SyncMetrics(labels={"rank": str(rank)})
+        self._metrics_server: Any = None
+
+    # ------------------------------------------------------------ options
+
+    def configure(self, info: DeltasyncInitInfo) -> dict[str, Any]:
+        if info.verify not in (True, False, "full"):
+            raise ValueError(f"verify must be true, false or 'full', got {info.verify!r}")
+        self.options = info
+        if info.store is not None:
+            self.mirror_for(info.store)
+        if info.metrics_port is not None:
+            self._serve_metrics(info.metrics_port + self.rank)
+        if info.prefetch:
+            self._start_prefetch()
+        return self.status()
+
+    def _serve_metrics(self, port: int) -> None:
+        if self._metrics_server is None:
+            self._metrics_server = self.metrics.serve(port)
+
+    def mirror_for(self, store: str | None) -> EngineMirror:
+        """The mirror of ``store`` (the configured one when None), created on first use."""
+        with self._lock:
+            url = store or self.options.store
+            if url is None:
+                if self.mirror is not None:
+                    return self.mirror
+                raise ValueError('name the run: {"store": URL} in init_info or in update_info')
+            if self.mirror is not None:
+                if self.mirror.fetcher.store.url != _normalise(url):
+                    raise ValueError(
+                        f"this worker follows {self.mirror.fetcher.store.url}; restart the engine to follow {url}"
+                    )
+                return self.mirror
+            from deltasync.storage import open_store
+
+            verify: Verify = self.options.verify  # type: ignore[assignment]
+            key = self.options.signing_key.encode() if self.options.signing_key else None
+            fetcher = DeltaFetcher(open_store(url), verify=verify, signing_key=key)
+            seed, seed_step = _seed(_model_dir(self.vllm_config))
+            local = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            tp = int(getattr(self.vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+            self.mirror = EngineMirror(
+                fetcher,
+                self._load,
+                seed=seed,
+                seed_step=seed_step,
+                max_bytes=2 * local * tp + (64 << 20),
+                metrics=self.metrics,
+                agree=self._agree,
+            )
+            return self.mirror
+
+    def _agree(self, mine: Any) -> list[Any]:
+        if self.world_size == 1:
+            return [mine]
+        from vllm.distributed.parallel_state import get_world_group
+
+        out: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(out, mine, group=get_world_group().cpu_group)
+        return out
+
+    def call(self, fn: Any, *args: Any) -> dict[str, Any]:
+        """Run one RPC's work; an error is raised by the last rank only (see the class docstring)."""
+        try:
+            out: dict[str, Any] = fn(*args)
+            return out
+        except Exception as exc:
+            if self.rank == self.world_size - 1:
+                raise
+            log.warning("rank %d: %s: %s", self.rank, type(exc).__name__, exc)
+            return {**self.status(), "error": f"{type(exc).__name__}: {exc}"}
+
+    def _load(self, pairs: Any) -> None:
+        with torch.no_grad():
+            self.model.load_weights(iter(pairs))  # type: ignore[operator]
+
+    # ----------------------------------------------------------- prefetch
+
+    def _start_prefetch(self) -> None:
+        if self._prefetcher is not None:
+            return
+        self._stop.clear()
+        self._prefetcher = threading.Thread(target=self._prefetch_loop, name="deltasync-prefetch", daemon=True)
+        self._prefetcher.start()
+
+    def _prefetch_loop(self) -> None:
+        last: int | None = None
+        while not self._stop.is_set():
+            try:
+                mirror = self.mirror_for(None)
+                latest = mirror.fetcher.latest_step()
+                if latest is not None:
+                    self.metrics.observe_head(latest)
+                if latest is not None and latest != last and (mirror.serving is None or latest > mirror.serving):
+                    mirror.prepare(latest).result()
+                    last = latest
+            except (DeltaSyncError, ValueError) as exc:
+                log.warning("prefetch: %s", exc)
+            self._stop.wait(self.options.poll_interval)
+
+    # ------------------------------------------------------------- phases
+
+    def prepare(self, store: str | None, step: int | None) -> dict[str, Any]:
+        self.mirror_for(store).prepare(step)
+        return self.status()
+
+    def update(self, store: str | None, step: int | None) -> dict[str, Any]:
+        if step is not None:
+            self.metrics.observe_head(step)
+        report = self.mirror_for(store).commit(step)
+        return {**self.status(), "report": asdict(report)}
+
+    def status(self) -> dict[str, Any]:
+        if self.mirror is None:
+            return {"step": None, "prepared": None, "state": "serving", "last_error": None, "store": self.options.store}
+        return {**self.mirror.status(), "rank": self.rank}
+
+    def render_metrics(self) -> str:
+        return self.metrics.render()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._prefetcher is not None:
+            self._prefetcher.join(timeout=30)
+            self._prefetcher = None
+        if self._metrics_server is not None:
+            self._metrics_server.close()
+            self._metrics_server = None
+        if self.mirror is not None:
+            self.mirror.close()
+
+
+def _normalise(url: str) -> str:
+    from deltasync.storage import open_store
+
+    return open_store(url).url
+
+
+def _worker_sync(model: torch.nn.Module, vllm_config: Any) -> WorkerSync:
+    """A worker's state, placed in vLLM's world group (all workers of this engine)."""
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        world = get_world_group()
+        rank, size = int(world.rank_in_group), int(world.world_size)
+    except (ImportError, AssertionError, AttributeError):  # no distributed state: one process
+        rank, size = 0, 1
+    return WorkerSync(model, vllm_config, rank, size)
+
+
+def _end_worker_session(engine: Any) -> bool:
+    """Close the calling vLLM worker's weight-update session as its ``update_weights`` does on an
+    error (vllm 0.32 ``Worker.update_weights``): the worker is the caller frame's ``self``."""
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        worker: Any = frame.f_locals.get("self")
+        if getattr(worker, "weight_transfer_engine", None) is engine and hasattr(worker, "_weight_update_active"):
+            worker._weight_update_active = False
+            worker.weight_transfer_engine.reset_weight_update_target()
+            return True
+        frame = frame.f_back
+    log.warning("cannot find the vLLM worker to end its update session: the next start_weight_update may fail")
+    return False
+
+
+class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInfo]):  # type: ignore[misc]
+    """vLLM weight-transfer backend ``"deltasync"``: updates name a store and a step; each worker
+    applies it in place from its host mirror. start/finish are no-ops (nothing to stage on the device)."""
+
+    init_info_cls = DeltasyncInitInfo
+    update_info_cls = DeltasyncUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.sync = _worker_sync(model, vllm_config)
+
+    def init_transfer_engine(self, init_info: DeltasyncInitInfo) -> None:
+        # docstring inherited
+        self.sync.call(self.sync.configure, init_info)
+
+    def start_weight_update(self) -> None:
+        # docstring inherited; nothing to stage on the device: weights are loaded in place
+        return None
+
+    def receive_weights(self, update_info: DeltasyncUpdateInfo) -> None:
+        # docstring inherited
+        work = self.sync.prepare if update_info.prepare_only else self.sync.update
+        work(update_info.store, update_info.step)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # docstring inherited; synchronizes only where there is an accelerator
+        info = self.parse_update_info(update_info)
+        work = self.sync.prepare if info.prepare_only else self.sync.update
+        if "error" in self.sync.call(work, info.store, info.step):
+            # an agreed failure that this rank does not raise (see WorkerSync): vLLM ends the update
+            # session only on the rank that raised, so end it here too, or the next update is refused
+            _end_worker_session(self)
+        acc = getattr(torch, "accelerator", None)
+        if acc is not None and acc.is_available():
+            acc.synchronize()
+
+    def finish_weight_update(self) -> None:
+        # docstring inherited
+        return None
+
+    def shutdown(self) -> None:
+        # docstring inherited
+        self.sync.close()
+
+
+class DeltasyncWorkerExtension:
+    """Worker extension (``worker_extension_cls="deltasync.integrations.vllm.backend.DeltasyncWorkerExtension"``) for
+    vLLM versions or setups without the weight-transfer API, driven by ``llm.collective_rpc``::
+
+        llm.collective_rpc("deltasync_prepare", kwargs={"store": URL, "step": N})  # returns at once
+        llm.collective_rpc("deltasync_update", kwargs={"store": URL, "step": N})   # the pause
+        llm.collective_rpc("deltasync_status")
+
+    Shares the worker's state with the ``"deltasync"`` backend when both are configured.
+    """
+
+    def _deltasync(self) -> WorkerSync:
+        engine = getattr(self, "weight_transfer_engine", None)
+        if isinstance(engine, DeltasyncWeightTransferEngine):
+            return engine.sync
+        sync: WorkerSync | None = getattr(self, "_deltasync_sync", None)
+        if sync is None:
+            runner: Any = self.model_runner  # type: ignore[attr-defined]
+            vllm_config: Any = self.vllm_config  # type: ignore[attr-defined]
+            sync = _worker_sync(runner.get_model(), vllm_config)
+            self._deltasync_sync = sync
+        return sync
+
+    def deltasync_init(self, **init_info: Any) -> dict[str, Any]:
+        """Configure (same options as :class:`DeltasyncInitInfo`)."""
+        sync = self._deltasync()
+        return sync.call(lambda: sync.configure(DeltasyncInitInfo(**init_info)))
+
+    def deltasync_prepare(self, store: str | None = None, step: int | None = None) -> dict[str, Any]:
+        """Start bringing the mirror to ``step`` in the background; returns at once."""
+        sync = self._deltasync()
+        return sync.call(sync.prepare, store, step)
+
+    def deltasync_update(self, store: str | None = None, step: int | None = None) -> dict[str, Any]:
+        """Make the engine serve ``step`` (default: newest); raises UpdateRolledBack / WorkerNeedsReplacement."""
+        sync = self._deltasync()
+        return sync.call(sync.update, store, step)
+
+    def deltasync_status(self) -> dict[str, Any]:
+        """``{"step", "prepared", "state", "last_error", "store", "rank"}``."""
+        return self._deltasync().status()
+
+    def deltasync_metrics(self) -> str:
+        """Prometheus text of this worker's sync metrics (staleness, bytes, verify/apply/pause seconds)."""
+        return self._deltasync().render_metrics()

