@@ -10,7 +10,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from test_cli import TIMEOUT, _finish, _lines, _script, checkpoints, read_until, run
+from cli_process import TIMEOUT, _finish, _lines, _script, checkpoints, read_until, run
 
 import deltasync as ds
 from deltasync._checkpoint_io import load_checkpoint, save_checkpoint

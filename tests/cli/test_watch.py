@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_cli import TIMEOUT, _finish, _lines, _script, read_until, run
+from cli_process import TIMEOUT, _finish, _lines, _script, read_until, run
 
 import deltasync as ds
 from deltasync.cli._watch_scan import CheckpointPattern, Readiness

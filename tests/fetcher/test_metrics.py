@@ -352,7 +352,7 @@ def test_follow_into_a_dir_records_steps_and_seconds(tmp_path: Path) -> None:
 
 
 def test_follow_cli_serves_metrics_while_it_follows(tmp_path: Path) -> None:
-    from test_cli import _finish, _lines, _script, read_until
+    from cli_process import _finish, _lines, _script, read_until
 
     (tmp_path / "run").mkdir()
     proc = subprocess.Popen(

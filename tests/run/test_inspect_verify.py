@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from test_cli import TIMEOUT, run
+from cli_process import TIMEOUT, run
 
 import deltasync as ds
 from deltasync.protocol import Manifest, file_key, manifest_key, xxh3_128

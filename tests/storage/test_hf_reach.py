@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_process import TIMEOUT, _script
 from fakehub import TOKEN, FakeHub, new_bucket
 from server_harness import free_port
-from test_cli import TIMEOUT, _script
 
 from deltasync.errors import TransientStorageError
 from deltasync.storage import HFBucketStore
