@@ -10,6 +10,8 @@ import threading
 from pathlib import Path
 from typing import IO
 
+import pytest
+
 from deltasync._checkpoint_io import save_checkpoint
 
 TIMEOUT = 120.0  # a process that imports torch on a busy 2-core machine
@@ -85,6 +87,8 @@ def read_until(q: queue.Queue[str], needle: str, proc: subprocess.Popen[str]) ->
 
 def checkpoints(tmp: Path, n: int) -> list[Path]:
     """``n`` checkpoints of a small state, each a few elements away from the previous one."""
+    import torch
+
     g = torch.Generator().manual_seed(0)
     state = {"w": torch.randn(64, 64, generator=g).to(torch.bfloat16), "b": torch.randn(64, generator=g)}
     out = []

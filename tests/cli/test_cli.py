@@ -16,7 +16,7 @@ from deltasync.protocol import manifest_key
 
 torch = pytest.importorskip("torch")
 
-from cli_process import TIMEOUT, _finish, _lines, _script, checkpoints, claims, read_until, run  # noqa: F401
+from cli_process import TIMEOUT, _finish, _lines, _script, checkpoints, claims, read_until, run  # noqa: E402,F401
 
 
 def test_reading_a_missing_run_is_an_error_and_writes_nothing(tmp_path: Path) -> None:
