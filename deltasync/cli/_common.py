@@ -1,4 +1,6 @@
-"""Helpers shared by the ``deltasync`` and ``delta-upload`` commands."""
+"""Helpers shared by the ``deltasync`` and ``delta-upload`` commands: the help formatter, the
+store argument, dtype casts, the signing key and publish token from the environment, the
+uploader both upload commands build, byte counts and progress bars."""
 
 from __future__ import annotations
 
@@ -9,13 +11,17 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = [
+    "CONFIG_HELP",
+    "STORE_HELP",
+    "VERIFY_HELP",
     "HelpFormatter",
-    "_human",
-    "_progress",
-    "_require_run",
-    "_signing_key",
     "add_store_args",
     "cast_name",
+    "cli_uploader",
+    "human_bytes",
+    "progress_bar",
+    "require_run",
+    "signing_key_from_env",
     "store_url",
 ]
 
@@ -39,6 +45,11 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 STORE_HELP = "store URL: a path, file:///..., memory://, s3://bucket/prefix, hf://buckets/owner/name/prefix"
+CONFIG_HELP = (
+    "copy the non-weight files of this HF model dir (config.json, tokenizer, chat template...) into the "
+    "output, so transformers/vLLM/SGLang can load it"
+)
+VERIFY_HELP = "skip the xxh3 checksum of each file and the digest proof of each tensor (sizes are still checked)"
 
 
 def add_store_args(p: argparse.ArgumentParser) -> None:
@@ -73,12 +84,13 @@ def cast_name(value: str) -> str:
         raise argparse.ArgumentTypeError(f"unknown dtype {value!r}: choose bf16, fp16 or fp32") from None
 
 
-def _signing_key() -> bytes | None:
+def signing_key_from_env() -> bytes | None:
+    """The manifest HMAC key: ``$DELTASYNC_SIGNING_KEY``, or None when unset or empty."""
     key = os.environ.get("DELTASYNC_SIGNING_KEY")
     return key.encode() if key else None
 
 
-def _cli_uploader(store: Any, args: Any, **options: Any) -> Any:
+def cli_uploader(store: Any, args: Any, **options: Any) -> Any:
     """The DeltaUploader of `delta-upload` and `delta-upload watch`: ``args`` from their parsers
     (anchor_every, signal, run); blocks on a backlog; keys and tokens from the environment;
     ``options``: more UploaderConfig fields."""
@@ -89,14 +101,15 @@ def _cli_uploader(store: Any, args: Any, **options: Any) -> Any:
         **options,
         anchor_every=args.anchor_every,
         on_backlog="block",
-        signing_key=_signing_key(),
+        signing_key=signing_key_from_env(),
         signal_url=args.signal,
         signal_token=os.environ.get("DELTASYNC_PUBLISH_TOKEN") or None,
         signal_run=args.run,
     )
 
 
-def _human(n: float) -> str:
+def human_bytes(n: float) -> str:
+    """``n`` bytes in decimal units: ``512 B``, ``1.50 kB``, ... ``3.20 TB``."""
     for unit in ("B", "kB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
@@ -104,7 +117,7 @@ def _human(n: float) -> str:
     return f"{n:.2f} TB"  # pragma: no cover
 
 
-def _progress(desc: str) -> tuple[Callable[[int, int], None], Callable[[], None]]:
+def progress_bar(desc: str) -> tuple[Callable[[int, int], None], Callable[[], None]]:
     """A tqdm byte bar on stderr (silent when stderr is not a terminal)."""
     from tqdm import tqdm
 
@@ -125,12 +138,9 @@ def _progress(desc: str) -> tuple[Callable[[int, int], None], Callable[[], None]
     return update, close
 
 
-def _require_run(store: Any) -> None:
+def require_run(store: Any) -> None:
     """RunNotFound unless ``store`` holds a run (a committed step or a writer claim): a mistyped
     URL must fail, not read as an empty run."""
     from deltasync.run import RunReader
 
     RunReader(store).require()
-
-
-# ------------------------------------------------------------------ commands

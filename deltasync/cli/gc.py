@@ -4,12 +4,26 @@ from __future__ import annotations
 
 import argparse
 
-from deltasync.cli._common import _human, _require_run, _signing_key, add_store_args, store_url
+from deltasync.cli._common import add_store_args, human_bytes, require_run, signing_key_from_env, store_url
 from deltasync.protocol.retention import describe_kept, step_ranges
 from deltasync.run.gc import GcReport, collect_garbage
 from deltasync.storage import open_store
 
-__all__ = ["cmd_gc", "gc_parser"]
+__all__ = ["DESCRIPTION", "EPILOG", "NAME", "SUMMARY", "add_arguments", "report_lines", "run"]
+
+NAME = "gc"
+SUMMARY = "delete old steps: keep the newest K anchors and what fetcher leases need"
+DESCRIPTION = """
+        Delete the steps no fetcher needs. Kept: the newest K anchors and every step from the oldest
+        of them on, the newest step, and every step a live lease (deltasync follow --lease-ttl) holds
+        or is fetching. HEAD, writers/, unreadable manifests and keys outside the run's layout are
+        never deleted. The plan is made twice, around a fresh listing, and only what both plans
+        delete goes: manifests first, then their files.
+        """
+EPILOG: str | None = """
+        example:
+          deltasync gc --store s3://bucket/runs/r1 --keep-anchors 2 --dry-run
+        """
 
 
 def _count(n: int, what: str) -> str:
@@ -36,7 +50,7 @@ def _positive(raw: str) -> int:
     return value
 
 
-def gc_parser(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of ``deltasync gc``."""
     add_store_args(p)
     p.add_argument(
@@ -66,9 +80,9 @@ def report_lines(report: GcReport, url: str) -> list[str]:
     lines.append(
         f"{verb}: {_count(len(steps), 'step')}{span}, {_count(len(plan.deleted_spans), 'span')}, "
         f"{_count(len(plan.orphans), 'orphan file')}, {_count(len(plan.expired_leases), 'expired lease')}: "
-        f"{_human(plan.delete_bytes)}"
+        f"{human_bytes(plan.delete_bytes)}"
     )
-    lines.append(f"kept: {_count(len(plan.kept), 'step')}, {_human(plan.keep_bytes)}")
+    lines.append(f"kept: {_count(len(plan.kept), 'step')}, {human_bytes(plan.keep_bytes)}")
     lines += [f"  {line}" for line in describe_kept(plan)]
     lines += [f"note: {n}" for n in plan.notes]
     if report.dry_run:
@@ -76,12 +90,16 @@ def report_lines(report: GcReport, url: str) -> list[str]:
     return lines
 
 
-def cmd_gc(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """Run ``deltasync gc``."""
     with open_store(store_url(args, "deltasync gc")) as store:
-        _require_run(store)  # not a run: nothing is read further, nothing deleted
+        require_run(store)  # not a run: nothing is read further, nothing deleted
         report = collect_garbage(
-            store, keep_anchors=args.keep_anchors, grace=args.grace, dry_run=args.dry_run, signing_key=_signing_key()
+            store,
+            keep_anchors=args.keep_anchors,
+            grace=args.grace,
+            dry_run=args.dry_run,
+            signing_key=signing_key_from_env(),
         )
         for line in report_lines(report, store.url):
             print(line)

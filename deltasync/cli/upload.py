@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from deltasync.cli._common import STORE_HELP, _cli_uploader, _human, _signing_key, cast_name
+from deltasync.cli._common import STORE_HELP, cast_name, cli_uploader, human_bytes, signing_key_from_env
 from deltasync.cli._upload_cache import (
     cache_dir,
     cache_size,
@@ -21,10 +21,39 @@ from deltasync.cli._upload_cache import (
 from deltasync.errors import DeltaSyncError
 from deltasync.storage import open_store
 
-__all__ = ["cmd_upload"]
+__all__ = [
+    "DESCRIPTION",
+    "EPILOG",
+    "NAME",
+    "SCRIPT_DESCRIPTION",
+    "SCRIPT_EPILOG",
+    "SUMMARY",
+    "add_arguments",
+    "run",
+]
+
+NAME = "upload"
+SUMMARY = "push one checkpoint as a patch or anchor (same as delta-upload)"
+DESCRIPTION = """
+        Push one checkpoint (a .safetensors file or an HF checkpoint dir) to a store: a sparse patch
+        against the previous push, or a full anchor every --anchor-every steps. Same as
+        `delta-upload`; to follow a training output dir use `delta-upload watch`.
+        """
+EPILOG: str | None = None
+# the same command as its own console script, ``delta-upload``
+SCRIPT_DESCRIPTION = (
+    "Push one checkpoint (a .safetensors file or an HF checkpoint dir) to a store, as a sparse\n"
+    "patch against the previous push, or a full anchor every --anchor-every steps."
+)
+SCRIPT_EPILOG = (
+    "example:\n  delta-upload checkpoint-120/ --store s3://bucket/runs/r1 --step 120\n\n"
+    "`delta-upload watch DIR --store URL` follows a training output dir instead (see\n"
+    "`delta-upload watch --help`); to push a checkpoint dir that is named watch, write ./watch."
+)
 
 
-def cmd_upload(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
+    """Run ``delta-upload`` (and ``deltasync upload``)."""
     import torch
 
     from deltasync._checkpoint_io import load_checkpoint
@@ -37,7 +66,7 @@ def cmd_upload(args: argparse.Namespace) -> int:
     with open_store(args.store) as store:
         cache = cache_dir(store.url, args.cache)
         try:
-            up = _cli_uploader(store, args, defer_diff=False)  # one step: diff in push(), no staging copy
+            up = cli_uploader(store, args, defer_diff=False)  # one step: diff in push(), no staging copy
         except ProtocolError as exc:  # the newest step's manifest does not parse: nothing can follow it
             raise ProtocolError(
                 f"{exc}. No push can follow an unreadable newest step: restore that object from a copy of the "
@@ -82,7 +111,7 @@ def cmd_upload(args: argparse.Namespace) -> int:
         # the manifest has landed: say so now, whatever happens to the local cache below
         full = sum(v.numel() * v.element_size() for v in state.values()) or 1
         print(
-            f"step {info.step}: {info.kind}, {_human(info.nbytes)} ({100 * info.changed / max(info.total, 1):.3f}% "
+            f"step {info.step}: {info.kind}, {human_bytes(info.nbytes)} ({100 * info.changed / max(info.total, 1):.3f}% "
             f"changed, {info.nbytes / full:.4f} of a full checkpoint) committed in {time.perf_counter() - t0:.2f} s",
             flush=True,
         )
@@ -111,7 +140,7 @@ def _resume(up: Any, store: Any, cache: Path, latest: int, state: dict[str, Any]
             del base  # unmaps the cache file: the uploader keeps its own copy
     elif use_cache:
         print(f"no local baseline for step {latest}; fetching it from {store.url}", file=sys.stderr)
-    fetcher = DeltaFetcher(store, signing_key=_signing_key())
+    fetcher = DeltaFetcher(store, signing_key=signing_key_from_env())
     if fetcher.reader.manifest(latest).inventory != inventory_of(state):
         print(
             f"the checkpoint's tensors (names, dtypes or shapes) differ from step {latest}'s: it is pushed as "
@@ -129,7 +158,8 @@ def _keep_baseline(args: Any, cache: Path, state: dict[str, Any], info: Any, sto
     freed = drop_legacy_materialized(cache, store_url)
     if freed:
         print(
-            f"removed {cache / 'materialized'} ({_human(freed)}), a stale copy earlier versions kept", file=sys.stderr
+            f"removed {cache / 'materialized'} ({human_bytes(freed)}), a stale copy earlier versions kept",
+            file=sys.stderr,
         )
     if args.no_cache:
         drop_cache(cache)
@@ -153,7 +183,7 @@ def _keep_baseline(args: Any, cache: Path, state: dict[str, Any], info: Any, sto
         )
         return
     print(
-        f"baseline cache: {cache} ({_human(cache_size(cache))}, one copy of step {info.step}; "
+        f"baseline cache: {cache} ({human_bytes(cache_size(cache))}, one copy of step {info.step}; "
         "--no-cache skips it, deleting the dir is safe)",
         file=sys.stderr,
     )
@@ -182,7 +212,8 @@ def _interrupted_commit(fut: Any, step: int) -> tuple[Any, bool]:
     return (None if fut.exception() is not None else fut.result()), False
 
 
-def _upload_parser(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Arguments of ``delta-upload`` and ``deltasync upload``."""
     p.add_argument("path", help="a .safetensors file or an HF checkpoint dir (with model.safetensors.index.json)")
     p.add_argument("--store", required=True, metavar="URL", help=STORE_HELP)
     p.add_argument("--step", required=True, type=int, help="training step of this checkpoint (must increase)")

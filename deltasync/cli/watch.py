@@ -21,12 +21,20 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from deltasync.cli._common import STORE_HELP, _cli_uploader, _human, cast_name
+from deltasync.cli._common import STORE_HELP, cast_name, cli_uploader, human_bytes
 from deltasync.cli._watch_scan import Candidate, CheckpointPattern, Readiness, WatchError
 from deltasync.errors import CommitFailed, DeltaSyncError, WriterFenced
 from deltasync.storage import open_store
 
-__all__ = ["WatchOptions", "cmd_watch", "run_watch", "watch_parser"]
+__all__ = ["DESCRIPTION", "EPILOG", "PROG", "WatchOptions", "add_arguments", "run", "run_watch"]
+
+PROG = "delta-upload watch"
+DESCRIPTION = (
+    "Follow a training output dir and push each new complete checkpoint, in step order,\n"
+    "as patches against the previous push (an anchor every --anchor-every pushes). Ctrl-C finishes\n"
+    "the commit in flight; a second Ctrl-C abandons it."
+)
+EPILOG = "example:\n  delta-upload watch outputs/ --store s3://bucket/runs/r1 --signal http://127.0.0.1:8000"
 
 Say = Callable[[str], None]
 
@@ -172,7 +180,7 @@ class _Session:
         self.head = c.step
         full = sum(v.numel() * v.element_size() for v in state.values()) or 1
         self.opts.say(
-            f"step {info.step}: {info.kind}, {_human(info.nbytes)} ({100 * info.changed / max(info.total, 1):.3f}% "
+            f"step {info.step}: {info.kind}, {human_bytes(info.nbytes)} ({100 * info.changed / max(info.total, 1):.3f}% "
             f"changed, {info.nbytes / full:.4f} of a full checkpoint) from {c.name} in {time.perf_counter() - t0:.2f} s"
         )
         self.pushed.append(_Pushed(c, fp))
@@ -223,7 +231,7 @@ def run_watch(pattern: CheckpointPattern, up: Any, opts: WatchOptions) -> int:
     return 1 if session.failed else 0
 
 
-def cmd_watch(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """``delta-upload watch``: build the uploader, handle Ctrl-C / SIGTERM, run the loop."""
     pattern = CheckpointPattern(Path(args.dir), args.glob, args.step_regex)
     pattern.scan()  # a missing dir or a file is an error before anything else
@@ -243,7 +251,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         with open_store(args.store) as store:
-            up = _cli_uploader(store, args)
+            up = cli_uploader(store, args)
             abandoned = False
             try:
                 opts = WatchOptions(
@@ -269,7 +277,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
             signal.signal(s, h)
 
 
-def watch_parser(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of ``delta-upload watch``."""
     from deltasync.cli._watch_scan import DEFAULT_HELP
 

@@ -1,0 +1,103 @@
+"""``deltasync follow --store URL --out DIR``: keep a checkpoint dir at the newest committed step."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+
+from deltasync.cli._common import CONFIG_HELP, STORE_HELP, VERIFY_HELP, signing_key_from_env
+from deltasync.storage import LocalStore, open_store
+
+__all__ = ["DESCRIPTION", "EPILOG", "NAME", "SUMMARY", "add_arguments", "run"]
+
+NAME = "follow"
+SUMMARY = "keep a checkpoint dir at the newest committed step"
+DESCRIPTION = """
+        Keep a checkpoint dir at the newest committed step, for engines that reload weights from
+        disk: wait for each commit (SSE from --signal, else by polling the store), apply it, and swap
+        the dir in atomically. The signal server token is DELTASYNC_SUBSCRIBE_TOKEN (or, when that is
+        unset, DELTASYNC_PUBLISH_TOKEN).
+        """
+EPILOG: str | None = """
+        example:
+          deltasync follow --store s3://bucket/runs/r1 --out /ckpt/live --config-from ./Qwen3-0.6B \\
+              --signal http://trainer:8000 --lease-ttl 600
+        """
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Arguments of ``deltasync follow``."""
+    p.add_argument("--store", required=True, metavar="URL", help=STORE_HELP)
+    p.add_argument("--out", required=True, metavar="DIR", help="checkpoint dir, rewritten atomically at each step")
+    p.add_argument("--signal", metavar="URL", help="signal server to wait on (SSE); without it the store is polled")
+    p.add_argument("--config-from", metavar="DIR", help=CONFIG_HELP)
+    p.add_argument("--run", metavar="NAME", help="run name at the signal server (default: the store's run id)")
+    p.add_argument(
+        "--until", type=int, metavar="STEP", help="exit once this step is reached (default: run until Ctrl-C)"
+    )
+    p.add_argument("--poll-interval", type=float, default=2.0, metavar="SECONDS", help="seconds between store polls")
+    p.add_argument("--no-verify", action="store_true", help=VERIFY_HELP)
+    p.add_argument(
+        "--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics at /metrics on PORT (0: any free)"
+    )
+    p.add_argument("--metrics-host", default="127.0.0.1", metavar="ADDR", help="address of the metrics endpoint")
+    p.add_argument(
+        "--lease-ttl",
+        type=float,
+        metavar="SECONDS",
+        help="write a lease (leases/<id>.json) valid this long after each step, so `deltasync gc` keeps what this "
+        "follower needs (needs write access to the store; default: no lease)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``deltasync follow`` until ``--until`` is reached or the process is interrupted."""
+    from deltasync.errors import RunNotFound
+    from deltasync.fetcher import DeltaFetcher
+    from deltasync.run import RunReader
+
+    token = os.environ.get("DELTASYNC_SUBSCRIBE_TOKEN") or os.environ.get("DELTASYNC_PUBLISH_TOKEN") or None
+    with open_store(args.store) as store:
+        if isinstance(store, LocalStore) and not store.root.is_dir():  # a typo, not a run yet to start
+            raise RunNotFound(
+                f"{store.url}: no such directory; check the path (to wait for a trainer that has not "
+                "started yet, create the directory first)"
+            )
+        if not RunReader(store).exists():
+            print(
+                f"waiting for the first commit at {store.url} (nothing committed yet; is the trainer running?)",
+                file=sys.stderr,
+                flush=True,
+            )
+        fetcher = DeltaFetcher(
+            store, verify=not args.no_verify, signing_key=signing_key_from_env(), lease_ttl=args.lease_ttl
+        )
+        t0 = time.perf_counter()
+
+        def on_step(step: int) -> None:
+            print(f"step {step} -> {args.out} (+{time.perf_counter() - t0:.2f} s)", flush=True)
+
+        with contextlib.ExitStack() as scope:
+            metrics = None
+            if args.metrics_port is not None:
+                from deltasync.fetcher.metrics import SyncMetrics
+
+                metrics = SyncMetrics()
+                server = scope.enter_context(metrics.serve(args.metrics_port, args.metrics_host))
+                print(f"metrics at {server.url}", file=sys.stderr, flush=True)
+            step = fetcher.follow(
+                args.out,
+                signal_url=args.signal,
+                token=token,
+                run=args.run,
+                until_step=args.until,
+                poll_interval=args.poll_interval,
+                on_step=on_step,
+                config_from=args.config_from,
+                metrics=metrics,
+            )
+    print(f"stopped at step {step}")
+    return 0

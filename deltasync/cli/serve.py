@@ -1,0 +1,75 @@
+"""``deltasync serve``: run the signal server (FastAPI + uvicorn); tokens come from the environment."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from deltasync.errors import DeltaSyncError
+
+__all__ = ["DESCRIPTION", "EPILOG", "NAME", "SUMMARY", "add_arguments", "run"]
+
+NAME = "serve"
+SUMMARY = "run the signal server (trainers publish steps, fetchers subscribe)"
+DESCRIPTION = """
+        Run the signal server (FastAPI + uvicorn): trainers POST "step N committed", fetchers wait by
+        SSE, long-poll or signed webhooks. Tokens come from the environment:
+        DELTASYNC_PUBLISH_TOKEN (needed to publish; required off loopback) and
+        DELTASYNC_SUBSCRIBE_TOKEN (needed to subscribe, when set).
+        """
+EPILOG: str | None = None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Arguments of ``deltasync serve``."""
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=int, default=8000, help="port to bind")
+    p.add_argument("--db", default="deltasync-signal.db", metavar="FILE", help="SQLite file for heads and webhooks")
+    p.add_argument(
+        "--store",
+        metavar="URL",
+        help="store URL to check commits against before announcing them ({run} is replaced by the run name)",
+    )
+    p.add_argument("--insecure", action="store_true", help="allow a non-loopback host without a publish token")
+    p.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn log level",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``deltasync serve`` until the process is told to stop."""
+    import uvicorn
+
+    from deltasync.server import Settings, create_app, is_loopback
+
+    settings = Settings.from_env(db_path=args.db, store_url=args.store)
+    if not settings.secured and not is_loopback(args.host) and not args.insecure:
+        raise DeltaSyncError(
+            f"refusing to serve on {args.host} without DELTASYNC_PUBLISH_TOKEN: anyone could publish; "
+            "set the token, bind 127.0.0.1, or pass --insecure"
+        )
+    scopes = ", ".join(
+        f"{name}: {'token' if tok else 'open'}"
+        for name, tok in (("publish", settings.publish_token), ("subscribe", settings.subscribe_token))
+    )
+    print(
+        f"deltasync signal server on http://{args.host}:{args.port} ({scopes}; db {settings.db_path}"
+        + (f"; store {settings.store_url}" if settings.store_url else "")
+        + ")",
+        file=sys.stderr,
+        flush=True,
+    )
+    app = create_app(settings)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            app.state.hub.close_streams()  # SSE streams would otherwise hold the shutdown
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=2)
+    Server(config).run()
+    return 0
