@@ -29,7 +29,6 @@ import numpy as np
 from deltasync._retry import RetryPolicy
 from deltasync.errors import CommitFailed, ProtocolError, WriterFenced
 from deltasync.protocol import Committed, TensorInfo, inventory_digest
-from deltasync.protocol.checkpoint import group_by_size
 from deltasync.storage import Store
 from deltasync.uploader._chain import ChainState
 from deltasync.uploader._commit import StepJob
@@ -39,7 +38,7 @@ from deltasync.uploader._diff import TensorChange, diff_tensor
 from deltasync.uploader._dtensor import local_shards
 from deltasync.uploader._exchange import Exchange
 from deltasync.uploader._sharded_owner import OwnerCopies, RankReport, commit_on_rank0, write_rank_files
-from deltasync.uploader._shardmap import AnchorPlan, Box, anchor_plan, owner_map, to_global
+from deltasync.uploader._shardmap import AnchorPlan, Box, anchor_plan, owner_map, rounds, to_global
 from deltasync.uploader._writer import WriterIdentity
 
 if TYPE_CHECKING:
@@ -48,7 +47,6 @@ if TYPE_CHECKING:
 __all__ = ["ShardedJob", "ShardedPush", "sharded_wanted"]
 
 log = logging.getLogger("deltasync.uploader")
-ROUND_BYTES = 256 << 20  # tensor bytes per round when ranks send whole shards to owners
 
 
 def sharded_wanted(config: UploaderConfig) -> bool:
@@ -302,7 +300,7 @@ class ShardedPush:
         if rebuild:
             self.copies.clear()
             infos = {t.name: t for t in job.inventory}
-            for names in _rounds(job.inventory):
+            for names in rounds(job.inventory):
                 out: dict[int, list[tuple[str, Box, Any]]] = {}
                 try:
                     for n in names:
@@ -384,11 +382,6 @@ class _Collective(Exception):
 
 def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-def _rounds(inventory: tuple[TensorInfo, ...]) -> list[list[str]]:
-    """Groups of tensors (the same on every rank) whose whole shards cross to the owners together."""
-    return [[inventory[i].name for i in g] for g in group_by_size([t.nbytes for t in inventory], ROUND_BYTES)]
 
 
 def _disagreement(headers: list[_Header]) -> str | None:
