@@ -6,7 +6,7 @@ The facade composes the uploader's parts, each the one owner of its state:
 :class:`~deltasync.uploader._writer.WriterIdentity` (run id, writer id, epoch),
 :class:`~deltasync.uploader._pipeline.CommitPipeline` (digest and commit stages),
 :class:`~deltasync.uploader._committer.StepCommitter` or, under torch.distributed,
-:class:`~deltasync.uploader._sharded.ShardedPush`, and :class:`~deltasync.uploader._resume.Resumer`.
+:class:`~deltasync.uploader.sharded.ShardedPush`, and :class:`~deltasync.uploader._resume.Resumer`.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from deltasync.uploader._diff import inventory_of
 from deltasync.uploader._dtypes import warn_dtype_change
 from deltasync.uploader._pipeline import CommitPipeline
 from deltasync.uploader._resume import Resumer
-from deltasync.uploader._sharded import ShardedPush, sharded_wanted
 from deltasync.uploader._snapshot import Snapshotter
 from deltasync.uploader._spans import SpanWriter
 from deltasync.uploader._writer import WriterIdentity
+from deltasync.uploader.sharded import ShardedPush, sharded_wanted
 
 if TYPE_CHECKING:
     from deltasync.signal import Notifier

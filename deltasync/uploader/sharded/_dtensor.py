@@ -2,7 +2,7 @@
 
 A sharded push diffs only what a rank holds. :func:`local_shards` reads a state dict of
 DTensors (``Shard(dim)`` / ``Replicate()`` placements) or plain tensors (held whole,
-replicated) into flat local bits, the :class:`~deltasync.uploader._shardmap.Box` each fills
+replicated) into flat local bits, the :class:`~deltasync.uploader.sharded._shardmap.Box` each fills
 in its global tensor, and the global inventory every rank agrees on.
 """
 
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from deltasync._tensors import flat_bits, st_dtype, state_tensors
 from deltasync.errors import InventoryMismatch
 from deltasync.protocol import TensorInfo
-from deltasync.uploader._shardmap import Box
+from deltasync.uploader.sharded._shardmap import Box
 
 if TYPE_CHECKING:
     import torch

@@ -1,11 +1,11 @@
 """Owner side of a sharded push: host copies of the owned tensors, their files, rank 0's commit.
 
-Each tensor has one owner rank (:func:`deltasync.uploader._shardmap.owner_map`).
+Each tensor has one owner rank (:func:`deltasync.uploader.sharded._shardmap.owner_map`).
 The owner keeps a host copy of it (about ``1/world`` of the state per rank),
 updated from the sparse changes the ranks send it, hashes it, and writes the
 tensor's one patch entry or its anchor bytes. Rank 0 then checks what every
 rank reports against the store and writes the manifest. Nothing here talks to
-other ranks; :mod:`deltasync.uploader._sharded` does.
+other ranks; :mod:`deltasync.uploader.sharded._push` does.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from deltasync.protocol.safetensors_io import TensorBytes, to_bytes
 from deltasync.storage import Store
 from deltasync.uploader._commit import StepJob, make_manifest, publish_manifest, put_step_files
 from deltasync.uploader._diff import TensorChange
-from deltasync.uploader._shardmap import AnchorPlan, Box, patch_file_names, write_box
+from deltasync.uploader.sharded._shardmap import AnchorPlan, Box, patch_file_names, write_box
 
 __all__ = ["OwnerCopies", "RankReport", "commit_on_rank0", "write_rank_files"]
 

@@ -35,11 +35,11 @@ from deltasync.uploader._commit import StepJob
 from deltasync.uploader._committer import AfterCommit, resolve_committed
 from deltasync.uploader._config import CommitInfo, UploaderConfig
 from deltasync.uploader._diff import TensorChange, diff_tensor
-from deltasync.uploader._dtensor import local_shards
-from deltasync.uploader._exchange import Exchange
-from deltasync.uploader._sharded_owner import OwnerCopies, RankReport, commit_on_rank0, write_rank_files
-from deltasync.uploader._shardmap import AnchorPlan, Box, anchor_plan, owner_map, rounds, to_global
 from deltasync.uploader._writer import WriterIdentity
+from deltasync.uploader.sharded._channel import RankChannel
+from deltasync.uploader.sharded._dtensor import local_shards
+from deltasync.uploader.sharded._owner import OwnerCopies, RankReport, commit_on_rank0, write_rank_files
+from deltasync.uploader.sharded._shardmap import AnchorPlan, Box, anchor_plan, owner_map, rounds, to_global
 
 if TYPE_CHECKING:
     import torch
@@ -111,10 +111,10 @@ class ShardedPush:
         self.pool = pool
         self.after = after  # rank 0 only: a notifier and retention (no spans in a sharded push)
         self.stop = stop
-        self.ex = Exchange(config.distributed_timeout)
-        self.rank, self.world = self.ex.rank, self.ex.world
+        self.channel = RankChannel(config.distributed_timeout)
+        self.rank, self.world = self.channel.rank, self.channel.world
         # rank 0's view of the run is everyone's
-        run_id, committed, last_step = self.ex.broadcast((writer.run_id, chain.last_committed, chain.last_step))
+        run_id, committed, last_step = self.channel.broadcast((writer.run_id, chain.last_committed, chain.last_step))
         writer.adopt(run_id, writer.writer_id, writer.epoch)
         chain.set_view(committed, last_step)
         self.base: dict[str, torch.Tensor] = {}  # flat bits of the local shards this rank contributes
@@ -237,7 +237,7 @@ class ShardedPush:
             except Exception as exc:  # noqa: BLE001 - fails the step on every rank
                 err = f"claiming the writer epoch: {exc}"
         inv = inventory_digest(job.inventory) if job.inventory else ""
-        headers: list[_Header] = self.ex.all_gather(_Header(job.step, job.kind, inv, job.rebuild, err))
+        headers: list[_Header] = self.channel.all_gather(_Header(job.step, job.kind, inv, job.rebuild, err))
         problem = _disagreement(headers)
         if problem is not None:
             return _Outcome(None, f"step {job.step}: {problem}")
@@ -266,7 +266,7 @@ class ShardedPush:
         except Exception as exc:  # noqa: BLE001 - reported to rank 0, fails the step everywhere
             log.exception("step %d failed on rank %d", job.step, self.rank)
             report = RankReport(f"{type(exc).__name__}: {exc}")
-        reports = self.ex.gather(report)
+        reports = self.channel.gather(report)
         outcome: _Outcome | None = None
         if self.rank == 0:
             assert reports is not None
@@ -287,7 +287,7 @@ class ShardedPush:
             except Exception as exc:  # noqa: BLE001 - broadcast to every rank
                 log.error("commit of step %d failed: %s", job.step, exc)
                 outcome = _Outcome(None, str(exc), isinstance(exc, WriterFenced))
-        result: _Outcome = self.ex.broadcast(outcome)
+        result: _Outcome = self.channel.broadcast(outcome)
         return result
 
     @property
@@ -351,7 +351,7 @@ class ShardedPush:
 
     def _send(self, outgoing: dict[int, Any]) -> dict[int, Any]:
         try:
-            return self.ex.send_to(outgoing)
+            return self.channel.send_to(outgoing)
         except Exception as exc:
             raise _Collective(str(exc)) from exc
 
