@@ -269,15 +269,17 @@ def _instrument(phases: Phases, up: Any, fetcher: Any, up_store: Any, fetch_stor
     import deltasync.fetcher._execute as fexecute
     import deltasync.protocol.patchfile as fpatch
     import deltasync.uploader._commit as ucommit
+    import deltasync.uploader._snapshot as usnap
     import deltasync.uploader._uploader as uupl
 
+    snaps = up._snapshots  # the uploader's baseline owner (deltasync/uploader/_snapshot.py)
     # push() (caller thread)
-    phases.wrap(up, "_cast", "push.prepare")
+    phases.wrap(snaps, "cast", "push.prepare")
     phases.wrap(uupl, "inventory_of", "push.inventory")
-    phases.wrap(up, "_stage", "push.stage")
+    phases.wrap(snaps, "stage", "push.stage")
     # background (digest thread, commit thread, encode pool)
-    phases.wrap(uupl, "diff_tensor", "bg.diff")
-    phases.wrap(up, "_digest", "bg.tensor_digests")
+    phases.wrap(usnap, "diff_tensor", "bg.diff")
+    phases.wrap(snaps, "digest", "bg.tensor_digests")
     phases.wrap(ucommit, "build_patch", "bg.build_patch")
     phases.wrap(ucommit, "xxh3_128", "bg.file_xxh3")
     phases.wrap(up_store, "put_many", "bg.store_put_files")

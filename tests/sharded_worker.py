@@ -1,4 +1,4 @@
-"""One rank of a sharded-push test run (tests/test_sharded_push.py starts ``world`` of these).
+"""One rank of a sharded-push test run (tests/uploader/test_sharded_push.py starts ``world`` of these).
 
     python tests/sharded_worker.py RANK WORLD RUN_DIR SCENARIO
 

@@ -40,6 +40,7 @@ __all__ = [
     "StepJob",
     "build_patch",
     "make_manifest",
+    "merge_changes",
     "merge_jobs",
     "publish_manifest",
     "put_step_files",
@@ -95,6 +96,7 @@ def write_step(
     fence: Callable[[], None] | None = None,
     progress: Callable[[str], None] | None = None,
     retry: RetryPolicy | None = None,
+    stop: threading.Event | None = None,
 ) -> Committed:
     """Encode, write data files (create-only), then the manifest (create-only), then HEAD.
 
@@ -102,7 +104,8 @@ def write_step(
     another uploader has taken over the run, so this one commits nothing more.
     Each write is retried on TransientStorageError under ``retry``; a repeated
     create-only write that finds its own bytes already stored is harmless. The
-    manifest is only written once every data file is.
+    manifest is only written once every data file is. Setting ``stop`` (the uploader is
+    closing) cuts a retry's backoff short: the step then fails with CommitFailed.
     """
     if job.kind == "patch":
         files, entries_p = build_patch(job, shard_bytes, pool)
@@ -119,8 +122,8 @@ def write_step(
     if progress:
         progress(f"step {job.step}: writing {len(files)} files")
     policy = retry or RetryPolicy(retries=0)
-    put_step_files(store, job.step, files, policy)
-    return publish_manifest(store, manifest, policy, fence)
+    put_step_files(store, job.step, files, policy, stop=stop)
+    return publish_manifest(store, manifest, policy, fence, stop=stop)
 
 
 def make_manifest(
@@ -152,8 +155,10 @@ def make_manifest(
     )
 
 
-def put_step_files(store: Store, step: int, files: Mapping[str, Data], policy: RetryPolicy) -> None:
-    """Write a step's data files (create-only, retried); returns once they are durable."""
+def put_step_files(
+    store: Store, step: int, files: Mapping[str, Data], policy: RetryPolicy, *, stop: threading.Event | None = None
+) -> None:
+    """Write a step's data files (create-only, retried until ``stop``); returns once they are durable."""
     data = {file_key(step, n): d for n, d in files.items()}
     mkey = manifest_key(step)
 
@@ -167,32 +172,41 @@ def put_step_files(store: Store, step: int, files: Mapping[str, Data], policy: R
                 raise
             store.put_many(data, mode="overwrite")
 
-    with_retries(put_files, policy, f"step {step}: writing {len(data)} data files")
+    with_retries(put_files, policy, f"step {step}: writing {len(data)} data files", stop=stop)
 
 
 def publish_manifest(
-    store: Store, manifest: Manifest, policy: RetryPolicy, fence: Callable[[], None] | None = None
+    store: Store,
+    manifest: Manifest,
+    policy: RetryPolicy,
+    fence: Callable[[], None] | None = None,
+    *,
+    stop: threading.Event | None = None,
 ) -> Committed:
     """Check the fence, then write the manifest (create-only) and HEAD.json: commits the step.
 
     Call only once every data file the manifest lists is written."""
     what = f"step {manifest.step}"
     if fence is not None:
-        with_retries(fence, policy, f"{what}: checking the writer fence")
+        with_retries(fence, policy, f"{what}: checking the writer fence", stop=stop)
     body = manifest.to_json()
     with_retries(
-        lambda: put_idempotent(store, {manifest_key(manifest.step): body}), policy, f"{what}: writing its manifest"
+        lambda: put_idempotent(store, {manifest_key(manifest.step): body}),
+        policy,
+        f"{what}: writing its manifest",
+        stop=stop,
     )
     digest = xxh3_128(body)
     head = Head(manifest.step, digest, manifest.run_id).to_json()
-    with_retries(lambda: store.put(HEAD_KEY, head), policy, f"{what}: writing HEAD.json")
+    with_retries(lambda: store.put(HEAD_KEY, head), policy, f"{what}: writing HEAD.json", stop=stop)
     return Committed(manifest, digest)
 
 
 # ------------------------------------------------------------ coalescing
 
 
-def _merge_changes(a: TensorChange, b: TensorChange) -> TensorChange | None:
+def merge_changes(a: TensorChange, b: TensorChange) -> TensorChange | None:
+    """Change ``a`` then change ``b`` of one tensor as one change (None when nothing is left changed)."""
     idx = np.concatenate([a.idx, b.idx])
     order = np.argsort(idx, kind="stable")
     idx_s = idx[order]
@@ -219,7 +233,7 @@ def merge_jobs(a: StepJob, b: StepJob) -> StepJob:
         return replace(b, kind="anchor", snapshot=a.snapshot, changes={}, changed=b.total, futures=futures)
     changes = dict(a.changes)
     for name, c in b.changes.items():
-        merged = _merge_changes(changes[name], c) if name in changes else c
+        merged = merge_changes(changes[name], c) if name in changes else c
         if merged is None:
             changes.pop(name, None)
         else:

@@ -1,157 +1,145 @@
-"""DeltaUploader's two background threads: the digest thread and the commit thread.
+"""The commit pipeline: a digest stage and a commit stage, each one :class:`SerialWorker`.
 
-The digest thread finishes what push() started (the deferred diff, the copies of
-the changes off the device, the tensor digests) and queues the step; the commit
-thread writes the queued steps in order (files, manifest, HEAD) and resolves
-their Futures.
+The digest stage finishes what push() started (the deferred diff, the copies of the
+changes off the device, the tensor digests) and hands the step to the backlog; the commit
+stage takes the backlog's steps in order and commits each (files, manifest, HEAD) through
+the committer it was given. The backlog holds the steps waiting for the store: when it is
+full, "coalesce" folds a new step into the newest waiting one, and "block" makes the next
+push wait (:meth:`CommitPipeline.wait_for_room`).
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from typing import TYPE_CHECKING, Any, Literal
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
 
-from deltasync._retry import RetryPolicy
-from deltasync.errors import CommitFailed, WriterFenced
-from deltasync.protocol import Writer
-from deltasync.uploader._commit import StepJob, merge_jobs, write_step
-from deltasync.uploader._config import CommitInfo
+from deltasync._worker import SerialWorker
+from deltasync.uploader._commit import StepJob, merge_jobs
+from deltasync.uploader._snapshot import Snapshotter
 
-if TYPE_CHECKING:
-    from deltasync.uploader._uploader import DeltaUploader
-
-__all__ = ["commit_job", "commit_loop", "digest_loop"]
+__all__ = ["CommitPipeline"]
 
 log = logging.getLogger("deltasync.uploader")
 
 
-def digest_loop(up: DeltaUploader) -> None:
-    """The digest thread: diff (when deferred) and hash each pushed step, then queue it for commit."""
-    while True:
-        with up._digest_cv:
-            up._digest_cv.wait_for(lambda: bool(up._digest_q))
-            job = up._digest_q.popleft()
-        if job is None:
-            return
+class CommitPipeline:
+    """Digest stage -> backlog -> commit stage (see the module docstring).
+
+    ``commit`` commits one step and resolves its Futures (it never raises). ``stop`` is
+    the uploader's stop event: both workers carry it, and the commit's retry waits on it.
+    """
+
+    def __init__(
+        self,
+        snapshots: Snapshotter,
+        commit: Callable[[StepJob], None],
+        *,
+        max_pending: int,
+        coalesce: bool,
+        defer_diff: bool,
+        tensor_digests: bool,
+        stop: threading.Event,
+    ) -> None:
+        self.snapshots = snapshots
+        self.max_pending = max_pending
+        self.coalesce = coalesce
+        self.defer_diff = defer_diff
+        self.tensor_digests = tensor_digests
+        self._commit = commit
+        self._room = threading.Condition()
+        self._backlog: deque[StepJob] = deque()
+        self._digester = SerialWorker("deltasync-digest", stop=stop)
+        self._committer = SerialWorker("deltasync-commit", stop=stop)
+        #: test seam: called on the digest stage right after it lets the next push go on
+        #: (``job.digests_ready`` set), which it does only once ``job`` is in the backlog
+        self.after_release: Callable[[StepJob], None] | None = None
+
+    # ------------------------------------------------------------------ push side
+
+    def submit(self, job: StepJob) -> Future[None]:
+        """Queue a pushed step for the digest stage (then the backlog, then the commit stage)."""
+        return self._digester.submit(lambda: self._digest(job))
+
+    def enqueue(self, job: StepJob) -> None:
+        """Put a step whose digests are ready straight into the backlog (a sharded push)."""
+        with self._room:
+            self._backlog.append(job)
+            self._room.notify_all()
+        self._committer.submit(self._commit_next)
+
+    def digesting(self) -> int:
+        """Steps in the digest stage (queued or running)."""
+        return self._digester.pending()
+
+    def waiting(self) -> int:
+        """Steps in the backlog (digested, not yet being committed)."""
+        with self._room:
+            return len(self._backlog)
+
+    def has_room(self) -> bool:
+        """True when the backlog holds fewer than ``max_pending`` steps."""
+        with self._room:
+            return len(self._backlog) < self.max_pending
+
+    def wait_for_room(self) -> None:
+        """Block until the backlog holds fewer than ``max_pending`` steps ("block" mode)."""
+        with self._room:
+            self._room.wait_for(lambda: len(self._backlog) < self.max_pending)
+
+    # ------------------------------------------------------------------ digest stage
+
+    def _digest(self, job: StepJob) -> None:
         try:
-            if job.kind == "anchor" and up.config.defer_diff:
-                up._prefault_staging()
+            if job.kind == "anchor" and self.defer_diff:
+                self.snapshots.prefault_staging()
             if job.staged:
-                up._diff(job)
+                self.snapshots.diff(job)
             for c in job.changes.values():
                 c.wait()  # device tensors: the asynchronous copies of the changes to pinned memory
-            if up.config.tensor_digests:
-                up._digest(job)
+            if self.tensor_digests:
+                self.snapshots.digest(job)
         except Exception as exc:  # noqa: BLE001 - surfaced through the job's future
             log.exception("diffing or hashing step %d failed", job.step)
             job.digests = {}
             job.error = exc
         try:
-            with up._cond:
-                full = len(up._pending) >= up.config.max_pending
-                if up._pending and full and up.config.on_backlog == "coalesce":
-                    up._pending[-1] = merge_jobs(up._pending[-1], job)
-                else:
-                    up._pending.append(job)
-                up._cond.notify_all()
+            self._hand_off(job)
         finally:
-            # only now may the next push go on: in "block" mode it counts the queued
-            # jobs, and this one must already be among them (a merged job shares
-            # this Event, so the commit thread waits for it as well)
-            job.digests_ready.set()
+            # only now may the next push go on: in "block" mode it counts the backlog, and
+            # this job must already be in it (a merged job shares this Event, so the
+            # commit stage waits for it as well)
+            self._let_go(job)
 
+    def _let_go(self, job: StepJob) -> None:
+        job.digests_ready.set()  # the next push may touch the baseline and count the backlog
+        if self.after_release is not None:
+            self.after_release(job)
 
-def commit_loop(up: DeltaUploader) -> None:
-    """The commit thread: commit queued steps in order until the uploader stops."""
-    while True:
-        with up._cond:
-            up._cond.wait_for(lambda: bool(up._pending) or up._stop.is_set())
-            if not up._pending:
-                return
-            job = up._pending.popleft()
-            up._cond.notify_all()
+    def _hand_off(self, job: StepJob) -> None:
+        with self._room:
+            full = len(self._backlog) >= self.max_pending
+            if self._backlog and full and self.coalesce:
+                self._backlog[-1] = merge_jobs(self._backlog[-1], job)
+                return  # the merged job takes the waiting one's place: no new commit
+            self._backlog.append(job)
+            self._room.notify_all()
+        self._committer.submit(self._commit_next)
+
+    # ------------------------------------------------------------------ commit stage
+
+    def _commit_next(self) -> None:
+        with self._room:
+            job = self._backlog.popleft()
+            self._room.notify_all()
         job.digests_ready.wait()
-        commit_job(up, job)
+        self._commit(job)
 
+    # ------------------------------------------------------------------ lifetime
 
-def commit_job(up: DeltaUploader, job: StepJob) -> None:
-    """Write one step (or hand it to the sharded push) and resolve its Futures."""
-    if up._sharded is not None:
-        up._sharded.commit(job)
-        return
-    t0 = time.perf_counter()
-    try:
-        if job.kind == "patch" and not up._last_ok:
-            raise CommitFailed(f"step {job.step}: its parent step was not committed; the next push will be an anchor")
-        if job.error is not None or (up.config.tensor_digests and len(job.digests) != len(job.inventory)):
-            raise CommitFailed(f"step {job.step}: diffing or hashing the state failed: {job.error}")
-        last = up._last_committed
-        committed = write_step(
-            up.store,
-            job,
-            run_id=up.run_id,
-            parent=last,
-            anchor_step=last.manifest.anchor_step if last else job.step,
-            shard_bytes=up.config.shard_bytes,
-            pool=up._pool,
-            signing_key=up.config.signing_key,
-            writer=Writer(up.writer_id, up.epoch),
-            fence=up._check_fence,
-            retry=RetryPolicy(up.config.retries, up.config.retry_backoff),
-        )
-    except Exception as exc:  # noqa: BLE001 - re-raised into the futures
-        up.failures += 1
-        if isinstance(exc, WriterFenced):
-            up._fenced = exc
-        log.error("commit of step %d failed: %s", job.step, exc)
-        err = exc if isinstance(exc, CommitFailed) else CommitFailed(f"step {job.step}: commit failed: {exc}")
-        if err is not exc:
-            err.__cause__ = exc
-        fail_step(up, job, err)
-        return
-    m = committed.manifest
-    with up._cond:
-        up._last_committed = committed
-        up._last_ok = True
-        if m.kind == "anchor":
-            up._anchor_bytes, up._bytes_since_anchor = m.stats.nbytes, 0
-        else:
-            up._bytes_since_anchor += m.stats.nbytes
-        up._inflight -= len(job.futures)
-        up._cond.notify_all()
-    if up.notifier is not None:
-        up.notifier.notify(m.step, committed.digest, run_id=up.run_id, kind=m.kind)
-    if up.spans is not None:
-        up.spans.submit(committed, job.changes if m.kind == "patch" else None)
-    # the job stays referenced until the next push (coalescing): let go of its arrays now
-    job.changes, job.snapshot, job.staged = {}, {}, {}
-    if m.kind == "anchor" and up.retention is not None:
-        up.retention.trigger()
-    secs = time.perf_counter() - t0
-    for step, fut in job.futures:
-        kind: Literal["anchor", "patch", "skipped"] = m.kind if step == m.step else "skipped"
-        fut.set_result(
-            CommitInfo(
-                step,
-                kind,
-                m.stats.nbytes,
-                m.stats.changed,
-                m.stats.total,
-                m.anchor_step,
-                committed.digest,
-                m.step,
-                secs,
-            )
-        )
-
-
-def fail_step(up: DeltaUploader, job: Any, err: BaseException) -> None:
-    """A step that did not commit: the next push is an anchor; ``err`` goes to its Futures."""
-    with up._cond:
-        up._last_ok = False
-        up._needs_anchor = True
-        up._inflight -= len(job.futures)
-        up._cond.notify_all()
-    for _, fut in job.futures:
-        fut.set_exception(err)
+    def close(self, timeout: float | None = None) -> None:
+        """Stop both stages: steps already queued still run (with the stop event set)."""
+        self._digester.close(timeout=timeout)
+        self._committer.close(timeout=timeout)

@@ -12,31 +12,24 @@ import logging
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from deltasync._tensors import flat_bits
+from deltasync._tensors import flat_bits, state_tensors
 from deltasync.errors import ChainBroken, ChecksumMismatch, InventoryMismatch, ProtocolError
 from deltasync.protocol import Committed, Manifest, walk_chain
 from deltasync.protocol.digests import xxh3_128_array
 from deltasync.protocol.keys import STEPS_PREFIX, file_key, step_prefix
 from deltasync.run import RunReader
-from deltasync.run.claims import claim_epoch
 from deltasync.storage import Store
+from deltasync.uploader._chain import ChainState
 from deltasync.uploader._config import CommitInfo
-from deltasync.uploader._diff import Baseline, inventory_of
+from deltasync.uploader._diff import inventory_of
+from deltasync.uploader._snapshot import Snapshotter
+from deltasync.uploader._spans import SpanWriter
+from deltasync.uploader._writer import WriterIdentity
 
 if TYPE_CHECKING:
     import torch
 
-    from deltasync.uploader._uploader import DeltaUploader
-
-__all__ = [
-    "adopt",
-    "claim",
-    "prove_state",
-    "push_committed_head",
-    "pushes_since_anchor",
-    "resume",
-    "store_ahead_message",
-]
+__all__ = ["Resumer", "prove_state", "pushes_since_anchor", "store_ahead_message"]
 
 log = logging.getLogger("deltasync.uploader")
 
@@ -97,103 +90,93 @@ def store_ahead_message(store: Store, step: int, head: int) -> str:
     )
 
 
-# ------------------------------------------------------- DeltaUploader's resume family
+# ------------------------------------------------------------------ the uploader's resume
 
 
-def resume(up: DeltaUploader, state: Any, step: int, *, strict: bool = False) -> bool:
-    """:meth:`DeltaUploader.resume` (see there)."""
-    if up._sharded is not None:
-        # every rank holds only its shards: no rank can hash a whole tensor against the digests
-        msg = "resume() cannot prove a sharded state (no rank holds whole tensors); the first push is an anchor"
-        if strict:
-            raise ProtocolError(msg)
-        log.warning("%s", msg)
-        return False
-    with up._cond:
-        if up._inflight or up._prev_job is not None:
-            raise RuntimeError("resume() must be called before the first push")
-    up._latest_in_store()
-    head = up._last_committed.manifest.step if up._last_committed else None
-    if head is not None and step < head:
-        raise ProtocolError(f"resume: {store_ahead_message(up.store, step, head)}")
-    up._resumed = True
-    try:
-        if head is None or step > head:
-            raise ProtocolError(f"step {step} is not committed in {up.store.url} (newest committed step: {head})")
-        adopt(up, state, step)
-    except (ProtocolError, InventoryMismatch, ChecksumMismatch, ChainBroken) as exc:
-        if strict:
-            raise
-        up._needs_anchor = True
-        log.warning("resume from step %d: %s; the next push will be an anchor", step, exc)
-        claim(up)
-        return False
-    claim(up)
-    return True
+class Resumer:
+    """:meth:`DeltaUploader.resume` and a restarted trainer's re-push of the store's head.
 
-
-def adopt(up: DeltaUploader, state: Any, step: int) -> Committed:
-    """Make committed ``step`` the uploader's baseline once ``state`` is proven equal to it (raises otherwise)."""
-    committed = up._reader.committed(step)
-    m = committed.manifest
-    base = prove_state(m, up._prepare(state))
-    with up._cond:
-        up._last_committed = committed
-        up._last_ok = True
-    up._baseline = Baseline(base, m.inventory)
-    up._digest_cache = dict(m.tensor_digests)
-    up._last_step = step
-    up._needs_anchor = False
-    up._pushes_since_anchor = pushes_since_anchor(up._reader, m, up.config.anchor_every)
-    if up.spans is not None:
-        up.spans.submit(committed, None)  # spans continue from the resumed step
-    return committed
-
-
-def push_committed_head(up: DeltaUploader, state: Any, step: int) -> Future[CommitInfo]:
-    """A new uploader's first push of a step the store already holds (a restarted trainer
-    re-pushing its checkpoint): prove and adopt the store's newest step, write nothing."""
-    head = up._last_step
-    assert head is not None and up._last_committed is not None
-    if step != head:
-        raise ProtocolError(store_ahead_message(up.store, step, head))
-    try:
-        committed = adopt(up, state, step)
-    except (InventoryMismatch, ChecksumMismatch) as exc:
-        raise ProtocolError(
-            f"step {step} is already committed in {up.store.url} and the pushed state differs from it "
-            f"({exc}). Committed steps are never rewritten: push the next step (it becomes an anchor), "
-            "or push to a new run prefix"
-        ) from exc
-    up._resumed = True
-    claim(up)
-    m = committed.manifest
-    fut: Future[CommitInfo] = Future()
-    fut.set_running_or_notify_cancel()
-    total = sum(t.numel for t in m.inventory)
-    fut.set_result(CommitInfo(step, "skipped", 0, 0, total, m.anchor_step, committed.digest, step, 0.0))
-    return fut
-
-
-def claim(up: DeltaUploader) -> None:
-    """Claim the uploader's next writer epoch (once): from now on an older uploader of this run is fenced off.
-
-    A step that such an uploader committed between our read of the head and
-    our claim is superseded (readers skip it) but its number is taken: the
-    next push must come after it.
+    Works on the uploader's parts through their methods: the chain state, the snapshotter
+    (the proven state becomes its baseline), the writer identity (resuming claims the
+    epoch) and the span writer (spans continue from the resumed step).
     """
-    if up.epoch:
-        return
-    head = up._last_step
-    up.epoch = claim_epoch(up.store, up.writer_id, head)
-    taken = [s for s in up._reader.refresh() if head is None or s > head]
-    if taken:
-        log.warning(
-            "steps %s were committed by a previous uploader of %s after step %s and are now superseded; "
-            "pushes must come after step %d",
-            taken,
-            up.store.url,
-            head,
-            max(taken),
-        )
-        up._last_step = max(taken)
+
+    def __init__(
+        self,
+        store: Store,
+        reader: RunReader,
+        *,
+        anchor_every: int,
+        chain: ChainState,
+        snapshots: Snapshotter,
+        writer: WriterIdentity,
+        spans: SpanWriter | None,
+    ) -> None:
+        self.store = store
+        self.reader = reader
+        self.anchor_every = anchor_every
+        self.chain = chain
+        self.snapshots = snapshots
+        self.writer = writer
+        self.spans = spans
+
+    def resume(self, state: Any, step: int, *, strict: bool = False) -> bool:
+        """:meth:`DeltaUploader.resume` (see there) of a single-process uploader."""
+        chain = self.chain
+        if chain.inflight or self.snapshots.last_job is not None:
+            raise RuntimeError("resume() must be called before the first push")
+        chain.load_head(self.reader)
+        last = chain.last_committed
+        head = last.manifest.step if last else None
+        if head is not None and step < head:
+            raise ProtocolError(f"resume: {store_ahead_message(self.store, step, head)}")
+        chain.mark_resumed()
+        try:
+            if head is None or step > head:
+                raise ProtocolError(f"step {step} is not committed in {self.store.url} (newest committed step: {head})")
+            self.adopt(state, step)
+        except (ProtocolError, InventoryMismatch, ChecksumMismatch, ChainBroken) as exc:
+            if strict:
+                raise
+            chain.require_anchor()
+            log.warning("resume from step %d: %s; the next push will be an anchor", step, exc)
+            self.writer.claim(self.reader, chain)
+            return False
+        self.writer.claim(self.reader, chain)
+        return True
+
+    def adopt(self, state: Any, step: int) -> Committed:
+        """Make committed ``step`` the baseline once ``state`` is proven equal to it (raises otherwise)."""
+        committed = self.reader.committed(step)
+        m = committed.manifest
+        base = prove_state(m, self.snapshots.cast(state_tensors(state)))
+        pushes = pushes_since_anchor(self.reader, m, self.anchor_every)
+        self.snapshots.adopt(base, m.inventory, m.tensor_digests)
+        self.chain.adopt(committed, pushes)
+        if self.spans is not None:
+            self.spans.submit(committed, None)  # spans continue from the resumed step
+        return committed
+
+    def push_committed_head(self, state: Any, step: int) -> Future[CommitInfo]:
+        """A new uploader's first push of a step the store already holds (a restarted trainer
+        re-pushing its checkpoint): prove and adopt the store's newest step, write nothing."""
+        head = self.chain.last_step
+        assert head is not None and self.chain.last_committed is not None
+        if step != head:
+            raise ProtocolError(store_ahead_message(self.store, step, head))
+        try:
+            committed = self.adopt(state, step)
+        except (InventoryMismatch, ChecksumMismatch) as exc:
+            raise ProtocolError(
+                f"step {step} is already committed in {self.store.url} and the pushed state differs from it "
+                f"({exc}). Committed steps are never rewritten: push the next step (it becomes an anchor), "
+                "or push to a new run prefix"
+            ) from exc
+        self.chain.mark_resumed()
+        self.writer.claim(self.reader, self.chain)
+        m = committed.manifest
+        fut: Future[CommitInfo] = Future()
+        fut.set_running_or_notify_cancel()
+        total = sum(t.numel for t in m.inventory)
+        fut.set_result(CommitInfo(step, "skipped", 0, 0, total, m.anchor_step, committed.digest, step, 0.0))
+        return fut

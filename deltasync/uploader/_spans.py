@@ -6,21 +6,21 @@ over the last 16 (composed from the four 4-spans), and so on. A replica many
 steps behind then downloads a few spans instead of every patch. Composition is
 hierarchical (level ``j`` composes level ``j - 1``'s spans), so only the newest
 partial composition of each level is held in memory. Spans never cross an
-anchor. Everything runs on its own thread after the step's commit: a span
-never delays a commit, and a failed span write is logged and counted, never
-raised.
+anchor. Everything runs on its own :class:`~deltasync._worker.SerialWorker` after
+the step's commit: a span never delays a commit, and a failed span write is logged
+and counted, never raised.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from deltasync._retry import RetryPolicy
+from deltasync._worker import SerialWorker
 from deltasync.errors import AlreadyExists
 from deltasync.protocol import (
     SPAN_OF,
@@ -33,7 +33,7 @@ from deltasync.protocol import (
     xxh3_128,
 )
 from deltasync.storage import Store
-from deltasync.uploader._commit import StepJob, _merge_changes, build_patch
+from deltasync.uploader._commit import StepJob, build_patch, merge_changes
 from deltasync.uploader._diff import TensorChange
 from deltasync.uploader._writes import put_idempotent, with_retries
 
@@ -67,7 +67,7 @@ def merge_change_sets(a: Changes, b: Changes) -> Changes:
     """The changes of ``a`` then ``b`` as one set (elements that end where they started drop out)."""
     out = dict(a)
     for name, c in b.items():
-        merged = _merge_changes(out[name], c) if name in out else c
+        merged = merge_changes(out[name], c) if name in out else c
         if merged is None:
             out.pop(name, None)
         else:
@@ -85,7 +85,7 @@ class _Partial:
 
 
 class SpanWriter:
-    """Composes committed patches into spans and writes them on a background thread.
+    """Composes committed patches into spans and writes them on a background worker.
 
     ``submit`` is called by the commit thread after each commit (cheap: it queues
     the step's changes). ``written``, ``failures`` and ``skipped`` count spans
@@ -115,61 +115,45 @@ class SpanWriter:
         self.failures = 0
         self.skipped = 0
         self.nbytes = 0
-        self._queue: deque[tuple[Committed, Changes | None] | None] = deque()
-        self._cv = threading.Condition()
-        self._busy = False
+        self._lock = threading.Lock()
+        self._queued = 0  # steps submitted whose composition has not started
         self._last: Committed | None = None  # the newest step composed
         self._partial: list[_Partial | None] = [None] * len(self.levels)
-        self._thread = threading.Thread(target=self._loop, name="deltasync-spans", daemon=True)
-        self._thread.start()
+        self._worker = SerialWorker("deltasync-spans")
 
     # ------------------------------------------------------------ commit side
 
     def submit(self, committed: Committed, changes: Changes | None) -> None:
         """Queue a committed step: a patch with its changes, or an anchor (``changes`` None)."""
-        with self._cv:
-            if len(self._queue) >= self.max_queue:
+        with self._lock:
+            if self._queued >= self.max_queue:
                 self.skipped += 1  # the next step no longer continues the composition: it restarts
                 return
-            self._queue.append((committed, changes))
-            self._cv.notify_all()
+            self._queued += 1
+        self._worker.submit(lambda: self._compose(committed, changes))
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued step is composed and its spans written; False on timeout."""
-        with self._cv:
-            return self._cv.wait_for(lambda: not self._queue and not self._busy, timeout=timeout)
+        return self._worker.flush(timeout)
 
     def close(self, timeout: float | None = None) -> None:
-        """Finish the queue, then stop the thread."""
-        with self._cv:
-            self._queue.append(None)
-            self._cv.notify_all()
-        self._thread.join(timeout)
+        """Finish the queue, then stop the worker."""
+        self._worker.flush(timeout)
+        self._worker.close(timeout=timeout)
 
-    # ------------------------------------------------------------ span thread
+    # ------------------------------------------------------------ span worker
 
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                self._cv.wait_for(lambda: bool(self._queue))
-                item = self._queue.popleft()
-                self._busy = item is not None
-            if item is None:
-                with self._cv:
-                    self._cv.notify_all()
-                return
-            try:
-                self._take(*item)
-            except Exception:  # noqa: BLE001 - spans are an optimisation: never fail the run
-                log.exception(
-                    "composing spans at step %d failed; spans restart at the next anchor", item[0].manifest.step
-                )
-                self.failures += 1
-                self._last, self._partial = None, [None] * len(self.levels)
-            finally:
-                with self._cv:
-                    self._busy = False
-                    self._cv.notify_all()
+    def _compose(self, committed: Committed, changes: Changes | None) -> None:
+        with self._lock:
+            self._queued -= 1
+        try:
+            self._take(committed, changes)
+        except Exception:  # noqa: BLE001 - spans are an optimisation: never fail the run
+            log.exception(
+                "composing spans at step %d failed; spans restart at the next anchor", committed.manifest.step
+            )
+            self.failures += 1
+            self._last, self._partial = None, [None] * len(self.levels)
 
     def _take(self, c: Committed, changes: Changes | None) -> None:
         m = c.manifest
@@ -238,9 +222,12 @@ class SpanWriter:
                         raise
                     self.store.put_many(data, mode="overwrite")  # leftovers of a span never committed
 
-            with_retries(put_files, self.retry, f"{what}: writing {len(data)} data files")
+            stop = self._worker.stop
+            with_retries(put_files, self.retry, f"{what}: writing {len(data)} data files", stop=stop)
             body = span.to_json()
-            with_retries(lambda: put_idempotent(self.store, {mkey: body}), self.retry, f"{what}: writing its manifest")
+            with_retries(
+                lambda: put_idempotent(self.store, {mkey: body}), self.retry, f"{what}: writing its manifest", stop=stop
+            )
         except Exception as exc:  # noqa: BLE001 - a failed span is logged and counted, never raised
             self.failures += 1
             log.warning("span %d->%d not written: %s", start.manifest.step, m.step, exc)

@@ -1,40 +1,43 @@
-"""DeltaUploader: diff on push, encode and write in the background."""
+"""DeltaUploader: diff on push, encode and write in the background.
+
+The facade composes the uploader's parts, each the one owner of its state:
+:class:`~deltasync.uploader._chain.ChainState` (where the chain stands),
+:class:`~deltasync.uploader._snapshot.Snapshotter` (the baseline push() diffs against),
+:class:`~deltasync.uploader._writer.WriterIdentity` (run id, writer id, epoch),
+:class:`~deltasync.uploader._pipeline.CommitPipeline` (digest and commit stages),
+:class:`~deltasync.uploader._committer.StepCommitter` or, under torch.distributed,
+:class:`~deltasync.uploader.sharded.ShardedPush`, and :class:`~deltasync.uploader._resume.Resumer`.
+"""
 
 from __future__ import annotations
 
 import os
 import threading
-import uuid
-from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from deltasync._retry import RetryPolicy
-from deltasync._tensors import flat_bits, state_tensors
-from deltasync.errors import ProtocolError, WriterFenced
-from deltasync.protocol import Committed
-from deltasync.protocol.digests import xxh3_128_array
+from deltasync._tensors import state_tensors
+from deltasync.errors import ProtocolError
 from deltasync.run import RunReader
-from deltasync.run.claims import is_fenced, newest_claim
 from deltasync.run.gc import RetentionWorker
 from deltasync.storage import Store, open_store
-from deltasync.uploader import _resume
-from deltasync.uploader._commit import StepJob
+from deltasync.uploader._chain import ChainState
+from deltasync.uploader._committer import AfterCommit, StepCommitter
 from deltasync.uploader._config import CommitInfo, UploaderConfig
-from deltasync.uploader._diff import Baseline, TensorChange, diff_tensor, inventory_of
+from deltasync.uploader._diff import inventory_of
 from deltasync.uploader._dtypes import warn_dtype_change
-from deltasync.uploader._pipeline import commit_loop, digest_loop
+from deltasync.uploader._pipeline import CommitPipeline
+from deltasync.uploader._resume import Resumer
+from deltasync.uploader._snapshot import Snapshotter
 from deltasync.uploader._spans import SpanWriter
+from deltasync.uploader._writer import WriterIdentity
+from deltasync.uploader.sharded import ShardedPush, sharded_wanted
 
 if TYPE_CHECKING:
-    import torch
-
     from deltasync.signal import Notifier
-    from deltasync.uploader._sharded import ShardedPush
 
 __all__ = ["CommitInfo", "DeltaUploader", "UploaderConfig"]
 
@@ -44,7 +47,7 @@ class DeltaUploader:
 
     ``push()`` diffs bit-wise against the last pushed state on the tensors' own
     device, copies out only the changed elements and returns a Future. Two
-    background threads do the rest: one hashes the new state (the next push
+    background workers do the rest: one hashes the new state (the next push
     waits for it, never for the store), one encodes and writes files, then the
     manifest, then HEAD. Use as a context manager, or call :meth:`close`.
     """
@@ -53,81 +56,106 @@ class DeltaUploader:
         self, store: Store | str | os.PathLike[str], *, config: UploaderConfig | None = None, **options: Any
     ) -> None:
         self.store = store if isinstance(store, Store) else open_store(store)  # a URL or path works too
-        self.config = replace(config or UploaderConfig(), **options)
-        self._baseline = Baseline()
-        self._staging: dict[str, torch.Tensor] = {}
-        self._digest_cache: dict[str, str] = {}
-        self._pushes_since_anchor = 0
-        self._last_step: int | None = None
-        self._needs_anchor = True
-        self._resumed = False  # resume() was called, or a first push proved the store's head
+        self.config = cfg = replace(config or UploaderConfig(), **options)
         self._closed = False
-        self._prev_job: StepJob | None = None
-        # committer state (touched by the commit thread, read under _cond)
-        self._cond = threading.Condition()
-        self._pending: deque[StepJob] = deque()
-        self._last_committed: Committed | None = None
-        self._last_ok = True
-        self._bytes_since_anchor = 0
-        self._anchor_bytes = 0
-        self._inflight = 0
-        self.failures = 0
-        self._fenced: WriterFenced | None = None
+        self._stop = threading.Event()  # set by close(): cuts retry backoffs short
         self._reader = RunReader(self.store)
-        self._latest_in_store()
-        self.run_id = self.config.run_id or (
-            self._last_committed.manifest.run_id if self._last_committed else uuid.uuid4().hex[:16]
-        )
+        self._chain = ChainState()
+        self._chain.load_head(self._reader)
+        head = self._chain.last_committed
         # single writer per run prefix: the first push() claims the next epoch (0 until then), so an
         # uploader that never pushes (a refused upload) leaves no claim; a newer claim fences this one off
-        self.writer_id = uuid.uuid4().hex[:16]
-        self.epoch = 0
-        self.notifier: Notifier | None = None  # counts sent / failed signals
+        self._writer = WriterIdentity(self.store, cfg.run_id, head.manifest.run_id if head else None)
+        self._pool = ThreadPoolExecutor(max(1, cfg.encode_threads), thread_name_prefix="deltasync-encode")
+        self._snapshots = Snapshotter(self._pool, cfg.cast_dtype)
+        self._after = AfterCommit()
         # under torch.distributed (world > 1) every rank pushes its own shards (a collective here)
         self._sharded: ShardedPush | None = None
-        if self.config.distributed is not False:
-            from deltasync.uploader._sharded import sharded_push
+        if sharded_wanted(cfg):
+            self._sharded = ShardedPush(
+                self.store,
+                cfg,
+                chain=self._chain,
+                writer=self._writer,
+                pool=self._pool,
+                after=self._after,
+                stop=self._stop,
+            )
+        rank0 = self._sharded is None or self._sharded.rank == 0  # only rank 0 commits and signals
+        self.notifier: Notifier | None = None  # counts sent / failed signals
+        if cfg.signal_url and rank0:
+            from deltasync.signal import Notifier  # the signal client only when signalling
 
-            self._sharded = sharded_push(self)
-        if self.config.signal_url:
-            from deltasync.signal import Notifier
-
-            run = self.config.signal_run or self.run_id
-            self.notifier = Notifier(self.config.signal_url, run, self.config.signal_token)
-            if self._sharded is not None and self._sharded.rank != 0:
-                self.notifier = None  # only rank 0 commits and signals
+            self.notifier = Notifier(cfg.signal_url, cfg.signal_run or self.run_id, cfg.signal_token)
         self.retention: RetentionWorker | None = None  # keep_anchors: gc after each committed anchor
-        if self.config.keep_anchors is not None and (self._sharded is None or self._sharded.rank == 0):
-            self.retention = RetentionWorker(self.store, self.config.keep_anchors, signing_key=self.config.signing_key)
-        self._digest_q: deque[StepJob | None] = deque()
-        self._digest_cv = threading.Condition()
-        self._pool = ThreadPoolExecutor(max(1, self.config.encode_threads), thread_name_prefix="deltasync-encode")
-        self._stop = threading.Event()
+        if cfg.keep_anchors is not None and rank0:
+            self.retention = RetentionWorker(self.store, cfg.keep_anchors, signing_key=cfg.signing_key)
         #: writes spans after commits (None when ``span_levels`` is empty, or in a sharded push, whose
         #: changes live on their owner ranks); counts written/failed spans
         self.spans: SpanWriter | None = None
-        if self.config.span_levels and self._sharded is None:
+        if cfg.span_levels and self._sharded is None:
             self.spans = SpanWriter(
                 self.store,
-                self.config.span_levels,
-                shard_bytes=self.config.shard_bytes,
-                signing_key=self.config.signing_key,
-                retry=RetryPolicy(self.config.retries, self.config.retry_backoff),
+                cfg.span_levels,
+                shard_bytes=cfg.shard_bytes,
+                signing_key=cfg.signing_key,
+                retry=RetryPolicy(cfg.retries, cfg.retry_backoff),
             )
-        self._threads = [
-            threading.Thread(target=digest_loop, args=(self,), name="deltasync-digest", daemon=True),
-            threading.Thread(target=commit_loop, args=(self,), name="deltasync-commit", daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
+        self._after.notifier, self._after.spans, self._after.retention = self.notifier, self.spans, self.retention
+        commit = self._sharded.commit if self._sharded is not None else self._single_committer().commit
+        self._pipeline = CommitPipeline(
+            self._snapshots,
+            commit,
+            max_pending=cfg.max_pending,
+            coalesce=cfg.on_backlog == "coalesce",
+            defer_diff=cfg.defer_diff,
+            tensor_digests=cfg.tensor_digests,
+            stop=self._stop,
+        )
+        self._resumer = Resumer(
+            self.store,
+            self._reader,
+            anchor_every=cfg.anchor_every,
+            chain=self._chain,
+            snapshots=self._snapshots,
+            writer=self._writer,
+            spans=self.spans,
+        )
 
-    # ------------------------------------------------------------ store state
+    def _single_committer(self) -> StepCommitter:
+        return StepCommitter(
+            self.store,
+            self.config,
+            chain=self._chain,
+            writer=self._writer,
+            pool=self._pool,
+            after=self._after,
+            stop=self._stop,
+        )
 
-    def _latest_in_store(self) -> None:
-        latest = self._reader.latest_step()  # skips a fenced writer's late commits
-        if latest is not None:
-            self._last_committed = self._reader.committed(latest)
-            self._last_step = latest
+    # ------------------------------------------------------------ identity
+
+    @property
+    def run_id(self) -> str:
+        """The run id written into every manifest (the store's, when it holds a run already)."""
+        return self._writer.run_id
+
+    @property
+    def writer_id(self) -> str:
+        """This uploader's writer id (in its claim and every manifest it writes)."""
+        return self._writer.writer_id
+
+    @property
+    def epoch(self) -> int:
+        """This uploader's writer epoch: 0 until its first push (or resume) claims one."""
+        return self._writer.epoch
+
+    @property
+    def failures(self) -> int:
+        """Pushed steps that failed to commit."""
+        return self._chain.failures
+
+    # ------------------------------------------------------------ resume
 
     def resume(self, state: Any, step: int, *, strict: bool = False) -> bool:
         """Continue the run from committed ``step``, whose weights the caller holds as ``state``.
@@ -145,28 +173,11 @@ class DeltaUploader:
         uploader's writer epoch, so an older uploader of the run still alive is
         fenced off from then on.
         """
-        return _resume.resume(self, state, step, strict=strict)
+        if self._sharded is not None:
+            return self._sharded.resume(strict=strict)
+        return self._resumer.resume(state, step, strict=strict)
 
     # ------------------------------------------------------------------ push
-
-    def _prepare(self, state: Any) -> dict[str, torch.Tensor]:
-        return self._cast(state_tensors(state))
-
-    def _cast(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        cast = self.config.cast_dtype
-        if cast is not None:
-            tensors = {k: v.to(cast) if v.is_floating_point() and v.dtype != cast else v for k, v in tensors.items()}
-        return tensors
-
-    def _anchor_due(self) -> bool:
-        cfg = self.config
-        if self._needs_anchor or self._pushes_since_anchor + 1 >= cfg.anchor_every:
-            return True
-        return bool(
-            cfg.anchor_bytes_fraction
-            and self._anchor_bytes
-            and self._bytes_since_anchor > cfg.anchor_bytes_fraction * self._anchor_bytes
-        )
 
     def push(self, state: Any, step: int) -> Future[CommitInfo]:
         """Diff ``state`` (nn.Module or dict of tensors) against the last push; return a Future.
@@ -177,178 +188,85 @@ class DeltaUploader:
         """
         if self._closed:
             raise RuntimeError("push() on a closed DeltaUploader")
-        if self._fenced is not None:
-            raise self._fenced
+        chain, snaps, cfg = self._chain, self._snapshots, self.config
+        chain.raise_if_fenced()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ProtocolError(f"step must be a non-negative integer, got {step!r}")
-        if self._last_step is not None and step <= self._last_step:
+        last_step = chain.last_step
+        if last_step is not None and step <= last_step:
             if (
-                self._prev_job is None
-                and not self._resumed
-                and self._last_committed is not None
+                snaps.last_job is None
+                and not chain.resumed
+                and chain.last_committed is not None
                 and self._sharded is None
             ):
-                return _resume.push_committed_head(self, state, step)  # a restarted trainer (see resume())
-            raise ProtocolError(f"step {step} is not after the last step {self._last_step}; steps must increase")
+                return self._resumer.push_committed_head(state, step)  # a restarted trainer (see resume())
+            raise ProtocolError(f"step {step} is not after the last step {last_step}; steps must increase")
         if self._sharded is not None:
-            return self._sharded.push(state, step)
-        if not self.epoch:
-            _resume.claim(self)
-            if self._last_step is not None and step <= self._last_step:
+            return self._sharded.push(state, step, self._pipeline.enqueue)
+        if not self._writer.epoch:
+            self._writer.claim(self._reader, chain)
+            last_step = chain.last_step
+            if last_step is not None and step <= last_step:
                 raise ProtocolError(
-                    f"step {step} is not after step {self._last_step}, which an older uploader of this run committed "
+                    f"step {step} is not after step {last_step}, which an older uploader of this run committed "
                     "just before this one took over (superseded: readers skip it); push a later step"
                 )
         state_in = state_tensors(state)
-        tensors = self._cast(state_in)
+        tensors = snaps.cast(state_in)
         inventory = inventory_of(tensors)
-        head = self._last_committed.manifest.inventory if self._last_committed else ()
-        warn_dtype_change(step, self._baseline.inventory or head, inventory)  # fp32 pushed into a bf16 run
+        head = chain.last_committed
+        warn_dtype_change(step, snaps.inventory or (head.manifest.inventory if head else ()), inventory)
         # the previous step's diff and digests read the baseline and the staging buffers:
         # wait for them before touching either
-        if self._prev_job is not None:
-            self._prev_job.digests_ready.wait()
-        if self.config.on_backlog == "block":
-            with self._cond:
-                self._cond.wait_for(lambda: len(self._pending) < self.config.max_pending)
-        with self._cond:
-            failed = not self._last_ok
+        snaps.wait_for_last()
+        if cfg.on_backlog == "block":
+            self._pipeline.wait_for_room()
         total = sum(t.numel for t in inventory)
-        if failed or inventory != self._baseline.inventory or self._anchor_due():
-            job = self._snapshot_anchor(step, tensors, inventory, total)
+        if (
+            chain.failed
+            or inventory != snaps.inventory
+            or chain.anchor_due(cfg.anchor_every, cfg.anchor_bytes_fraction)
+        ):
+            job = snaps.anchor(step, tensors, inventory, total)
+            chain.begin_anchor()
         else:
-            if self.config.defer_diff:
-                # only copy here; the diff against the baseline runs on the digest thread
-                job = StepJob(step, "patch", inventory, staged=self._stage(state_in, tensors), total=total)
-            else:
-                job = StepJob(
-                    step, "patch", inventory, staged={k: flat_bits(t) for k, t in tensors.items()}, total=total
-                )
-                self._diff(job)
-            self._pushes_since_anchor += 1
+            job = snaps.patch(step, state_in, tensors, inventory, total, defer_diff=cfg.defer_diff)
+            chain.count_patch()
         fut: Future[CommitInfo] = Future()
         fut.set_running_or_notify_cancel()
         job.futures.append((step, fut))
-        self._last_step = step
-        self._prev_job = job
-        with self._cond:
-            self._inflight += 1
-        with self._digest_cv:
-            self._digest_q.append(job)
-            self._digest_cv.notify()
+        chain.pushed(step)
+        self._pipeline.submit(job)
         return fut
-
-    def _stage(self, given: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Flat bit views of this step's tensors that the caller cannot change any more.
-
-        Tensors that ``cast_dtype`` just made are ours already; the caller's own are
-        copied into reused staging buffers (one memcpy, about one compare pass).
-        """
-        out: dict[str, torch.Tensor] = {}
-        for name, t in tensors.items():
-            bits = flat_bits(t)
-            if t is not given.get(name):
-                out[name] = bits
-                continue
-            buf = self._staging.get(name)
-            if buf is None or buf.dtype != bits.dtype or buf.shape != bits.shape or buf.device != bits.device:
-                buf = self._staging[name] = bits.new_empty(bits.shape)
-            if buf.device.type == "cpu":
-                np.copyto(buf.numpy(), bits.numpy())  # a plain memcpy; torch's copy_ threads badly under load
-            else:
-                buf.copy_(bits)
-            out[name] = buf
-        return out
-
-    def _snapshot_anchor(self, step: int, tensors: dict[str, torch.Tensor], inventory: Any, total: int) -> StepJob:
-        same = inventory == self._baseline.inventory
-        snapshot: dict[str, Any] = {}
-        base = self._baseline.tensors if same else {}
-        for name, t in tensors.items():
-            bits = flat_bits(t)
-            if same:
-                base[name].copy_(bits)
-            else:
-                base[name] = bits.clone()
-            snapshot[name] = base[name].cpu().numpy().copy()
-        self._baseline = Baseline(base, inventory)
-        self._digest_cache.clear()
-        self._needs_anchor = False
-        self._pushes_since_anchor = 0
-        with self._cond:  # count patch bytes from this anchor on, not from its commit (no double anchors)
-            self._bytes_since_anchor = 0
-        return StepJob(step, "anchor", inventory, snapshot=snapshot, changed=total, total=total)
-
-    # -------------------------------------------------------------- digests
-
-    def _prefault_staging(self) -> None:
-        """Allocate and touch the staging buffers now, off the caller's thread, so that the
-        next push() copies into warm memory instead of paying the page faults."""
-        for name, base in self._baseline.tensors.items():
-            buf = self._staging.get(name)
-            if buf is None or buf.dtype != base.dtype or buf.shape != base.shape or buf.device != base.device:
-                self._staging[name] = base.new_zeros(base.shape)
-
-    def _diff(self, job: StepJob) -> None:
-        names = list(job.staged)
-
-        def one(name: str) -> TensorChange | None:
-            return diff_tensor(self._baseline.tensors[name], job.staged[name])
-
-        # tensors at once: the compiled diff releases the GIL (each updates its own baseline)
-        found = list(self._pool.map(one, names)) if len(names) > 1 else [one(n) for n in names]
-        changes = {n: c for n, c in zip(names, found, strict=True) if c is not None}
-        job.staged = {}
-        job.changes = changes
-        job.changed = sum(int(c.idx.size) for c in changes.values())
-
-    def _digest(self, job: StepJob) -> None:
-        for info in job.inventory:
-            name = info.name
-            if job.kind == "anchor":
-                arr = job.snapshot[name]
-            elif name in job.changes or name not in self._digest_cache:
-                arr = self._baseline.tensors[name].cpu().numpy()
-            else:
-                job.digests[name] = self._digest_cache[name]
-                continue
-            job.digests[name] = self._digest_cache[name] = xxh3_128_array(arr)
-
-    # --------------------------------------------------------------- commits
-
-    def _check_fence(self) -> None:
-        if is_fenced(self.store, self.epoch):
-            newer = newest_claim(self.store)
-            raise WriterFenced(
-                f"another uploader (writer {newer.writer}, epoch {newer.epoch}) took over run prefix "
-                f"{self.store} after step {newer.after_step}; this uploader (epoch {self.epoch}) stops committing. "
-                "Run one uploader per run prefix."
-            )
 
     # ------------------------------------------------------------- lifecycle
 
     @property
     def pending(self) -> int:
         """Pushed steps whose Futures are not resolved yet."""
-        with self._cond:
-            return self._inflight
+        return self._chain.inflight
 
     @property
     def last_committed_step(self) -> int | None:
         """The newest step this uploader (or the store, at start) has committed."""
-        with self._cond:
-            return self._last_committed.manifest.step if self._last_committed else None
+        last = self._chain.last_committed
+        return last.manifest.step if last else None
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every pushed step is committed, skipped or failed (and its spans written)."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._inflight == 0, timeout=timeout):
-                raise TimeoutError(f"flush: {self._inflight} steps still pending after {timeout} s")
+        if not self._chain.wait_until_idle(timeout):
+            raise TimeoutError(f"flush: {self._chain.inflight} steps still pending after {timeout} s")
         if self.spans is not None and not self.spans.flush(timeout):
             raise TimeoutError(f"flush: spans still being written after {timeout} s")
 
     def close(self, timeout: float | None = None) -> None:
-        """Flush, then stop the background threads. Idempotent."""
+        """Flush, then stop the background workers. Idempotent.
+
+        When ``timeout`` passes first (flush raises TimeoutError) or flush is interrupted, the
+        stop event is set before the workers stop: a commit waiting out a retry backoff gives up
+        at once, its step failing with CommitFailed (the uploader is closing).
+        """
         if self._closed:
             return
         self._closed = True
@@ -356,13 +274,7 @@ class DeltaUploader:
             self.flush(timeout)
         finally:
             self._stop.set()
-            with self._digest_cv:
-                self._digest_q.append(None)
-                self._digest_cv.notify()
-            with self._cond:
-                self._cond.notify_all()
-            for t in self._threads:
-                t.join(timeout)
+            self._pipeline.close(timeout)
             if self.spans is not None:
                 self.spans.close(timeout)
             self._pool.shutdown(wait=True)

@@ -31,7 +31,7 @@ TINY = dict(hidden=64, layers=2, intermediate=128, vocab=512, heads=4, kv_heads=
 def test_core_runs_on_a_tiny_model(bench: Any, tmp_path: Path) -> None:
     cfg = bench.BenchConfig(**TINY, steps=2, warmup=0, lrs=(1e-5,), tmpdir=str(tmp_path))
     import deltasync.fetcher._execute as fexecute
-    import deltasync.uploader._uploader as uupl
+    import deltasync.uploader._snapshot as uupl
 
     originals = (uupl.diff_tensor, fexecute.apply_changes)
     res = bench.run(cfg, quiet=True)

@@ -20,10 +20,10 @@ def test_a_committed_step_lets_go_of_its_arrays(tmp_path: Path) -> None:
     stream = Stream()
     with ds.DeltaUploader(tmp_path, anchor_every=1000, anchor_bytes_fraction=0, on_backlog="block") as up:
         assert up.push(stream.state, 0).result().kind == "anchor"
-        assert up._prev_job is not None and not up._prev_job.snapshot
+        assert up._snapshots.last_job is not None and not up._snapshots.last_job.snapshot
         info = up.push(stream.advance(), 1).result()
         assert info.kind == "patch" and info.changed > 0
-        job = up._prev_job
+        job = up._snapshots.last_job
         assert job is not None and job.step == 1
         assert not job.changes and not job.snapshot and not job.staged
 

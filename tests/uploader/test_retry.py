@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -151,3 +152,28 @@ def test_uploader_gives_up_then_anchors(tmp_path: Path) -> None:
     target = {k: torch.zeros_like(v) for k, v in ss[0].items()}
     f.sync(target)
     assert_state_equal(target, ss[3])
+
+
+def test_close_cuts_a_retry_backoff_short(tmp_path: Path) -> None:
+    """A commit waiting out a retry backoff (30 s here) waits on the uploader's stop event: once
+    close() gives up flushing it sets that event, and the step fails at once, saying why."""
+    store = FlakyStore(ds.LocalStore(tmp_path / "s", fsync=False))
+    attempted = threading.Event()
+
+    def always_fail(keys: list[str]) -> int:
+        attempted.set()
+        return 0  # nothing written, TransientStorageError
+
+    store.flaky = always_fail
+    up = ds.DeltaUploader(store, retries=4, retry_backoff=30.0, span_levels=())
+    fut = up.push(_states(1)[0], 0)
+    assert attempted.wait(WAIT), "the commit never tried to write"
+    # the commit is now in (or about to enter) its 30 s backoff: close() may not sit it out
+    with pytest.raises(TimeoutError):
+        up.close(timeout=0)
+    with pytest.raises(
+        CommitFailed, match=r"step 0: writing \d+ data files: stopped after 1 attempts \(the uploader is closing\)"
+    ):
+        fut.result(WAIT)
+    assert store.calls == 1, "no write is retried once the uploader is closing"
+    assert up.failures == 1

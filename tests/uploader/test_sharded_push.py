@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from deltasync.protocol import TensorInfo
-from deltasync.uploader._shardmap import Box, anchor_plan, owner_map, patch_file_names, to_global, write_box
+from deltasync.uploader.sharded._shardmap import Box, anchor_plan, owner_map, patch_file_names, to_global, write_box
 
 torch = pytest.importorskip("torch")
 

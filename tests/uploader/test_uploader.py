@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from typing import Any
@@ -97,19 +96,7 @@ def test_push_returns_while_the_store_is_blocked(spy_store: SpyStore) -> None:
     fetch_all(spy_store, dict(enumerate(ss)))
 
 
-@pytest.mark.parametrize("slow_signal", [False, True], ids=["plain", "descheduled-digest-thread"])
-def test_block_mode_bounds_the_backlog(spy_store: SpyStore, monkeypatch: pytest.MonkeyPatch, slow_signal: bool) -> None:
-    if slow_signal:
-        # Widen the window right after the digest thread signals a job's digests: the next
-        # push must still see that job queued (regression: it used to slip past max_pending).
-        orig_set = threading.Event.set
-
-        def set_then_yield(self: threading.Event) -> None:
-            orig_set(self)
-            if sys._getframe(1).f_code.co_name == "_digest_loop":
-                time.sleep(0.02)
-
-        monkeypatch.setattr(threading.Event, "set", set_then_yield)
+def test_block_mode_bounds_the_backlog(spy_store: SpyStore) -> None:
     gate = threading.Event()
     spy_store.gate = gate
     ss = states(6)
@@ -145,6 +132,57 @@ def test_block_mode_bounds_the_backlog(spy_store: SpyStore, monkeypatch: pytest.
     fetch_all(spy_store, dict(enumerate(ss)))
 
 
+def test_a_step_is_in_the_backlog_before_the_next_push_is_let_go(spy_store: SpyStore) -> None:
+    """The digest stage lets the next push go on (``digests_ready``) only once the step is in
+    the backlog: a "block" push in between would count one step too few and slip past
+    max_pending (regression: it did, bef4a9b). The digest stage is held in that window by
+    the pipeline's ``after_release`` hook, where the next push decides: it must find no room."""
+    gate = threading.Event()
+    spy_store.gate = gate
+    ss = states(5)
+    in_window = threading.Event()
+    release = threading.Event()
+    room_in_window: list[bool] = []
+    up = ds.DeltaUploader(spy_store, on_backlog="block", max_pending=2, anchor_every=100)
+
+    def hold(job: Any) -> None:
+        if job.step == 2:
+            room_in_window.append(up._pipeline.has_room())  # what push 3, let go now, would see
+            in_window.set()
+            assert release.wait(WAIT)
+
+    up._pipeline.after_release = hold
+    returned: list[int] = []
+    futs: list[Any] = []
+
+    def producer() -> None:
+        for i in (3, 4):
+            futs.append(up.push(ss[i], i))
+            returned.append(i)
+
+    t = threading.Thread(target=producer, daemon=True)
+    try:
+        f0 = up.push(ss[0], 0)
+        assert spy_store.blocked.wait(WAIT), "step 0 never reached the store"  # the backlog is empty again
+        futs += [f0, up.push(ss[1], 1), up.push(ss[2], 2)]  # both wait: the backlog is full
+        assert in_window.wait(WAIT)
+        assert room_in_window == [False], "push 3 was let go while step 2 was not counted in the backlog"
+        t.start()  # push 3 must block until the store moves
+        release.set()
+        assert returned == [] and not any(f.done() for f in futs)
+        gate.set()
+        t.join(WAIT)
+        assert not t.is_alive() and returned == [3, 4]
+        infos = sorted((f.result(WAIT) for f in futs), key=lambda i: i.step)
+    finally:
+        release.set()
+        gate.set()
+        up.close()
+    assert [i.kind for i in infos] == ["anchor"] + ["patch"] * 4
+    assert [i.committed_step for i in infos] == list(range(5))
+    fetch_all(spy_store, dict(enumerate(ss)))
+
+
 def test_coalesce_mode_never_blocks_and_skips(spy_store: SpyStore) -> None:
     gate = threading.Event()
     spy_store.gate = gate
@@ -154,9 +192,8 @@ def test_coalesce_mode_never_blocks_and_skips(spy_store: SpyStore) -> None:
         futs = []
         for i, s in enumerate(ss):
             futs.append(up.push(s, i))  # never blocks: the gate is closed the whole time
-            assert wait_until(lambda: not up._digest_q)
-            with up._cond:
-                assert len(up._pending) <= 2, "more jobs waiting than max_pending"
+            assert wait_until(lambda: not up._pipeline.digesting())
+            assert up._pipeline.waiting() <= 2, "more jobs waiting than max_pending"
         assert spy_store.blocked.is_set()
         assert not any(f.done() for f in futs)
         assert up.pending == 10
@@ -450,7 +487,7 @@ def test_push_copies_the_state_so_the_caller_may_change_it_at_once(
     caller's tensors (a live module's parameters) right after push must not leak into the step."""
     import torch
 
-    import deltasync.uploader._uploader as uupl
+    import deltasync.uploader._snapshot as uupl
 
     may_diff = threading.Event()
     real_diff = uupl.diff_tensor

@@ -1,15 +1,16 @@
 """Owner side of a sharded push: host copies of the owned tensors, their files, rank 0's commit.
 
-Each tensor has one owner rank (:func:`deltasync.uploader._shardmap.owner_map`).
+Each tensor has one owner rank (:func:`deltasync.uploader.sharded._shardmap.owner_map`).
 The owner keeps a host copy of it (about ``1/world`` of the state per rank),
 updated from the sparse changes the ranks send it, hashes it, and writes the
 tensor's one patch entry or its anchor bytes. Rank 0 then checks what every
 rank reports against the store and writes the manifest. Nothing here talks to
-other ranks; :mod:`deltasync.uploader._sharded` does.
+other ranks; :mod:`deltasync.uploader.sharded._push` does.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from deltasync.protocol.safetensors_io import TensorBytes, to_bytes
 from deltasync.storage import Store
 from deltasync.uploader._commit import StepJob, make_manifest, publish_manifest, put_step_files
 from deltasync.uploader._diff import TensorChange
-from deltasync.uploader._shardmap import AnchorPlan, Box, patch_file_names, write_box
+from deltasync.uploader.sharded._shardmap import AnchorPlan, Box, patch_file_names, write_box
 
 __all__ = ["OwnerCopies", "RankReport", "commit_on_rank0", "write_rank_files"]
 
@@ -166,6 +167,7 @@ def write_rank_files(
     pool: Executor | None,
     policy: RetryPolicy,
     tensor_digests: bool,
+    stop: threading.Event | None = None,
 ) -> RankReport:
     """Encode this rank's part of ``job`` (its owned tensors), write it durably, and report it."""
     infos = {t.name: t for t in job.inventory}
@@ -180,7 +182,7 @@ def write_rank_files(
         files, entries = _anchor_files(rank, plan, infos, copies)
         changed = sum(int(a.size) for a in copies.arrays.values())
     digests = copies.digest_all() if tensor_digests else {}
-    put_step_files(store, job.step, files, policy)
+    put_step_files(store, job.step, files, policy, stop=stop)
     infos_out = tuple(FileInfo(n, len(d), xxh3_128(d)) for n, d in sorted(files.items()))
     return RankReport(None, infos_out, tuple(entries), digests, changed)  # type: ignore[arg-type]
 
@@ -196,6 +198,7 @@ def commit_on_rank0(
     signing_key: bytes | None,
     policy: RetryPolicy,
     fence: Callable[[], None] | None,
+    stop: threading.Event | None = None,
 ) -> Committed:
     """Check every rank's report against the store, then write the step's manifest and HEAD."""
     failed = [f"rank {r}: {rep.error}" for r, rep in enumerate(reports) if rep.error is not None]
@@ -234,4 +237,4 @@ def commit_on_rank0(
     )
     if signing_key is not None:
         manifest = manifest.signed(signing_key)
-    return publish_manifest(store, manifest, policy, fence)
+    return publish_manifest(store, manifest, policy, fence, stop=stop)

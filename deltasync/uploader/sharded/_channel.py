@@ -14,10 +14,10 @@ from typing import Any
 
 from deltasync._tensors import require_torch
 
-__all__ = ["Exchange"]
+__all__ = ["RankChannel"]
 
 
-class Exchange:
+class RankChannel:
     """Collectives of one uploader over its own gloo group (created here: a collective call)."""
 
     def __init__(self, timeout: float) -> None:

@@ -8,58 +8,61 @@ ranks' reports against the store and commits the manifest. No rank holds the
 whole state. One step is in flight at a time, so every rank takes the same
 decisions (anchor or patch, rebuild or not) from the same history.
 
-:class:`ShardedPush` hangs off a :class:`~deltasync.uploader.DeltaUploader`
-(its store, config, counters, commit thread and Futures) and replaces its
-push and commit.
+:class:`ShardedPush` replaces a :class:`~deltasync.uploader.DeltaUploader`'s
+push and commit: it works with the uploader's chain state, writer identity and
+commit pipeline through their methods.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
-from concurrent.futures import Future
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from deltasync._retry import RetryPolicy
-from deltasync._tensors import flat_bits, st_dtype, state_tensors
-from deltasync.errors import CommitFailed, InventoryMismatch, WriterFenced
-from deltasync.protocol import Committed, TensorInfo, Writer, inventory_digest
-from deltasync.protocol.checkpoint import group_by_size
-from deltasync.run.claims import claim_epoch
+from deltasync.errors import CommitFailed, ProtocolError, WriterFenced
+from deltasync.protocol import Committed, TensorInfo, inventory_digest
+from deltasync.storage import Store
+from deltasync.uploader._chain import ChainState
 from deltasync.uploader._commit import StepJob
-from deltasync.uploader._config import CommitInfo
+from deltasync.uploader._committer import AfterCommit, resolve_committed
+from deltasync.uploader._config import CommitInfo, UploaderConfig
 from deltasync.uploader._diff import TensorChange, diff_tensor
-from deltasync.uploader._exchange import Exchange
-from deltasync.uploader._pipeline import fail_step
-from deltasync.uploader._sharded_owner import OwnerCopies, RankReport, commit_on_rank0, write_rank_files
-from deltasync.uploader._shardmap import AnchorPlan, Box, anchor_plan, owner_map, to_global
+from deltasync.uploader._writer import WriterIdentity
+from deltasync.uploader.sharded._channel import RankChannel
+from deltasync.uploader.sharded._dtensor import local_shards
+from deltasync.uploader.sharded._owner import OwnerCopies, RankReport, commit_on_rank0, write_rank_files
+from deltasync.uploader.sharded._shardmap import AnchorPlan, Box, anchor_plan, owner_map, rounds, to_global
 
 if TYPE_CHECKING:
     import torch
 
-    from deltasync.uploader._uploader import DeltaUploader
-
-__all__ = ["ShardedJob", "ShardedPush", "sharded_push"]
+__all__ = ["ShardedJob", "ShardedPush", "sharded_wanted"]
 
 log = logging.getLogger("deltasync.uploader")
-ROUND_BYTES = 256 << 20  # tensor bytes per round when ranks send whole shards to owners
 
 
-def sharded_push(up: DeltaUploader) -> ShardedPush | None:
-    """The sharded engine for ``up`` when torch.distributed runs with world > 1 (or ``distributed=True``)."""
-    want = up.config.distributed
+def sharded_wanted(config: UploaderConfig) -> bool:
+    """Whether an uploader with ``config`` pushes sharded: torch.distributed runs with world > 1
+    (or ``distributed=True``, which then requires an initialized group)."""
+    want = config.distributed
+    if want is False:
+        return False
     torch_mod = sys.modules.get("torch")  # never imported: no group can be initialized
     dist = getattr(torch_mod, "distributed", None) if torch_mod is not None else None
     active = dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if want is None and not active:
-        return None
+        return False
     if want and not (dist is not None and dist.is_available() and dist.is_initialized()):
         raise ValueError("distributed=True needs an initialized torch.distributed process group")
-    return ShardedPush(up)
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,13 +93,30 @@ class ShardedJob(StepJob):
 class ShardedPush:
     """The per-rank engine. Constructing it is a collective (it creates a gloo group)."""
 
-    def __init__(self, up: DeltaUploader) -> None:
-        self.up = up
-        self.ex = Exchange(up.config.distributed_timeout)
-        self.rank, self.world = self.ex.rank, self.ex.world
+    def __init__(
+        self,
+        store: Store,
+        config: UploaderConfig,
+        *,
+        chain: ChainState,
+        writer: WriterIdentity,
+        pool: Executor,
+        after: AfterCommit,
+        stop: threading.Event,
+    ) -> None:
+        self.store = store
+        self.config = config
+        self.chain = chain
+        self.writer = writer
+        self.pool = pool
+        self.after = after  # rank 0 only: a notifier and retention (no spans in a sharded push)
+        self.stop = stop
+        self.channel = RankChannel(config.distributed_timeout)
+        self.rank, self.world = self.channel.rank, self.channel.world
         # rank 0's view of the run is everyone's
-        run_id, committed, last_step = self.ex.broadcast((up.run_id, up._last_committed, up._last_step))
-        up.run_id, up._last_committed, up._last_step = run_id, committed, last_step
+        run_id, committed, last_step = self.channel.broadcast((writer.run_id, chain.last_committed, chain.last_step))
+        writer.adopt(run_id, writer.writer_id, writer.epoch)
+        chain.set_view(committed, last_step)
         self.base: dict[str, torch.Tensor] = {}  # flat bits of the local shards this rank contributes
         self.staging: dict[str, torch.Tensor] = {}  # defer_diff: this step's shards, diffed on the commit thread
         self.boxes: dict[str, Box] = {}
@@ -111,17 +131,23 @@ class ShardedPush:
         """Bytes this rank's uploader holds: baseline and staged shards plus its owner copies."""
         return _nbytes(self.base) + _nbytes(self.staging) + self.copies.nbytes
 
+    def resume(self, *, strict: bool) -> bool:
+        """A sharded state cannot be proven (no rank holds whole tensors): False (or ProtocolError
+        with ``strict``); the first push is an anchor."""
+        msg = "resume() cannot prove a sharded state (no rank holds whole tensors); the first push is an anchor"
+        if strict:
+            raise ProtocolError(msg)
+        log.warning("%s", msg)
+        return False
+
     # ------------------------------------------------------------------ push
 
-    def push(self, state: Any, step: int) -> Future[CommitInfo]:
-        """Diff this rank's shards against its baseline and queue the step (see DeltaUploader.push)."""
-        up = self.up
-        with up._cond:  # one step in flight: the previous outcome is known here on every rank
-            up._cond.wait_for(lambda: up._inflight == 0)
+    def push(self, state: Any, step: int, enqueue: Callable[[StepJob], None]) -> Future[CommitInfo]:
+        """Diff this rank's shards against its baseline and ``enqueue`` the step (see DeltaUploader.push)."""
+        self.chain.wait_until_idle()  # one step in flight: the previous outcome is known here on every rank
         if self.broken is not None:
             raise CommitFailed(self.broken)
-        if up._fenced is not None:
-            raise up._fenced
+        self.chain.raise_if_fenced()
         job = ShardedJob(step, "patch", ())
         try:
             self._snapshot(job, state)
@@ -133,55 +159,13 @@ class ShardedPush:
         fut: Future[CommitInfo] = Future()
         fut.set_running_or_notify_cancel()
         job.futures.append((step, fut))
-        up._last_step = step
-        with up._cond:
-            up._inflight += 1
-            up._pending.append(job)
-            up._cond.notify_all()
+        self.chain.pushed(step)
+        enqueue(job)
         return fut
 
-    def _local_parts(self, state: Any) -> tuple[dict[str, torch.Tensor], dict[str, Box | None], list[TensorInfo]]:
-        """This rank's flat local bits, the box each sits in (None: held replicated), and the global inventory."""
-        from torch.distributed.tensor import DTensor, Replicate, Shard
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        bits: dict[str, torch.Tensor] = {}
-        boxes: dict[str, Box | None] = {}
-        infos: list[TensorInfo] = []
-        for name, t in state_tensors(state).items():
-            shape = tuple(t.shape)
-            if isinstance(t, DTensor):
-                bad = [p for p in t.placements if type(p) not in (Shard, Replicate)]
-                if bad:
-                    raise InventoryMismatch(
-                        f"tensor {name!r}: placement {type(bad[0]).__name__} ({bad[0]}) is not supported by a sharded push (only Shard(dim) "
-                        "and Replicate()); reduce or redistribute it first, e.g. t.redistribute(placements=[...])"
-                    )
-                local = t.to_local()
-                coord = t.device_mesh.get_coordinate()
-                if all(isinstance(p, Replicate) for p in t.placements):
-                    box: Box | None = None
-                elif coord is None or any(isinstance(p, Replicate) and coord[i] for i, p in enumerate(t.placements)):
-                    box = Box((0,) * len(shape), (0,) * len(shape))  # another rank holds the same shard
-                    local = local.new_empty(0)
-                else:
-                    lshape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-                    box = Box(tuple(lshape), tuple(offset))
-                    if tuple(local.shape) != box.shape:
-                        raise InventoryMismatch(f"tensor {name!r}: local shard {tuple(local.shape)} is not {box.shape}")
-            else:
-                local, box = t, None
-            cast = self.up.config.cast_dtype
-            if cast is not None and local.is_floating_point() and local.dtype != cast:
-                local = local.to(cast)
-            infos.append(TensorInfo(name, st_dtype(local.dtype), shape))
-            bits[name] = flat_bits(local)
-            boxes[name] = box
-        return bits, boxes, sorted(infos, key=lambda i: i.name)
-
     def _snapshot(self, job: ShardedJob, state: Any) -> None:
-        up = self.up
-        bits, boxes_in, infos = self._local_parts(state)
+        cfg = self.config
+        bits, boxes_in, infos = local_shards(state, cfg.cast_dtype)
         inventory = tuple(infos)
         if inventory != self.inventory:
             self.owners = owner_map(inventory, self.world)
@@ -194,9 +178,10 @@ class ShardedPush:
                     boxes[info.name] = Box.whole(info.shape)
             elif b.numel:
                 boxes[info.name] = b
-        rebuild = up._needs_anchor or inventory != self.inventory or boxes != self.boxes
+        rebuild = self.chain.needs_anchor or inventory != self.inventory or boxes != self.boxes
         job.inventory, job.total = inventory, sum(t.numel for t in inventory)
-        job.kind = "anchor" if rebuild or up._anchor_due() else "patch"
+        anchor_due = self.chain.anchor_due(cfg.anchor_every, cfg.anchor_bytes_fraction)
+        job.kind = "anchor" if rebuild or anchor_due else "patch"
         job.rebuild = rebuild
         self.inventory = inventory
         if rebuild:
@@ -204,7 +189,7 @@ class ShardedPush:
             self.boxes = boxes
             self.staging = {}
             return
-        if up.config.defer_diff:  # one copy of this rank's shards now; the diff runs on the commit thread
+        if cfg.defer_diff:  # one copy of this rank's shards now; the diff runs on the commit thread
             job.staged = {name: self._stage(name, bits[name]) for name in boxes}
             return
         for name in boxes:
@@ -243,16 +228,16 @@ class ShardedPush:
         self._resolve(job, outcome, t0)
 
     def _commit_collective(self, job: ShardedJob) -> _Outcome:
-        up = self.up
+        cfg, writer = self.config, self.writer
         err = None if job.error is None else f"{type(job.error).__name__}: {job.error}"
-        if self.rank == 0 and not up.epoch and err is None:
+        if self.rank == 0 and not writer.epoch and err is None:
             try:
-                last = up._last_committed
-                up.epoch = claim_epoch(up.store, up.writer_id, last.manifest.step if last else None)
+                last = self.chain.last_committed
+                writer.claim_after(last.manifest.step if last else None)
             except Exception as exc:  # noqa: BLE001 - fails the step on every rank
                 err = f"claiming the writer epoch: {exc}"
         inv = inventory_digest(job.inventory) if job.inventory else ""
-        headers: list[_Header] = self.ex.all_gather(_Header(job.step, job.kind, inv, job.rebuild, err))
+        headers: list[_Header] = self.channel.all_gather(_Header(job.step, job.kind, inv, job.rebuild, err))
         problem = _disagreement(headers)
         if problem is not None:
             return _Outcome(None, f"step {job.step}: {problem}")
@@ -261,51 +246,53 @@ class ShardedPush:
         try:
             changes = self._to_owners(job, any(h.rebuild for h in headers))
             if job.kind == "anchor" and self.plan is None:
-                self.plan = anchor_plan(job.inventory, self.owners, self.world, up.config.shard_bytes)
+                self.plan = anchor_plan(job.inventory, self.owners, self.world, cfg.shard_bytes)
             report = write_rank_files(
-                up.store,
+                self.store,
                 job,
                 rank=self.rank,
                 world=self.world,
                 copies=self.copies,
                 changes=changes,
                 plan=self.plan,
-                shard_bytes=up.config.shard_bytes,
-                pool=up._pool,
+                shard_bytes=cfg.shard_bytes,
+                pool=self.pool,
                 policy=self._policy,
-                tensor_digests=up.config.tensor_digests,
+                tensor_digests=cfg.tensor_digests,
+                stop=self.stop,
             )
         except _Collective:
             raise
         except Exception as exc:  # noqa: BLE001 - reported to rank 0, fails the step everywhere
             log.exception("step %d failed on rank %d", job.step, self.rank)
             report = RankReport(f"{type(exc).__name__}: {exc}")
-        reports = self.ex.gather(report)
+        reports = self.channel.gather(report)
         outcome: _Outcome | None = None
         if self.rank == 0:
             assert reports is not None
             try:
                 committed = commit_on_rank0(
-                    up.store,
+                    self.store,
                     job,
                     reports,
-                    run_id=up.run_id,
-                    parent=up._last_committed,
-                    writer=Writer(up.writer_id, up.epoch),
-                    signing_key=up.config.signing_key,
+                    run_id=writer.run_id,
+                    parent=self.chain.last_committed,
+                    writer=writer.writer,
+                    signing_key=cfg.signing_key,
                     policy=self._policy,
-                    fence=up._check_fence,
+                    fence=writer.check_fence,
+                    stop=self.stop,
                 )
-                outcome = _Outcome(committed, None, writer=(up.writer_id, up.epoch))
+                outcome = _Outcome(committed, None, writer=(writer.writer_id, writer.epoch))
             except Exception as exc:  # noqa: BLE001 - broadcast to every rank
                 log.error("commit of step %d failed: %s", job.step, exc)
                 outcome = _Outcome(None, str(exc), isinstance(exc, WriterFenced))
-        result: _Outcome = self.ex.broadcast(outcome)
+        result: _Outcome = self.channel.broadcast(outcome)
         return result
 
     @property
     def _policy(self) -> RetryPolicy:
-        return RetryPolicy(self.up.config.retries, self.up.config.retry_backoff)
+        return RetryPolicy(self.config.retries, self.config.retry_backoff)
 
     def _to_owners(self, job: ShardedJob, rebuild: bool) -> dict[str, TensorChange]:
         """Move this step's data to the owners: whole shards when rebuilding, else sparse changes."""
@@ -313,7 +300,7 @@ class ShardedPush:
         if rebuild:
             self.copies.clear()
             infos = {t.name: t for t in job.inventory}
-            for names in _rounds(job.inventory):
+            for names in rounds(job.inventory):
                 out: dict[int, list[tuple[str, Box, Any]]] = {}
                 try:
                     for n in names:
@@ -364,7 +351,7 @@ class ShardedPush:
 
     def _send(self, outgoing: dict[int, Any]) -> dict[int, Any]:
         try:
-            return self.ex.send_to(outgoing)
+            return self.channel.send_to(outgoing)
         except Exception as exc:
             raise _Collective(str(exc)) from exc
 
@@ -372,43 +359,21 @@ class ShardedPush:
 
     def _resolve(self, job: ShardedJob, outcome: _Outcome, t0: float) -> None:
         """Apply the outcome rank 0 broadcast (the same on every rank) and resolve the step's Future."""
-        up = self.up
         c = outcome.committed
         if c is None:
-            err: CommitFailed = (WriterFenced if outcome.fenced else CommitFailed)(
-                outcome.error or f"step {job.step} failed"
-            )
-            if outcome.fenced:
-                up._fenced = err  # type: ignore[assignment]
+            err = (WriterFenced if outcome.fenced else CommitFailed)(outcome.error or f"step {job.step} failed")
             self.copies.clear()
-            with up._cond:
-                up.failures += 1
-            fail_step(up, job, err)
+            self.chain.failed_step(job.futures, err)
             return
         m = c.manifest
         if self.rank != 0:
-            up.writer_id, up.epoch = outcome.writer
-        with up._cond:
-            up._last_committed = c
-            up._last_ok = True
-            up._needs_anchor = False
-            if m.kind == "anchor":
-                up._pushes_since_anchor = 0
-                up._anchor_bytes, up._bytes_since_anchor = m.stats.nbytes, 0
-            else:
-                up._pushes_since_anchor += 1
-                up._bytes_since_anchor += m.stats.nbytes
-            up._inflight -= len(job.futures)
-            up._cond.notify_all()
-        if self.rank == 0 and up.notifier is not None:
-            up.notifier.notify(m.step, c.digest, run_id=up.run_id, kind=m.kind)
-        if m.kind == "anchor" and up.retention is not None:  # rank 0 only (keep_anchors)
-            up.retention.trigger()
-        secs = time.perf_counter() - t0
-        for step, fut in job.futures:
-            kind: Literal["anchor", "patch"] = m.kind
-            st = m.stats
-            fut.set_result(CommitInfo(step, kind, st.nbytes, st.changed, st.total, m.anchor_step, c.digest, step, secs))
+            self.writer.adopt(self.writer.run_id, *outcome.writer)
+        self.chain.committed(c, len(job.futures), count_pushes=True)
+        if self.rank == 0 and self.after.notifier is not None:
+            self.after.notifier.notify(m.step, c.digest, run_id=self.writer.run_id, kind=m.kind)
+        if m.kind == "anchor" and self.after.retention is not None:  # rank 0 only (keep_anchors)
+            self.after.retention.trigger()
+        resolve_committed(job, c, time.perf_counter() - t0, skipped=False)
 
 
 class _Collective(Exception):
@@ -417,11 +382,6 @@ class _Collective(Exception):
 
 def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-def _rounds(inventory: tuple[TensorInfo, ...]) -> list[list[str]]:
-    """Groups of tensors (the same on every rank) whose whole shards cross to the owners together."""
-    return [[inventory[i].name for i in g] for g in group_by_size([t.nbytes for t in inventory], ROUND_BYTES)]
 
 
 def _disagreement(headers: list[_Header]) -> str | None:

@@ -23,6 +23,7 @@ __all__ = [
     "anchor_plan",
     "owner_map",
     "patch_file_names",
+    "rounds",
     "to_global",
     "write_box",
 ]
@@ -141,3 +142,11 @@ def write_box(full: Ints, global_shape: Sequence[int], box: Box, local: Ints) ->
     """Copy a local shard's flat bits ``local`` into its box of the flat global array ``full``."""
     region = tuple(slice(o, o + n) for o, n in zip(box.offset, box.shape, strict=True))
     full.reshape(tuple(global_shape))[region] = local.reshape(box.shape)
+
+
+ROUND_BYTES = 256 << 20  # tensor bytes per round when ranks send whole shards to owners
+
+
+def rounds(inventory: Sequence[TensorInfo]) -> list[list[str]]:
+    """Groups of tensors (the same on every rank) whose whole shards cross to the owners together."""
+    return [[inventory[i].name for i in g] for g in group_by_size([t.nbytes for t in inventory], ROUND_BYTES)]

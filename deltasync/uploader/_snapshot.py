@@ -1,0 +1,167 @@
+"""push()'s side of a step: the baseline it diffs against, the staging copies, the tensor digests.
+
+:class:`Snapshotter` owns the baseline (flat bits of the last pushed state, on each tensor's
+device), the staging buffers a deferred diff copies the caller's tensors into, and the
+digest cache. ``push`` makes a :class:`StepJob` here (an anchor snapshot, or a patch: staged
+or diffed at once); the digest stage finishes it (:meth:`diff`, :meth:`digest`). The
+baseline and the staging buffers are read by the previous job's diff and digests: a new
+snapshot first waits for them (:meth:`wait_for_last`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from concurrent.futures import Executor
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from deltasync._tensors import flat_bits
+from deltasync.protocol import TensorInfo
+from deltasync.protocol.digests import xxh3_128_array
+from deltasync.uploader._commit import StepJob
+from deltasync.uploader._diff import Baseline, TensorChange, diff_tensor
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Snapshotter"]
+
+
+class Snapshotter:
+    """The baseline, staging buffers and digest cache of one uploader (see the module docstring)."""
+
+    def __init__(self, pool: Executor, cast_dtype: Any = None) -> None:
+        self.pool = pool  # the encode pool: diffs of several tensors run there at once
+        self.cast_dtype = cast_dtype
+        self._baseline = Baseline()
+        self._staging: dict[str, torch.Tensor] = {}
+        self._digest_cache: dict[str, str] = {}
+        self._last_job: StepJob | None = None
+
+    @property
+    def inventory(self) -> tuple[TensorInfo, ...]:
+        """The inventory of the baseline (empty before the first push)."""
+        return self._baseline.inventory
+
+    @property
+    def last_job(self) -> StepJob | None:
+        """The newest job made here (kept until the next push, for coalescing)."""
+        return self._last_job
+
+    def wait_for_last(self) -> None:
+        """Wait until the previous job's diff and digests, which read the baseline and staging, are done."""
+        if self._last_job is not None:
+            self._last_job.digests_ready.wait()
+
+    def cast(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Cast floating-point tensors to ``cast_dtype`` (when set)."""
+        cast = self.cast_dtype
+        if cast is not None:
+            tensors = {k: v.to(cast) if v.is_floating_point() and v.dtype != cast else v for k, v in tensors.items()}
+        return tensors
+
+    # ------------------------------------------------------------------ jobs
+
+    def anchor(self, step: int, tensors: dict[str, torch.Tensor], inventory: Any, total: int) -> StepJob:
+        """An anchor job: ``tensors`` become the baseline and the job's host snapshot."""
+        same = inventory == self._baseline.inventory
+        snapshot: dict[str, Any] = {}
+        base = self._baseline.tensors if same else {}
+        for name, t in tensors.items():
+            bits = flat_bits(t)
+            if same:
+                base[name].copy_(bits)
+            else:
+                base[name] = bits.clone()
+            snapshot[name] = base[name].cpu().numpy().copy()
+        self._baseline = Baseline(base, inventory)
+        self._digest_cache.clear()
+        return self._made(StepJob(step, "anchor", inventory, snapshot=snapshot, changed=total, total=total))
+
+    def patch(
+        self,
+        step: int,
+        given: dict[str, torch.Tensor],
+        tensors: dict[str, torch.Tensor],
+        inventory: Any,
+        total: int,
+        *,
+        defer_diff: bool,
+    ) -> StepJob:
+        """A patch job: staged copies diffed later (``defer_diff``), or diffed here and now."""
+        if defer_diff:  # only copy here; the diff against the baseline runs on the digest stage
+            return self._made(StepJob(step, "patch", inventory, staged=self.stage(given, tensors), total=total))
+        job = StepJob(step, "patch", inventory, staged={k: flat_bits(t) for k, t in tensors.items()}, total=total)
+        self.diff(job)
+        return self._made(job)
+
+    def _made(self, job: StepJob) -> StepJob:
+        self._last_job = job
+        return job
+
+    def adopt(
+        self, base: dict[str, torch.Tensor], inventory: tuple[TensorInfo, ...], digests: Mapping[str, str]
+    ) -> None:
+        """Make ``base`` (proven equal to a committed step with ``digests``) the baseline."""
+        self._baseline = Baseline(base, inventory)
+        self._digest_cache = dict(digests)
+
+    def stage(self, given: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Flat bit views of this step's tensors that the caller cannot change any more.
+
+        Tensors that ``cast_dtype`` just made are ours already; the caller's own are
+        copied into reused staging buffers (one memcpy, about one compare pass).
+        """
+        out: dict[str, torch.Tensor] = {}
+        for name, t in tensors.items():
+            bits = flat_bits(t)
+            if t is not given.get(name):
+                out[name] = bits
+                continue
+            buf = self._staging.get(name)
+            if buf is None or buf.dtype != bits.dtype or buf.shape != bits.shape or buf.device != bits.device:
+                buf = self._staging[name] = bits.new_empty(bits.shape)
+            if buf.device.type == "cpu":
+                np.copyto(buf.numpy(), bits.numpy())  # a plain memcpy; torch's copy_ threads badly under load
+            else:
+                buf.copy_(bits)
+            out[name] = buf
+        return out
+
+    # ------------------------------------------------------------------ digest stage
+
+    def prefault_staging(self) -> None:
+        """Allocate and touch the staging buffers now, off the caller's thread, so that the
+        next push() copies into warm memory instead of paying the page faults."""
+        for name, base in self._baseline.tensors.items():
+            buf = self._staging.get(name)
+            if buf is None or buf.dtype != base.dtype or buf.shape != base.shape or buf.device != base.device:
+                self._staging[name] = base.new_zeros(base.shape)
+
+    def diff(self, job: StepJob) -> None:
+        """Diff the job's staged bits against the baseline (which takes them): fills ``job.changes``."""
+        names = list(job.staged)
+
+        def one(name: str) -> TensorChange | None:
+            return diff_tensor(self._baseline.tensors[name], job.staged[name])
+
+        # tensors at once: the compiled diff releases the GIL (each updates its own baseline)
+        found = list(self.pool.map(one, names)) if len(names) > 1 else [one(n) for n in names]
+        changes = {n: c for n, c in zip(names, found, strict=True) if c is not None}
+        job.staged = {}
+        job.changes = changes
+        job.changed = sum(int(c.idx.size) for c in changes.values())
+
+    def digest(self, job: StepJob) -> None:
+        """xxh3-128 of every post-step tensor into ``job.digests`` (unchanged ones from the cache)."""
+        for info in job.inventory:
+            name = info.name
+            if job.kind == "anchor":
+                arr = job.snapshot[name]
+            elif name in job.changes or name not in self._digest_cache:
+                arr = self._baseline.tensors[name].cpu().numpy()
+            else:
+                job.digests[name] = self._digest_cache[name]
+                continue
+            job.digests[name] = self._digest_cache[name] = xxh3_128_array(arr)
