@@ -15,17 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import (
-    SpyStore,
-    assert_state_equal,
-    bf16_view,
-    bits_equal,
-    make_qwen3,
-    qwen3_config,
-    snapshot,
-    step_of_key,
-    train_steps,
-)
+from qwen3 import make_qwen3, qwen3_config, train_steps
+from spy_store import SpyStore, step_of_key
+from tensors import assert_state_equal, bf16_view, bits_equal, snapshot
 
 import deltasync as ds
 from deltasync.errors import InventoryMismatch, StorageError

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from conftest import SpyStore, assert_state_equal, bf16_view, make_qwen3, snapshot, step_of_key, train_steps
+from qwen3 import make_qwen3, train_steps
+from spy_store import SpyStore, step_of_key
+from tensors import assert_state_equal, bf16_view, snapshot
 from test_e2e import STEPS, WAIT, expected_downloads, manifests
 
 import deltasync as ds

@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import SpyStore, assert_state_equal, bf16_view, make_qwen3, step_of_key, train_steps
+from qwen3 import make_qwen3, train_steps
+from spy_store import SpyStore, step_of_key
+from tensors import assert_state_equal, bf16_view
 from fakehub import TOKEN, FakeHub, hf_store, new_bucket
 
 import deltasync as ds
@@ -30,7 +32,6 @@ from deltasync.storage import HFBucketStore
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.slow
-pytest_plugins = ["hfhub_fixtures"]
 
 STEPS = 20
 WAIT = 120.0

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import assert_state_equal
-from materialize_support import CONFIG_COPIED, SHARD, Run, check_dir, cli, config_dir, leftovers, run
+from tensors import assert_state_equal
+from materialize_support import CONFIG_COPIED, SHARD, Run, check_dir, cli, leftovers
 
 import deltasync as ds
 from deltasync.errors import ObjectNotFound, StorageError

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from materialize_support import CONFIG_COPIED, SHARD, TIMEOUT, Run, check_dir, cli, config_dir, leftovers, run
+from materialize_support import CONFIG_COPIED, SHARD, TIMEOUT, Run, check_dir, cli, leftovers
 
 import deltasync as ds
 from deltasync.protocol.checkpoint import INDEX_NAME

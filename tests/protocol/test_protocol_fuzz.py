@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import pytest
-from conftest import anchor_manifest
+from manifests import anchor_manifest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
