@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests.test_spans import Stream, build, span_keys  # noqa: E402
+from test_spans import Stream, build, span_keys  # noqa: E402
 
 import deltasync as ds  # noqa: E402
 import deltasync.uploader._spans as spans_mod  # noqa: E402
