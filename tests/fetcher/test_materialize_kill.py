@@ -28,7 +28,6 @@ from deltasync.protocol.checkpoint import INDEX_NAME
 from deltasync.protocol.safetensors_io import parse_safetensors
 
 torch = pytest.importorskip("torch")
-__all__ = ["config_dir", "run"]  # fixtures
 
 
 # --------------------------------------------------------- concurrent reader

@@ -19,7 +19,6 @@ from deltasync.storage import HFBucketStore
 from deltasync.storage._hf_reach import check_reachable
 
 
-
 class Spy:
     """A real HfApi that counts the calls made through it."""
 

@@ -29,7 +29,6 @@ from deltasync.storage._hf import parse_hf_url, translate_hf_error
 from deltasync.testing.store import StoreTests
 
 
-
 def _api(hub: FakeHub) -> Any:
     from huggingface_hub import HfApi
 
