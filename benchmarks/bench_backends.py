@@ -48,8 +48,9 @@ import torch
 
 import deltasync as ds
 from deltasync._checkpoint_io import save_checkpoint
-from deltasync.storage import ObjectInfo, Store
+from deltasync.storage import Store
 from deltasync.storage.base import Data, PutMode, data_size
+from deltasync.testing.wrapper import WrapperStore
 
 HERE = Path(__file__).resolve().parent
 
@@ -70,13 +71,11 @@ FULL_REPS = 5
 SMALL = dict(hidden=512, layers=4, intermediate=1536, vocab=16000, heads=8, kv_heads=4, head_dim=64)
 
 
-class CountingStore(Store):
+class CountingStore(WrapperStore[Store]):
     """Counts the payload bytes written and read through ``inner``."""
 
     def __init__(self, inner: Store) -> None:
-        self.inner = inner
-        self.url = inner.url
-        self.supports_conditional_put = inner.supports_conditional_put
+        super().__init__(inner)
         self.written = 0
         self.read = 0
 
@@ -96,18 +95,6 @@ class CountingStore(Store):
         out = self.inner.get_range(key, start, end)
         self.read += len(out)
         return out
-
-    def list(self, prefix: str = "") -> list[ObjectInfo]:
-        # docstring inherited
-        return self.inner.list(prefix)
-
-    def delete_many(self, keys: Sequence[str]) -> None:
-        # docstring inherited
-        self.inner.delete_many(keys)
-
-    def close(self) -> None:
-        # docstring inherited
-        self.inner.close()
 
 
 @dataclass

@@ -47,8 +47,9 @@ from typing import Any
 import torch
 
 import deltasync as ds
-from deltasync.storage import HFBucketStore, ObjectInfo
+from deltasync.storage import HFBucketStore
 from deltasync.storage.base import Data, PutMode, data_size
+from deltasync.testing.wrapper import WrapperStore
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -73,12 +74,11 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-class TimedStore(ds.Store):
+class TimedStore(WrapperStore[ds.Store]):
     """Delegates to ``inner``; adds up the wall time and object bytes of puts and gets."""
 
     def __init__(self, inner: ds.Store) -> None:
-        self.inner = inner
-        self.url = inner.url
+        super().__init__(inner)
         self.put_s = self.get_s = 0.0
         self.put_bytes = self.get_bytes = 0
 
@@ -98,15 +98,6 @@ class TimedStore(ds.Store):
         self.get_s += time.perf_counter() - t0
         self.get_bytes += sum(len(v) for v in out.values())
         return out
-
-    def get_range(self, key: str, start: int, end: int) -> bytes:
-        return self.inner.get_range(key, start, end)
-
-    def list(self, prefix: str = "") -> list[ObjectInfo]:
-        return self.inner.list(prefix)
-
-    def delete_many(self, keys: Sequence[str]) -> None:
-        self.inner.delete_many(keys)
 
 
 @dataclass

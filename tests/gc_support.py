@@ -6,8 +6,8 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from deltasync.storage import ObjectInfo, Store
-from deltasync.storage.base import Data, PutMode
+from deltasync.storage import Store
+from deltasync.testing.wrapper import WrapperStore
 
 __all__ = ["HookStore", "bits_equal_state", "make_states", "zeros_like"]
 
@@ -58,32 +58,27 @@ def bits_equal_state(got: Mapping[str, Any], want: Mapping[str, Any]) -> bool:
     return True
 
 
-class HookStore(Store):
+class HookStore(WrapperStore[Store]):
     """Forwards to ``inner``; ``hook`` runs once, right before the first read of a step's data file."""
 
     def __init__(self, inner: Store) -> None:
-        self.inner = inner
-        self.url = inner.url
+        super().__init__(inner)
         self.hook: Callable[[], None] | None = None
         self._lock = threading.Lock()
 
-    def put_many(self, items: Mapping[str, Data], *, mode: PutMode = "overwrite") -> None:
-        # docstring inherited
-        self.inner.put_many(items, mode=mode)
-
-    def get_many(self, keys: Sequence[str]) -> dict[str, bytes]:
-        # docstring inherited
+    def _before_read(self, keys: Sequence[str]) -> None:
         if any(k.startswith("steps/") and not k.endswith("/manifest.json") for k in keys):
             with self._lock:
                 hook, self.hook = self.hook, None
             if hook is not None:
                 hook()
+
+    def get_many(self, keys: Sequence[str]) -> dict[str, bytes]:
+        # docstring inherited
+        self._before_read(keys)
         return self.inner.get_many(keys)
 
-    def list(self, prefix: str = "") -> list[ObjectInfo]:
-        # docstring inherited
-        return self.inner.list(prefix)
-
-    def delete_many(self, keys: Sequence[str]) -> None:
-        # docstring inherited
-        self.inner.delete_many(keys)
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        # docstring inherited (a range read is a read too: the base Store read it through get_many)
+        self._before_read([key])
+        return self.inner.get_range(key, start, end)

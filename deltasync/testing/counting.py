@@ -8,19 +8,18 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from deltasync.storage.base import Data, ObjectInfo, PutMode, Store
+from deltasync.testing.wrapper import WrapperStore
 
 __all__ = ["CountingStore"]
 
 
-class CountingStore(Store):
+class CountingStore(WrapperStore[Store]):
     """Delegates to ``inner`` and counts each call as one round trip (``calls``, by method) and
     the objects it read (``objects_read``). A ``get_many`` batch is one round trip: backends
     send its keys concurrently, so its latency is one request's."""
 
     def __init__(self, inner: Store) -> None:
-        self.inner = inner
-        self.url = inner.url
-        self.supports_conditional_put = inner.supports_conditional_put  # type: ignore[misc]
+        super().__init__(inner)
         self.calls: Counter[str] = Counter()
         self.objects_read = 0
         self._lock = threading.Lock()
@@ -75,7 +74,3 @@ class CountingStore(Store):
         # docstring inherited
         self._count("exists")
         return self.inner.exists(key)
-
-    def close(self) -> None:
-        # docstring inherited
-        self.inner.close()

@@ -69,65 +69,16 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import pytest
 from hypothesis import HealthCheck, settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+from hypothesis.stateful import run_state_machine_as_test
 
 from deltasync.errors import AlreadyExists, DeltaSyncError, InvalidKey, ObjectNotFound, StorageError
-from deltasync.storage.base import Data, ObjectInfo, Store
+from deltasync.storage.base import ObjectInfo, Store
+from deltasync.testing.stateful import StoreStateMachine, checked_listing
+from deltasync.testing.strategies import INVALID_KEYS, PAYLOAD_KINDS, as_payload, random_bytes
 
 __all__ = ["StoreStateMachine", "StoreTests"]
 
 S = TypeVar("S", bound=Store)
-
-#: Keys that every method must refuse with InvalidKey.
-INVALID_KEYS: tuple[Any, ...] = (
-    "",
-    "../x",
-    "a/../../x",
-    "..",
-    ".",
-    "/abs",
-    "/",
-    "a//b",
-    "a/./b",
-    "a/",
-    "a\\b",
-    "..\\x",
-    "a\x00b",
-    "k" * 1025,
-    None,
-    b"bytes-key",
-)
-
-PAYLOAD_KINDS = ("bytes", "bytearray", "memoryview", "path")
-
-
-def _random_bytes(n: int, seed: int = 0) -> bytes:
-    return random.Random(seed).randbytes(n)
-
-
-def _as_payload(kind: str, content: bytes, tmp_path: Path) -> Data:
-    """``content`` as a put payload of the given kind."""
-    if kind == "bytes":
-        return bytes(content)
-    if kind == "bytearray":
-        return bytearray(content)
-    if kind == "memoryview":
-        return memoryview(content)
-    if kind == "path":
-        path = tmp_path / f"payload-{len(list(tmp_path.glob('payload-*')))}.bin"
-        path.write_bytes(content)
-        return path
-    raise AssertionError(f"unknown payload kind {kind!r}")
-
-
-def _listing(store: Store, prefix: str = "") -> dict[str, int]:
-    infos = store.list(prefix)
-    assert all(isinstance(o, ObjectInfo) for o in infos)
-    keys = [o.key for o in infos]
-    assert keys == sorted(keys), f"list({prefix!r}) is not sorted by key: {keys}"
-    assert len(set(keys)) == len(keys), f"list({prefix!r}) repeats keys: {keys}"
-    return {o.key: o.size for o in infos}
 
 
 class StoreTests(ABC, Generic[S]):
@@ -173,7 +124,7 @@ class StoreTests(ABC, Generic[S]):
         self.raw_put(store, "steps/000000000001/raw.bin", b"written behind its back")
         assert store.get("steps/000000000001/raw.bin") == b"written behind its back"
         assert store.exists("steps/000000000001/raw.bin")
-        assert _listing(store) == {"steps/000000000001/raw.bin": 23}
+        assert checked_listing(store) == {"steps/000000000001/raw.bin": 23}
         store.put("HEAD.json", b"{}")
         assert self.raw_get(store, "HEAD.json") == b"{}"
 
@@ -183,23 +134,23 @@ class StoreTests(ABC, Generic[S]):
     @pytest.mark.parametrize("size", [0, 1, 4099, -1], ids=["empty", "1B", "4KiB", "multi-MB"])
     def test_put_get_roundtrip(self, store: S, tmp_path: Path, kind: str, size: int) -> None:
         n = self.big_object_size if size < 0 else size
-        content = _random_bytes(n, seed=n)
+        content = random_bytes(n, seed=n)
         key = "steps/000000000007/model-00001-of-00002.safetensors"
-        store.put(key, _as_payload(kind, content, tmp_path))
+        store.put(key, as_payload(kind, content, tmp_path))
         got = store.get(key)
         assert type(got) is bytes
         assert got == content
         assert self.raw_get(store, key) == content
         assert store.get_many([key]) == {key: content}
-        assert _listing(store) == {key: n}
+        assert checked_listing(store) == {key: n}
         assert store.exists(key)
 
     @pytest.mark.parametrize("kind", PAYLOAD_KINDS)
     def test_put_many_mixed_payloads(self, store: S, tmp_path: Path, kind: str) -> None:
-        items = {f"steps/000000000001/f{i}.bin": _random_bytes(i * 100, seed=i) for i in range(5)}
-        store.put_many({k: _as_payload(kind, v, tmp_path) for k, v in items.items()})
+        items = {f"steps/000000000001/f{i}.bin": random_bytes(i * 100, seed=i) for i in range(5)}
+        store.put_many({k: as_payload(kind, v, tmp_path) for k, v in items.items()})
         assert store.get_many(list(items)) == items
-        assert _listing(store) == {k: len(v) for k, v in items.items()}
+        assert checked_listing(store) == {k: len(v) for k, v in items.items()}
         for k, v in items.items():
             assert self.raw_get(store, k) == v
 
@@ -207,8 +158,8 @@ class StoreTests(ABC, Generic[S]):
         ints = array("I", range(1000))
         store.put("typed", memoryview(ints))
         assert store.get("typed") == ints.tobytes()
-        assert _listing(store) == {"typed": 4000}
-        buf = bytearray(_random_bytes(1000))
+        assert checked_listing(store) == {"typed": 4000}
+        buf = bytearray(random_bytes(1000))
         store.put("sliced", memoryview(buf)[3:517])
         assert store.get("sliced") == bytes(buf[3:517])
         store.put("empty-view", memoryview(b"abc")[1:1])
@@ -230,10 +181,10 @@ class StoreTests(ABC, Generic[S]):
             store.put("k", tmp_path / "no-such-file.bin")
         assert not isinstance(info.value, ObjectNotFound), "a missing source file is not a missing object"
         assert not store.exists("k")
-        assert _listing(store) == {}
+        assert checked_listing(store) == {}
 
     def test_get_many_many_keys(self, store: S) -> None:
-        items = {f"steps/{i % 7:012d}/shard-{i:04d}.bin": _random_bytes(i % 50, seed=i) for i in range(300)}
+        items = {f"steps/{i % 7:012d}/shard-{i:04d}.bin": random_bytes(i % 50, seed=i) for i in range(300)}
         store.put_many(items)
         keys = list(items)
         random.Random(1).shuffle(keys)
@@ -283,7 +234,7 @@ class StoreTests(ABC, Generic[S]):
         assert isinstance(info.value, StorageError)
         assert store.get("HEAD.json") == b"old"
         assert self.raw_get(store, "HEAD.json") == b"old"
-        assert _listing(store) == {"HEAD.json": 3}
+        assert checked_listing(store) == {"HEAD.json": 3}
 
     def test_create_in_a_batch(self, store: S) -> None:
         store.put("steps/000000000002/b.bin", b"old")
@@ -308,12 +259,12 @@ class StoreTests(ABC, Generic[S]):
         store.put(key, b"second")
         assert store.get(key) == b"second"
         assert self.raw_get(store, key) == b"second"
-        assert _listing(store) == {key: 6}
+        assert checked_listing(store) == {key: 6}
         store.put(key, b"third", mode="overwrite")
         assert store.get(key) == b"third"
         store.put_many({key: b""}, mode="overwrite")
         assert store.get(key) == b""
-        assert _listing(store) == {key: 0}
+        assert checked_listing(store) == {key: 0}
         self.raw_put(store, key, b"behind its back")
         store.put(key, b"fourth")
         assert store.get(key) == b"fourth"
@@ -353,7 +304,7 @@ class StoreTests(ABC, Generic[S]):
             "steps/000000000003/",
             "zz/",
         ):
-            assert _listing(store, prefix) == keys_with(prefix), prefix
+            assert checked_listing(store, prefix) == keys_with(prefix), prefix
         assert [o.key for o in store.list()] == sorted(items)
         assert store.list() == store.list("")
 
@@ -391,7 +342,7 @@ class StoreTests(ABC, Generic[S]):
 
     def test_list_shows_only_objects(self, store: S, tmp_path: Path) -> None:
         store.put("a/b/c", b"1")
-        store.put("a/b/d", _as_payload("path", b"22", tmp_path))
+        store.put("a/b/d", as_payload("path", b"22", tmp_path))
         store.put("a/e", b"333", mode="create")
         with pytest.raises(AlreadyExists):
             store.put("a/e", b"4444", mode="create")
@@ -399,10 +350,10 @@ class StoreTests(ABC, Generic[S]):
         store.put("f", b"666666")
         store.put("g/h", b"x")
         store.delete_many(["g/h"])
-        assert _listing(store) == {"a/b/c": 1, "a/b/d": 2, "a/e": 3, "f": 6}
-        assert _listing(store, ".") == {}
-        assert _listing(store, "g") == {}
-        for key in _listing(store):
+        assert checked_listing(store) == {"a/b/c": 1, "a/b/d": 2, "a/e": 3, "f": 6}
+        assert checked_listing(store, ".") == {}
+        assert checked_listing(store, "g") == {}
+        for key in checked_listing(store):
             store.get(key)
 
     def test_list_reports_when_objects_were_written(self, store: S) -> None:
@@ -418,7 +369,7 @@ class StoreTests(ABC, Generic[S]):
     def test_list_prefix_never_escapes(self, store: S) -> None:
         store.put("inside", b"x")
         for prefix in ("../", "..", "/", "/inside", "./inside", "a//", "\\"):
-            assert _listing(store, prefix) == {}, prefix
+            assert checked_listing(store, prefix) == {}, prefix
 
     def test_list_empty_store(self, store: S) -> None:
         assert store.list() == []
@@ -429,14 +380,14 @@ class StoreTests(ABC, Generic[S]):
     def test_delete_many(self, store: S) -> None:
         store.put_many({"a/1": b"1", "a/2": b"2", "b/3": b"3", "c": b"4"})
         store.delete_many(["a/1", "missing", "a/nope/deeper", "c"])
-        assert _listing(store) == {"a/2": 1, "b/3": 1}
+        assert checked_listing(store) == {"a/2": 1, "b/3": 1}
         assert self.raw_get(store, "a/1") is None
         assert self.raw_get(store, "c") is None
         with pytest.raises(ObjectNotFound):
             store.get("a/1")
         store.delete_many([])
         store.delete_many(["a/1", "a/1"])
-        assert _listing(store) == {"a/2": 1, "b/3": 1}
+        assert checked_listing(store) == {"a/2": 1, "b/3": 1}
         store.delete_many(["a/2", "b/3"])
         assert store.list() == []
 
@@ -485,8 +436,8 @@ class StoreTests(ABC, Generic[S]):
             assert isinstance(info.value, StorageError), name
             assert str(info.value), name
         if isinstance(key, str) and key:
-            assert _listing(store, key) == {}, "list() takes any prefix; this one matches nothing"
-        assert _listing(store) == {"ok": 4}
+            assert checked_listing(store, key) == {}, "list() takes any prefix; this one matches nothing"
+        assert checked_listing(store) == {"ok": 4}
         assert store.get("ok") == b"fine"
         assert not (tmp_path / "x").exists(), "a '../x' key escaped the store"
 
@@ -557,7 +508,7 @@ class StoreTests(ABC, Generic[S]):
         with ThreadPoolExecutor(max_workers=n) as pool:
             list(pool.map(attempt, range(n)))
         assert store.get("HEAD.json") in payloads
-        assert _listing(store) == {"HEAD.json": len(store.get("HEAD.json"))}
+        assert checked_listing(store) == {"HEAD.json": len(store.get("HEAD.json"))}
 
     # -- state machine --------------------------------------------------------------
 
@@ -605,110 +556,3 @@ class StoreTests(ABC, Generic[S]):
                 super().__init__(suite.make_store(next(paths)), suite.raw_get, suite.raw_put)
 
         run_state_machine_as_test(Machine, settings=self.state_machine_settings)
-
-
-# Keys of the state machine: directory and leaf names are disjoint, so no stored
-# key is ever a path prefix of another (see the module docstring).
-_DIRS = ("d0", "d1", "steps")
-_LEAVES = ("f0", "f1", "manifest.json", "HEAD")
-_ALL_KEYS = [
-    "/".join([*dirs, leaf])
-    for dirs in [(), *itertools.product(_DIRS, repeat=1), *itertools.product(_DIRS, repeat=2)]
-    for leaf in _LEAVES
-]
-_keys = st.sampled_from(_ALL_KEYS)
-_data = st.binary(max_size=64)
-_prefixes = st.one_of(
-    st.tuples(_keys, st.integers(0, 30)).map(lambda t: t[0][: t[1]]),
-    st.text(alphabet="d01/stepf.", max_size=5),
-)
-
-
-class StoreStateMachine(RuleBasedStateMachine):
-    """A store checked step by step against a plain ``dict`` model."""
-
-    def __init__(
-        self,
-        store: Store,
-        raw_get: Callable[[Any, str], bytes | None],
-        raw_put: Callable[[Any, str, bytes], None],
-    ) -> None:
-        super().__init__()
-        self.store = store
-        self.raw_get = raw_get
-        self.raw_put = raw_put
-        self.model: dict[str, bytes] = {}
-
-    def teardown(self) -> None:
-        self.store.close()
-
-    @rule(key=_keys, data=_data)
-    def put(self, key: str, data: bytes) -> None:
-        self.store.put(key, data)
-        self.model[key] = data
-
-    @rule(items=st.dictionaries(_keys, _data, max_size=4))
-    def put_many(self, items: dict[str, bytes]) -> None:
-        self.store.put_many({k: bytearray(v) for k, v in items.items()})
-        self.model.update(items)
-
-    @rule(key=_keys, data=_data)
-    def create(self, key: str, data: bytes) -> None:
-        if key in self.model:
-            with pytest.raises(AlreadyExists):
-                self.store.put(key, data, mode="create")
-        else:
-            self.store.put(key, memoryview(data), mode="create")
-            self.model[key] = data
-
-    @rule(keys=st.lists(_keys, max_size=4))
-    def delete_many(self, keys: list[str]) -> None:
-        self.store.delete_many(keys)
-        for key in keys:
-            self.model.pop(key, None)
-
-    @rule(key=_keys, data=_data)
-    def raw_write(self, key: str, data: bytes) -> None:
-        self.raw_put(self.store, key, data)
-        self.model[key] = data
-
-    @rule(key=_keys)
-    def get(self, key: str) -> None:
-        if key in self.model:
-            assert self.store.get(key) == self.model[key]
-        else:
-            with pytest.raises(ObjectNotFound):
-                self.store.get(key)
-
-    @rule(keys=st.lists(_keys, max_size=5, unique=True))
-    def get_many(self, keys: list[str]) -> None:
-        if all(k in self.model for k in keys):
-            assert self.store.get_many(keys) == {k: self.model[k] for k in keys}
-        else:
-            with pytest.raises(ObjectNotFound):
-                self.store.get_many(keys)
-
-    @rule(key=_keys, start=st.integers(0, 70), length=st.integers(0, 70))
-    def get_range(self, key: str, start: int, length: int) -> None:
-        if key in self.model:
-            assert self.store.get_range(key, start, start + length) == self.model[key][start : start + length]
-        else:
-            with pytest.raises(ObjectNotFound):
-                self.store.get_range(key, start, start + length)
-
-    @rule(key=_keys)
-    def exists(self, key: str) -> None:
-        assert self.store.exists(key) == (key in self.model)
-
-    @rule(key=_keys)
-    def raw_read(self, key: str) -> None:
-        assert self.raw_get(self.store, key) == self.model.get(key)
-
-    @rule(prefix=_prefixes)
-    def list_prefix(self, prefix: str) -> None:
-        expected = {k: len(v) for k, v in sorted(self.model.items()) if k.startswith(prefix)}
-        assert _listing(self.store, prefix) == expected
-
-    @invariant()
-    def listing_matches_model(self) -> None:
-        assert _listing(self.store) == {k: len(v) for k, v in self.model.items()}

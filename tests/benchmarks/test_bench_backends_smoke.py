@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import load_bench
+from bench_loader import load_bench
 
 import deltasync as ds
 from deltasync.testing.seaweedfs import SeaweedFS

@@ -17,7 +17,6 @@ from fakehub import FakeHub
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
-pytest_plugins = ["hfhub_fixtures"]
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_hf.py"
 

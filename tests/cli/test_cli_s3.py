@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import assert_state_equal, make_qwen3
+from qwen3 import make_qwen3
+from tensors import assert_state_equal
 
 from deltasync._checkpoint_io import load_checkpoint, save_checkpoint
 from deltasync.cli import main, upload_main

@@ -1,7 +1,7 @@
-"""The acceptance scenario over HF Storage Buckets (fake Hub, real huggingface_hub + hf_xet), faults, CLI.
+"""HF Storage Buckets (fake Hub, real huggingface_hub + hf_xet): what only this backend shows, faults, CLI.
 
-* a tiny Qwen3 trained 20 AdamW steps, every step pushed (anchor_every=5) to a bucket;
-  a fresh fetcher reaches every step bit-exactly; a fetcher stopped at 7 resumes at 18;
+* the scenario of ``test_e2e.py`` (run there on every backend, ``hf`` included) really puts its
+  objects in the fake Hub's bucket, under the prefix;
 * under injected 5xx / 429 / partial ``/batch`` failures / slow responses no committed
   step is torn or lost; a step whose writes keep failing resolves with CommitFailed and
   the next push is an anchor; no manifest ever lists a missing file;
@@ -15,109 +15,34 @@ import os
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import SpyStore, assert_state_equal, bf16_view, make_qwen3, step_of_key, train_steps
+from e2e_runs import WAIT, Run, assert_no_torn_manifest
 from fakehub import TOKEN, FakeHub, hf_store, new_bucket
+from tensors import assert_state_equal
 
 import deltasync as ds
 from deltasync.errors import CommitFailed, TransientStorageError
-from deltasync.protocol import Manifest, manifest_key
+from deltasync.protocol import manifest_key
 from deltasync.storage import HFBucketStore
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.slow
-pytest_plugins = ["hfhub_fixtures"]
 
-STEPS = 20
-WAIT = 120.0
-
-
-@dataclass
-class HFRun:
-    hub: FakeHub
-    bucket_id: str
-    prefix: str
-    pushed: list[dict[str, Any]] = field(default_factory=list)
-    infos: list[Any] = field(default_factory=list)
-
-    def store(self) -> HFBucketStore:
-        return hf_store(self.hub, self.bucket_id, self.prefix)
-
-    def zeros(self) -> dict[str, Any]:
-        return {k: torch.zeros_like(v) for k, v in self.pushed[0].items()}
+#: the tests on the scenario's runs take them from the fake Hub
+HF = pytest.mark.parametrize("backend", ["hf"], indirect=True)
 
 
-@pytest.fixture(scope="module")
-def hf_run(fake_hub: FakeHub) -> HFRun:
-    """20 AdamW steps (lr 1e-6, RL-like sparse updates) pushed to a fresh bucket."""
-    run = HFRun(fake_hub, new_bucket(fake_hub), "runs/qwen3")
-    model = make_qwen3(seed=0)
-    with ds.DeltaUploader(run.store(), anchor_every=5, on_backlog="block", cast_dtype=torch.bfloat16) as up:
-        futs = []
-        for step in train_steps(model, STEPS, lr=1e-6, seed=2):
-            run.pushed.append(bf16_view(model))
-            futs.append(up.push(model, step))
-        run.infos = [f.result(WAIT) for f in futs]
-    return run
-
-
-def assert_no_torn_manifest(store: ds.Store) -> list[int]:
-    """Every committed step lists only files that exist with the listed sizes; returns the steps.
-
-    Steps first, then the listing: a manifest seen earlier had all its files before it, so a
-    later listing must show them even while an uploader is writing.
-    """
-    steps = ds.DeltaFetcher(store).steps()
-    listing = {o.key: o.size for o in store.list("steps/")}
-    for s in steps:
-        m = Manifest.from_json(store.get(manifest_key(s)))
-        for fi in m.files:
-            key = f"steps/{s:012d}/{fi.path}"
-            assert listing.get(key) == fi.size, (
-                f"step {s}: manifest lists {key} ({fi.size} B), store has {listing.get(key)}"
-            )
-    return steps
-
-
-# ------------------------------------------------------------------ e2e
-
-
-def test_run_is_committed_in_the_bucket(hf_run: HFRun) -> None:
-    assert [i.step for i in hf_run.infos] == list(range(STEPS))
-    assert [i.kind for i in hf_run.infos] == ["anchor", "patch", "patch", "patch", "patch"] * 4
-    store = hf_run.store()
-    assert assert_no_torn_manifest(store) == list(range(STEPS))
+@HF
+def test_run_is_committed_in_the_bucket(runs: dict[str, Run], fake_hub: FakeHub) -> None:
+    run = runs["lr1e-6"]
+    store = run.store()
+    assert isinstance(store, HFBucketStore) and store.prefix == f"runs/{run.prefix}"
     # the objects really are in the fake Hub's bucket, under the prefix
-    entry = hf_run.hub.file_entry(hf_run.bucket_id, f"runs/qwen3/{manifest_key(7)}")
+    entry = fake_hub.file_entry(store.bucket_id, f"runs/{run.prefix}/{manifest_key(7)}")
     assert entry is not None and entry[1] == len(store.get(manifest_key(7)))
-    patches = [i for i in hf_run.infos if i.kind == "patch"]
-    assert max(i.nbytes for i in patches) < 0.1 * hf_run.infos[0].nbytes
-
-
-def test_fresh_fetcher_bit_exact_at_every_step(hf_run: HFRun) -> None:
-    for step in range(STEPS):
-        target = hf_run.zeros()
-        assert ds.DeltaFetcher(hf_run.store()).sync(target, step=step) == step
-        assert_state_equal(target, hf_run.pushed[step], f"HF step {step}")
-
-
-def test_fetcher_stopped_at_7_resumes_at_18(hf_run: HFRun) -> None:
-    spy = SpyStore(hf_run.store())
-    f = ds.DeltaFetcher(spy)
-    target = hf_run.zeros()
-    f.sync(target, step=7)
-    assert_state_equal(target, hf_run.pushed[7])
-    spy.reset()
-    assert f.sync(target, step=18) == 18
-    assert_state_equal(target, hf_run.pushed[18], "7 -> 18")
-    # anchors at 0, 5, 10, 15: the cheapest way to 18 starts from anchor 15
-    assert {step_of_key(k) for k in spy.data_gets()} == {15, 16, 17, 18}
-    assert f.sync(target) == STEPS - 1
-    assert_state_equal(target, hf_run.pushed[-1])
 
 
 # ------------------------------------------------------------------ faults
@@ -208,8 +133,9 @@ def test_persistent_failure_gives_commit_failed_then_an_anchor(fake_hub: FakeHub
     assert head["step"] == 4
 
 
-def test_fetcher_reads_through_faults(hf_run: HFRun) -> None:
-    hub = hf_run.hub
+@HF
+def test_fetcher_reads_through_faults(runs: dict[str, Run], fake_hub: FakeHub) -> None:
+    hf_run, hub = runs["lr1e-6"], fake_hub
     hub.fail(r"/paths-info$", method="POST", status=500)
     hub.fail(r"/tree", method="GET", status=429, retry_after=0)
     try:

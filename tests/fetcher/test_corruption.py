@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import assert_state_equal, snapshot
+from tensors import assert_state_equal, snapshot
 
 import deltasync as ds
 from deltasync.errors import (

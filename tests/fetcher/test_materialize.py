@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import assert_state_equal
-from materialize_support import CONFIG_COPIED, SHARD, Run, check_dir, cli, config_dir, leftovers, run
+from materialize_support import CONFIG_COPIED, SHARD, Run, check_dir, cli, leftovers
+from tensors import assert_state_equal
 
 import deltasync as ds
 from deltasync.errors import ObjectNotFound, StorageError
@@ -23,7 +23,6 @@ from deltasync.fetcher import _materialize, _swapdir
 from deltasync.protocol.checkpoint import build_checkpoint
 
 torch = pytest.importorskip("torch")
-__all__ = ["config_dir", "run"]  # fixtures
 
 # ------------------------------------------------------- swap, reuse, stats
 

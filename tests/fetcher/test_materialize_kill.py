@@ -21,14 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from materialize_support import CONFIG_COPIED, SHARD, TIMEOUT, Run, check_dir, cli, config_dir, leftovers, run
+from materialize_support import CONFIG_COPIED, SHARD, TIMEOUT, Run, check_dir, cli, leftovers
 
 import deltasync as ds
 from deltasync.protocol.checkpoint import INDEX_NAME
 from deltasync.protocol.safetensors_io import parse_safetensors
 
 torch = pytest.importorskip("torch")
-__all__ = ["config_dir", "run"]  # fixtures
 
 
 # --------------------------------------------------------- concurrent reader

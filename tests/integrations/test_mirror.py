@@ -14,7 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import bits_equal  # noqa: E402
+from tensors import bits_equal  # noqa: E402
 
 import deltasync as ds  # noqa: E402
 from deltasync.errors import InventoryMismatch, UpdateRolledBack, WorkerNeedsReplacement  # noqa: E402

@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from conftest import QWEN3_KW, make_qwen3  # noqa: E402
+from qwen3 import QWEN3_KW, make_qwen3  # noqa: E402
 
 from deltasync.integrations.transformers import DeltaSyncCallback  # noqa: E402
 

@@ -28,13 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_harness import (  # noqa: F401  (fixture_*: the fixtures vllm_python, tiny_model, trained_run)
+from vllm_harness import (
     FRESH_SCRIPT,
     TrainedRun,
     checkpoint_dir,
-    fixture_tiny_model,
-    fixture_trained_run,
-    fixture_vllm_python,
     run_vllm,
 )
 

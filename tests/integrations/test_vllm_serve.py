@@ -21,13 +21,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from vllm_harness import (  # noqa: F401  (fixture_*: the fixtures vllm_python, tiny_model, trained_run)
+from vllm_harness import (
     REPO,
     TrainedRun,
     checkpoint_dir,
-    fixture_tiny_model,
-    fixture_trained_run,
-    fixture_vllm_python,
     vllm_env,
 )
 

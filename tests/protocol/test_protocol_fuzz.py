@@ -15,9 +15,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 import pytest
-from conftest import anchor_manifest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from manifests import anchor_manifest
 
 from deltasync.errors import ProtocolError, UnsupportedVersion
 from deltasync.protocol import (

@@ -11,7 +11,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from conftest import anchor_manifest
+from manifests import anchor_manifest
 
 from deltasync.errors import ChainBroken, ProtocolError
 from deltasync.protocol import (

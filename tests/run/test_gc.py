@@ -24,7 +24,6 @@ from deltasync.run.gc import collect_garbage
 from deltasync.storage import LocalStore, Store
 
 torch = pytest.importorskip("torch")
-pytest_plugins = ["hfhub_fixtures"]
 
 WAIT = 120.0
 

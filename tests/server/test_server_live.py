@@ -244,7 +244,7 @@ def _step(state: dict[str, Any], step: int) -> None:
 
 def test_follower_reaches_the_trainer_step_with_the_server_killed_midway(tmp_path: Path) -> None:
     pytest.importorskip("torch")
-    from conftest import assert_state_equal, snapshot
+    from tensors import assert_state_equal, snapshot
 
     store = ds.LocalStore(tmp_path / "store")
     srv = ProcServer(tmp_path, "--db", str(tmp_path / "s.db"), "--store", str(tmp_path / "store"), env=ENV).start()
@@ -327,7 +327,7 @@ def test_follow_polls_without_a_signal_server_and_materializes(tmp_path: Path) -
     got: dict[str, Any] = {}
     for f in sorted(out.glob("*.safetensors")):
         got.update(load_file(f))
-    from conftest import assert_state_equal
+    from tensors import assert_state_equal
 
     assert_state_equal(got, train, "materialized by follow")
 
@@ -342,7 +342,7 @@ def test_serve_refuses_a_public_address_without_a_token(
 
 def test_default_run_name_is_the_run_id(tmp_path: Path) -> None:
     pytest.importorskip("torch")
-    from conftest import assert_state_equal, snapshot
+    from tensors import assert_state_equal, snapshot
 
     store = ds.LocalStore(tmp_path / "store")
     app = create_app(Settings(publish_token=PUB, subscribe_token=SUB, db_path=str(tmp_path / "s.db")), store=store)
@@ -376,7 +376,7 @@ def test_default_run_name_is_the_run_id(tmp_path: Path) -> None:
 
 def test_follower_resubscribes_when_the_server_comes_back(tmp_path: Path) -> None:
     pytest.importorskip("torch")
-    from conftest import assert_state_equal, snapshot
+    from tensors import assert_state_equal, snapshot
 
     store = ds.LocalStore(tmp_path / "store")
     db, port = str(tmp_path / "s.db"), free_port()

@@ -18,8 +18,6 @@ from deltasync.errors import TransientStorageError
 from deltasync.storage import HFBucketStore
 from deltasync.storage._hf_reach import check_reachable
 
-pytest_plugins = ["hfhub_fixtures"]
-
 
 class Spy:
     """A real HfApi that counts the calls made through it."""

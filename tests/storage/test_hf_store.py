@@ -28,8 +28,6 @@ from deltasync.storage import HFBucketStore, open_store
 from deltasync.storage._hf import parse_hf_url, translate_hf_error
 from deltasync.testing.store import StoreTests
 
-pytest_plugins = ["hfhub_fixtures"]
-
 
 def _api(hub: FakeHub) -> Any:
     from huggingface_hub import HfApi

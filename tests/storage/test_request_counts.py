@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import load_bench
+from bench_loader import load_bench
 
 torch = pytest.importorskip("torch")
 

@@ -22,6 +22,7 @@ import deltasync as ds
 from deltasync.errors import ChecksumMismatch, ProtocolError, WriterFenced
 from deltasync.protocol import Manifest, file_key, manifest_key
 from deltasync.storage.base import Data, PutMode
+from deltasync.testing.wrapper import WrapperStore
 
 torch = pytest.importorskip("torch")
 
@@ -43,14 +44,13 @@ def state_at(step: int) -> dict[str, Any]:
     return {"w": w, "b": b}
 
 
-class HangOnManifest(ds.Store):
+class HangOnManifest(WrapperStore[ds.Store]):
     """Passes writes through, but hangs forever writing the manifest of ``step`` (after
     touching ``ready``), so the process can be killed mid-commit."""
 
     def __init__(self, inner: ds.Store, step: int, ready: Path) -> None:
-        self.inner, self.step, self.ready = inner, step, ready
-        self.url = inner.url
-        self.supports_conditional_put = inner.supports_conditional_put  # type: ignore[misc]
+        super().__init__(inner)
+        self.step, self.ready = step, ready
 
     def put_many(self, items: Mapping[str, Data], *, mode: PutMode = "overwrite") -> None:
         # docstring inherited
@@ -58,22 +58,6 @@ class HangOnManifest(ds.Store):
             self.ready.touch()
             threading.Event().wait()
         self.inner.put_many(items, mode=mode)
-
-    def get_many(self, keys: Sequence[str]) -> dict[str, bytes]:
-        # docstring inherited
-        return self.inner.get_many(keys)
-
-    def get_range(self, key: str, start: int, end: int) -> bytes:
-        # docstring inherited
-        return self.inner.get_range(key, start, end)
-
-    def list(self, prefix: str = "") -> list[ds.ObjectInfo]:
-        # docstring inherited
-        return self.inner.list(prefix)
-
-    def delete_many(self, keys: Sequence[str]) -> None:
-        # docstring inherited
-        self.inner.delete_many(keys)
 
 
 def child(store_dir: str, ready: str) -> None:

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import SpyStore, assert_state_equal
+from spy_store import SpyStore
+from tensors import assert_state_equal
 
 import deltasync as ds
 from deltasync._retry import RetryPolicy

@@ -7,7 +7,8 @@ import time
 from typing import Any
 
 import pytest
-from conftest import SpyStore, assert_state_equal, snapshot, step_of_key
+from spy_store import SpyStore, step_of_key
+from tensors import assert_state_equal, snapshot
 
 import deltasync as ds
 from deltasync.errors import ChecksumMismatch, CommitFailed, InventoryMismatch, ProtocolError, WriterFenced
