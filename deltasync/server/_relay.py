@@ -142,7 +142,7 @@ class CommitRelay:
     # --------------------------------------------------------------- store
 
     def reader(self, run: str) -> RunReader:
-        """The :class:`~deltasync.storage.RunReader` of ``run``'s store (one per store, cached; thread-safe)."""
+        """The :class:`~deltasync.run.RunReader` of ``run``'s store (one per store, cached; thread-safe)."""
         assert self.store_for is not None
         store = self.store_for(run)
         with self._readers_lock:
