@@ -64,7 +64,7 @@ def connect_signal(app: FastAPI, run: DemoRun, base_url: str | None = None) -> N
 
         signal_app = create_signal_app(Settings(db_path=":memory:"), run.store)
         app.mount("/signal", signal_app)
-        app.state.close_signal_streams = signal_app.state.hub.close_streams  # before a shutdown
+        app.state.close_signal_streams = signal_app.state.relay.close_streams  # before a shutdown
         url = base_url.rstrip("/") + "/signal"
         token = None
     else:

@@ -68,7 +68,7 @@ class ThreadServer:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.app.state.hub.close_streams()
+        self.app.state.relay.close_streams()
         self.server.should_exit = True
         self.thread.join(30)
         assert not self.thread.is_alive(), "uvicorn did not stop"

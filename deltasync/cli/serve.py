@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
-            app.state.hub.close_streams()  # SSE streams would otherwise hold the shutdown
+            app.state.relay.close_streams()  # SSE streams would otherwise hold the shutdown
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=2)

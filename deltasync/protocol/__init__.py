@@ -1,5 +1,6 @@
 """The wire format, protocol v1 (see SPEC.md). Pure: no I/O, no threads, no torch."""
 
+from deltasync.protocol.canonical import FORMAT_VERSION
 from deltasync.protocol.chain import (
     ChainWalk,
     Committed,
@@ -11,7 +12,9 @@ from deltasync.protocol.chain import (
 )
 from deltasync.protocol.checkpoint import anchor_arrays
 from deltasync.protocol.digests import xxh3_128
-from deltasync.protocol.encoding import EncodedTensor, decode_positions, decode_values, encode_changes
+from deltasync.protocol.encoding import EncodedTensor, encode_changes
+from deltasync.protocol.entries import AnchorEntry, ByteRange, FileInfo, PatchEntry, Stats, TensorInfo, inventory_digest
+from deltasync.protocol.head import Head
 from deltasync.protocol.keys import (
     HEAD_KEY,
     WRITERS_PREFIX,
@@ -22,20 +25,7 @@ from deltasync.protocol.keys import (
     step_prefix,
     writer_key,
 )
-from deltasync.protocol.manifest import (
-    FORMAT_VERSION,
-    AnchorEntry,
-    ByteRange,
-    FileInfo,
-    Head,
-    Manifest,
-    PatchEntry,
-    Stats,
-    TensorInfo,
-    Writer,
-    WriterClaim,
-    inventory_digest,
-)
+from deltasync.protocol.manifest import Manifest
 from deltasync.protocol.patchfile import (
     DecodedEntry,
     build_patch_files,
@@ -44,6 +34,7 @@ from deltasync.protocol.patchfile import (
     decode_patch_entry,
     patch_entry_names,
 )
+from deltasync.protocol.positions import decode_positions
 from deltasync.protocol.spans import (
     SPAN_OF,
     SPANS_PREFIX,
@@ -53,6 +44,8 @@ from deltasync.protocol.spans import (
     span_prefix,
     span_problem,
 )
+from deltasync.protocol.values import decode_values
+from deltasync.protocol.writers import Writer, WriterClaim
 
 __all__ = [
     "FORMAT_VERSION",

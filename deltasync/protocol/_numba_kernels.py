@@ -1,8 +1,8 @@
 """numba kernels for the codec's hot loops (imported only through :mod:`deltasync.protocol.kernels`).
 
 Each kernel is one pass over a tensor's changed elements (or, for the diff, over
-the tensor) doing what the numpy code in :mod:`deltasync.protocol.encoding` does
-with several whole-array passes and int64 temporaries. The outputs are the same
+the tensor) doing what the numpy code in :mod:`deltasync.protocol.positions` and
+:mod:`deltasync.protocol.values` does with several whole-array passes and int64 temporaries. The outputs are the same
 arrays, so the coded bytes are identical. Arrays come in as unsigned views; the
 decoders return an error code (0: fine) instead of raising, and never write
 outside their own output arrays. All release the GIL, so a thread pool encodes
@@ -97,7 +97,7 @@ def count_changed(base: Arr, new: Arr) -> int:
 
 @_jit
 def rice_k(idx: Arr, k0: int) -> int:
-    """The Rice parameter :func:`deltasync.protocol.encoding._rice_k` picks around ``k0`` (the
+    """The Rice parameter :func:`deltasync.protocol.positions._rice_k` picks around ``k0`` (the
     estimate from the mean gap): the cheapest of k0-1, k0, k0+1 on a sample of the gaps (the
     first of them on a tie), all three costed in one pass."""
     n = idx.size

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from deltasync.errors import ChainBroken
-from deltasync.protocol.manifest import Manifest, WriterClaim
+from deltasync.protocol.manifest import Manifest
 from deltasync.protocol.spans import span_problem
+from deltasync.protocol.writers import WriterClaim
 
 __all__ = [
     "ChainWalk",
@@ -112,9 +113,10 @@ def plan_fetch(
     current state. Raises ChainBroken when there is no route.
     """
     claims = tuple(claims)
+    chain = walk_chain(committed, target_step)
     top = committed.get(target_step)
     if top is None:
-        raise ChainBroken(f"step {target_step} is not committed in this run")
+        raise chain.error()
     newer = superseded_by(top.manifest, claims)
     if newer is not None:
         raise ChainBroken(
@@ -123,8 +125,7 @@ def plan_fetch(
         )
     if have_step == target_step and have_digest in (None, top.digest):
         return FetchPlan(target_step, "current", (), 0)
-    chain = walk_chain(committed, target_step)
-    walk, anchor, reason = chain.steps, chain.anchor, chain.reason
+    walk, anchor = chain.steps, chain.anchor
     # cheapest route to each node: (bytes, elements, 0 current / 1 anchor), and how it got there
     best: dict[int, tuple[int, int, int]] = {}
     came: dict[int, tuple[int | None, int | None]] = {}  # node -> (previous node, span start or None)
@@ -153,10 +154,7 @@ def plan_fetch(
                 b, n, base = best[prev]
                 offer(node, (b + nbytes, n + 1, base), prev, span)
     if target_step not in best:
-        raise ChainBroken(
-            f"cannot reach step {target_step}: {reason}, and no anchor is reachable from it "
-            "(the store may be incomplete or garbage-collected; pick another step)"
-        )
+        raise chain.error()
     steps: list[int] = []
     used: list[tuple[int, int]] = []
     at: int | None = target_step
@@ -205,6 +203,15 @@ class ChainWalk:
     def patches(self) -> int:
         """Patches on the walk above its anchor (or all of it, when it reached none)."""
         return len(self.steps) - (self.anchor is not None)
+
+    def error(self) -> ChainBroken:
+        """Why the top step cannot be fetched from an anchor (a walk that reached none), in the planner's words."""
+        if not self.steps:
+            return ChainBroken(f"step {self.top} is not committed in this run")
+        return ChainBroken(
+            f"cannot reach step {self.top}: {self.reason}, and no anchor is reachable from it "
+            "(the store may be incomplete or garbage-collected; pick another step)"
+        )
 
 
 def walk_chain(committed: Mapping[int, Committed], top: int, *, check_links: bool = True) -> ChainWalk:

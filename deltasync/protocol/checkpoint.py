@@ -10,7 +10,8 @@ import numpy as np
 
 from deltasync.errors import ProtocolError
 from deltasync.protocol.dtypes import dtype_info
-from deltasync.protocol.manifest import AnchorEntry, ByteRange, Manifest, TensorInfo
+from deltasync.protocol.entries import AnchorEntry, ByteRange, TensorInfo
+from deltasync.protocol.manifest import Manifest
 from deltasync.protocol.safetensors_io import StFile, TensorBytes, encode_header, parse_safetensors, to_bytes
 
 __all__ = [

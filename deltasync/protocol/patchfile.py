@@ -24,7 +24,8 @@ from deltasync.errors import ProtocolError
 from deltasync.protocol.checkpoint import group_by_size, shard_layout
 from deltasync.protocol.dtypes import dtype_info
 from deltasync.protocol.encoding import EncodedTensor, decode_positions, decode_values
-from deltasync.protocol.manifest import Manifest, PatchEntry, TensorInfo
+from deltasync.protocol.entries import PatchEntry, TensorInfo
+from deltasync.protocol.manifest import Manifest
 from deltasync.protocol.safetensors_io import StFile, TensorBytes, parse_safetensors, to_bytes
 
 __all__ = [

@@ -14,9 +14,10 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from deltasync.errors import ProtocolError
+from deltasync.protocol.canonical import FORMAT_VERSION, canonical_json, check_version, json_int, json_object, load_json
 from deltasync.protocol.chain import Committed, superseded_by, walk_chain
 from deltasync.protocol.keys import MANIFEST_NAME, check_file_name
-from deltasync.protocol.manifest import FORMAT_VERSION, WriterClaim, _int, _load_json, _obj, _version, canonical_json
+from deltasync.protocol.writers import WriterClaim
 
 __all__ = [
     "LEASES_PREFIX",
@@ -82,8 +83,8 @@ class Lease:
         lease_key(self.id)
         for what, v in (("step", self.step), ("target", self.target)):
             if v is not None:
-                _int(v, f"lease {what}", 0, 10**12 - 1)
-        _int(self.expires, "lease expires", 0, MAX_TIME)
+                json_int(v, f"lease {what}", 0, 10**12 - 1)
+        json_int(self.expires, "lease expires", 0, MAX_TIME)
 
     def to_json(self) -> bytes:
         """Canonical JSON bytes."""
@@ -100,9 +101,9 @@ class Lease:
     @classmethod
     def from_json(cls, data: bytes | bytearray | memoryview) -> Lease:
         """Parse and validate (ProtocolError / UnsupportedVersion on bad bytes)."""
-        raw = _load_json(data, "lease", 4096)
-        _version(raw, "lease")
-        o: dict[str, Any] = _obj(raw, "lease", ("format_version", "id", "step", "target", "expires"))
+        raw = load_json(data, "lease", 4096)
+        check_version(raw, "lease")
+        o: dict[str, Any] = json_object(raw, "lease", ("format_version", "id", "step", "target", "expires"))
         if not isinstance(o["id"], str):
             raise ProtocolError("lease: id must be a string")
         return cls(o["id"], o["step"], o["target"], o["expires"])

@@ -3,10 +3,11 @@
 For each step: its manifest parses (and verifies, with a signing key); every data file it lists
 exists, has the listed size and the listed xxh3-128 (read in ranged chunks where the store serves
 ranges, so a big shard is never held whole); a patch's parent is committed, its manifest's digest is
-the one the patch records, and its parent walk reaches a committed anchor (the planner's own rule,
-:func:`deltasync.protocol.plan_fetch`). A step whose walk passes through a step that failed here
-fails too: a fetch from its anchor would stop there. Nothing is written. Spans are not checked
-(they are an optional shortcut; a reader ignores a bad one).
+the one the patch records, and its parent walk reaches a committed anchor (the one parent walk,
+:func:`deltasync.protocol.walk_chain`, with the links checked as the planner checks them). A step
+whose walk passes through a step that failed here fails too: a fetch from its anchor would stop
+there. Nothing is written. Spans are not checked (they are an optional shortcut; a reader ignores
+a bad one).
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from deltasync.errors import ChainBroken, DeltaSyncError, ObjectNotFound
-from deltasync.protocol import Committed, Manifest, file_key, manifest_key, plan_fetch, step_prefix
+from deltasync.errors import DeltaSyncError, ObjectNotFound
+from deltasync.protocol import Committed, Manifest, file_key, manifest_key, step_prefix, walk_chain
 from deltasync.protocol.digests import xxh3_128_chunks
+from deltasync.run.manifests import HINT
 from deltasync.run.reader import RunReader
 from deltasync.storage._local import LocalStore
 from deltasync.storage._s3 import S3Store
@@ -90,23 +92,34 @@ def _file_problems(store: Store, m: Manifest, chunk_bytes: int) -> list[str]:
     return out
 
 
-def _parent_problem(reader: RunReader, m: Manifest, committed: set[int]) -> str | None:
-    """What is wrong with the link from patch ``m`` to its parent, or None."""
+def _parent_problem(reader: RunReader, c: Committed, committed: set[int]) -> str | None:
+    """What is wrong with the link from patch ``c`` to its parent (the first link of the one walk), or None.
+
+    A tensor inventory that differs from the parent's is left to :func:`_chain_problem` (the
+    planner's words for it).
+    """
+    m = c.manifest
     p = m.parent_step
-    if p is None or p >= m.step:
+    have = {m.step: c}
+    if p is not None and p < m.step and p in committed:
+        try:
+            have[p] = reader.committed(p)
+        except ObjectNotFound:
+            pass  # deleted since it was listed: the walk finds it missing
+        except DeltaSyncError:
+            return f"parent step {p}'s manifest {manifest_key(p)} cannot be read (see step {p})"
+    walk = walk_chain(have, m.step)
+    if walk.broken_at != m.step:
+        return None
+    if walk.problem == "no-parent":
         return f"{manifest_key(m.step)} names no earlier parent step (parent_step {p})"
-    if p not in committed:
+    assert p is not None  # a walk that got past no-parent
+    if walk.problem == "missing":
         return f"parent step {p} is not committed ({manifest_key(p)} is missing; deleted by gc?)"
-    try:
-        parent = reader.committed(p)
-    except ObjectNotFound:
-        return f"parent step {p} is not committed ({manifest_key(p)} is missing; deleted by gc?)"
-    except DeltaSyncError:
-        return f"parent step {p}'s manifest {manifest_key(p)} cannot be read (see step {p})"
-    if parent.digest != m.parent_digest:
+    if walk.problem == "digest":
         return (
             f"{manifest_key(m.step)} records parent digest {m.parent_digest} but step {p}'s manifest "
-            f"has digest {parent.digest} (the parent was replaced, or this manifest was edited)"
+            f"has digest {have[p].digest} (the parent was replaced, or this manifest was edited)"
         )
     return None
 
@@ -114,21 +127,19 @@ def _parent_problem(reader: RunReader, m: Manifest, committed: set[int]) -> str 
 def _chain_problem(reader: RunReader, step: int, failed: set[int]) -> str | None:
     """Whether the parent walk from ``step`` reaches a committed anchor through steps that did not fail."""
     try:
-        walk: dict[int, Committed] = reader.chain(step)
-        plan = plan_fetch(walk, step)
-    except ChainBroken as exc:
-        return str(exc)
+        walk = walk_chain(reader.chain(step), step)
     except ObjectNotFound as exc:
         return f"cannot reach step {step}: {exc}"
     except DeltaSyncError as exc:  # a manifest on the walk does not parse (its message names it)
         return str(exc)
-    bad = sorted(failed.intersection(plan.steps))
+    if walk.anchor is None:
+        return str(walk.error())
+    bad = sorted(failed.intersection(walk.steps))
     if not bad:
         return None
-    anchor = plan.steps[0]
-    if bad[0] == anchor:
-        return f"its anchor, step {anchor}, failed (see above)"
-    return f"its chain from anchor {anchor} passes through step {bad[0]}, which failed (see above)"
+    if bad[0] == walk.anchor:
+        return f"its anchor, step {walk.anchor}, failed (see above)"
+    return f"its chain from anchor {walk.anchor} passes through step {bad[0]}, which failed (see above)"
 
 
 def _advice(step: int, last_good: int | None, own: bool) -> str:
@@ -162,19 +173,19 @@ def verify_run(
     for s in steps[-last:] if last > 0 else steps:
         problems: list[str] = []
         try:
-            m: Manifest | None = reader.committed(s).manifest
+            c: Committed | None = reader.committed(s)
         except ObjectNotFound:
-            m = None
+            c = None
             problems.append(f"manifest {manifest_key(s)} is gone (deleted since it was listed)")
         except DeltaSyncError as exc:  # ProtocolError, SignatureMismatch
-            m = None
-            msg = str(exc).replace(" (`deltasync inspect` lists the readable steps)", "")
+            c = None
+            msg = str(exc).replace(HINT, "")
             problems.append(msg if manifest_key(s) in msg else f"manifest {manifest_key(s)}: {msg}")
-        if m is not None:
-            problems += _file_problems(store, m, chunk_bytes)
+        if c is not None:
+            problems += _file_problems(store, c.manifest, chunk_bytes)
         own = bool(problems)  # this step's own objects are damaged (else: only its chain is)
-        if m is not None and m.kind == "patch":
-            link = _parent_problem(reader, m, committed) or _chain_problem(reader, s, failed)
+        if c is not None and c.manifest.kind == "patch":
+            link = _parent_problem(reader, c, committed) or _chain_problem(reader, s, failed)
             if link is not None:
                 problems.append(link)
         if problems:

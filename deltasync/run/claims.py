@@ -1,6 +1,6 @@
 """Writer claims under a run prefix (SPEC.md "Single writer"): claiming an epoch, checking the fence.
 
-Readers get claims through :class:`deltasync.storage.RunReader` (cached, listed incrementally)."""
+Readers get claims through :class:`deltasync.run.RunReader` (cached, listed incrementally)."""
 
 from __future__ import annotations
 

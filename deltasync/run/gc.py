@@ -20,20 +20,23 @@ re-read does not protect its holder, who then re-plans (the newest step is never
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
+from deltasync._worker import SerialWorker, WorkerClosed
 from deltasync.errors import DeltaSyncError
-from deltasync.protocol import Committed, Manifest, WriterClaim, parse_manifest_key, parse_writer_key, xxh3_128
+from deltasync.protocol import Committed, WriterClaim, manifest_key, parse_manifest_key, parse_writer_key
 from deltasync.protocol.retention import Lease, RetentionPlan, parse_lease_key, plan_retention
+from deltasync.run.manifests import parse_committed
 from deltasync.run.reader import get_present
 from deltasync.storage.base import ObjectInfo, Store
 
 __all__ = ["GcReport", "RetentionWorker", "collect_garbage"]
 
 log = logging.getLogger("deltasync.gc")
+T = TypeVar("T")
 
 #: keys per delete_many / get_many batch
 BATCH = 1000
@@ -57,33 +60,27 @@ class _State:
     leases: dict[str, Lease | None]
 
 
-def _batched(keys: Sequence[str], n: int = BATCH) -> list[Sequence[str]]:
-    return [keys[i : i + n] for i in range(0, len(keys), n)]
+def _batched(items: Sequence[T], n: int = BATCH) -> list[Sequence[T]]:
+    return [items[i : i + n] for i in range(0, len(items), n)]
 
 
 def _parse(step: int, body: bytes, signing_key: bytes | None) -> Committed | None:
+    """The step's manifest, or None when it does not parse or verify (gc leaves such a step alone)."""
     try:
-        m = Manifest.from_json(body)
-        if m.step != step:
-            return None
-        if signing_key is not None:
-            m.check_signature(signing_key)
+        return parse_committed(step, body, signing_key=signing_key)
     except DeltaSyncError:
         return None
-    return Committed(m, xxh3_128(body))
 
 
 def _read(store: Store, cache: dict[int, Committed | None], signing_key: bytes | None) -> _State:
     """One listing of the prefix, then every manifest not cached yet, every claim and every lease."""
     listing = store.list("")
     steps = [s for o in listing if (s := parse_manifest_key(o.key)) is not None]
-    want = [f"steps/{s:012d}/manifest.json" for s in steps if s not in cache]
-    for batch in _batched(want, 256):
-        bodies = get_present(store, batch)
-        for key in batch:
-            s = parse_manifest_key(key)
-            assert s is not None
-            body = bodies.get(key)
+    want = [s for s in steps if s not in cache]
+    for steps_batch in _batched(want, 256):
+        bodies = get_present(store, [manifest_key(s) for s in steps_batch])
+        for s in steps_batch:
+            body = bodies.get(manifest_key(s))
             if body is not None:  # a manifest gone since the listing: read again next round
                 cache[s] = _parse(s, body, signing_key)
     claim_keys = [o.key for o in listing if parse_writer_key(o.key) is not None]
@@ -171,11 +168,12 @@ def collect_garbage(
 
 
 class RetentionWorker:
-    """Runs :func:`collect_garbage` on a background thread when :meth:`trigger`\\ ed.
+    """Runs :func:`collect_garbage` on a background :class:`~deltasync._worker.SerialWorker` when
+    :meth:`trigger`\\ ed.
 
-    Triggers while a gc runs fold into one more run after it. A failed gc is logged and
-    counted (``failures``, ``last_error``), never raised. The uploader's ``keep_anchors``
-    option triggers one after each committed anchor.
+    Triggers while a gc runs fold into one more run after it (at most one gc waits). A failed gc
+    is logged and counted (``failures``, ``last_error``), never raised. The uploader's
+    ``keep_anchors`` option triggers one after each committed anchor.
     """
 
     def __init__(
@@ -194,61 +192,41 @@ class RetentionWorker:
         self.grace = grace
         self.signing_key = signing_key
         self.clock = clock
+        # written by the worker's thread only; read after wait_idle()
         self.runs = 0
         self.failures = 0
         self.last_error: BaseException | None = None
         self.last_report: GcReport | None = None
-        self._cv = threading.Condition()
-        self._wanted = False
-        self._busy = False
-        self._closed = False
+        self._worker = SerialWorker("deltasync-gc")
 
     def trigger(self) -> None:
-        """Ask for a gc; returns at once."""
-        with self._cv:
-            if self._closed:
-                return
-            self._wanted = True
-            if self._busy:
-                return
-            self._busy = True
-        threading.Thread(target=self._loop, name="deltasync-gc", daemon=True).start()
+        """Ask for a gc; returns at once (does nothing once closed)."""
+        try:
+            self._worker.submit(self._collect, coalesce="gc")
+        except WorkerClosed:
+            return
 
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                if not self._wanted or self._closed:
-                    self._busy = False
-                    self._cv.notify_all()
-                    return
-                self._wanted = False
-            try:
-                report = collect_garbage(
-                    self.store,
-                    keep_anchors=self.keep_anchors,
-                    grace=self.grace,
-                    clock=self.clock,
-                    signing_key=self.signing_key,
-                )
-            except Exception as exc:  # noqa: BLE001 - gc never fails a commit: logged and counted
-                with self._cv:
-                    self.failures += 1
-                    self.last_error = exc
-                log.warning(
-                    "background gc of %s failed (the run is unaffected; next anchor retries): %s", self.store, exc
-                )
-                continue
-            with self._cv:
-                self.runs += 1
-                self.last_report = report
+    def _collect(self) -> None:
+        try:
+            report = collect_garbage(
+                self.store,
+                keep_anchors=self.keep_anchors,
+                grace=self.grace,
+                clock=self.clock,
+                signing_key=self.signing_key,
+            )
+        except Exception as exc:  # noqa: BLE001 - gc never fails a commit: logged and counted
+            self.failures += 1
+            self.last_error = exc
+            log.warning("background gc of %s failed (the run is unaffected; next anchor retries): %s", self.store, exc)
+            return
+        self.runs += 1
+        self.last_report = report
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until no gc runs or is pending; False on timeout."""
-        with self._cv:
-            return self._cv.wait_for(lambda: not self._busy, timeout=timeout)
+        return self._worker.flush(timeout)
 
     def close(self, timeout: float | None = None) -> None:
         """Stop after the gc that runs now (pending ones are dropped); waits up to ``timeout``."""
-        with self._cv:
-            self._closed = True
-        self.wait_idle(timeout)
+        self._worker.close(cancel_pending=True, timeout=timeout)

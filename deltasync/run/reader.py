@@ -25,7 +25,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from deltasync.errors import DeltaSyncError, ObjectNotFound, ProtocolError, RunNotFound, UnsupportedVersion
+from deltasync.errors import DeltaSyncError, ObjectNotFound, RunNotFound
 from deltasync.protocol import (
     HEAD_KEY,
     SPANS_PREFIX,
@@ -44,9 +44,9 @@ from deltasync.protocol import (
     superseded_by,
     walk_chain,
     writer_key,
-    xxh3_128,
 )
 from deltasync.protocol.keys import STEPS_PREFIX
+from deltasync.run.manifests import parse_committed
 from deltasync.storage.base import Store
 
 __all__ = ["RunReader", "get_present"]
@@ -109,22 +109,8 @@ class RunReader:
     # ------------------------------------------------------------ manifests
 
     def _parse(self, step: int, body: bytes, key: str | None = None) -> Committed:
-        """Parse the manifest of ``step`` stored under ``key``; a bad one raises naming the step and the key."""
-        key = key or manifest_key(step)
-        try:
-            m = Manifest.from_json(body)
-        except UnsupportedVersion as exc:
-            raise UnsupportedVersion(f"{self.store.url}: step {step} ({key}): {exc}") from None
-        except ProtocolError as exc:
-            raise ProtocolError(
-                f"{self.store.url}: step {step} ({key}): {exc}; the object is damaged or cut short "
-                "(`deltasync inspect` lists the readable steps)"
-            ) from None
-        if m.step != step:
-            raise ProtocolError(f"{key}: the manifest stored under step {step} says step {m.step}")
-        if self.signing_key is not None:
-            m.check_signature(self.signing_key)
-        return Committed(m, xxh3_128(body))
+        """Parse the manifest of ``step`` stored under ``key`` (see :func:`~deltasync.run.manifests.parse_committed`)."""
+        return parse_committed(step, body, key=key, signing_key=self.signing_key, where=self.store.url)
 
     def committed(self, step: int) -> Committed:
         """The parsed manifest of committed ``step`` and its digest (cached).

@@ -1,8 +1,8 @@
 """FastAPI dependencies that hand the routes what :func:`~deltasync.server.app.create_app` built.
 
-Routes never close over the app: they take the hub, settings and metrics from
+Routes never close over the app: they take the relay, settings and metrics from
 ``request.app.state`` through these functions, so a test can swap any of them
-with ``app.dependency_overrides[get_hub] = ...``.
+with ``app.dependency_overrides[get_relay] = ...``.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from deltasync.server._hub import Hub
 from deltasync.server._metrics import Metrics
+from deltasync.server._relay import CommitRelay
 from deltasync.server._settings import Settings
 
-__all__ = ["HubDep", "MetricsDep", "SettingsDep", "get_hub", "get_metrics", "get_settings"]
+__all__ = ["MetricsDep", "RelayDep", "SettingsDep", "get_metrics", "get_relay", "get_settings"]
 
 
 def get_settings(request: Request) -> Settings:
@@ -24,10 +24,10 @@ def get_settings(request: Request) -> Settings:
     return settings
 
 
-def get_hub(request: Request) -> Hub:
-    """The app's :class:`~deltasync.server._hub.Hub` (heads, history, waiters, webhooks)."""
-    hub: Hub = request.app.state.hub
-    return hub
+def get_relay(request: Request) -> CommitRelay:
+    """The app's :class:`~deltasync.server._relay.CommitRelay` (heads, history, waiters, webhooks)."""
+    relay: CommitRelay = request.app.state.relay
+    return relay
 
 
 def get_metrics(request: Request) -> Metrics:
@@ -37,5 +37,5 @@ def get_metrics(request: Request) -> Metrics:
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
-HubDep = Annotated[Hub, Depends(get_hub)]
+RelayDep = Annotated[CommitRelay, Depends(get_relay)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]

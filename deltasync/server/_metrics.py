@@ -1,21 +1,26 @@
-"""A tiny Prometheus text-format registry (counters and gauges with labels)."""
+"""The signal server's metrics: a tiny registry of counters and gauges with labels.
+
+Rendered by the one Prometheus writer, :mod:`deltasync._prometheus`.
+"""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
 
+from deltasync._prometheus import family, sample
+
 __all__ = ["Metrics"]
 
 Labels = tuple[tuple[str, str], ...]
 
 
-def _escape(v: str) -> str:
-    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
 class Metrics:
-    """Counters and gauges rendered in the Prometheus text exposition format 0.0.4."""
+    """Counters and gauges rendered in the Prometheus text exposition format 0.0.4.
+
+    Values stay integers while only integers are added or set (counts, steps), so they render
+    exactly.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -33,12 +38,12 @@ class Metrics:
         self._help[name] = ("gauge", help_text)
         self._callbacks[name] = fn
 
-    def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
+    def inc(self, name: str, amount: float = 1, **labels: str) -> None:
         """Add to a counter (or gauge)."""
         key = tuple(sorted(labels.items()))
         with self._lock:
             family = self._values[name]
-            family[key] = family.get(key, 0.0) + amount
+            family[key] = family.get(key, 0) + amount
 
     def set(self, name: str, value: float, **labels: str) -> None:
         """Set a gauge."""
@@ -48,23 +53,20 @@ class Metrics:
     def value(self, name: str, **labels: str) -> float:
         """Current value of one sample (0 when never touched)."""
         with self._lock:
-            return self._values.get(name, {}).get(tuple(sorted(labels.items())), 0.0)
+            return self._values.get(name, {}).get(tuple(sorted(labels.items())), 0)
 
     def render(self) -> str:
         """The exposition text."""
-        lines: list[str] = []
         with self._lock:
             snapshot = {n: dict(v) for n, v in self._values.items()}
         for name, fn in self._callbacks.items():
             snapshot[name] = fn()
+        lines: list[str] = []
         for name in sorted(self._help):
             kind, help_text = self._help[name]
-            lines.append(f"# HELP {name} {help_text}")
-            lines.append(f"# TYPE {name} {kind}")
+            lines.append(family(name, kind, help_text))
             samples = snapshot.get(name, {})
             if not samples and kind == "counter":
-                samples = {(): 0.0}
-            for labels, v in sorted(samples.items()):
-                lab = ",".join(f'{k}="{_escape(val)}"' for k, val in labels)
-                lines.append(f"{name}{{{lab}}} {v:g}" if lab else f"{name} {v:g}")
-        return "\n".join(lines) + "\n"
+                samples = {(): 0}
+            lines.extend(sample(name, v, labels) for labels, v in sorted(samples.items()))
+        return "".join(lines)

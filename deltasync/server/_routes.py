@@ -1,6 +1,6 @@
 """The signal server's HTTP routes, on one :data:`router`.
 
-Handlers hold no state of their own: the hub, settings and metrics come from
+Handlers hold no state of their own: the relay, settings and metrics come from
 ``request.app.state`` through the dependencies of :mod:`deltasync.server._deps`
 (override them in tests with ``app.dependency_overrides``). Every route is a
 :class:`~deltasync.server._input.StrictRoute`, so JSON bodies are parsed strictly.
@@ -15,11 +15,12 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header, HTTPException, Path, Query, Response
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
+from deltasync._prometheus import CONTENT_TYPE
 from deltasync.errors import DeltaSyncError
 from deltasync.protocol.keys import MAX_STEP
 from deltasync.server._auth import AUTH_RESPONSES, Publish, Subscribe
 from deltasync.server._db import Webhook
-from deltasync.server._deps import HubDep, MetricsDep, SettingsDep
+from deltasync.server._deps import MetricsDep, RelayDep, SettingsDep
 from deltasync.server._input import ASCII_FLOAT, ASCII_INT, StrictRoute, parse_last_event_id
 from deltasync.server._models import CommitIn, CommitOut, Problem, WebhookIn, WebhookOut, commit_out, webhook_out
 from deltasync.server._settings import RUN_PATTERN
@@ -42,7 +43,7 @@ async def healthz() -> dict[str, str]:
 @router.get("/metrics", tags=["ops"], response_class=PlainTextResponse)
 async def metrics_route(metrics: MetricsDep) -> PlainTextResponse:
     """Prometheus metrics (text format 0.0.4)."""
-    return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE)
 
 
 @router.post(
@@ -58,12 +59,12 @@ async def metrics_route(metrics: MetricsDep) -> PlainTextResponse:
     },
     tags=["publish"],
 )
-async def publish(run: RunName, body: CommitIn, response: Response, hub: HubDep) -> CommitOut:
+async def publish(run: RunName, body: CommitIn, response: Response, relay: RelayDep) -> CommitOut:
     """Signal that ``step`` of ``run`` is committed with manifest digest ``manifest_digest``."""
-    existing = hub.db.get_commit(run, body.step)
+    existing = relay.db.get_commit(run, body.step)
     if existing is None or existing.manifest_digest != body.manifest_digest:
-        await hub.check_in_store(run, body.step, body.manifest_digest)
-    commit, created = hub.publish(run, body.step, body.manifest_digest, body.run_id, body.kind)
+        await relay.check_in_store(run, body.step, body.manifest_digest)
+    commit, created = relay.publish(run, body.step, body.manifest_digest, body.run_id, body.kind)
     response.status_code = 201 if created else 200
     return commit_out(commit)
 
@@ -74,12 +75,12 @@ async def publish(run: RunName, body: CommitIn, response: Response, hub: HubDep)
     responses={**AUTH_RESPONSES, 404: {"model": Problem}, 502: {"model": Problem}},
     tags=["publish"],
 )
-async def rederive(run: RunName, hub: HubDep) -> CommitOut:
+async def rederive(run: RunName, relay: RelayDep) -> CommitOut:
     """Record the store's newest committed step as the head (needs a configured store)."""
-    if hub.store_for is None:
+    if relay.store_for is None:
         raise HTTPException(404, "this server has no store configured")
     try:
-        head = await hub.rederive(run)
+        head = await relay.rederive(run)
     except DeltaSyncError as exc:
         raise HTTPException(502, f"cannot read the store: {exc}") from exc
     if head is None:
@@ -93,9 +94,9 @@ async def rederive(run: RunName, hub: HubDep) -> CommitOut:
     responses={**AUTH_RESPONSES, 404: {"model": Problem, "description": "no step signalled yet"}},
     tags=["subscribe"],
 )
-async def head(run: RunName, hub: HubDep) -> CommitOut:
+async def head(run: RunName, relay: RelayDep) -> CommitOut:
     """The newest signalled step of ``run``."""
-    c = await hub.head_or_derive(run)
+    c = await relay.head_or_derive(run)
     if c is None:
         raise HTTPException(404, f"run {run!r} has no signalled step yet")
     return commit_out(c)
@@ -104,12 +105,12 @@ async def head(run: RunName, hub: HubDep) -> CommitOut:
 @router.get("/v1/runs/{run}/commits", dependencies=[Subscribe], responses=AUTH_RESPONSES, tags=["subscribe"])
 async def commits(
     run: RunName,
-    hub: HubDep,
+    relay: RelayDep,
     after: Annotated[int, Query(ge=-1, le=MAX_STEP), ASCII_INT] = -1,
     limit: Annotated[int, Query(ge=1, le=1000), ASCII_INT] = 100,
 ) -> list[CommitOut]:
     """Retained commits newer than ``after``, oldest first."""
-    return [commit_out(c) for c in hub.commits_after(run, after, limit)]
+    return [commit_out(c) for c in relay.commits_after(run, after, limit)]
 
 
 @router.get(
@@ -120,7 +121,7 @@ async def commits(
 )
 async def wait(
     run: RunName,
-    hub: HubDep,
+    relay: RelayDep,
     settings: SettingsDep,
     after: Annotated[int, Query(ge=-1, le=MAX_STEP, description="the step the caller has"), ASCII_INT] = -1,
     timeout: Annotated[
@@ -128,8 +129,8 @@ async def wait(
     ] = 30.0,
 ) -> Any:
     """Long-poll: the head as soon as it is newer than ``after``; 204 after ``timeout`` seconds."""
-    await hub.head_or_derive(run)
-    c = await hub.wait_after(run, after, min(timeout, settings.max_wait_s))
+    await relay.head_or_derive(run)
+    c = await relay.wait_after(run, after, min(timeout, settings.max_wait_s))
     if c is None:
         return Response(status_code=204)
     return commit_out(c)
@@ -147,7 +148,7 @@ async def wait(
 )
 async def events(
     run: RunName,
-    hub: HubDep,
+    relay: RelayDep,
     settings: SettingsDep,
     after: Annotated[int | None, Query(ge=-1, le=MAX_STEP, description="resume after this step"), ASCII_INT] = None,
     limit: Annotated[
@@ -165,11 +166,11 @@ async def events(
     """
     resume = parse_last_event_id(last_event_id)
     start = after if resume is None else resume
-    head0 = await hub.head_or_derive(run)
+    head0 = await relay.head_or_derive(run)
     if start is None:
         start = head0.step - 1 if head0 is not None else -1
     return StreamingResponse(
-        commit_stream(hub, run, start, limit, heartbeat or settings.heartbeat_s),
+        commit_stream(relay, run, start, limit, heartbeat or settings.heartbeat_s),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
@@ -182,17 +183,17 @@ async def events(
     responses=AUTH_RESPONSES,
     tags=["webhooks"],
 )
-async def add_webhook(run: RunName, body: WebhookIn, hub: HubDep) -> WebhookOut:
+async def add_webhook(run: RunName, body: WebhookIn, relay: RelayDep) -> WebhookOut:
     """Register a URL that receives a signed POST for each new commit of ``run``."""
     w = Webhook(secrets.token_hex(8), run, body.url, body.secret, time.time())
-    hub.db.add_webhook(w)
+    relay.db.add_webhook(w)
     return webhook_out(w)
 
 
 @router.get("/v1/runs/{run}/webhooks", dependencies=[Publish], responses=AUTH_RESPONSES, tags=["webhooks"])
-async def list_webhooks(run: RunName, hub: HubDep) -> list[WebhookOut]:
+async def list_webhooks(run: RunName, relay: RelayDep) -> list[WebhookOut]:
     """The run's webhooks (without secrets)."""
-    return [webhook_out(w) for w in hub.db.webhooks(run)]
+    return [webhook_out(w) for w in relay.db.webhooks(run)]
 
 
 @router.delete(
@@ -203,9 +204,9 @@ async def list_webhooks(run: RunName, hub: HubDep) -> list[WebhookOut]:
     tags=["webhooks"],
 )
 async def delete_webhook(
-    run: RunName, hook_id: Annotated[str, Path(pattern=r"^[0-9a-f]{16}$")], hub: HubDep
+    run: RunName, hook_id: Annotated[str, Path(pattern=r"^[0-9a-f]{16}$")], relay: RelayDep
 ) -> Response:
     """Unregister a webhook."""
-    if not hub.db.delete_webhook(run, hook_id):
+    if not relay.db.delete_webhook(run, hook_id):
         raise HTTPException(404, f"run {run!r} has no webhook {hook_id}")
     return Response(status_code=204)

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from functools import lru_cache
 
 from deltasync.server._db import Commit
-from deltasync.server._hub import Hub
+from deltasync.server._relay import CommitRelay
 
 __all__ = ["commit_stream", "sse_frame"]
 
@@ -20,21 +20,23 @@ def sse_frame(c: Commit) -> bytes:
     return f"id: {c.step}\nevent: commit\ndata: {data}\n\n".encode()
 
 
-async def commit_stream(hub: Hub, run: str, after: int, limit: int | None, heartbeat: float) -> AsyncIterator[bytes]:
+async def commit_stream(
+    relay: CommitRelay, run: str, after: int, limit: int | None, heartbeat: float
+) -> AsyncIterator[bytes]:
     """Every commit of ``run`` newer than ``after``, then each new one; a comment after ``heartbeat`` idle seconds.
 
-    Ends after ``limit`` events, or when the hub closes its streams (shutdown).
+    Ends after ``limit`` events, or when the relay closes its streams (shutdown).
     """
-    hub.subscribers[run] = hub.subscribers.get(run, 0) + 1
+    relay.subscribers[run] = relay.subscribers.get(run, 0) + 1
     sent = 0
     last = after
     try:
         yield b"retry: 1000\n\n"
-        while not hub.closing:
-            ev = hub.changed(run)
-            for c in hub.commits_after(run, last):
+        while not relay.closing:
+            ev = relay.changed(run)
+            for c in relay.commits_after(run, last):
                 yield sse_frame(c)
-                hub.metrics.inc("deltasync_sse_events_sent_total")
+                relay.metrics.inc("deltasync_sse_events_sent_total")
                 last = c.step
                 sent += 1
                 if limit is not None and sent >= limit:
@@ -44,4 +46,4 @@ async def commit_stream(hub: Hub, run: str, after: int, limit: int | None, heart
             except asyncio.TimeoutError:
                 yield b": keepalive\n\n"
     finally:
-        hub.subscribers[run] -= 1
+        relay.subscribers[run] -= 1

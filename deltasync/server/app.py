@@ -1,10 +1,10 @@
-"""The signal server: :func:`create_app` wires the routes to a :class:`~deltasync.server._hub.Hub`.
+"""The signal server: :func:`create_app` wires the routes to a :class:`~deltasync.server._relay.CommitRelay`.
 
 Run it with ``deltasync serve`` (uvicorn). Routes are versioned under ``/v1``; see
 the README section "Signal server". The parts live in their own modules:
 request/response models (``_models``), token scopes (``_auth``), strict input
 parsing (``_input``), the body limit (``_limits``), the SSE stream (``_sse``)
-and the routes (``_routes``, which read the hub and settings from ``app.state``
+and the routes (``_routes``, which read the relay and settings from ``app.state``
 through the dependencies in ``_deps``).
 """
 
@@ -23,10 +23,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 
 from deltasync.server._db import Database
-from deltasync.server._hub import Conflict, Hub, NotInStore, StoreUnavailable
 from deltasync.server._input import validation_error_reply
 from deltasync.server._limits import BodyLimit, limit_body
 from deltasync.server._metrics import Metrics
+from deltasync.server._relay import CommitRelay, Conflict, NotInStore, StoreUnavailable
 from deltasync.server._routes import router
 from deltasync.server._settings import Settings
 from deltasync.storage import Store, open_store
@@ -111,14 +111,14 @@ def create_app(
     ``store`` (or ``settings.store_url``) makes the server check every published
     step against the store and derive unknown runs' heads from it.
     ``webhook_transport`` replaces the network for webhook deliveries (tests).
-    The hub, settings and metrics are in ``app.state``; routes reach them through
-    :func:`~deltasync.server._deps.get_hub` & co, which ``app.dependency_overrides`` can replace.
+    The relay, settings and metrics are in ``app.state``; routes reach them through
+    :func:`~deltasync.server._deps.get_relay` & co, which ``app.dependency_overrides`` can replace.
     """
     settings = settings or Settings()
     metrics = _metrics()
     db = Database(settings.db_path)
     store_for, opened = _store_factory(settings, store)
-    hub = Hub(settings, db, store_for, metrics, webhook_transport)
+    relay = CommitRelay(settings, db, store_for, metrics, webhook_transport)
     for run in db.runs():
         head0 = db.head(run)
         if head0 is not None:
@@ -126,13 +126,13 @@ def create_app(
     metrics.gauge_callback(
         "deltasync_sse_subscribers",
         "Open SSE streams per run.",
-        lambda: {(("run", r),): float(n) for r, n in hub.subscribers.items()},
+        lambda: {(("run", r),): n for r, n in relay.subscribers.items()},
     )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
-        await hub.aclose()
+        await relay.aclose()
         for s in opened:
             s.close()
         db.close()
@@ -145,7 +145,7 @@ def create_app(
     )
     app.state.settings = settings
     app.state.metrics = metrics
-    app.state.hub = hub
+    app.state.relay = relay
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, validation_error_reply)
     app.add_exception_handler(Conflict, _conflict)

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deltasync.protocol import encoding, kernels
+from deltasync.protocol import encoding, kernels, positions, streams, values
 from deltasync.protocol.dtypes import DTYPES
 from deltasync.protocol.encoding import apply_values, decode_positions, decode_values, encode_changes
 
@@ -95,7 +95,7 @@ def test_roundtrip_is_bit_exact_and_never_bigger_than_raw(
     enc = _roundtrip(numel, idx, old, new)
     assert enc.count == (idx.size if enc.positions != "dense" else numel)
     assert (
-        enc.positions == ("rice-z" if idx.size >= encoding.ZIP_QUOTIENTS else "rice")
+        enc.positions == ("rice-z" if idx.size >= positions.ZIP_QUOTIENTS else "rice")
         or enc.positions == "dense"
         and enc.values in ("xor-rank", "raw")
     )
@@ -104,8 +104,8 @@ def test_roundtrip_is_bit_exact_and_never_bigger_than_raw(
     # Never larger than Rice positions + zstd'ed raw byte planes (tried for < 65536 changes),
     # and in any case never larger than Rice positions + the uncompressed values + framing.
     itemsize = DTYPES[dtype].itemsize
-    rice = encoding._encode_positions(idx)[2]
-    raw_planes = encoding._compress(encoding._planes(new[idx]))
+    rice = positions.encode_positions(idx)[2]
+    raw_planes = streams.compress(streams.byte_planes(new[idx]))
     assert enc.nbytes <= len(rice) + len(raw_planes)
     assert enc.nbytes <= len(rice) + idx.size * itemsize + ZSTD_OVERHEAD
 
@@ -117,7 +117,7 @@ def test_large_change_sets_take_the_same_path(dtype: str) -> None:
     for density, kind in ((0.6, "lowbits"), (1.0, "random")):
         idx, old, new = _make_change(rng, dtype, 120_000, density, kind)
         enc = _roundtrip(120_000, idx, old, new)
-        assert enc.nbytes <= len(encoding._encode_positions(idx)[2]) + (
+        assert enc.nbytes <= len(positions.encode_positions(idx)[2]) + (
             idx.size * DTYPES[dtype].itemsize + ZSTD_OVERHEAD
         )
 
@@ -154,9 +154,9 @@ def test_raw_is_idempotent_and_xor_is_not() -> None:
     idx = np.array([1, 5], dtype=np.int64)
     for coding in ("raw", "xor-rank"):
         blob = (
-            encoding._compress(encoding._planes(new[idx]))
+            streams.compress(streams.byte_planes(new[idx]))
             if coding == "raw"
-            else encoding._encode_xor_rank(old[idx] ^ new[idx])
+            else values.encode_xor_rank(old[idx] ^ new[idx])
         )
         dec = decode_values(blob, coding, 2, old.dtype, "t")
         once = apply_values(coding, old[idx], dec)

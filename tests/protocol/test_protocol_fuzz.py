@@ -32,8 +32,8 @@ from deltasync.protocol import (
     decode_positions,
     decode_values,
     encode_changes,
-    encoding,
     inventory_digest,
+    positions,
     xxh3_128,
 )
 from deltasync.protocol.dtypes import DTYPES
@@ -607,7 +607,7 @@ def test_rice_quotient_that_overflows_int64_is_rejected() -> None:
 def test_big_rice_z_quotients_roundtrip_and_are_checked() -> None:
     """Quotients >= 255 leave the pair stream for a u64 side stream; a tampered one is refused."""
     idx = np.concatenate([np.arange(0, 5000, dtype=np.int64), np.array([5_000_000, 9_000_000])])
-    coding, k, blob = encoding._encode_positions(idx)
+    coding, k, blob = positions.encode_positions(idx)
     assert coding == "rice-z"
     np.testing.assert_array_equal(decode_positions(blob, coding, k, idx.size, 10_000_000, "t"), idx)
     with pytest.raises(ProtocolError):

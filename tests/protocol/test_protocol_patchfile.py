@@ -35,9 +35,11 @@ from deltasync.protocol import (
     plan_fetch,
     xxh3_128,
 )
-from deltasync.protocol.encoding import EncodedTensor, _compress, _encode_xor_rank
+from deltasync.protocol.encoding import EncodedTensor
 from deltasync.protocol.patchfile import patch_metadata
 from deltasync.protocol.safetensors_io import TensorBytes, to_bytes
+from deltasync.protocol.streams import compress as _compress
+from deltasync.protocol.values import encode_xor_rank as _encode_xor_rank
 
 INV = (TensorInfo("a", "BF16", (4, 8)), TensorInfo("b", "F32", (100,)), TensorInfo("c", "I8", (3,)))
 

@@ -528,7 +528,7 @@ def test_follow_with_an_unreachable_server_polls_at_its_interval(monkeypatch: py
 
 def test_routes_take_state_through_overridable_dependencies(tmp_path: Path) -> None:
     from deltasync.server._db import Commit
-    from deltasync.server._deps import get_hub, get_settings
+    from deltasync.server._deps import get_relay, get_settings
 
     app = create_app(Settings(publish_token=PUB, db_path=str(tmp_path / "s.db")))
     with TestClient(app) as c:
@@ -538,15 +538,15 @@ def test_routes_take_state_through_overridable_dependencies(tmp_path: Path) -> N
         assert publish(c, 2, D2).status_code == 403
         assert publish(c, 2, D2, tok="rotated-token-456").status_code == 201
 
-        class StubHub:
+        class StubRelay:
             async def head_or_derive(self, run: str) -> Commit | None:
                 return Commit(run, 42, D3, "stub", "anchor", 0.0)
 
-        app.dependency_overrides[get_hub] = StubHub
+        app.dependency_overrides[get_relay] = StubRelay
         got = c.get("/v1/runs/anything/head").json()
         assert (got["run"], got["step"], got["manifest_digest"], got["run_id"]) == ("anything", 42, D3, "stub")
         app.dependency_overrides.clear()
-        assert c.get("/v1/runs/r/head").json()["step"] == 2  # the real hub again
+        assert c.get("/v1/runs/r/head").json()["step"] == 2  # the real relay again
 
 
 # ------------------------------------------------------------- run reader
@@ -565,8 +565,8 @@ def test_store_checks_read_each_manifest_once_through_one_run_reader(tmp_path: P
         assert publish(c, 3, D2, run="a").status_code == 409  # the manifest is immutable: read from the cache
         assert publish(c, 3, d3, run="b").status_code == 201  # another run on the same store: same reader
         assert store.objects_read == read
-        hub = app.state.hub
-        assert hub.reader("a") is hub.reader("b")
+        relay = app.state.relay
+        assert relay.reader("a") is relay.reader("b")
 
 
 def test_derived_head_skips_a_step_fenced_off_by_a_newer_writer(tmp_path: Path) -> None:

@@ -663,7 +663,10 @@ def m_semantic_patch(rng: random.Random, case: Case, run: Run) -> None:
 
 def _forced(rng: random.Random, old_full: np.ndarray, new_full: np.ndarray) -> tuple[EncodedTensor, str]:
     """The change from ``old_full`` to ``new_full`` in a coding drawn at random (SPEC: any valid one may be written)."""
-    from deltasync.protocol.encoding import _compress, _encode_rice, _encode_xor_rank, _planes
+    from deltasync.protocol.positions import encode_rice as _encode_rice
+    from deltasync.protocol.streams import byte_planes as _planes
+    from deltasync.protocol.streams import compress as _compress
+    from deltasync.protocol.values import encode_xor_rank as _encode_xor_rank
 
     positions = rng.choice(["rice", "rice-z", "dense"])
     values = rng.choice(["raw", "xor-rank"])

@@ -1,7 +1,11 @@
-"""The signal server's state: heads, commit history, waiters, store checks and webhook deliveries.
+"""The signal server's state: :class:`CommitRelay` records each run's commits and relays them.
 
-Store checks read through one :class:`~deltasync.storage.RunReader` per store, so a
-manifest is read once for the server's life (manifests are immutable).
+It holds the runs' heads and commit history (in SQLite, with a cache of recent commits), wakes
+the SSE streams and long-polls waiting on a run, delivers webhooks (retried with the one
+:class:`~deltasync._retry.RetryPolicy`, whose waits the server's shutdown cuts short), and checks
+published steps against the store. Store checks read through one
+:class:`~deltasync.run.RunReader` per store, so a manifest is read once for the server's life
+(manifests are immutable).
 
 All mutation happens on the event loop without an ``await`` inside the critical
 section, so two concurrent publishes of one run cannot both pass the checks.
@@ -21,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from deltasync._retry import RetryPolicy
 from deltasync.errors import DeltaSyncError, ObjectNotFound, StorageError
 from deltasync.protocol import Committed
 from deltasync.run import RunReader
@@ -30,10 +35,12 @@ from deltasync.server._settings import Settings
 from deltasync.server.webhooks import DELIVERY_HEADER, EVENT_HEADER, sign_webhook
 from deltasync.storage import Store
 
-__all__ = ["Conflict", "Hub", "NotInStore", "StoreUnavailable"]
+__all__ = ["CommitRelay", "Conflict", "NotInStore", "StoreUnavailable"]
 
 log = logging.getLogger("deltasync.server")
 _RECENT = 256
+#: the longest wait between two attempts of a webhook delivery
+WEBHOOK_MAX_BACKOFF_S = 60.0
 
 
 class Conflict(Exception):
@@ -48,8 +55,8 @@ class NotInStore(Exception):
     """A published step has no manifest in the configured store (422)."""
 
 
-class Hub:
-    """Runs, their heads and the tasks that tell subscribers."""
+class CommitRelay:
+    """Records each run's commits (heads, history) and relays them to SSE streams, long-polls and webhooks."""
 
     def __init__(
         self,
@@ -72,6 +79,14 @@ class Hub:
         self._readers: dict[int, tuple[Store, RunReader]] = {}
         self._readers_lock = threading.Lock()
         self.closing = False
+        #: the retries of a webhook delivery: ``webhook_attempts`` in all, backoff doubling from
+        #: ``webhook_backoff_s`` up to a minute
+        self.webhook_retry = RetryPolicy(
+            retries=settings.webhook_attempts - 1,
+            backoff=max(0.0, settings.webhook_backoff_s),
+            max_backoff=WEBHOOK_MAX_BACKOFF_S,
+        )
+        self._stop: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None  # see _stop_event
 
     # --------------------------------------------------------------- reads
 
@@ -127,7 +142,7 @@ class Hub:
     # --------------------------------------------------------------- store
 
     def reader(self, run: str) -> RunReader:
-        """The :class:`~deltasync.storage.RunReader` of ``run``'s store (one per store, cached; thread-safe)."""
+        """The :class:`~deltasync.run.RunReader` of ``run``'s store (one per store, cached; thread-safe)."""
         assert self.store_for is not None
         store = self.store_for(run)
         with self._readers_lock:
@@ -227,12 +242,14 @@ class Hub:
         task.add_done_callback(self._tasks.discard)
 
     async def _deliver(self, hook: Webhook, c: Commit) -> None:
-        s = self.settings
         delivery = secrets.token_hex(16)
         body = json.dumps({"event": "commit", "delivery": delivery, **c.to_dict()}, separators=(",", ":")).encode()
-        delay = s.webhook_backoff_s
-        async with httpx.AsyncClient(timeout=s.webhook_timeout_s, transport=self.webhook_transport) as client:
-            for attempt in range(1, s.webhook_attempts + 1):
+        backoff = self.webhook_retry.backoff_state()
+        attempts = self.webhook_retry.retries + 1
+        async with httpx.AsyncClient(
+            timeout=self.settings.webhook_timeout_s, transport=self.webhook_transport
+        ) as client:
+            for attempt in range(1, attempts + 1):
                 headers = {
                     "Content-Type": "application/json",
                     EVENT_HEADER: "commit",
@@ -249,7 +266,7 @@ class Hub:
                 except httpx.HTTPError as exc:
                     retry, why = True, f"{type(exc).__name__}: {exc}"
                 self.metrics.inc("deltasync_webhook_attempts_failed_total")
-                if not retry or attempt == s.webhook_attempts:
+                if not retry or attempt == attempts:
                     log.warning(
                         "webhook %s (%s) gave up on step %d after %d attempts: %s",
                         hook.id,
@@ -260,18 +277,41 @@ class Hub:
                     )
                     self.metrics.inc("deltasync_webhook_deliveries_total", outcome="failed")
                     return
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 60.0)
+                if await self._stopped_within(backoff.next_delay()):
+                    log.info("webhook %s (%s): delivery of step %d dropped at shutdown", hook.id, hook.url, c.step)
+                    return
+
+    def _stop_event(self) -> asyncio.Event:
+        """The running loop's shutdown event (set by :meth:`close_streams` and :meth:`aclose`)."""
+        loop = asyncio.get_running_loop()
+        cur = self._stop
+        if cur is None or cur[0] is not loop:
+            cur = self._stop = (loop, asyncio.Event())
+            if self.closing:
+                cur[1].set()
+        return cur[1]
+
+    async def _stopped_within(self, delay: float) -> bool:
+        """Wait ``delay`` seconds (a retry backoff); True when the server shuts down first."""
+        stop = self._stop_event()
+        try:
+            await asyncio.wait_for(stop.wait(), delay)
+        except asyncio.TimeoutError:
+            return False
+        return True
 
     def close_streams(self) -> None:
-        """Make every open SSE stream and long-poll return now (server shutdown). Thread-safe."""
+        """Make every open SSE stream and long-poll return now, and webhook retries give up (server
+        shutdown). Thread-safe."""
         self.closing = True
-        for loop, ev in list(self._events.values()):
+        stop = self._stop
+        for loop, ev in [*self._events.values(), *([stop] if stop is not None else [])]:
             if not loop.is_closed():
                 loop.call_soon_threadsafe(ev.set)
 
     async def aclose(self) -> None:
-        """Cancel pending deliveries."""
+        """Stop retrying deliveries and cancel those still running."""
+        self._stop_event().set()
         for t in list(self._tasks):
             t.cancel()
         if self._tasks:
