@@ -43,7 +43,7 @@ class DeltaFetcher:
         A failed proof restores the target's previous state and raises.
     signing_key: require manifests signed with this HMAC key.
     progress: a callback ``(bytes_done, bytes_total)`` for downloads.
-    reader: share a :class:`~deltasync.storage.RunReader` (its manifest cache) with other users.
+    reader: share a :class:`~deltasync.run.RunReader` (its manifest cache) with other users.
     spans: catch up through the run's spans when cheaper (SPEC.md "Spans"); a span that
         fails a check is dropped and the sync goes on through patches.
     fold: apply consecutive patches (and spans) as one change per tensor, so each changed
