@@ -31,10 +31,10 @@ from typing import Any
 
 import numpy as np
 
-from deltasync.errors import ChecksumMismatch, DeltaSyncError, ObjectNotFound, ProtocolError, StorageError
+from deltasync.errors import DeltaSyncError, ObjectNotFound, StorageError
 from deltasync.fetcher._apply import check_anchor
 from deltasync.fetcher._execute import apply_decoded, decode_plan
-from deltasync.fetcher._source import Source
+from deltasync.fetcher._source import DATA_ERRORS, Source
 from deltasync.fetcher._swapdir import MARKER, exchange, fsync_path, lock_dir, reached, recover, remove_version
 from deltasync.fetcher._target import HostTensor
 from deltasync.protocol import FetchPlan, TensorInfo
@@ -345,13 +345,9 @@ def materialize(
         try:
             arrays, changed = _build(source, plan, inventory, have, arrays)
             break
-        except (ChecksumMismatch, ProtocolError, ObjectNotFound) as exc:
-            if not isinstance(exc, ObjectNotFound):
-                source.reader.forget(plan.steps)
-            if not plan.spans:
+        except DATA_ERRORS as exc:
+            if not source.drop_failed_spans(plan, exc):
                 raise
-            log.warning("step %d: spans %s failed (%s); going on without them", target_step, plan.spans, exc)
-            source.reader.distrust_spans(plan.spans)
             plan = source.reader.plan(target_step, have)
     shards, index = checkpoint_shards(inventory, arrays, shard_bytes)
     reusable: dict[str, _Shard] = {}

@@ -25,7 +25,6 @@ from deltasync.errors import (
     ChecksumMismatch,
     InventoryMismatch,
     ObjectNotFound,
-    ProtocolError,
 )
 from deltasync.fetcher._apply import Undo
 from deltasync.fetcher._download import PlanFilesGone
@@ -33,7 +32,7 @@ from deltasync.fetcher._execute import apply_decoded, decode_plan, prove_anchor_
 from deltasync.fetcher._identity import HeldState, HeldStates
 from deltasync.fetcher._journal import SyncJournal
 from deltasync.fetcher._lease import LeaseWriter, still_committed, unreachable_after_gc
-from deltasync.fetcher._source import Source
+from deltasync.fetcher._source import DATA_ERRORS, Source
 from deltasync.fetcher._stats import SyncStats
 from deltasync.fetcher._target import TargetTensor, live_tensors, target_tensors
 from deltasync.protocol import Committed, FetchPlan, Manifest, TensorInfo
@@ -41,9 +40,6 @@ from deltasync.protocol import Committed, FetchPlan, Manifest, TensorInfo
 __all__ = ["Sync"]
 
 log = logging.getLogger("deltasync.fetcher")
-
-#: errors of a plan's data (files, manifests, proofs): a plan through spans is made again without them
-_DATA_ERRORS = (ChecksumMismatch, ProtocolError, ObjectNotFound)
 
 
 class Sync:
@@ -139,13 +135,8 @@ class Sync:
         Anything else is raised (and :meth:`run` empties a dict target it filled).
         """
         plan = self._plan_made
-        if executing and plan is not None and isinstance(exc, _DATA_ERRORS):
-            if not isinstance(exc, ObjectNotFound):
-                # the bad bytes may be a cached manifest (read corrupted, or since repaired)
-                self.reader.forget(plan.steps)
-            if plan.spans:
-                log.warning("step %d: spans %s failed (%s); going on without them", plan.target_step, plan.spans, exc)
-                self.reader.distrust_spans(plan.spans)
+        if executing and plan is not None and isinstance(exc, DATA_ERRORS):
+            if self.source.drop_failed_spans(plan, exc):
                 self.stats.span_fallbacks += 1
                 self._plan_made = None
                 return True
