@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from deltasync.fetcher._apply import NumpySlot
+from deltasync.fetcher._target import HostTensor
 from deltasync.protocol import EncodedTensor, decode_positions, decode_values, encode_changes, kernels
 
 Bits = np.ndarray[Any, np.dtype[Any]]
@@ -23,7 +23,7 @@ GOALS = {"encode": 200e6, "decode+apply": 250e6}  # changed elements per second 
 
 
 class _Entry:
-    """What :meth:`NumpySlot.apply` reads from a decoded entry."""
+    """What :meth:`HostTensor.apply` reads from a decoded entry."""
 
     def __init__(self, tensor: str, idx: Bits, values: Bits, coding: str) -> None:
         self.tensor, self.idx, self.values, self.coding = tensor, idx, values, coding
@@ -50,7 +50,7 @@ def measure(
                 pos = decode_positions(e.pos_blob, e.positions, e.rice_k, e.count, numel[k], k)
                 d = _Entry(k, pos, decode_values(e.val_blob, e.values, e.count, changes[k][1].dtype, k), e.values)
                 t2 = time.perf_counter()
-                slot = NumpySlot(state[k].reshape(-1))
+                slot = HostTensor(state[k].reshape(-1))
                 slot.apply(d)  # type: ignore[arg-type]
                 t3 = time.perf_counter()
                 if d.coding == "xor-rank":  # back to the new bits (raw wrote what the state already held)
@@ -82,7 +82,7 @@ def _two_threads(
         k, e = ke
         pos = decode_positions(e.pos_blob, e.positions, e.rice_k, e.count, numel[k], k)
         d = _Entry(k, pos, decode_values(e.val_blob, e.values, e.count, changes[k][1].dtype, k), e.values)
-        NumpySlot(state[k].reshape(-1)).apply(d)  # type: ignore[arg-type]
+        HostTensor(state[k].reshape(-1)).apply(d)  # type: ignore[arg-type]
 
     with kernels.using("numba"), ThreadPoolExecutor(2) as pool:
         t0 = time.perf_counter()

@@ -1053,7 +1053,7 @@ def render(res: BenchResult) -> str:
             body,
             "Changed elements per second on one thread (medians over the measured steps): encode = "
             "encode_changes of every changed tensor; decode+apply = decode_positions + decode_values + "
-            "NumpySlot.apply (the fetcher's write, keeping the undo bits), no verification. Both "
+            "HostTensor.apply (the fetcher's write, keeping the undo bits), no verification. Both "
             f"implementations coded every step to identical bytes. Pipeline rows above ran on: {kernels.backend()}.",
         )
         dens = {lr: _median([r.density for r in res.measured(lr)]) for lr in per_lr if res.measured(lr)}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -14,7 +14,10 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "DEFAULT_MAX_ALLOC_BYTES",
+    "allocate",
     "flat_bits",
+    "inventory_nbytes",
     "inventory_of",
     "numpy_bits",
     "require_torch",
@@ -109,3 +112,41 @@ def state_tensors(target: Any) -> dict[str, torch.Tensor]:
             raise TypeError(f"expected a mapping of str -> torch.Tensor; bad entries: {bad[:5]}")
         return dict(target)
     raise TypeError(f"expected an nn.Module or a dict of tensors, got {type(target).__name__}")
+
+
+#: the most bytes of tensors ``DeltaFetcher.sync({})`` allocates from a run's inventory unless told
+#: otherwise (its ``max_alloc_bytes``): a manifest's shapes are claims, not bytes present
+DEFAULT_MAX_ALLOC_BYTES = 256 << 30
+
+
+def inventory_nbytes(inventory: Iterable[TensorInfo]) -> int:
+    """Bytes the tensors of ``inventory`` declare (numel times element size, summed)."""
+    torch = require_torch()
+    total = 0
+    for t in inventory:
+        n = 1
+        for d in t.shape:
+            n *= d
+        total += n * torch.empty((), dtype=torch_dtype(t.dtype)).element_size()
+    return total
+
+
+def allocate(
+    inventory: Iterable[TensorInfo], limit_bytes: int, *, option: str, zeroed: bool = True
+) -> dict[str, torch.Tensor]:
+    """CPU tensors shaped as ``inventory``, by name: THE allocator from a run's inventory.
+
+    Refuses (InventoryMismatch, naming ``option``, the setting that raises the cap) an inventory
+    declaring more than ``limit_bytes`` in all, before allocating anything. ``zeroed``: filled with
+    zeros, else left uninitialised (the caller overwrites every element).
+    """
+    torch = require_torch()
+    infos = list(inventory)
+    total = inventory_nbytes(infos)
+    if total > limit_bytes:
+        raise InventoryMismatch(
+            f"the run declares {total:,} bytes of weights, more than the {limit_bytes:,} bytes allowed by "
+            f"{option} (a run of another model, or a manifest that lies; raise {option} if it is right)"
+        )
+    make = torch.zeros if zeroed else torch.empty
+    return {t.name: make(t.shape, dtype=torch_dtype(t.dtype)) for t in infos}

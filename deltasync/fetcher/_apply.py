@@ -1,23 +1,20 @@
-"""Applying decoded steps to targets, all or nothing."""
+"""Applying decoded steps to a target's tensors, all or nothing: the checks before, the writes, the undo log."""
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from deltasync.errors import ChecksumMismatch, InventoryMismatch, ProtocolError
+from deltasync.errors import ChecksumMismatch, InventoryMismatch
 from deltasync.fetcher._fold import Change, new_bits
-from deltasync.protocol import Manifest, TensorInfo, kernels
+from deltasync.fetcher._target import TargetTensor
+from deltasync.protocol import Manifest, TensorInfo
 from deltasync.protocol.digests import xxh3_128_array
 
 __all__ = [
-    "NumpySlot",
-    "Slot",
-    "TorchSlot",
     "Undo",
     "alias_groups",
     "apply_changes",
@@ -30,126 +27,6 @@ __all__ = [
 ]
 
 Bits = np.ndarray[Any, np.dtype[Any]]
-
-
-class Slot(ABC):
-    """A target tensor's flat bits, wherever they live."""
-
-    key: Any = None
-
-    @abstractmethod
-    def take(self, idx: Bits) -> Bits:
-        """Bits at ``idx`` (a host copy)."""
-
-    @abstractmethod
-    def put(self, idx: Bits, vals: Bits) -> None:
-        """Write bits at ``idx``."""
-
-    @abstractmethod
-    def load(self, arr: Bits) -> None:
-        """Overwrite the whole tensor."""
-
-    @abstractmethod
-    def digest(self) -> str:
-        """xxh3-128 of the tensor's bytes."""
-
-    def apply(self, c: Change) -> Bits:
-        """Apply one change in place; returns the bits it overwrote (for the undo log)."""
-        old = self.take(c.idx)
-        self.put(c.idx, new_bits(c, old))
-        return old
-
-    @abstractmethod
-    def snapshot(self) -> Bits:
-        """A host copy of all the bits."""
-
-
-class NumpySlot(Slot):
-    """A numpy bit array (CPU torch tensors are viewed this way, sharing memory)."""
-
-    def __init__(self, arr: Bits, key: Any = None) -> None:
-        self.arr = arr
-        self.key = key if key is not None else (arr.__array_interface__["data"][0], arr.size, arr.dtype.str)
-
-    def take(self, idx: Bits) -> Bits:
-        # docstring inherited
-        return self.arr[idx]
-
-    def put(self, idx: Bits, vals: Bits) -> None:
-        # docstring inherited
-        self.arr[idx] = vals
-
-    def load(self, arr: Bits) -> None:
-        # docstring inherited
-        np.copyto(self.arr, arr)
-
-    def digest(self) -> str:
-        # docstring inherited
-        return xxh3_128_array(self.arr)
-
-    def apply(self, c: Change) -> Bits:
-        # docstring inherited
-        kern = kernels.impl()
-        coding = c.coding
-        idx = c.idx
-        if (
-            kern is None
-            or coding == "mixed"
-            or not idx.size
-            or idx.dtype != np.int64
-            or c.values.dtype.itemsize != self.arr.dtype.itemsize
-            or not self.arr.flags.c_contiguous
-        ):
-            return super().apply(c)
-        if int(idx[0]) < 0 or int(idx[-1]) >= self.arr.size:  # sorted positions: the ends bound them all
-            raise ProtocolError(f"{c.tensor!r}: positions outside a tensor of {self.arr.size} elements")
-        old: Bits = np.empty(idx.size, dtype=self.arr.dtype)
-        vals = c.values.view(self.arr.dtype)
-        (kern.xor_apply if coding == "xor-rank" else kern.set_apply)(self.arr.reshape(-1), idx, vals, old)
-        return old
-
-    def snapshot(self) -> Bits:
-        # docstring inherited
-        out: Bits = self.arr.copy()
-        return out
-
-
-class TorchSlot(Slot):
-    """A flat bit view of a tensor on an accelerator; host data is moved once per call."""
-
-    def __init__(self, t: Any) -> None:
-        self.t = t
-        self.key = (t.device.type, t.data_ptr(), t.numel(), str(t.dtype))
-
-    def _idx(self, idx: Bits) -> Any:
-        import torch
-
-        return torch.from_numpy(idx).to(self.t.device, non_blocking=True)
-
-    def take(self, idx: Bits) -> Bits:
-        # docstring inherited
-        return self.t[self._idx(idx)].cpu().numpy()  # type: ignore[no-any-return]
-
-    def put(self, idx: Bits, vals: Bits) -> None:
-        # docstring inherited
-        import torch
-
-        self.t[self._idx(idx)] = torch.from_numpy(np.ascontiguousarray(vals)).to(self.t.device)
-
-    def load(self, arr: Bits) -> None:
-        # docstring inherited
-        import torch
-
-        self.t.copy_(torch.from_numpy(np.array(arr)))
-
-    def digest(self) -> str:
-        # docstring inherited
-        return xxh3_128_array(self.t.cpu().numpy())
-
-    def snapshot(self) -> Bits:
-        # docstring inherited
-        out: Bits = np.array(self.t.cpu().numpy())
-        return out
 
 
 def check_inventory(have: Sequence[TensorInfo], m: Manifest) -> None:
@@ -174,12 +51,12 @@ def check_inventory(have: Sequence[TensorInfo], m: Manifest) -> None:
     raise InventoryMismatch(f"target does not match step {m.step}'s tensors: " + "; ".join(parts))
 
 
-def alias_groups(slots: Mapping[str, Slot]) -> dict[str, str]:
+def alias_groups(tensors: Mapping[str, TargetTensor]) -> dict[str, str]:
     """Map each name to the first name (sorted) sharing its memory: tied weights are applied once."""
     first: dict[Any, str] = {}
     out: dict[str, str] = {}
-    for name in sorted(slots):
-        out[name] = first.setdefault(slots[name].key, name)
+    for name in sorted(tensors):
+        out[name] = first.setdefault(tensors[name].key, name)
     return out
 
 
@@ -194,11 +71,11 @@ def changed_names(m: Manifest, parent: Manifest | None, changes: Sequence[Change
     return sorted(names)
 
 
-def check_digests(slots: Mapping[str, Slot], names: Sequence[str], m: Manifest) -> None:
+def check_digests(tensors: Mapping[str, TargetTensor], names: Sequence[str], m: Manifest) -> None:
     """Raise ChecksumMismatch unless each named tensor equals step ``m``'s digest of it."""
     for name in names:
         want = m.tensor_digests.get(name)
-        if want is not None and slots[name].digest() != want:
+        if want is not None and tensors[name].digest() != want:
             raise ChecksumMismatch(f"step {m.step}: tensor {name!r} is not bit-exact after applying (digest mismatch)")
 
 
@@ -211,7 +88,7 @@ def _result(idx: Bits, old: Bits, c: Change | None) -> Bits:
     return out
 
 
-def same_effect(bits: Slot, a: Change | None, b: Change | None) -> bool:
+def same_effect(bits: TargetTensor, a: Change | None, b: Change | None) -> bool:
     """Whether two changes turn the bits of ``bits`` into the same bits (codings may differ)."""
     if a is None and b is None:
         return True
@@ -221,25 +98,25 @@ def same_effect(bits: Slot, a: Change | None, b: Change | None) -> bool:
     return bool(np.array_equal(_result(idx, old, a), _result(idx, old, b)))
 
 
-def check_aliases(slots: Mapping[str, Slot], m: Manifest, changes: Sequence[Change]) -> None:
+def check_aliases(tensors: Mapping[str, TargetTensor], m: Manifest, changes: Sequence[Change]) -> None:
     """Tied tensors (one memory, several names) must receive changes with the same effect on the
     target's current bits (the writer may have coded them differently)."""
     by_name = {c.tensor: c for c in changes}
-    for name, primary in alias_groups(slots).items():
-        if primary != name and not same_effect(slots[primary], by_name.get(primary), by_name.get(name)):
+    for name, primary in alias_groups(tensors).items():
+        if primary != name and not same_effect(tensors[primary], by_name.get(primary), by_name.get(name)):
             raise InventoryMismatch(
                 f"target ties {primary!r} and {name!r} to one tensor, but step {m.step} changes them differently"
             )
 
 
-def check_anchor(slots: Mapping[str, Slot], m: Manifest, arrays: Mapping[str, Bits], *, verify: bool) -> None:
+def check_anchor(tensors: Mapping[str, TargetTensor], m: Manifest, arrays: Mapping[str, Bits], *, verify: bool) -> None:
     """Digests of a downloaded anchor (when verifying) and tied tensors, before anything is written."""
     if verify:
         for name, arr in arrays.items():
             want = m.tensor_digests.get(name)
             if want is not None and xxh3_128_array(arr) != want:
                 raise ChecksumMismatch(f"step {m.step}: anchor tensor {name!r} does not match its digest")
-    for name, primary in alias_groups(slots).items():
+    for name, primary in alias_groups(tensors).items():
         if primary != name and not np.array_equal(arrays[name], arrays[primary]):
             raise InventoryMismatch(
                 f"target ties {primary!r} and {name!r} to one tensor, but step {m.step} holds different values"
@@ -250,21 +127,21 @@ class Undo:
     """Old bits of every element written, so a whole plan can be rolled back; ``names`` are the tensors written."""
 
     def __init__(self) -> None:
-        self._log: list[tuple[Slot, Bits | None, Bits]] = []
+        self._log: list[tuple[TargetTensor, Bits | None, Bits]] = []
         self.names: set[str] = set()
 
-    def put(self, slot: Slot, c: Change) -> None:
+    def put(self, tensor: TargetTensor, c: Change) -> None:
         """Apply one decoded (or folded) change, remembering what it overwrote."""
-        self.record(slot, c.idx, slot.apply(c))
+        self.record(tensor, c.idx, tensor.apply(c))
 
-    def record(self, slot: Slot, idx: Bits, old: Bits) -> None:
-        """Remember that the bits at ``idx`` of ``slot`` were ``old`` before a write."""
-        self._log.append((slot, idx, old))
+    def record(self, tensor: TargetTensor, idx: Bits, old: Bits) -> None:
+        """Remember that the bits at ``idx`` of ``tensor`` were ``old`` before a write."""
+        self._log.append((tensor, idx, old))
 
-    def load(self, slot: Slot, old: Bits, new: Bits) -> None:
+    def load(self, tensor: TargetTensor, old: Bits, new: Bits) -> None:
         """Overwrite a whole tensor (``old`` is a copy of its current bits), remembering ``old``."""
-        self._log.append((slot, None, old))
-        slot.load(new)
+        self._log.append((tensor, None, old))
+        tensor.load(new)
 
     def extend(self, other: Undo) -> None:
         """Take over ``other``'s log (it is applied after this one's)."""
@@ -274,34 +151,36 @@ class Undo:
 
     def rollback(self) -> None:
         """Restore every element written, newest first."""
-        for slot, idx, old in reversed(self._log):
+        for tensor, idx, old in reversed(self._log):
             if idx is None:
-                slot.load(old)
+                tensor.load(old)
             else:
-                slot.put(idx, old)
+                tensor.put(idx, old)
         self._log.clear()
         self.names.clear()
 
 
-def apply_changes(slots: Mapping[str, Slot], changes: Sequence[Change], undo: Undo, *, threads: int = 1) -> None:
+def apply_changes(
+    tensors: Mapping[str, TargetTensor], changes: Sequence[Change], undo: Undo, *, threads: int = 1
+) -> None:
     """Apply a decoded (or folded) patch in place (tied names once), logging into ``undo``.
 
     With ``threads`` > 1 different tensors are written at once (the compiled apply releases the
     GIL). Every write that happened is in ``undo`` even when another one raised.
     """
-    alias = alias_groups(slots)
+    alias = alias_groups(tensors)
     todo = [c for c in changes if alias[c.tensor] == c.tensor]
     if threads <= 1 or len(todo) < 2:
         for c in todo:
-            undo.put(slots[c.tensor], c)
+            undo.put(tensors[c.tensor], c)
             undo.names.add(c.tensor)
         return
     with ThreadPoolExecutor(min(threads, len(todo)), thread_name_prefix="deltasync-apply") as pool:
-        futures = [(c, pool.submit(slots[c.tensor].apply, c)) for c in todo]
+        futures = [(c, pool.submit(tensors[c.tensor].apply, c)) for c in todo]
         failed: BaseException | None = None
         for c, fut in futures:  # each tensor once: the order of the log does not matter across tensors
             try:
-                undo.record(slots[c.tensor], c.idx, fut.result())
+                undo.record(tensors[c.tensor], c.idx, fut.result())
             except BaseException as exc:  # noqa: BLE001 - re-raised below once every write is logged
                 failed = failed or exc
                 continue

@@ -1,6 +1,6 @@
 """Downloading a plan's files: one batch, sizes and checksums checked before anything is decoded.
 
-Manifests come from :class:`deltasync.storage.RunReader`; decoding is the protocol's
+Manifests come from :class:`deltasync.run.RunReader`; decoding is the protocol's
 (:func:`deltasync.protocol.anchor_arrays`, :func:`deltasync.protocol.decode_patch`).
 """
 

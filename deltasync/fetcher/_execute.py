@@ -1,18 +1,16 @@
-"""Running a fetch plan: download, check and decode its steps, prove them, apply them all or nothing."""
+"""Executing a fetch plan: download, check and decode its steps (:func:`decode_plan`), prove them, and
+apply them all or nothing (:func:`apply_decoded`). No recovery here: that is the sync's (``_sync.py``)."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from deltasync.errors import ChecksumMismatch, InventoryMismatch, ObjectNotFound, ProtocolError
+from deltasync.errors import ChecksumMismatch, InventoryMismatch
 from deltasync.fetcher._apply import (
-    NumpySlot,
-    Slot,
     Undo,
     alias_groups,
     apply_changes,
@@ -25,22 +23,19 @@ from deltasync.fetcher._apply import (
 )
 from deltasync.fetcher._download import download
 from deltasync.fetcher._fold import Change, fold_steps, new_bits
-from deltasync.fetcher._journal import SyncStats
+from deltasync.fetcher._source import Source, Verify
+from deltasync.fetcher._stats import SyncStats
+from deltasync.fetcher._target import HostTensor, TargetTensor
 from deltasync.protocol import Committed, FetchPlan, Manifest, TensorInfo, anchor_arrays, decode_patch
 from deltasync.protocol.digests import xxh3_128_array
 
-if TYPE_CHECKING:
-    from deltasync.fetcher._fetcher import DeltaFetcher, Verify
-
-__all__ = ["Loaded", "apply_loaded", "execute", "load", "prove_anchor_plan"]
-
-log = logging.getLogger("deltasync.fetcher")
+__all__ = ["DecodedPlan", "apply_decoded", "decode_plan", "prove_anchor_plan"]
 
 Bits = np.ndarray[Any, np.dtype[Any]]
 
 
 @dataclass(frozen=True, slots=True)
-class Loaded:
+class DecodedPlan:
     """A plan's steps, downloaded, checked and decoded; nothing applied yet.
 
     ``steps`` holds one manifest per plan element (a span's own manifest for a span), so
@@ -53,22 +48,22 @@ class Loaded:
     patches: tuple[tuple[Manifest, tuple[Change, ...], tuple[str, ...]], ...]
 
 
-def load(
-    fetcher: DeltaFetcher,
+def decode_plan(
+    source: Source,
     plan: FetchPlan,
     inventory: Sequence[TensorInfo],
     base: Manifest | None,
     stats: SyncStats | None = None,
-) -> Loaded:
+) -> DecodedPlan:
     """Download, check and decode every step of ``plan`` (one batch of files); touches no target."""
     elements = plan.elements
     steps = tuple(
-        fetcher.reader.committed(e.step) if e.span is None else fetcher.reader.span(e.span, e.step) for e in elements
+        source.reader.committed(e.step) if e.span is None else source.reader.span(e.span, e.step) for e in elements
     )
     final = steps[-1].manifest
     for c in steps:
         check_inventory(inventory, c.manifest)
-    if fetcher.verify == "full":
+    if source.verify == "full":
         missing = sorted({t.name for t in inventory} - set(final.tensor_digests))
         if missing:
             raise ChecksumMismatch(
@@ -80,15 +75,15 @@ def load(
     def tick(n: int) -> None:
         nonlocal done
         done += n
-        if fetcher.progress:
-            fetcher.progress(done, total)
+        if source.progress:
+            source.progress(done, total)
 
     stats = stats or SyncStats(final.step)
     with stats.timing("download"):
         files = download(
-            fetcher.store,
+            source.store,
             [c.manifest for c in steps],
-            verify=bool(fetcher.verify),
+            verify=bool(source.verify),
             progress=tick,
             spans=[e.span for e in elements],
         )
@@ -104,39 +99,39 @@ def load(
             if m.kind == "anchor":
                 anchor = anchor_arrays(m, f)
             else:
-                changes = tuple(decode_patch(m, f, threads=fetcher.threads))
+                changes = tuple(decode_patch(m, f, threads=source.threads))
                 patches.append((m, changes, tuple(changed_names(m, parent, changes))))
             parent = m
-        if fetcher.fold and len(patches) > 1:
+        if source.fold and len(patches) > 1:
             # one change per tensor; every tensor any step touches is proven against the final digests
             names = tuple(sorted({n for _, _, ns in patches for n in ns}))
             folded: tuple[Change, ...] = tuple(fold_steps([ch for _, ch, _ in patches]))
-            return Loaded(steps, anchor, ((final, folded, names),))
-    return Loaded(steps, anchor, tuple(patches))
+            return DecodedPlan(steps, anchor, ((final, folded, names),))
+    return DecodedPlan(steps, anchor, tuple(patches))
 
 
-def prove_anchor_plan(slots: Mapping[str, Slot], loaded: Loaded, verify: Verify) -> None:
+def prove_anchor_plan(tensors: Mapping[str, TargetTensor], decoded: DecodedPlan, verify: Verify) -> None:
     """Replay the whole plan tensor by tensor off the target: every digest on the way is proven
     (when verifying) and tied names must change alike; the target is not touched."""
-    assert loaded.anchor is not None
-    anchor_m = loaded.steps[0].manifest
-    final = loaded.steps[-1].manifest
-    check_anchor(slots, anchor_m, loaded.anchor, verify=bool(verify))
-    by_step = [({c.tensor: c for c in ch}, set(names)) for _, ch, names in loaded.patches]
+    assert decoded.anchor is not None
+    anchor_m = decoded.steps[0].manifest
+    final = decoded.steps[-1].manifest
+    check_anchor(tensors, anchor_m, decoded.anchor, verify=bool(verify))
+    by_step = [({c.tensor: c for c in ch}, set(names)) for _, ch, names in decoded.patches]
     twins: dict[str, list[str]] = {}
-    for name, primary in alias_groups(slots).items():
+    for name, primary in alias_groups(tensors).items():
         twins.setdefault(primary, [])
         if primary != name:
             twins[primary].append(name)
     for primary, others in twins.items():
         if not verify and not others:
             continue  # nothing to prove without digests; ties need the replay
-        arr = np.array(loaded.anchor[primary])
+        arr = np.array(decoded.anchor[primary])
         proven = {n: anchor_m.tensor_digests.get(n) for n in (primary, *others)}  # check_anchor proved them
-        for (m, _, _), (by, names) in zip(loaded.patches, by_step, strict=True):
+        for (m, _, _), (by, names) in zip(decoded.patches, by_step, strict=True):
             c = by.get(primary)
             for twin in others:
-                if not same_effect(NumpySlot(arr, key=primary), c, by.get(twin)):
+                if not same_effect(HostTensor(arr, key=primary), c, by.get(twin)):
                     raise InventoryMismatch(
                         f"target ties {primary!r} and {twin!r} to one tensor, but step {m.step} changes them differently"
                     )
@@ -159,59 +154,59 @@ def prove_anchor_plan(slots: Mapping[str, Slot], loaded: Loaded, verify: Verify)
                     raise ChecksumMismatch(f"step {final.step}: tensor {n!r} does not match its digest")
 
 
-def apply_loaded(
-    slots: Mapping[str, Slot],
-    loaded: Loaded,
+def apply_decoded(
+    tensors: Mapping[str, TargetTensor],
+    decoded: DecodedPlan,
     *,
     verify: Verify,
     stats: SyncStats | None = None,
     keep: Undo | None = None,
     threads: int = 1,
 ) -> None:
-    """Apply a loaded plan in place, all or nothing; ``keep`` receives the undo log on success.
+    """Apply a decoded plan in place, all or nothing; ``keep`` receives the undo log on success.
     ``threads``: tensors written at once."""
-    stats = stats or SyncStats(loaded.steps[-1].manifest.step)
+    stats = stats or SyncStats(decoded.steps[-1].manifest.step)
     undo = Undo()
     try:
-        if loaded.anchor is not None:
+        if decoded.anchor is not None:
             # every digest was proven off the target: from here only the writes are left
             with stats.timing("apply"):
                 if keep is None:
-                    for name, primary in alias_groups(slots).items():
+                    for name, primary in alias_groups(tensors).items():
                         if primary == name:
-                            slots[name].load(loaded.anchor[name])
-                    for _, changes, _ in loaded.patches:
-                        apply_changes(slots, changes, undo, threads=threads)
+                            tensors[name].load(decoded.anchor[name])
+                    for _, changes, _ in decoded.patches:
+                        apply_changes(tensors, changes, undo, threads=threads)
                 else:
                     # the caller keeps the undo: write (and remember) only tensors whose bits differ
-                    by_step = [{c.tensor: c for c in changes} for _, changes, _ in loaded.patches]
-                    for name, primary in alias_groups(slots).items():
+                    by_step = [{c.tensor: c for c in changes} for _, changes, _ in decoded.patches]
+                    for name, primary in alias_groups(tensors).items():
                         if primary != name:
                             continue
-                        arr = np.array(loaded.anchor[name])
+                        arr = np.array(decoded.anchor[name])
                         for by in by_step:
                             if (c := by.get(name)) is not None:
                                 arr[c.idx] = new_bits(c, arr[c.idx])
-                        if not np.array_equal(old := slots[name].snapshot(), arr):
-                            undo.load(slots[name], old, arr)
+                        if not np.array_equal(old := tensors[name].snapshot(), arr):
+                            undo.load(tensors[name], old, arr)
                             undo.names.add(name)
             if keep is not None:
                 keep.extend(undo)
             return
-        for m, changes, names in loaded.patches:
+        for m, changes, names in decoded.patches:
             with stats.timing("apply"):
-                check_aliases(slots, m, changes)
-                apply_changes(slots, changes, undo, threads=threads)
+                check_aliases(tensors, m, changes)
+                apply_changes(tensors, changes, undo, threads=threads)
             if verify:
                 with stats.timing("verify"):
-                    check_digests(slots, names, m)
+                    check_digests(tensors, names, m)
         if verify == "full":
             # what the last step proved is proven; the rest of the target is hashed now
-            final = loaded.steps[-1].manifest
-            done = set(loaded.patches[-1][2]) if loaded.patches and verify else set()
+            final = decoded.steps[-1].manifest
+            done = set(decoded.patches[-1][2]) if decoded.patches and verify else set()
             with stats.timing("verify"):
-                check_digests(slots, sorted(set(slots) - done), final)
-            missing = sorted(n for n in slots if n not in final.tensor_digests)
+                check_digests(tensors, sorted(set(tensors) - done), final)
+            missing = sorted(n for n in tensors if n not in final.tensor_digests)
             if missing:
                 raise ChecksumMismatch(f"step {final.step}: no tensor digest to prove {missing[:5]}")
     except BaseException:
@@ -219,41 +214,3 @@ def apply_loaded(
         raise
     if keep is not None:
         keep.extend(undo)
-
-
-def execute(
-    fetcher: DeltaFetcher,
-    slots: Mapping[str, Slot],
-    inventory: Sequence[TensorInfo],
-    plan: FetchPlan,
-    base: Manifest | None,
-    stats: SyncStats,
-    keep: Undo | None,
-    have: tuple[int, str] | None = None,
-) -> Committed:
-    """Load and apply ``plan`` (all or nothing); returns the committed target step.
-
-    A plan through spans that fails (a span's file missing or corrupt, or its
-    content caught by verification) is rolled back, its spans are never used
-    again, and the target is planned again from ``have`` without them.
-    """
-    while True:
-        try:
-            loaded = load(fetcher, plan, inventory, base, stats)
-            if loaded.anchor is not None:
-                with stats.timing("verify"):
-                    prove_anchor_plan(slots, loaded, fetcher.verify)
-            apply_loaded(slots, loaded, verify=fetcher.verify, stats=stats, keep=keep, threads=fetcher.threads)
-            return fetcher.reader.committed(plan.target_step)
-        except (ChecksumMismatch, ProtocolError, ObjectNotFound) as exc:
-            if not isinstance(exc, ObjectNotFound):
-                # the bad bytes may be a cached manifest (read corrupted, or since repaired):
-                # read the plan's manifests afresh next time instead of failing forever
-                fetcher.reader.forget(plan.steps)
-            if not plan.spans:
-                raise
-            log.warning("step %d: spans %s failed (%s); going on without them", plan.target_step, plan.spans, exc)
-            fetcher.reader.distrust_spans(plan.spans)
-            stats.span_fallbacks += 1
-            plan = fetcher.reader.plan(plan.target_step, have)
-            base = fetcher.reader.committed(have[0]).manifest if plan.base == "current" and have else None

@@ -1,32 +1,35 @@
-"""DeltaFetcher: bring live weights or a checkpoint dir to a committed step."""
+"""DeltaFetcher: bring live weights or a checkpoint dir to a committed step (a thin facade).
+
+A sync is :class:`~deltasync.fetcher._sync.Sync` (have -> plan -> execute -> recover); a
+materialize is :func:`~deltasync.fetcher._materialize.materialize`. The fetcher holds what
+outlives one call: the run reader (its manifest cache), the lease, and what it left in each target.
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from deltasync._tensors import inventory_of, require_torch, torch_dtype
-from deltasync.errors import ChainBroken, ChecksumMismatch, InventoryMismatch, ObjectNotFound
-from deltasync.fetcher._apply import Slot, Undo
-from deltasync.fetcher._execute import execute
+from deltasync._tensors import DEFAULT_MAX_ALLOC_BYTES
 from deltasync.fetcher._follow import follow as _follow
-from deltasync.fetcher._identity import Held, live_tensors, slots_of
-from deltasync.fetcher._journal import SyncJournal, SyncStats, restore_held
+from deltasync.fetcher._identity import HeldStates
+from deltasync.fetcher._journal import SyncJournal
 from deltasync.fetcher._lease import LeaseWriter, dir_step, run_leased
-from deltasync.fetcher._materialize import MARKER as MARKER  # re-exported (fetcher.vllm)
+from deltasync.fetcher._materialize import MARKER as MARKER  # re-exported (integrations.vllm)
 from deltasync.fetcher._materialize import MaterializeStats
 from deltasync.fetcher._materialize import materialize as _materialize
+from deltasync.fetcher._source import Source
+from deltasync.fetcher._source import Verify as Verify  # re-exported (integrations.vllm)
+from deltasync.fetcher._stats import SyncStats
+from deltasync.fetcher._sync import Sync
+from deltasync.fetcher._target import live_tensors, target_tensors
 from deltasync.protocol import Manifest
 from deltasync.run import RunReader
 from deltasync.storage import Store, open_store
 
 __all__ = ["DeltaFetcher", "SyncJournal", "SyncStats", "Verify"]
-
-#: ``False``: sizes only; ``True``: file checksums, and every tensor a step changes proven by its
-#: digest; ``"full"``: also every tensor of the target proven after each sync.
-Verify = bool | Literal["full"]
 
 
 class DeltaFetcher:
@@ -40,7 +43,7 @@ class DeltaFetcher:
         A failed proof restores the target's previous state and raises.
     signing_key: require manifests signed with this HMAC key.
     progress: a callback ``(bytes_done, bytes_total)`` for downloads.
-    reader: share a :class:`~deltasync.storage.RunReader` (its manifest cache) with other users.
+    reader: share a :class:`~deltasync.run.RunReader` (its manifest cache) with other users.
     spans: catch up through the run's spans when cheaper (SPEC.md "Spans"); a span that
         fails a check is dropped and the sync goes on through patches.
     fold: apply consecutive patches (and spans) as one change per tensor, so each changed
@@ -50,6 +53,9 @@ class DeltaFetcher:
         this fetcher holds and fetches. None (default): no lease, the store is only read.
     threads: decode up to this many tensors of a step at once (the compiled kernels release the
         GIL; see :mod:`deltasync.protocol.kernels`).
+    max_alloc_bytes: the most bytes of tensors ``sync({})`` allocates from a run's inventory
+        (default 256 GiB); a run declaring more is refused with InventoryMismatch before
+        anything is allocated (a manifest's shapes are claims).
 
     A sync is all or nothing: the target ends at the step returned, or the call
     raises with the target as it was.
@@ -68,6 +74,7 @@ class DeltaFetcher:
         fold: bool = True,
         lease_ttl: float | None = None,
         threads: int = 2,
+        max_alloc_bytes: int = DEFAULT_MAX_ALLOC_BYTES,
     ) -> None:
         if verify not in (True, False, "full"):
             raise ValueError(f"verify must be True, False or 'full', got {verify!r}")
@@ -78,7 +85,8 @@ class DeltaFetcher:
         self.reader = reader if reader is not None else RunReader(self.store, signing_key=signing_key, spans=spans)
         self.fold = fold
         self.threads = max(1, threads)
-        self._held: dict[int, Held] = {}
+        self.max_alloc_bytes = max_alloc_bytes
+        self._held = HeldStates()
         self.lease = LeaseWriter(self.store, lease_ttl) if lease_ttl is not None else None
         #: timings and bytes of the last :meth:`sync` (None before the first)
         self.last_stats: SyncStats | None = None
@@ -101,28 +109,11 @@ class DeltaFetcher:
         """The manifest of committed ``step`` (cached)."""
         return self.reader.manifest(step)
 
-    def _target_step(self, step: int | None) -> int:
-        if step is not None:
-            return step
-        latest = self.latest_step()
-        if latest is None:
-            if not self.reader.exists():
-                self.reader.require()
-            raise ChainBroken(f"{self.store.url} has no committed steps yet")
-        return latest
+    def _source(self) -> Source:
+        """The run and this fetcher's settings for reading it, as they are now (one per sync or materialize)."""
+        return Source(self.store, self.reader, self.verify, self.fold, self.threads, self.progress)
 
     # ---------------------------------------------------------------- sync
-
-    def _holds(self, slots: Mapping[str, Slot], step: int) -> tuple[int, str] | None:
-        """(step, digest) when every tensor provably equals committed ``step`` (by digests), else None."""
-        try:
-            c = self.reader.committed(step)
-        except ObjectNotFound:
-            return None  # not (or no longer) committed: start from an anchor
-        digests = c.manifest.tensor_digests
-        if set(digests) != set(slots) or any(slots[n].digest() != d for n, d in digests.items()):
-            return None
-        return step, c.digest
 
     def sync(
         self, target: Any, step: int | None = None, *, have_step: int | None = None, journal: SyncJournal | None = None
@@ -143,84 +134,19 @@ class DeltaFetcher:
         so it can be undone later (a live engine that refused the new tensors).
         Timings and bytes of the sync are left in :attr:`last_stats`.
         """
-        return run_leased(
-            self, step, lambda: self.current_step(target), lambda s: self._sync(target, s, have_step, journal)
+        sync = Sync(
+            self._source(),
+            self._held,
+            target,
+            step,
+            have_step=have_step,
+            journal=journal,
+            lease=self.lease,
+            max_alloc_bytes=self.max_alloc_bytes,
         )
-
-    def _sync(self, target: Any, step: int, have_step: int | None, journal: SyncJournal | None) -> int:
-        """One :meth:`sync` attempt to ``step``; an empty dict is first filled with the run's tensors."""
-        added = _allocate_empty(target, lambda: self.manifest(self._target_step(step)))
-        try:
-            return self._sync_into(target, step, have_step, journal)
-        except BaseException as exc:
-            for name in added:  # all or nothing: the dict is empty again
-                target.pop(name, None)
-            if isinstance(exc, InventoryMismatch) and isinstance(target, Mapping) and not added:
-                raise InventoryMismatch(
-                    f"{exc}; or pass an empty dict, which sync fills with the run's tensors"
-                ) from exc
-            raise
-
-    def _sync_into(self, target: Any, step: int, have_step: int | None, journal: SyncJournal | None) -> int:
-        stats = SyncStats(-1)
-        t0 = stats.clock()
-        live = live_tensors(target)
-        inventory = inventory_of(live)
-        slots = slots_of(live)
-        target_step = self._target_step(step)
-        for key in [k for k, h in self._held.items() if h.gone()]:
-            del self._held[key]  # targets that were collected
-        held = self._held.get(id(target))
-        have: tuple[int, str] | None = None
-        if held is not None and held.same(target, live, slots):
-            have = (held.step, held.digest)
-        elif held is not None:
-            # another object at a reused id, or tensors changed behind our back: prove it or forget it
-            have = self._holds(slots, held.step) if self.verify else None
-            if have is None:
-                del self._held[id(target)]
-        if have is None and have_step is not None:
-            if self.verify:
-                have = self._holds(slots, have_step)
-            else:
-                try:
-                    have = (have_step, self.reader.committed(have_step).digest)
-                except ObjectNotFound:
-                    have = None
-        plan = self.reader.plan(target_step, have)
-        before = self._held.get(id(target))
-        keep = Undo() if journal is not None else None
-        stats.step = target_step
-        if plan.is_noop:
-            reached = self.reader.committed(target_step)
-        else:
-            base = self.reader.committed(have[0]).manifest if plan.base == "current" and have else None
-            stats.base_step = have[0] if base is not None and have else None
-            try:
-                reached = execute(self, slots, inventory, plan, base, stats, keep, have)
-            except ChecksumMismatch:
-                # the target may not hold what we believed (changed behind our back): if so, an
-                # anchor is the safe start; if it does hold it, the store's data is what is wrong
-                if plan.base != "current" or have is None or self._holds(slots, have[0]) is not None:
-                    raise
-                plan = self.reader.plan(target_step, None)
-                stats = SyncStats(target_step, clock=stats.clock)
-                reached = execute(self, slots, inventory, plan, None, stats, keep)
-        self._held[id(target)] = Held.record(target_step, reached.digest, target, live, slots)
-        if journal is not None and keep is not None:
-            key, records = id(target), self._held
-
-            def restore() -> None:
-                restore_held(records, key, before, target, live, slots)
-
-            journal._record(keep, slots, target_step, have[0] if have else None, restore)
-        elif journal is not None:
-            journal._record(Undo(), slots, target_step, target_step, lambda: None)
-        stats.total_s = stats.clock() - t0
-        self.last_stats = stats
-        if journal is not None:
-            journal.stats = stats
-        return target_step
+        reached = sync.run()
+        self.last_stats = sync.stats
+        return reached
 
     def follow(self, target: Any, **options: Any) -> int | None:
         """Apply each new step to ``target`` as it is signalled (SSE), polling the store when the
@@ -231,12 +157,8 @@ class DeltaFetcher:
 
     def current_step(self, target: Any) -> int | None:
         """The step this fetcher last brought ``target`` to, if it still holds those tensors unchanged."""
-        held = self._held.get(id(target))
-        if held is None:
-            return None
         live = live_tensors(target)
-        slots = slots_of(live)
-        return held.step if held.same(target, live, slots) else None
+        return self._held.current_step(target, live, target_tensors(live))
 
     # --------------------------------------------------------- materialize
 
@@ -264,26 +186,13 @@ class DeltaFetcher:
         a config.json). An existing dir without the marker is never replaced. Memory is sized
         from bytes present (the anchor or the dir), never from a manifest's declared shapes alone.
         """
+        source = self._source()
         out, stats = run_leased(
-            self, step, lambda: dir_step(out_dir), lambda s: _materialize(self, out_dir, s, config_from)
+            source,
+            self.lease,
+            step,
+            lambda: dir_step(out_dir),
+            lambda s: _materialize(source, out_dir, s, config_from, shard_bytes=self.shard_bytes),
         )
         self.last_materialize = stats
         return out
-
-
-def _allocate_empty(target: Any, manifest: Callable[[], Manifest]) -> list[str]:
-    """Fill an empty dict target with CPU tensors shaped as the run's (``manifest()``'s) inventory,
-    so ``fetcher.sync({})`` works without knowing the model; returns the names added."""
-    if not isinstance(target, MutableMapping) or len(target) > 0:
-        return []
-    torch = require_torch()
-    added: list[str] = []
-    try:
-        for info in manifest().inventory:
-            target[info.name] = torch.zeros(info.shape, dtype=torch_dtype(info.dtype))
-            added.append(info.name)
-    except BaseException:
-        for name in added:
-            target.pop(name, None)
-        raise
-    return added

@@ -7,26 +7,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from deltasync._tensors import flat_bits, numpy_bits, require_torch, state_tensors
-from deltasync.fetcher._apply import NumpySlot, Slot, TorchSlot
+from deltasync.fetcher._target import TargetTensor
 
-__all__ = ["Held", "live_tensors", "slots_of"]
-
-
-def slots_of(live: Mapping[str, Any]) -> dict[str, Slot]:
-    """A flat-bits slot per tensor: a numpy view on the CPU, the tensor itself on an accelerator."""
-    return {
-        n: NumpySlot(numpy_bits(t)) if t.device.type == "cpu" else TorchSlot(flat_bits(t, copy_if_needed=False))
-        for n, t in live.items()
-    }
-
-
-def live_tensors(target: Any) -> dict[str, Any]:
-    """The target's tensors as the objects it holds (Parameters for a module), so identity holds."""
-    torch = require_torch()
-    if isinstance(target, torch.nn.Module):
-        return dict(target.state_dict(keep_vars=True))
-    return state_tensors(target)
+__all__ = ["HeldState", "HeldStates"]
 
 
 def _version(t: Any) -> int | None:
@@ -37,7 +20,7 @@ def _version(t: Any) -> int | None:
 
 
 @dataclass(slots=True)
-class Held:
+class HeldState:
     """What this fetcher left in a target: the step, and how to recognise the same tensors unchanged."""
 
     step: int
@@ -46,12 +29,15 @@ class Held:
     tensors: dict[str, tuple[weakref.ref[Any], int | None, Any]]
 
     @classmethod
-    def record(cls, step: int, digest: str, target: Any, live: Mapping[str, Any], slots: Mapping[str, Slot]) -> Held:
+    def record(
+        cls, step: int, digest: str, target: Any, live: Mapping[str, Any], tensors: Mapping[str, TargetTensor]
+    ) -> HeldState:
+        """The state of ``target`` now that it holds committed ``step`` (manifest ``digest``)."""
         try:
             ref: weakref.ref[Any] | None = weakref.ref(target)
         except TypeError:  # a dict: its tensors carry the identity
             ref = None
-        return cls(step, digest, ref, {n: (weakref.ref(t), _version(t), slots[n].key) for n, t in live.items()})
+        return cls(step, digest, ref, {n: (weakref.ref(t), _version(t), tensors[n].key) for n, t in live.items()})
 
     def gone(self) -> bool:
         """True once the target (or every tensor it held) was garbage-collected."""
@@ -59,7 +45,7 @@ class Held:
             return self.target() is None
         return all(ref() is None for ref, _, _ in self.tensors.values())
 
-    def same(self, target: Any, live: Mapping[str, Any], slots: Mapping[str, Slot]) -> bool:
+    def same(self, target: Any, live: Mapping[str, Any], tensors: Mapping[str, TargetTensor]) -> bool:
         """True when ``target`` holds the very tensors this fetcher wrote, unmodified since (by torch's
         version counters) and at the same memory."""
         if self.target is not None and self.target() is not target:
@@ -68,8 +54,46 @@ class Held:
             return False
         for name, t in live.items():
             ref, version, key = self.tensors[name]
-            if ref() is not t or key != slots[name].key:
+            if ref() is not t or key != tensors[name].key:
                 return False
             if version is not None and _version(t) != version:
                 return False
         return True
+
+
+class HeldStates:
+    """One fetcher's record of what it left in each target (by ``id()``, checked by :meth:`HeldState.same`)."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, HeldState] = {}
+
+    def get(self, target: Any) -> HeldState | None:
+        """What this fetcher last left in ``target`` (or in an object since collected that had its ``id``)."""
+        for key in [k for k, h in self._by_id.items() if h.gone()]:
+            del self._by_id[key]  # targets that were collected
+        return self._by_id.get(id(target))
+
+    def record(
+        self, target: Any, step: int, digest: str, live: Mapping[str, Any], tensors: Mapping[str, TargetTensor]
+    ) -> None:
+        """``target`` now holds committed ``step`` (manifest ``digest``) in these very tensors."""
+        self._by_id[id(target)] = HeldState.record(step, digest, target, live, tensors)
+
+    def forget(self, target: Any) -> None:
+        """Nothing is known any more of what ``target`` holds."""
+        self._by_id.pop(id(target), None)
+
+    def restore(
+        self, target: Any, before: HeldState | None, live: Mapping[str, Any], tensors: Mapping[str, TargetTensor]
+    ) -> None:
+        """After a rollback: ``target`` holds ``before``'s step again (re-recorded, since the writes may
+        have bumped version counters), or nothing this fetcher knows of."""
+        if before is None:
+            self.forget(target)
+        else:
+            self.record(target, before.step, before.digest, live, tensors)
+
+    def current_step(self, target: Any, live: Mapping[str, Any], tensors: Mapping[str, TargetTensor]) -> int | None:
+        """The step this fetcher last left in ``target``, if it still holds those tensors unchanged."""
+        held = self._by_id.get(id(target))
+        return held.step if held is not None and held.same(target, live, tensors) else None

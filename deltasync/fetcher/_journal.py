@@ -1,4 +1,4 @@
-"""What one sync did: timings for metrics, and a journal to undo it after the fact.
+"""A journal to undo one sync after the fact.
 
 A live engine applies a step in two moves: the fetcher brings a host mirror to the
 step (in the background), then the engine loads the tensors that changed. When the
@@ -8,50 +8,13 @@ engine refuses them, the mirror must go back to the step the engine still serves
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Mapping
 
-from deltasync.fetcher._apply import Slot, Undo, alias_groups
-from deltasync.fetcher._identity import Held
+from deltasync.fetcher._apply import Undo, alias_groups
+from deltasync.fetcher._stats import SyncStats
+from deltasync.fetcher._target import TargetTensor
 
-__all__ = ["SyncJournal", "SyncStats"]
-
-
-@dataclass(slots=True)
-class SyncStats:
-    """Where one sync's time went, in seconds, and what it downloaded.
-
-    ``base_step`` is the step the target held when the plan started from it (None: an anchor was
-    loaded); ``steps`` the committed steps the plan applied; ``download_s`` includes file checksums,
-    ``verify_s`` the tensor digest proofs, ``apply_s`` the writes into the target; ``spans`` the
-    plan's elements that were spans, ``span_fallbacks`` plans through spans that failed and were
-    made again without them.
-    """
-
-    step: int
-    base_step: int | None = None
-    steps: int = 0
-    spans: int = 0
-    span_fallbacks: int = 0
-    nbytes: int = 0
-    download_s: float = 0.0
-    decode_s: float = 0.0
-    verify_s: float = 0.0
-    apply_s: float = 0.0
-    total_s: float = 0.0
-    clock: Callable[[], float] = field(default=time.perf_counter, repr=False, compare=False)
-
-    @contextmanager
-    def timing(self, what: str) -> Iterator[None]:
-        """Add the time spent in the block to the ``<what>_s`` field."""
-        t0 = self.clock()
-        try:
-            yield
-        finally:
-            setattr(self, f"{what}_s", getattr(self, f"{what}_s") + self.clock() - t0)
+__all__ = ["SyncJournal"]
 
 
 class SyncJournal:
@@ -73,18 +36,21 @@ class SyncJournal:
         self._undo = Undo()
         self._restore: Callable[[], None] | None = None
 
-    def _record(
+    def record(
         self,
         undo: Undo,
-        slots: Mapping[str, Slot],
+        tensors: Mapping[str, TargetTensor],
         step: int,
-        base: int | None,
+        base_step: int | None,
+        stats: SyncStats,
         restore: Callable[[], None],
     ) -> None:
+        """Called by the sync that used this journal: take over its undo log (``undo`` is emptied);
+        ``restore`` puts the fetcher's record of the target back after a :meth:`rollback`."""
         self._undo.extend(undo)
         written = self._undo.names
-        self.names = tuple(sorted(n for n, primary in alias_groups(slots).items() if primary in written))
-        self.step, self.base_step, self._restore = step, base, restore
+        self.names = tuple(sorted(n for n, primary in alias_groups(tensors).items() if primary in written))
+        self.step, self.base_step, self.stats, self._restore = step, base_step, stats, restore
 
     def rollback(self) -> None:
         """Put every element the sync wrote back as it was."""
@@ -93,12 +59,3 @@ class SyncJournal:
             self._restore()
             self._restore = None
         self.names = ()
-
-
-def restore_held(held: dict[int, Held], key: int, before: Held | None, target: Any, live: Any, slots: Any) -> None:
-    """After a rollback: the target holds ``before``'s step again (re-recorded, since writes may have
-    bumped version counters), or nothing this fetcher knows of."""
-    if before is None:
-        held.pop(key, None)
-    else:
-        held[key] = Held.record(before.step, before.digest, target, live, slots)

@@ -1,10 +1,11 @@
-"""Fetcher leases and syncing through a concurrent gc (SPEC.md "Retention and leases").
+"""Fetcher leases and fetching through a concurrent gc (SPEC.md "Retention and leases").
 
 A fetcher with ``lease_ttl`` writes ``leases/{id}.json`` at the start of each sync (the step
 it holds and the step it is fetching) and after it (the step it now holds), so that
 ``deltasync gc`` keeps what it needs until the lease expires. Independently of leases, a
-sync whose planned files vanish (gc deleted them after the plan was made) re-plans once
-from a fresh listing instead of failing: the target then loads the nearest kept anchor.
+fetch whose planned files vanish (gc deleted them after the plan was made) re-plans once
+from a fresh listing instead of failing: the target then loads the nearest kept anchor
+(:meth:`deltasync.fetcher._sync.Sync.run` for a sync, :func:`run_leased` for a materialize).
 """
 
 from __future__ import annotations
@@ -16,18 +17,16 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from deltasync.errors import ChainBroken, DeltaSyncError, ObjectNotFound
 from deltasync.fetcher._download import PlanFilesGone
+from deltasync.fetcher._source import Source
 from deltasync.protocol import manifest_key
 from deltasync.protocol.retention import Lease, lease_key
 from deltasync.storage import Store
 
-if TYPE_CHECKING:
-    from deltasync.fetcher._fetcher import DeltaFetcher
-
-__all__ = ["LeaseWriter", "dir_step", "run_leased"]
+__all__ = ["LeaseWriter", "dir_step", "run_leased", "still_committed", "unreachable_after_gc"]
 
 log = logging.getLogger("deltasync.fetcher")
 T = TypeVar("T")
@@ -83,24 +82,38 @@ def dir_step(out: str | os.PathLike[str]) -> int | None:
     return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
-def _committed(fetcher: DeltaFetcher, steps: tuple[int, ...]) -> bool:
+def still_committed(store: Store, steps: tuple[int, ...]) -> bool:
     """Whether every one of ``steps`` still has its manifest (gc deletes a step's manifest first)."""
     try:
-        return bool(steps) and all(fetcher.store.exists(manifest_key(s)) for s in steps)
+        return bool(steps) and all(store.exists(manifest_key(s)) for s in steps)
     except DeltaSyncError:
         return False
 
 
-def run_leased(fetcher: DeltaFetcher, step: int | None, held: Callable[[], int | None], once: Callable[[int], T]) -> T:
-    """Run ``once(target_step)`` (a sync or a materialize) under the fetcher's lease.
+def unreachable_after_gc(target: int, again: DeltaSyncError) -> ChainBroken:
+    """The error of a fetch whose plan lost files to gc even after re-planning from a fresh listing."""
+    return ChainBroken(
+        f"step {target}: files of the plan were deleted from the store while syncing (garbage "
+        f"collection?) and re-planning from a fresh listing did not help: {again}. Sync to the "
+        "latest step, or keep a lease (lease_ttl) while fetching older steps"
+    )
+
+
+def run_leased(
+    source: Source,
+    lease: LeaseWriter | None,
+    step: int | None,
+    held: Callable[[], int | None],
+    once: Callable[[int], T],
+) -> T:
+    """Run ``once(target_step)`` (a materialize) under the fetcher's ``lease``.
 
     When a file of the plan is gone (gc deleted it between planning and downloading), or
     the latest step just resolved is gone (``step`` None), re-plan once from a fresh
     listing; if the target is no longer reachable, raise ChainBroken saying so. ``once``
-    must be all or nothing, as sync and materialize are.
+    must be all or nothing, as materialize is.
     """
-    lease: LeaseWriter | None = fetcher.lease
-    target = fetcher._target_step(step)
+    target = source.target_step(step)
     if lease is not None:
         lease.renew(held(), target)
     try:
@@ -109,20 +122,16 @@ def run_leased(fetcher: DeltaFetcher, step: int | None, held: Callable[[], int |
         if not isinstance(exc, PlanFilesGone) and step is not None:
             raise
         log.info("step %d: %s; re-planning from a fresh listing", target, exc)
-        fetcher.reader.relist()
-        target = fetcher._target_step(step)
+        source.reader.relist()
+        target = source.target_step(step)
         if lease is not None:
             lease.renew(held(), target)
         try:
             result = once(target)
         except (PlanFilesGone, ChainBroken) as again:
-            if isinstance(again, PlanFilesGone) and _committed(fetcher, again.steps):
+            if isinstance(again, PlanFilesGone) and still_committed(source.store, again.steps):
                 raise  # the steps are still committed: a file is missing, not collected (an incomplete store)
-            raise ChainBroken(
-                f"step {target}: files of the plan were deleted from the store while syncing (garbage "
-                f"collection?) and re-planning from a fresh listing did not help: {again}. Sync to the "
-                "latest step, or keep a lease (lease_ttl) while fetching older steps"
-            ) from again
+            raise unreachable_after_gc(target, again) from again
     if lease is not None:
         lease.renew(target, None)
     return result

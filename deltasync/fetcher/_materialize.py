@@ -11,7 +11,7 @@ the next one (the intact old version is put back first).
 
 Shards whose bytes would not change are hard-linked from the current version instead of being
 rewritten: known without reading them again (the same file name, header and tensors, none of which
-the plan changed, and the file unchanged since it was loaded). Stale ``.{name}.tmp-*`` /
+the plan changed, and the file unchanged since it was decoded). Stale ``.{name}.tmp-*`` /
 ``.{name}.old-*`` dirs of a killed run are removed on the next run only if they carry the marker
 (or are empty) and no live writer holds their lock.
 """
@@ -27,21 +27,20 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from deltasync.errors import ChecksumMismatch, DeltaSyncError, ObjectNotFound, ProtocolError, StorageError
-from deltasync.fetcher._apply import NumpySlot, check_anchor
-from deltasync.fetcher._execute import apply_loaded, load
-from deltasync.fetcher._swapdir import MARKER, exchange, fsync_path, lock_dir, point, recover, remove_version
+from deltasync.errors import DeltaSyncError, ObjectNotFound, StorageError
+from deltasync.fetcher._apply import check_anchor
+from deltasync.fetcher._execute import apply_decoded, decode_plan
+from deltasync.fetcher._source import DATA_ERRORS, Source
+from deltasync.fetcher._swapdir import MARKER, exchange, fsync_path, lock_dir, reached, recover, remove_version
+from deltasync.fetcher._target import HostTensor
 from deltasync.protocol import FetchPlan, TensorInfo
 from deltasync.protocol.checkpoint import CHECKPOINT_METADATA, INDEX_NAME, checkpoint_shards
 from deltasync.protocol.dtypes import dtype_info
 from deltasync.protocol.safetensors_io import TensorBytes, encode_header, parse_safetensors
-
-if TYPE_CHECKING:
-    from deltasync.fetcher._fetcher import DeltaFetcher
 
 __all__ = ["MARKER", "MaterializeStats", "config_files", "load_dir", "materialize"]
 
@@ -54,7 +53,7 @@ _warned: set[Path] = set()
 
 @dataclass(slots=True)
 class MaterializeStats:
-    """What one :meth:`DeltaFetcher.materialize` did (also in ``fetcher.last_materialize``)."""
+    """What one :meth:`DeltaFetcher.materialize` did (also in ``source.last_materialize``)."""
 
     step: int
     shards_written: int = 0
@@ -98,12 +97,12 @@ def config_files(src: str | os.PathLike[str]) -> list[Path]:
 class _Shard:
     header: bytes  # length prefix + JSON header, as in the file
     names: tuple[str, ...]  # tensors in file order
-    ident: tuple[int, int, int]  # inode, size, mtime_ns when loaded
+    ident: tuple[int, int, int]  # inode, size, mtime_ns when decoded
 
 
 @dataclass(frozen=True, slots=True)
 class DirState:
-    """A materialized dir as loaded: its marker's (step, manifest digest), tensors and shards."""
+    """A materialized dir as decoded: its marker's (step, manifest digest), tensors and shards."""
 
     have: tuple[int, str]
     arrays: dict[str, Bits]
@@ -184,9 +183,9 @@ def _write_version(
     lock = lock_dir(tmp, wait=True)
     old: Path | None = None
     try:
-        point("tmp")
+        reached("tmp")
         _write(tmp / MARKER, [json.dumps(dict(marker), indent=2).encode()])  # first: a killed run's tmp is ours
-        point("marker")
+        reached("marker")
         for fname, shard in shards:
             prev = reusable.get(fname)
             if prev is not None and _same_file(out / fname, prev):
@@ -197,7 +196,7 @@ def _write_version(
                     tmp / fname, [encode_header(shard, CHECKPOINT_METADATA)] + [_data(t) for t in shard]
                 )
                 stats.shards_written += 1
-            point("shard")
+            reached("shard")
         _write(tmp / INDEX_NAME, [index])
         names = {MARKER, INDEX_NAME, *(f for f, _ in shards)}
         kept: list[str] = []
@@ -211,7 +210,7 @@ def _write_version(
                     _link_or_copy(p, tmp / p.name)
                 kept.append(p.name)
         stats.kept = tuple(kept)
-        point("kept")
+        reached("kept")
         for src in config:
             dst = tmp / src.name
             if dst.is_dir() and not dst.is_symlink():
@@ -220,9 +219,9 @@ def _write_version(
             shutil.copy2(src, dst)
             fsync_path(dst)
         stats.config = tuple(p.name for p in config)
-        point("config")
+        reached("config")
         fsync_path(tmp)
-        point("swap")
+        reached("swap")
         if out.exists():
             if exchange(tmp, out):
                 stats.swap, old = "exchange", tmp
@@ -239,7 +238,7 @@ def _write_version(
                 held = lock_dir(out, wait=True)  # a concurrent run's recover() must not take it for stale
                 try:
                     os.rename(out, retire)
-                    point("renamed-old")
+                    reached("renamed-old")
                     try:
                         os.rename(tmp, out)
                     except BaseException:
@@ -252,7 +251,7 @@ def _write_version(
         else:
             os.rename(tmp, out)
         fsync_path(out.parent)
-        point("swapped")
+        reached("swapped")
     except BaseException:
         if old is None and tmp.exists():
             remove_version(tmp)
@@ -265,7 +264,7 @@ def _write_version(
             remove_version(old)
         except OSError as exc:  # the new version is in place: a leftover is removed by the next run
             log.warning("cannot remove the previous version %s: %s", old, exc)
-    point("done")
+    reached("done")
 
 
 def _same_file(path: Path, prev: _Shard) -> bool:
@@ -279,7 +278,7 @@ def _same_file(path: Path, prev: _Shard) -> bool:
 
 
 def _build(
-    fetcher: DeltaFetcher,
+    source: Source,
     plan: FetchPlan,
     inventory: Sequence[TensorInfo],
     have: tuple[int, str] | None,
@@ -287,38 +286,40 @@ def _build(
 ) -> tuple[dict[str, Bits], set[str] | None]:
     """Load ``plan`` and apply it onto ``arrays`` (the dir's tensors; a failure undoes the writes).
 
-    Returns the arrays and the names changed (None: an anchor was loaded, compare everything).
+    Returns the arrays and the names changed (None: an anchor was decoded, compare everything).
     """
-    base = fetcher.reader.committed(have[0]).manifest if plan.base == "current" and have else None
-    loaded = load(fetcher, plan, inventory, base)
+    base = source.reader.committed(have[0]).manifest if plan.base == "current" and have else None
+    decoded = decode_plan(source, plan, inventory, base)
     changed: set[str] | None = set()
-    if loaded.anchor is not None:
+    if decoded.anchor is not None:
         # fresh memory, sized by the anchor's bytes (checked against the inventory)
-        arrays = {n: np.array(a) for n, a in loaded.anchor.items()}
+        arrays = {n: np.array(a) for n, a in decoded.anchor.items()}
         changed = None
-    slots = {n: NumpySlot(a, key=n) for n, a in arrays.items()}
-    if loaded.anchor is not None:
-        check_anchor(slots, loaded.steps[0].manifest, loaded.anchor, verify=bool(fetcher.verify))
-        loaded = dataclasses.replace(loaded, anchor=None)  # loaded already: only the patches are left
-    apply_loaded(slots, loaded, verify=fetcher.verify, threads=fetcher.threads)
+    tensors = {n: HostTensor(a, key=n) for n, a in arrays.items()}
+    if decoded.anchor is not None:
+        check_anchor(tensors, decoded.steps[0].manifest, decoded.anchor, verify=bool(source.verify))
+        decoded = dataclasses.replace(decoded, anchor=None)  # decoded already: only the patches are left
+    apply_decoded(tensors, decoded, verify=source.verify, threads=source.threads)
     if changed is not None:
-        changed.update(n for _, _, names in loaded.patches for n in names)
+        changed.update(n for _, _, names in decoded.patches for n in names)
     return arrays, changed
 
 
 def materialize(
-    fetcher: DeltaFetcher,
+    source: Source,
     out_dir: str | os.PathLike[str],
     step: int | None = None,
     config_from: str | os.PathLike[str] | None = None,
+    *,
+    shard_bytes: int,
 ) -> tuple[Path, MaterializeStats]:
     """See :meth:`DeltaFetcher.materialize`."""
     out = Path(out_dir).absolute()
     config = config_files(config_from) if config_from is not None else []
-    target_step = fetcher._target_step(step)
+    target_step = source.target_step(step)
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).is_file())):
         raise StorageError(f"refusing to replace {out}: it exists and was not written by deltasync materialize")
-    top = fetcher.reader.committed(target_step)
+    top = source.reader.committed(target_step)
     inventory = top.manifest.inventory
     stats = MaterializeStats(target_step)
     try:
@@ -330,11 +331,11 @@ def materialize(
     arrays: dict[str, Bits] = {}
     if state is not None and state.inventory == inventory:
         arrays = state.arrays
-        slots0 = {n: NumpySlot(a, key=n) for n, a in arrays.items()}
-        have = fetcher._holds(slots0, state.have[0]) if fetcher.verify else state.have
+        tensors0 = {n: HostTensor(a, key=n) for n, a in arrays.items()}
+        have = source.holds(tensors0, state.have[0]) if source.verify else state.have
         if have is not None and have[1] != state.have[1]:
             have = None  # the marker names another manifest of that step
-    plan = fetcher.reader.plan(target_step, have)
+    plan = source.reader.plan(target_step, have)
     changed: set[str] | None = set()  # None: compare with the dir's tensors
     held = arrays
     while True:
@@ -342,17 +343,13 @@ def materialize(
         if plan.is_noop:
             break
         try:
-            arrays, changed = _build(fetcher, plan, inventory, have, arrays)
+            arrays, changed = _build(source, plan, inventory, have, arrays)
             break
-        except (ChecksumMismatch, ProtocolError, ObjectNotFound) as exc:
-            if not isinstance(exc, ObjectNotFound):
-                fetcher.reader.forget(plan.steps)
-            if not plan.spans:
+        except DATA_ERRORS as exc:
+            if not source.drop_failed_spans(plan, exc):
                 raise
-            log.warning("step %d: spans %s failed (%s); going on without them", target_step, plan.spans, exc)
-            fetcher.reader.distrust_spans(plan.spans)
-            plan = fetcher.reader.plan(target_step, have)
-    shards, index = checkpoint_shards(inventory, arrays, fetcher.shard_bytes)
+            plan = source.reader.plan(target_step, have)
+    shards, index = checkpoint_shards(inventory, arrays, shard_bytes)
     reusable: dict[str, _Shard] = {}
     if state is not None:
         old = state.arrays
@@ -371,7 +368,7 @@ def materialize(
         "step": target_step,
         "manifest_digest": top.digest,
         "run_id": top.manifest.run_id,
-        "store": fetcher.store.url,
+        "store": source.store.url,
     }
     try:
         _write_version(out, shards, index, marker, reusable, config, stats)

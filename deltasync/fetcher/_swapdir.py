@@ -23,18 +23,18 @@ from typing import Any
 
 from deltasync.protocol.checkpoint import INDEX_NAME
 
-__all__ = ["MARKER", "exchange", "fsync_path", "lock_dir", "point", "recover", "remove_version"]
+__all__ = ["MARKER", "exchange", "fsync_path", "lock_dir", "reached", "recover", "remove_version"]
 
 log = logging.getLogger("deltasync.materialize")
 MARKER = ".deltasync.json"
-#: test hook: called with the name of each point of a write sequence (a test kills the process there)
+#: test hook: called with the name of each stage a write sequence reaches (a test kills the process there)
 _hook: Callable[[str], None] | None = None
 
 
-def point(name: str) -> None:
-    """A named point of the write sequence (see ``_hook``)."""
+def reached(stage: str) -> None:
+    """The write sequence (of a version, or of its removal) reached ``stage``: calls the test hook ``_hook``."""
     if _hook is not None:
-        _hook(name)
+        _hook(stage)
 
 
 _AT_FDCWD = -100
@@ -99,6 +99,7 @@ def lock_dir(path: Path, *, wait: bool) -> int | None:
 
 
 def fsync_path(path: Path) -> None:
+    """Flush a file or dir to disk (a dir: its entries)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -111,7 +112,7 @@ def remove_version(path: Path) -> None:
     for p in path.iterdir():
         if p.name == MARKER:
             continue
-        point("remove")
+        reached("remove")
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p, ignore_errors=True)
         else:

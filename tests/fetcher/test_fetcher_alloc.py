@@ -75,3 +75,18 @@ def test_non_empty_mismatching_dict_says_an_empty_one_works(run: ds.MemoryStore)
     with pytest.raises(InventoryMismatch, match="pass an empty dict"):
         ds.DeltaFetcher(run).sync(target)
     assert list(target) == ["layer.w"] and not target["layer.w"].any()
+
+
+def test_a_run_declaring_more_than_the_cap_is_refused_before_allocating(
+    run: ds.MemoryStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: list[Any] = []
+    real_zeros = torch.zeros
+    monkeypatch.setattr(torch, "zeros", lambda *a, **k: made.append(a) or real_zeros(*a, **k))
+    target: dict[str, Any] = {}
+    fetcher = ds.DeltaFetcher(run, max_alloc_bytes=1024)  # the run declares 4,172 bytes
+    with pytest.raises(InventoryMismatch, match="max_alloc_bytes") as info:
+        fetcher.sync(target)
+    assert "pass an empty dict" not in str(info.value)  # it was one
+    assert target == {} and made == []
+    assert ds.DeltaFetcher(run, max_alloc_bytes=4200).sync(target) == 3 and _same(target, _state(3))

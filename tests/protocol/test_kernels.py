@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deltasync.errors import ProtocolError
-from deltasync.fetcher._apply import NumpySlot, Undo
+from deltasync.fetcher._apply import Undo
+from deltasync.fetcher._target import HostTensor
 from deltasync.protocol import EncodedTensor, decode_positions, decode_values, encode_changes, kernels
 from deltasync.protocol.encoding import apply_values
 from deltasync.uploader._diff import diff_tensor
@@ -180,7 +181,7 @@ def test_apply_kernel_writes_and_rolls_back(coding: str) -> None:
     for be in BOTH:
         with kernels.using(be):  # type: ignore[arg-type]
             undo = Undo()
-            undo.put(NumpySlot(target), DecodedEntry(entry, idx, vals))
+            undo.put(HostTensor(target), DecodedEntry(entry, idx, vals))
             assert np.array_equal(target[idx], new)
             undo.rollback()
             assert np.array_equal(target, before)
@@ -254,14 +255,14 @@ def test_parallel_apply_logs_every_write_when_one_tensor_fails() -> None:
     from deltasync.protocol import DecodedEntry, PatchEntry
     from deltasync.protocol.manifest import ByteRange
 
-    class Broken(NumpySlot):
+    class Broken(HostTensor):
         def apply(self, c: Any) -> Arr:
             raise ProtocolError("refused")
 
     rng = np.random.default_rng(3)
     arrays = {n: rng.integers(0, 1 << 16, 50_000, dtype=np.uint64).astype("<u2").view("<i2") for n in "abcd"}
     before = {n: a.copy() for n, a in arrays.items()}
-    slots = {n: (Broken if n == "c" else NumpySlot)(a, key=n) for n, a in arrays.items()}
+    slots = {n: (Broken if n == "c" else HostTensor)(a, key=n) for n, a in arrays.items()}
     changes = []
     for n in "abcd":
         idx = np.arange(0, 50_000, 7, dtype=np.int64)

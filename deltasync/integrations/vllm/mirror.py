@@ -28,11 +28,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, NoReturn
 
-from deltasync._tensors import require_torch, torch_dtype
+from deltasync._tensors import allocate
 from deltasync.errors import DeltaSyncError, InventoryMismatch, UpdateRolledBack, WorkerNeedsReplacement
 from deltasync.fetcher._fetcher import DeltaFetcher, Verify
 from deltasync.fetcher._journal import SyncJournal
-from deltasync.protocol import TensorInfo
 
 __all__ = ["CommitReport", "EngineMirror", "Loader"]
 
@@ -53,25 +52,6 @@ class CommitReport:
     nbytes: int
     pause_s: float
     prepared: bool
-
-
-def allocate(inventory: Iterable[TensorInfo], limit_bytes: int) -> dict[str, Any]:
-    """Host tensors for an inventory, refusing one that declares more than ``limit_bytes`` in all
-    (a manifest's shapes are claims: the engine's own size bounds what a run of it can hold)."""
-    torch = require_torch()
-    infos = list(inventory)
-    total = 0
-    for t in infos:
-        n = 1
-        for d in t.shape:
-            n *= d
-        total += n * torch.empty((), dtype=torch_dtype(t.dtype)).element_size()
-    if total > limit_bytes:
-        raise InventoryMismatch(
-            f"the run declares {total:,} bytes of weights; this engine holds at most {limit_bytes:,} bytes "
-            "(a run of another model, or a manifest that lies)"
-        )
-    return {t.name: torch.empty(t.shape, dtype=torch_dtype(t.dtype)) for t in infos}
 
 
 class EngineMirror:
@@ -155,7 +135,7 @@ class EngineMirror:
         if self._mirror is None:
             inventory = self.fetcher.manifest(step).inventory
             limit = self.max_bytes if self.max_bytes is not None else 1 << 62
-            self._mirror = allocate(inventory, limit)
+            self._mirror = allocate(inventory, limit, option="EngineMirror(max_bytes=...)", zeroed=False)
         return self._mirror
 
     def _advance(self, step: int | None) -> int | None:

@@ -1,0 +1,157 @@
+"""A sync's target as tensors: the live objects it holds and their flat bits (:class:`TargetTensor`)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from deltasync._tensors import flat_bits, numpy_bits, require_torch, state_tensors
+from deltasync.errors import ProtocolError
+from deltasync.fetcher._fold import Change, new_bits
+from deltasync.protocol import kernels
+from deltasync.protocol.digests import xxh3_128_array
+
+__all__ = ["DeviceTensor", "HostTensor", "TargetTensor", "live_tensors", "target_tensors"]
+
+Bits = np.ndarray[Any, np.dtype[Any]]
+
+
+def live_tensors(target: Any) -> dict[str, Any]:
+    """The target's tensors as the objects it holds (Parameters for a module), so identity holds."""
+    torch = require_torch()
+    if isinstance(target, torch.nn.Module):
+        return dict(target.state_dict(keep_vars=True))
+    return state_tensors(target)
+
+
+def target_tensors(live: Mapping[str, Any]) -> dict[str, TargetTensor]:
+    """A :class:`TargetTensor` per live tensor: a numpy view on the CPU, the tensor itself on an accelerator."""
+    return {
+        n: HostTensor(numpy_bits(t)) if t.device.type == "cpu" else DeviceTensor(flat_bits(t, copy_if_needed=False))
+        for n, t in live.items()
+    }
+
+
+class TargetTensor(ABC):
+    """One tensor of a sync's target, seen as its flat bits wherever they live: what a step is
+    applied to (read, written, hashed, rolled back)."""
+
+    key: Any = None
+
+    @abstractmethod
+    def take(self, idx: Bits) -> Bits:
+        """Bits at ``idx`` (a host copy)."""
+
+    @abstractmethod
+    def put(self, idx: Bits, vals: Bits) -> None:
+        """Write bits at ``idx``."""
+
+    @abstractmethod
+    def load(self, arr: Bits) -> None:
+        """Overwrite the whole tensor."""
+
+    @abstractmethod
+    def digest(self) -> str:
+        """xxh3-128 of the tensor's bytes."""
+
+    def apply(self, c: Change) -> Bits:
+        """Apply one change in place; returns the bits it overwrote (for the undo log)."""
+        old = self.take(c.idx)
+        self.put(c.idx, new_bits(c, old))
+        return old
+
+    @abstractmethod
+    def snapshot(self) -> Bits:
+        """A host copy of all the bits."""
+
+
+class HostTensor(TargetTensor):
+    """A tensor in host memory as a numpy bit array (CPU torch tensors are viewed this way, sharing
+    memory; a materialized dir's tensors are plain arrays)."""
+
+    def __init__(self, arr: Bits, key: Any = None) -> None:
+        self.arr = arr
+        self.key = key if key is not None else (arr.__array_interface__["data"][0], arr.size, arr.dtype.str)
+
+    def take(self, idx: Bits) -> Bits:
+        # docstring inherited
+        return self.arr[idx]
+
+    def put(self, idx: Bits, vals: Bits) -> None:
+        # docstring inherited
+        self.arr[idx] = vals
+
+    def load(self, arr: Bits) -> None:
+        # docstring inherited
+        np.copyto(self.arr, arr)
+
+    def digest(self) -> str:
+        # docstring inherited
+        return xxh3_128_array(self.arr)
+
+    def apply(self, c: Change) -> Bits:
+        # docstring inherited
+        kern = kernels.impl()
+        coding = c.coding
+        idx = c.idx
+        if (
+            kern is None
+            or coding == "mixed"
+            or not idx.size
+            or idx.dtype != np.int64
+            or c.values.dtype.itemsize != self.arr.dtype.itemsize
+            or not self.arr.flags.c_contiguous
+        ):
+            return super().apply(c)
+        if int(idx[0]) < 0 or int(idx[-1]) >= self.arr.size:  # sorted positions: the ends bound them all
+            raise ProtocolError(f"{c.tensor!r}: positions outside a tensor of {self.arr.size} elements")
+        old: Bits = np.empty(idx.size, dtype=self.arr.dtype)
+        vals = c.values.view(self.arr.dtype)
+        (kern.xor_apply if coding == "xor-rank" else kern.set_apply)(self.arr.reshape(-1), idx, vals, old)
+        return old
+
+    def snapshot(self) -> Bits:
+        # docstring inherited
+        out: Bits = self.arr.copy()
+        return out
+
+
+class DeviceTensor(TargetTensor):
+    """A tensor on an accelerator, as a flat torch bit view; host data is moved once per call."""
+
+    def __init__(self, t: Any) -> None:
+        self.t = t
+        self.key = (t.device.type, t.data_ptr(), t.numel(), str(t.dtype))
+
+    def _idx(self, idx: Bits) -> Any:
+        import torch
+
+        return torch.from_numpy(idx).to(self.t.device, non_blocking=True)
+
+    def take(self, idx: Bits) -> Bits:
+        # docstring inherited
+        return self.t[self._idx(idx)].cpu().numpy()  # type: ignore[no-any-return]
+
+    def put(self, idx: Bits, vals: Bits) -> None:
+        # docstring inherited
+        import torch
+
+        self.t[self._idx(idx)] = torch.from_numpy(np.ascontiguousarray(vals)).to(self.t.device)
+
+    def load(self, arr: Bits) -> None:
+        # docstring inherited
+        import torch
+
+        self.t.copy_(torch.from_numpy(np.array(arr)))
+
+    def digest(self) -> str:
+        # docstring inherited
+        return xxh3_128_array(self.t.cpu().numpy())
+
+    def snapshot(self) -> Bits:
+        # docstring inherited
+        out: Bits = np.array(self.t.cpu().numpy())
+        return out
