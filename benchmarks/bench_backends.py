@@ -50,7 +50,7 @@ import deltasync as ds
 from deltasync._checkpoint_io import save_checkpoint
 from deltasync.storage import Store
 from deltasync.storage.base import Data, PutMode, data_size
-from deltasync.testing.wrapper import WrapperStore
+from deltasync.storage.wrapper import WrapperStore
 
 HERE = Path(__file__).resolve().parent
 

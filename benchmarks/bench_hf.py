@@ -49,7 +49,7 @@ import torch
 import deltasync as ds
 from deltasync.storage import HFBucketStore
 from deltasync.storage.base import Data, PutMode, data_size
-from deltasync.testing.wrapper import WrapperStore
+from deltasync.storage.wrapper import WrapperStore
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))

@@ -9,7 +9,7 @@ How the tests share code (one way each):
   uploader), ``bench_loader`` (a ``benchmarks/`` script as a module), ``fakehub`` (the fake
   Hugging Face Hub), ``gc_support``, ``server_harness``, ``cli_process``, ``demo_process``,
   ``materialize_support``, ``kernel_streams``, ``vllm_harness``. Helper modules define no
-  fixtures. Store wrappers subclass :class:`deltasync.testing.wrapper.WrapperStore`.
+  fixtures. Store wrappers subclass :class:`deltasync.storage.wrapper.WrapperStore`.
 * **Fixtures** live in ``conftest.py`` files only: here the ones more than one area uses
   (``s3_server``, ``fake_hub``, ``hf_bucket``, ``hf_env``), in ``tests/<area>/conftest.py``
   the ones only that area uses. Test modules never import a conftest, never define

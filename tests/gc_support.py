@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from deltasync.storage import Store
-from deltasync.testing.wrapper import WrapperStore
+from deltasync.storage.wrapper import WrapperStore
 
 __all__ = ["HookStore", "bits_equal_state", "make_states", "zeros_like"]
 

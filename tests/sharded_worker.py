@@ -27,7 +27,7 @@ from deltasync._tensors import flat_bits
 from deltasync.errors import CommitFailed, StorageError
 from deltasync.storage import LocalStore, Store
 from deltasync.storage.base import Data, PutMode
-from deltasync.testing.wrapper import WrapperStore
+from deltasync.storage.wrapper import WrapperStore
 
 SHAPES: dict[str, tuple[tuple[int, ...], str, Any]] = {
     # name: (global shape, placement, dtype); rows/cols chosen so 2 and 4 ranks split unevenly

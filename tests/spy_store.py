@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from deltasync.errors import StorageError
 from deltasync.storage import Store
 from deltasync.storage.base import Data, PutMode
-from deltasync.testing.wrapper import WrapperStore
+from deltasync.storage.wrapper import WrapperStore
 
 GATE_TIMEOUT = 60.0  # a gated write that waits this long means a test forgot to open its gate
 

@@ -12,6 +12,7 @@ from deltasync.storage._local import LocalStore
 from deltasync.storage._memory import MemoryStore
 from deltasync.storage._s3 import S3Store
 from deltasync.storage.base import Data, ObjectInfo, PutMode, Store, validate_key
+from deltasync.storage.wrapper import WrapperStore
 
 __all__ = [
     "Data",
@@ -23,6 +24,7 @@ __all__ = [
     "S3Store",
     "Store",
     "open_store",
+    "WrapperStore",
     "validate_key",
 ]
 

@@ -4,8 +4,8 @@
   conformance suite every :class:`~deltasync.storage.Store` backend runs;
 * :mod:`deltasync.testing.stateful`: its Hypothesis state machine (a store against a ``dict``);
 * :mod:`deltasync.testing.strategies`: the keys, payloads and prefixes the suite feeds a store;
-* :mod:`deltasync.testing.wrapper`: :class:`~deltasync.testing.wrapper.WrapperStore`, the base
-  of every store that wraps another; :mod:`deltasync.testing.counting` counts round trips with it;
+* :mod:`deltasync.testing.counting`: a store that counts round trips (a
+  :class:`~deltasync.storage.WrapperStore`, the one base of every store that wraps another);
 * :mod:`deltasync.testing.seaweedfs`: a local S3 server for tests.
 
 The suite modules import pytest and Hypothesis, so they are imported explicitly, only from

@@ -8,7 +8,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from deltasync.storage.base import Data, ObjectInfo, PutMode, Store
-from deltasync.testing.wrapper import WrapperStore
+from deltasync.storage.wrapper import WrapperStore
 
 __all__ = ["CountingStore"]
 

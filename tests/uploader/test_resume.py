@@ -22,7 +22,7 @@ import deltasync as ds
 from deltasync.errors import ChecksumMismatch, ProtocolError, WriterFenced
 from deltasync.protocol import Manifest, file_key, manifest_key
 from deltasync.storage.base import Data, PutMode
-from deltasync.testing.wrapper import WrapperStore
+from deltasync.storage.wrapper import WrapperStore
 
 torch = pytest.importorskip("torch")
 
