@@ -1,0 +1,254 @@
+"""The demo's shared state: what the page shows, and the live event stream to it.
+
+Threads (trainer, inference follower) call :class:`LiveBoard` methods; each call updates
+the snapshot and broadcasts one JSON event to every subscribed page. Pages get the
+snapshot first (``/api/state``, or the first SSE event) and then apply events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from deltasync.signal import StalenessTracker
+
+__all__ = ["LiveBoard", "Subscription"]
+
+MAX_COMMITS = 2000
+MAX_GENERATIONS = 60
+MAX_LAG_POINTS = 600
+QUEUE_LIMIT = 1000
+
+
+class Subscription:
+    """One page's event queue, filled from any thread, drained on its event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        self.dropped = False
+
+    def put(self, event: dict[str, Any] | None) -> None:
+        """Queue ``event`` (thread-safe); a page that falls too far behind is dropped (it reconnects)."""
+
+        def put() -> None:
+            if self.dropped:
+                return
+            if self.queue.qsize() >= QUEUE_LIMIT:
+                self.dropped = True
+                self.queue.put_nowait(None)
+                return
+            self.queue.put_nowait(event)
+
+        try:
+            self.loop.call_soon_threadsafe(put)
+        except RuntimeError:  # the loop is closed: the page is gone
+            self.dropped = True
+
+
+class LiveBoard:
+    """What the demo page shows: a snapshot of the run, and a broadcast of each change to every page.
+
+    ``clock`` is injectable for tests."""
+
+    def __init__(self, info: dict[str, Any], *, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._subs: list[Subscription] = []
+        self._commits: deque[dict[str, Any]] = deque(maxlen=MAX_COMMITS)
+        self._generations: deque[dict[str, Any]] = deque(maxlen=MAX_GENERATIONS)
+        self._lag: deque[dict[str, Any]] = deque(maxlen=MAX_LAG_POINTS)
+        self._applied_steps: deque[int] = deque(maxlen=MAX_COMMITS)
+        # committed head, step held, and when each step not held yet was produced or first seen;
+        # the demo's runs start at step 0, so a copy holding nothing is head + 1 steps behind
+        self._staleness = StalenessTracker(first_step=0)
+        self._info = dict(info)
+        self._trainer: dict[str, Any] | None = None
+        self._applied: dict[str, Any] | None = None
+        self._error: str | None = None
+        self._status = "starting"
+        self._seq = 0
+        self.started = clock()
+
+    # ---------------------------------------------------------------- read
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything the page needs to draw itself from scratch."""
+        with self._lock:
+            return {
+                **self._info,
+                "seq": self._seq,
+                "now": self._clock(),
+                "started": self.started,
+                "status": self._status,
+                "error": self._error,
+                "trainer": self._trainer,
+                "head": self._staleness.head,
+                "applied": self._applied,
+                "staleness": self._staleness_locked(),
+                "commits": list(self._commits),
+                "generations": list(self._generations),
+                "applied_steps": list(self._applied_steps),
+                "lag": list(self._lag),
+            }
+
+    @property
+    def applied_step(self) -> int | None:
+        """The step the inference copy holds."""
+        with self._lock:
+            return None if self._applied is None else int(self._applied["step"])
+
+    @property
+    def trainer(self) -> dict[str, Any] | None:
+        """The trainer's last report (self-contained mode)."""
+        with self._lock:
+            return None if self._trainer is None else dict(self._trainer)
+
+    @property
+    def error(self) -> str | None:
+        """The last error shown on the page, if any."""
+        with self._lock:
+            return self._error
+
+    def subscribe(self, loop: asyncio.AbstractEventLoop) -> Subscription:
+        """A new page; its first event is the snapshot."""
+        sub = Subscription(loop)
+        with self._lock:
+            self._subs.append(sub)
+        sub.put({"type": "snapshot", "data": self.snapshot()})
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        """Forget a page."""
+        with self._lock:
+            if sub in self._subs:
+                self._subs.remove(sub)
+
+    def close(self) -> None:
+        """End every page's stream."""
+        with self._lock:
+            subs, self._subs = self._subs, []
+        for s in subs:
+            s.put(None)
+
+    # --------------------------------------------------------------- write
+
+    def _emit_locked(self, kind: str, data: dict[str, Any]) -> None:
+        self._seq += 1
+        event = {"type": kind, "seq": self._seq, "now": self._clock(), "data": data}
+        for s in self._subs:
+            s.put(event)
+        self._subs = [s for s in self._subs if not s.dropped]
+
+    def _staleness_locked(self) -> dict[str, Any]:
+        """How far the inference copy is behind the store: committed (store head) - applied.
+
+        The one definition of staleness (:class:`deltasync.signal.StalenessTracker`, as in the
+        fetcher's metrics): the page's tile, the staleness chart and the terminal all show
+        ``steps`` from here (or, on the page, the same difference of the same snapshot's
+        ``head`` and ``applied.step``). ``seconds``: since the oldest committed step the copy
+        does not hold yet was produced (or first seen). Steps the trainer made that are not
+        committed yet are not staleness (they are the uploader's pipeline, ``trainer.step``).
+        """
+        st = self._staleness.staleness(self._clock())
+        return {"committed": self._staleness.head, "applied": self._staleness.held, "steps": st.steps, "seconds": st.seconds}
+
+    def reset(self) -> None:
+        """Forget the run (a new one starts); every page gets a fresh snapshot."""
+        with self._lock:
+            self._commits.clear()
+            self._generations.clear()
+            self._lag.clear()
+            self._applied_steps.clear()
+            self._staleness.forget()
+            self._trainer = self._applied = self._error = None
+            self._info.update(bit_exact=None)
+            self._status = "starting"
+            self._seq += 1
+            event = {"type": "snapshot", "seq": self._seq, "now": self._clock(), "data": None}
+        snap = self.snapshot()
+        with self._lock:
+            for s in self._subs:
+                s.put({**event, "data": snap})
+
+    def set_status(self, status: str) -> None:
+        """A one-word state for the header (waiting, training, following, done...)."""
+        with self._lock:
+            self._status = status
+            self._emit_locked("status", {"status": status})
+
+    def set_error(self, message: str | None) -> None:
+        """Show (or clear, with None) an error banner."""
+        with self._lock:
+            if message == self._error:
+                return
+            self._error = message
+            self._emit_locked("error", {"error": message})
+
+    def set_info(self, **info: Any) -> None:
+        """Update static facts (model shape, full checkpoint bytes...) once they are known."""
+        with self._lock:
+            self._info.update(info)
+            self._emit_locked("info", dict(info))
+
+    def trainer_step(self, step: int, **data: Any) -> None:
+        """The trainer produced ``step`` (loss, lr, push time ...)."""
+        with self._lock:
+            self._staleness.note(step, self._clock())
+            self._trainer = {**(self._trainer or {}), "step": step, **data}
+            self._emit_locked("trainer", self._trainer)
+
+    def trainer_update(self, **data: Any) -> None:
+        """Amend the trainer's report without a new step (done, commit results...)."""
+        with self._lock:
+            self._trainer = {**(self._trainer or {}), **data}
+            self._emit_locked("trainer", self._trainer)
+
+    def set_head(self, step: int) -> None:
+        """The newest committed step seen in the store (before the follower applies it)."""
+        with self._lock:
+            newer = self._staleness.head is None or step > self._staleness.head
+            self._staleness.committed(step, self._clock(), exact=False)
+            if newer:
+                self._emit_locked("head", {"head": step})
+
+    def committed(self, commit: dict[str, Any]) -> None:
+        """The store holds a new committed step (read from its manifest)."""
+        with self._lock:
+            step = int(commit["step"])
+            self._staleness.committed(step, self._clock(), exact=False)
+            commit = {**commit, "seen": self._clock()}
+            self._commits.append(commit)
+            if commit.get("held"):
+                self._applied_steps.append(step)
+            self._emit_locked("commit", commit)
+
+    def applied(self, step: int, **data: Any) -> None:
+        """The inference copy now holds ``step``; ``data`` carries text, sync time..."""
+        with self._lock:
+            now = self._clock()
+            produced = self._staleness.time_of(step)
+            self._applied = {"step": step, "t": now, "latency": None if produced is None else now - produced, **data}
+            if not self._applied_steps or self._applied_steps[-1] != step:
+                self._applied_steps.append(step)
+            self._staleness.hold(step, now)
+            text = data.get("text")
+            if text is not None and (not self._generations or self._generations[-1]["text"] != text):
+                self._generations.append({"step": step, "t": now, "text": text})
+            self._emit_locked("applied", {**self._applied, "staleness": self._staleness_locked()})
+            self._tick_locked()
+
+    def tick(self) -> None:
+        """Record a staleness sample (called about once a second)."""
+        with self._lock:
+            self._tick_locked()
+
+    def _tick_locked(self) -> None:
+        st = self._staleness_locked()
+        point = {"t": self._clock(), "steps": st["steps"], "seconds": st["seconds"]}
+        self._lag.append(point)
+        self._emit_locked("lag", point)
