@@ -155,7 +155,12 @@ class LiveBoard:
         committed yet are not staleness (they are the uploader's pipeline, ``trainer.step``).
         """
         st = self._staleness.staleness(self._clock())
-        return {"committed": self._staleness.head, "applied": self._staleness.held, "steps": st.steps, "seconds": st.seconds}
+        return {
+            "committed": self._staleness.head,
+            "applied": self._staleness.held,
+            "steps": st.steps,
+            "seconds": st.seconds,
+        }
 
     def reset(self) -> None:
         """Forget the run (a new one starts); every page gets a fresh snapshot."""
