@@ -186,6 +186,7 @@ def follow(
         reconnect=RetryPolicy(retries=0, backoff=reconnect_backoff[0], max_backoff=reconnect_backoff[1]),
         transport=transport,
         stop=stop,
+        clock=time.monotonic,
     )
     try:
         for seen in watcher.watch(resume=lambda: current):
