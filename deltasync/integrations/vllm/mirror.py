@@ -211,6 +211,10 @@ class EngineMirror:
 
         return self._preparer.submit(run, coalesce=coalesce)
 
+    def wait_prepared(self, timeout: float | None = None) -> bool:
+        """Wait until every prepare started so far has finished; False when ``timeout`` passed first."""
+        return self._preparer.flush(timeout)
+
     # --------------------------------------------------------------- commit
 
     def commit(self, step: int | None = None) -> CommitReport:
