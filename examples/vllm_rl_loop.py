@@ -57,23 +57,27 @@ def generate_forever(base: str, model: str, stop: threading.Event, served: list[
 
 
 def committed_steps(args: argparse.Namespace, stop: threading.Event) -> Any:
-    """Each newly committed step: from the signal server's stream, else by polling the store."""
-    if args.signal:
-        from deltasync.signal import SignalClient
+    """Each newly committed step: from the signal server's stream when given (reconnecting with
+    backoff), polling the store meanwhile, or only polling the store (deltasync's StepWatcher)."""
+    from deltasync.signal import StepWatcher
 
-        client = SignalClient(args.signal, args.token)
-        run = args.run or ds.RunReader(ds.open_store(args.store)).run_id()
-        for event in client.events(run, heartbeat=2.0):
-            if stop.is_set():
-                return
-            if event is not None:
-                yield event.step
     reader = ds.RunReader(ds.open_store(args.store))
-    while not stop.is_set():
-        latest = reader.latest_step()
-        if latest is not None:
-            yield latest
-        stop.wait(args.poll)
+    run = (args.run or reader.run_id()) if args.signal else None
+    watcher = StepWatcher(
+        reader.latest_step,
+        signal_url=args.signal,
+        token=args.token,
+        run=run,
+        heartbeat=2.0,
+        poll_interval=args.poll,
+        stop=stop,
+    )
+    try:
+        for seen in watcher.watch():
+            if seen.step is not None:
+                yield seen.step
+    finally:
+        watcher.close()
 
 
 def main() -> None:

@@ -78,39 +78,7 @@ def connect_signal(app: FastAPI, run: DemoRun, base_url: str | None = None) -> N
             if url.endswith("/signal") and run.options.signal_url is None
             else (os.environ.get("DELTASYNC_PUBLISH_TOKEN") or None)
         )
-    source = f"signal server {url} (SSE) + store polling"
-    run.hub.set_info(signal=source)
-    threading.Thread(target=_listen, args=(run, url, token, source), name="demo-signal", daemon=True).start()
-
-
-def _listen(run: DemoRun, url: str, token: str | None, source: str) -> None:
-    """Follow the signal server's SSE stream and wake the follower; reconnect with backoff."""
-    from deltasync.errors import SignalError
-    from deltasync.signal import SignalClient
-
-    pause = threading.Event()
-    delay = 0.2
-    last: int | None = None
-    episode = run.episode
-    with SignalClient(url, token, timeout=5.0) as client:
-        while not run.closed:
-            if run.episode != episode:
-                episode, last = run.episode, None
-                run.hub.set_info(signal=source)
-            name = run.signal_run
-            run.signal.source = source
-            try:
-                for ev in client.events(name, last_event_id=last, heartbeat=1.0):
-                    delay = 0.2
-                    if ev is not None:
-                        last = ev.step
-                        run.signal.notify(ev.step)
-                    if run.closed or run.episode != episode:
-                        break  # a new episode is a new run name
-            except SignalError as exc:
-                log.debug("signal stream: %s; retrying in %.1f s", exc, delay)
-                pause.wait(delay)
-                delay = min(delay * 2, 5.0)
+    run.listen_to(url, token, f"signal server {url} (SSE) + store polling")
 
 
 def create_app(run: DemoRun, *, start: bool = True, base_url: str | None = None) -> FastAPI:
@@ -140,15 +108,15 @@ def create_app(run: DemoRun, *, start: bool = True, base_url: str | None = None)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
-        return {"ok": True, "status": run.hub.snapshot()["status"]}
+        return {"ok": True, "status": run.board.snapshot()["status"]}
 
     @app.get("/api/state")
     async def state() -> JSONResponse:
-        return JSONResponse(run.hub.snapshot(), headers={"Cache-Control": "no-store"})
+        return JSONResponse(run.board.snapshot(), headers={"Cache-Control": "no-store"})
 
     @app.get("/api/events")
     async def events(request: Request) -> StreamingResponse:
-        sub = run.hub.subscribe(asyncio.get_running_loop())
+        sub = run.board.subscribe(asyncio.get_running_loop())
 
         async def stream() -> AsyncIterator[str]:
             try:
@@ -165,7 +133,7 @@ def create_app(run: DemoRun, *, start: bool = True, base_url: str | None = None)
                         return
                     yield f"data: {json.dumps(event, separators=(',', ':'))}\n\n"
             finally:
-                run.hub.unsubscribe(sub)
+                run.board.unsubscribe(sub)
 
         return StreamingResponse(
             stream(),
@@ -231,7 +199,7 @@ def _console(run: DemoRun, print_: Callable[[str], None], url: str | None) -> Ca
         summarized = -1  # the episode whose end was printed
         while not stop.wait(0.5):
             episode, finished = run.episode, run.finished.is_set()
-            s = run.hub.snapshot()
+            s = run.board.snapshot()
             a = s["applied"]
             if a is not None and a.get("text") != last_text:
                 last_text = a.get("text")
@@ -310,10 +278,10 @@ def run_demo(
         store.close()
     if run.finished.is_set():
         if exit_when_done:
-            for line in end_of_run_lines(run.hub.snapshot(), None):
+            for line in end_of_run_lines(run.board.snapshot(), None):
                 print_(line)
         ok = "bit-exact with the trainer's" if run.bit_exact else "NOT bit-exact with the trainer's"
-        print_(f"done: the inference copy holds step {run.hub.applied_step}, {ok}")
-    if run.hub.error and run.bit_exact is None and exit_when_done:
+        print_(f"done: the inference copy holds step {run.board.applied_step}, {ok}")
+    if run.board.error and run.bit_exact is None and exit_when_done:
         return 1
     return 0 if run.bit_exact is not False else 1

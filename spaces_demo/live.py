@@ -9,9 +9,10 @@ step, reads its manifest, brings a separate bf16 inference copy there with
 Follower mode (``train=False``): only the follower runs, against a store that a
 trainer elsewhere writes to.
 
-How the follower learns about new steps is one pluggable piece,
-:class:`StepSignal`, fed by :func:`spaces_demo.app.connect_signal` (the seam for the
-signal server).
+The follower learns about new steps from a :class:`deltasync.signal.StepWatcher` (the one
+``deltasync follow`` and the vLLM prefetcher use): the signal server's SSE stream when
+:func:`spaces_demo.app.connect_signal` names one, and store polling in every mode, with
+:class:`StepSignal` (the uploader's Future callbacks, in-process) cutting the pauses short.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from deltasync._retry import RetryPolicy
 from deltasync.errors import DeltaSyncError, DemoError, ObjectNotFound
 from deltasync.fetcher import DeltaFetcher
+from deltasync.signal import StepWatcher
 from deltasync.storage import Store
 from deltasync.uploader import CommitInfo, DeltaUploader
-from spaces_demo.hub import Hub
+from spaces_demo.board import LiveBoard
 from spaces_demo.rows import bit_snapshot, layer_change, manifest_row
 from spaces_demo.step_signal import StepSignal
 from spaces_demo.toy import PROMPT, TARGET, build_model, greedy, layer_groups, training_batch
@@ -83,6 +86,8 @@ ANCHOR_BYTES_FRACTION = 1.0
 fraction of that anchor's size (besides every ``--anchor-every`` pushes); shown on the page."""
 
 MAX_NEW_MANIFESTS = 64  # a follower far behind reads only the newest manifests for the charts
+#: reconnects to the signal server: 0.2 s, doubling, at most 5 s apart
+RECONNECT = RetryPolicy(retries=0, backoff=0.2, max_backoff=5.0)
 STEP_THROUGH = 16  # up to this many new steps are applied one by one (exact per-step heatmap), more are jumped
 
 
@@ -132,7 +137,7 @@ class DemoRun:
         self.store = store
         self.options = options
         self._torch = torch
-        self.hub = Hub(
+        self.board = LiveBoard(
             {
                 "mode": "self-contained" if options.train else "follower",
                 "store": store.url,
@@ -152,6 +157,10 @@ class DemoRun:
         # set by spaces_demo.app.connect_signal: where the trainer publishes its commits
         self.publish_url: str | None = None
         self.publish_token: str | None = None
+        # set by spaces_demo.app.connect_signal (listen_to): the signal server the follower listens to
+        self.listen_url: str | None = None
+        self.listen_token: str | None = None
+        self.listen_source: str | None = None
         self._lock = threading.Lock()
         self._closed = False
         self._threads: list[threading.Thread] = []
@@ -164,6 +173,11 @@ class DemoRun:
         """True once :meth:`stop` ran."""
         return self._closed
 
+    def listen_to(self, url: str, token: str | None, source: str) -> None:
+        """Make the follower listen to the signal server at ``url`` (SSE), described as ``source``."""
+        self.listen_url, self.listen_token, self.listen_source = url, token, source
+        self.board.set_info(signal=source)
+
     @property
     def signal_run(self) -> str:
         """The run name at the signal server: given, or one per episode (a new run restarts at step 0)."""
@@ -173,7 +187,7 @@ class DemoRun:
         # in-process: the uploader's Future callbacks notify it (see _train); plus store polling
         self.signal = StepSignal()
         self.signal.source = "in-process uploader callbacks + store polling" if self.options.train else "store polling"
-        self.hub.set_info(signal=self.signal.source, episode=self.episode)
+        self.board.set_info(signal=self.listen_source or self.signal.source, episode=self.episode)
         self._stop = threading.Event()
         self.finished = threading.Event()
         self.bit_exact: bool | None = None
@@ -214,7 +228,7 @@ class DemoRun:
         with self._lock:
             self._closed = True
             self._stop_threads(timeout)
-        self.hub.close()
+        self.board.close()
 
     def restart(self, timeout: float = 30.0) -> None:
         """Train again from a fresh model in an emptied store (``--loop``); pages get a new snapshot."""
@@ -224,7 +238,7 @@ class DemoRun:
             self._stop_threads(timeout)
             prepare_demo_store(self.store)  # empties a store the demo created; refuses any other
             self.episode += 1
-            self.hub.reset()
+            self.board.reset()
             self._new_episode()
             self._start_threads()
 
@@ -238,7 +252,7 @@ class DemoRun:
                 self.restart()
             except Exception as exc:  # noqa: BLE001 - shown on the page; the loop stops
                 log.exception("restarting the demo failed")
-                self.hub.set_error(f"restart failed: {type(exc).__name__}: {exc}")
+                self.board.set_error(f"restart failed: {type(exc).__name__}: {exc}")
                 return
 
     def _guard(self, fn: Callable[[], None]) -> Callable[[], None]:
@@ -247,8 +261,8 @@ class DemoRun:
                 fn()
             except Exception as exc:  # noqa: BLE001 - shown on the page, the server keeps running
                 log.exception("%s failed", threading.current_thread().name)
-                self.hub.set_error(f"{threading.current_thread().name}: {type(exc).__name__}: {exc}")
-                self.hub.set_status("failed")
+                self.board.set_error(f"{threading.current_thread().name}: {type(exc).__name__}: {exc}")
+                self.board.set_status("failed")
                 self.finished.set()
 
         return run
@@ -263,17 +277,17 @@ class DemoRun:
         ids, mask, labels = training_batch(toy.tokenizer)
         opt = torch.optim.AdamW(model.parameters(), lr=opts.lr, weight_decay=0.0)
         self.store.put(DEMO_KEY, json.dumps({"model": opts.model, "prompt": PROMPT}).encode())
-        self.hub.set_status("training")
+        self.board.set_status("training")
 
         def on_commit(fut: Future[CommitInfo]) -> None:
             try:
                 info = fut.result()
             except DeltaSyncError as exc:
-                self.hub.set_error(f"commit failed: {exc}")
+                self.board.set_error(f"commit failed: {exc}")
                 return
             if info.kind != "skipped":
                 self.signal.notify(info.step)
-            self.hub.trainer_update(committed=info.committed_step, last_kind=info.kind)
+            self.board.trainer_update(committed=info.committed_step, last_kind=info.kind)
 
         # anchors on a fixed cadence (plus whenever the patches since the last one add up to a
         # full checkpoint, which happens early on, when Adam still moves most weights)
@@ -303,16 +317,16 @@ class DemoRun:
                 t1 = time.perf_counter()
                 fut = up.push(model, step)
                 push_ms = 1000 * (time.perf_counter() - t1)
-                self.hub.trainer_step(step, loss=loss_v, lr=opts.lr, train_ms=1000 * (t1 - t0), push_ms=push_ms)
+                self.board.trainer_step(step, loss=loss_v, lr=opts.lr, train_ms=1000 * (t1 - t0), push_ms=push_ms)
                 fut.add_done_callback(on_commit)
                 self._stop.wait(max(0.0, opts.step_interval - (time.perf_counter() - t0)))
-        self.hub.trainer_update(done=True)
+        self.board.trainer_update(done=True)
         self._final_check(model)
 
     def _final_check(self, model: Any) -> None:
         """Hand the follower the trainer's last weights, to compare once it holds that step."""
         torch = self._torch
-        last = self.hub.trainer
+        last = self.board.trainer
         if last is not None and last.get("step") is not None:
             state = {k: v.detach().to(torch.bfloat16).clone() for k, v in model.state_dict().items()}
             self._final = (int(last["step"]), state)
@@ -330,8 +344,8 @@ class DemoRun:
         self.bit_exact = sorted(got) == sorted(want) and all(
             torch.equal(got[k].view(torch.int16), want[k].view(torch.int16)) for k in want
         )
-        self.hub.set_info(bit_exact=self.bit_exact)
-        self.hub.set_status("done" if self.bit_exact else "MISMATCH")
+        self.board.set_info(bit_exact=self.bit_exact)
+        self.board.set_status("done" if self.bit_exact else "MISMATCH")
         self.finished.set()
 
     # -------------------------------------------------------------- follower
@@ -346,69 +360,95 @@ class DemoRun:
         seen: int | None = None
         last_tick = 0.0
         if not opts.train:
-            self.hub.set_status("waiting for a trainer")
-        while not self._stop.is_set():
-            self.signal.wait(seen, opts.poll_interval)
-            if self._stop.is_set():
-                break
-            if time.monotonic() - last_tick >= 1.0:
-                self.hub.tick()
-                last_tick = time.monotonic()
-            self._maybe_finish(infer, seen)
+            self.board.set_status("waiting for a trainer")
+
+        def latest() -> int | None:
             try:
-                steps = fetcher.steps()
-                new = [s for s in steps if seen is None or s > seen]
-                if not new:
-                    continue
-                if infer is None:
-                    toy, infer = self._inference_copy()
-                    groups = layer_groups(list(infer.state_dict()))
-                    full = sum(v.numel() * v.element_size() for v in infer.state_dict().values())
-                    params = sum(v.numel() for v in infer.state_dict().values())
-                    self.hub.set_info(
-                        model={
-                            "name": toy.name,
-                            "arch": "Qwen3ForCausalLM",
-                            "params": params,
-                            "full_bytes": full,
-                            "layers": toy.config.num_hidden_layers,
-                            "hidden": toy.config.hidden_size,
-                        },
-                        groups=[g for g, _ in groups],
-                    )
-                self.hub.set_head(new[-1])
-                t0 = time.perf_counter()
-                jumped = len(new) > STEP_THROUGH
-                if jumped:
-                    # far behind: jump (the fetcher picks patches or the nearest anchor); the
-                    # skipped steps are on the timeline but were never held by this copy
-                    for s in new[-MAX_NEW_MANIFESTS:-1]:
-                        self.hub.committed({**manifest_row(reader.committed(s).manifest), "layers": None})
-                    new = new[-1:]
-                for s in new:
-                    # the copy holds the store's previous committed step (unless it just jumped):
-                    # diffing its bits before and after gives this step's exact per-layer change
-                    before = bit_snapshot(infer) if seen is not None and not jumped else None
-                    fetcher.sync(infer, step=s)
-                    row = manifest_row(reader.committed(s).manifest)
-                    row["layers"] = None
-                    if before is not None:
-                        row["layers"], row["observed_changed"] = layer_change(before, infer, groups)
-                    self.hub.committed({**row, "held": True})
-                    seen = s
-                target = new[-1]
-                sync_ms = 1000 * (time.perf_counter() - t0)
-                t1 = time.perf_counter()
-                text = greedy(infer, toy.tokenizer)
-                gen_ms = 1000 * (time.perf_counter() - t1)
-                self.hub.applied(target, sync_ms=sync_ms, gen_ms=gen_ms, text=text, verified=True, steps=len(new))
-                self.hub.set_error(None)
-                if self.hub.trainer is None or not self.hub.trainer.get("done"):
-                    self.hub.set_status("training" if opts.train else "following")
-            except DeltaSyncError as exc:
-                # a bad or unreachable step: the inference copy stays at its last good state
-                log.warning("sync failed: %s", exc)
-                self.hub.set_error(f"{type(exc).__name__}: {exc}")
+                return fetcher.latest_step()
+            except DeltaSyncError as exc:  # an unreachable store: shown, and polled again
+                log.warning("cannot list the store: %s", exc)
+                self.board.set_error(f"{type(exc).__name__}: {exc}")
+                return None
+
+        watcher = StepWatcher(
+            latest,
+            signal_url=self.listen_url,
+            token=self.listen_token,
+            run=self.signal_run,
+            heartbeat=1.0,
+            poll_interval=opts.poll_interval,
+            store_check_interval=opts.poll_interval,
+            reconnect=RECONNECT,
+            stop=self._stop,
+            # the uploader's Future callbacks (in-process) cut the pause between polls short
+            wait=lambda seconds: self.signal.wait(seen, seconds),
+        )
+        try:
+            for observed in watcher.watch(resume=lambda: seen):  # noqa: B023 - the step held at each connect
+                if self._stop.is_set():
+                    break
+                if time.monotonic() - last_tick >= 1.0:
+                    self.board.tick()
+                    last_tick = time.monotonic()
+                self._maybe_finish(infer, seen)
+                if observed.step is None or (seen is not None and observed.step <= seen):
+                    continue  # a heartbeat, a lost stream, or nothing new
+                try:
+                    steps = fetcher.steps()
+                    new = [s for s in steps if seen is None or s > seen]
+                    if not new:
+                        continue
+                    if infer is None:
+                        toy, infer = self._inference_copy()
+                        groups = layer_groups(list(infer.state_dict()))
+                        full = sum(v.numel() * v.element_size() for v in infer.state_dict().values())
+                        params = sum(v.numel() for v in infer.state_dict().values())
+                        self.board.set_info(
+                            model={
+                                "name": toy.name,
+                                "arch": "Qwen3ForCausalLM",
+                                "params": params,
+                                "full_bytes": full,
+                                "layers": toy.config.num_hidden_layers,
+                                "hidden": toy.config.hidden_size,
+                            },
+                            groups=[g for g, _ in groups],
+                        )
+                    self.board.set_head(new[-1])
+                    t0 = time.perf_counter()
+                    jumped = len(new) > STEP_THROUGH
+                    if jumped:
+                        # far behind: jump (the fetcher picks patches or the nearest anchor); the
+                        # skipped steps are on the timeline but were never held by this copy
+                        for s in new[-MAX_NEW_MANIFESTS:-1]:
+                            self.board.committed({**manifest_row(reader.committed(s).manifest), "layers": None})
+                        new = new[-1:]
+                    for s in new:
+                        # the copy holds the store's previous committed step (unless it just jumped):
+                        # diffing its bits before and after gives this step's exact per-layer change
+                        before = bit_snapshot(infer) if seen is not None and not jumped else None
+                        fetcher.sync(infer, step=s)
+                        row = manifest_row(reader.committed(s).manifest)
+                        row["layers"] = None
+                        if before is not None:
+                            row["layers"], row["observed_changed"] = layer_change(before, infer, groups)
+                        self.board.committed({**row, "held": True})
+                        seen = s
+                    target = new[-1]
+                    sync_ms = 1000 * (time.perf_counter() - t0)
+                    t1 = time.perf_counter()
+                    text = greedy(infer, toy.tokenizer)
+                    gen_ms = 1000 * (time.perf_counter() - t1)
+                    self.board.applied(target, sync_ms=sync_ms, gen_ms=gen_ms, text=text, verified=True, steps=len(new))
+                    self.board.set_error(None)
+                    if self.board.trainer is None or not self.board.trainer.get("done"):
+                        self.board.set_status("training" if opts.train else "following")
+                except DeltaSyncError as exc:
+                    # a bad or unreachable step: the inference copy stays at its last good state
+                    log.warning("sync failed: %s", exc)
+                    self.board.set_error(f"{type(exc).__name__}: {exc}")
+        finally:
+            watcher.close()
 
     def _inference_copy(self) -> tuple[Any, Any]:
         torch = self._torch

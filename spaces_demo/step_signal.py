@@ -1,4 +1,4 @@
-"""How the demo's follower learns about new steps: :class:`StepSignal`."""
+"""The demo's in-process wake-up: :class:`StepSignal`, the pause of the follower's StepWatcher."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ __all__ = ["StepSignal"]
 class StepSignal:
     """Wakes the follower when a step is committed.
 
-    ``notify(step)`` is called by whoever learns of a commit first (the uploader's
-    Future callbacks in-process, or a signal-server client). ``wait`` returns early
-    on a notification and otherwise after ``timeout``, so a follower that nobody
-    notifies falls back to polling the store at that interval.
+    ``notify(step)`` is called by the uploader's Future callbacks (in-process). The
+    follower's :class:`deltasync.signal.StepWatcher` pauses between store polls with
+    ``wait``, which returns early on a notification and otherwise after ``timeout``, so
+    a follower that nobody notifies polls the store at that interval.
     """
 
     def __init__(self) -> None:

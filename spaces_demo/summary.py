@@ -41,7 +41,7 @@ class CostSplit:
 
 
 def cost_split(commits: list[dict[str, Any]]) -> CostSplit:
-    """The anchor/patch split of ``commits`` (the hub's timeline rows)."""
+    """The anchor/patch split of ``commits`` (the live board's timeline rows)."""
     return CostSplit(commits)
 
 

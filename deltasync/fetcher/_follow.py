@@ -1,9 +1,10 @@
 """Follow a run: apply each new committed step as soon as it is signalled.
 
-The signal server (SSE) is a fast hint; the store is the truth. When the server
-is unreachable, the follower polls the store's ``HEAD.json`` (and now and then
-the manifest listing) every ``poll_interval`` seconds and keeps reconnecting
-with backoff; a resumed stream replays the commits it missed (``Last-Event-ID``).
+The signal server (SSE) is a fast hint; the store is the truth. Waiting for the next step is
+:class:`deltasync.signal.StepWatcher`'s job: when the server is unreachable it polls the store's
+``HEAD.json`` (and now and then the manifest listing) every ``poll_interval`` seconds and keeps
+reconnecting with backoff; a resumed stream replays the commits it missed (``Last-Event-ID``).
+This module decides what to do with each step seen: apply it, count it, record metrics.
 """
 
 from __future__ import annotations
@@ -18,12 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import httpx
-
-from deltasync.errors import DeltaSyncError, InventoryMismatch, SignalError, SignalRejected, StorageError
+from deltasync._retry import RetryPolicy
+from deltasync.errors import DeltaSyncError, InventoryMismatch, SignalRejected, StorageError
 from deltasync.fetcher._materialize import config_files
 from deltasync.protocol import Head
 from deltasync.protocol.keys import HEAD_KEY
+from deltasync.signal import StepWatcher, StorePoller
+
+if TYPE_CHECKING:
+    import httpx
 
 if TYPE_CHECKING:
     from deltasync.fetcher._fetcher import DeltaFetcher
@@ -97,8 +101,6 @@ def follow(
     Errors of one apply are logged and retried; an :class:`InventoryMismatch`
     (the target cannot hold this run) is raised.
     """
-    from deltasync.signal import SignalClient
-
     stop = stop or threading.Event()
     st = stats if stats is not None else FollowStats()
     is_dir = isinstance(target, (str, os.PathLike))
@@ -113,9 +115,6 @@ def follow(
     wanted = current
     if metrics is not None and current is not None:
         metrics.observe_applied(current)
-    beat = heartbeat if heartbeat is not None else max(0.2, min(poll_interval, 5.0))
-    last_store_check = float("-inf")
-    polls = 0
 
     def done() -> bool:
         return stop.is_set() or (until_step is not None and current is not None and current >= until_step)
@@ -149,33 +148,17 @@ def follow(
         if on_step is not None:
             on_step(step)
 
+    poller = StorePoller(fetcher.store, fetcher.latest_step)
+
     def store_latest() -> int | None:
-        nonlocal polls
-        polls += 1
         st.polls += 1
         try:
-            if polls % 10 != 1:  # HEAD is one small read; the listing (the truth) every tenth poll
-                return Head.from_json(fetcher.store.get(HEAD_KEY)).step
-        except DeltaSyncError:
-            pass
-        try:
-            return fetcher.latest_step()
+            return poller()
         except DeltaSyncError as exc:
             if metrics is not None:
                 metrics.observe_failure("store")
             log.warning("cannot list the store: %s", exc)
             return None
-
-    def check_store() -> None:
-        nonlocal wanted, last_store_check
-        last_store_check = time.monotonic()
-        latest = store_latest()
-        if metrics is not None and latest is not None:
-            metrics.observe_head(latest)
-        if latest is not None and (wanted is None or latest > wanted):
-            wanted = latest
-        if wanted is not None:
-            apply(wanted)
 
     def run_name() -> str | None:
         if run is not None:
@@ -192,56 +175,53 @@ def follow(
             pass
         return None
 
-    client = SignalClient(signal_url, token, transport=transport) if signal_url else None
-    backoff = reconnect_backoff[0]
-    next_connect = 0.0
+    watcher = StepWatcher(
+        store_latest,
+        signal_url=signal_url,
+        token=token,
+        run=run_name,
+        heartbeat=heartbeat if heartbeat is not None else max(0.2, min(poll_interval, 5.0)),
+        poll_interval=poll_interval,
+        store_check_interval=store_check_interval,
+        reconnect=RetryPolicy(retries=0, backoff=reconnect_backoff[0], max_backoff=reconnect_backoff[1]),
+        transport=transport,
+        stop=stop,
+        clock=time.monotonic,
+    )
     try:
-        check_store()
-        while not done():
-            name = run_name() if client is not None and time.monotonic() >= next_connect else None
-            if client is not None and name is not None:
-                try:
-                    for ev in client.events(name, last_event_id=current, heartbeat=beat):
-                        st.connected = True
-                        backoff = reconnect_backoff[0]
-                        if ev is not None:
-                            st.signals += 1
-                            if metrics is not None:
-                                metrics.observe_head(ev.step, ev.time or None)
-                            if wanted is None or ev.step > wanted:
-                                wanted = ev.step
-                            apply(ev.step)
-                        elif wanted is not None and (current is None or wanted > current):
-                            apply(wanted)  # a signalled step the store did not show yet
-                        if done():
-                            break
-                        if time.monotonic() - last_store_check >= store_check_interval:
-                            check_store()
-                except SignalError as exc:
-                    st.signal_failures += 1
+        for seen in watcher.watch(resume=lambda: current):
+            if seen.kind == "lost":
+                st.signal_failures += 1
+                if metrics is not None:
+                    metrics.observe_failure("signal")
+                if isinstance(seen.error, SignalRejected):
+                    log.warning("signal server refused the stream (polling the store meanwhile): %s", seen.error)
+                elif st.connected:
+                    log.warning("signal stream lost, polling the store meanwhile: %s", seen.error)
+                else:
+                    log.info("signal server unavailable, polling the store: %s", seen.error)
+                st.connected = False
+            elif seen.kind == "store":
+                if metrics is not None and seen.step is not None:
+                    metrics.observe_head(seen.step)
+                if seen.step is not None and (wanted is None or seen.step > wanted):
+                    wanted = seen.step
+                if wanted is not None:
+                    apply(wanted)
+            else:  # the stream is up
+                st.connected = True
+                if seen.step is not None:
+                    st.signals += 1
                     if metrics is not None:
-                        metrics.observe_failure("signal")
-                    if isinstance(exc, SignalRejected):
-                        log.warning("signal server refused the stream (polling the store meanwhile): %s", exc)
-                    elif st.connected:
-                        log.warning("signal stream lost, polling the store meanwhile: %s", exc)
-                    else:
-                        log.info("signal server unavailable, polling the store: %s", exc)
-                    st.connected = False
-                    next_connect = time.monotonic() + backoff
-                    backoff = min(backoff * 2, reconnect_backoff[1])
-                if done():
-                    break
-            check_store()
+                        metrics.observe_head(seen.step, seen.committed_at)
+                    if wanted is None or seen.step > wanted:
+                        wanted = seen.step
+                    apply(seen.step)
+                elif wanted is not None and (current is None or wanted > current):
+                    apply(wanted)  # a signalled step the store did not show yet
             if done():
                 break
-            wait = poll_interval
-            now = time.monotonic()
-            if client is not None and next_connect > now:
-                wait = min(poll_interval, next_connect - now)  # reconnect as soon as the backoff allows
-            stop.wait(max(0.01, wait))
     finally:
         st.connected = False
-        if client is not None:
-            client.close()
+        watcher.close()
     return current

@@ -5,7 +5,8 @@
 ``prometheus_client`` needed, no torch, no FastAPI. ``deltasync follow --metrics-port`` feeds one;
 a live engine's weight-transfer backend feeds another (and records its pauses).
 
-Staleness is computed when the metrics are rendered, from what was observed:
+Staleness is computed when the metrics are rendered, from what was observed, by the one
+definition in :mod:`deltasync.signal._staleness` (the demo's page uses it too):
 
 - ``deltasync_staleness_steps``: the newest committed step seen (``observe_head``) minus the step
   the target holds;
@@ -28,15 +29,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from deltasync.signal._staleness import MAX_PENDING, StalenessTracker, commit_time
+
 if TYPE_CHECKING:
     from deltasync.fetcher import SyncStats
 
-__all__ = ["CONTENT_TYPE", "MetricsServer", "SyncMetrics"]
+__all__ = ["CONTENT_TYPE", "MAX_PENDING", "MetricsServer", "SyncMetrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PHASES = ("download", "decode", "verify", "apply", "total")
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-MAX_PENDING = 1024  # commit times kept for steps not applied yet
 
 _LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*\Z")
 
@@ -94,12 +96,8 @@ class SyncMetrics:
                 raise ValueError(f"invalid constant label name {name!r}")
         self.clock = clock
         self._lock = threading.Lock()
-        self._head: int | None = None
-        self._head_time: float | None = None
-        self._applied: int | None = None
+        self._staleness = StalenessTracker()  # head seen, step held, commit times not held yet
         self._applied_time: float | None = None
-        self._pending_steps: list[int] = []  # sorted committed steps above the applied one ...
-        self._pending_times: list[float] = []  # ... and their commit times
         self._syncs = 0
         self._steps = 0
         self._bytes = 0
@@ -117,28 +115,10 @@ class SyncMetrics:
     def observe_head(self, step: int, committed_at: float | None = None) -> None:
         """The trainer's newest committed step as seen: from a signal event (pass its ``time``) or the
         store (``committed_at`` None: the time it is first seen). Older steps are ignored."""
-        if committed_at is not None and (not math.isfinite(committed_at) or committed_at <= 0):
-            committed_at = None
+        committed_at = commit_time(committed_at)
         with self._lock:
             t = committed_at if committed_at is not None else self.clock()
-            if self._head is None or step > self._head:
-                self._head = step
-                self._head_time = t
-            elif step == self._head and self._head_time is not None and committed_at is not None:
-                self._head_time = min(self._head_time, t)  # seen first, then told its commit time
-            if self._applied is not None and step <= self._applied:
-                return
-            i = bisect.bisect_left(self._pending_steps, step)
-            if i < len(self._pending_steps) and self._pending_steps[i] == step:
-                if committed_at is not None:
-                    self._pending_times[i] = min(self._pending_times[i], t)
-                return
-            self._pending_steps.insert(i, step)
-            self._pending_times.insert(i, t)
-            if len(self._pending_steps) > MAX_PENDING:
-                # fold the oldest entry into the next one: staleness may read high, never low
-                self._pending_times[1] = min(self._pending_times[0], self._pending_times[1])
-                del self._pending_steps[0], self._pending_times[0]
+            self._staleness.committed(step, t, exact=committed_at is not None)
 
     def observe_sync(self, stats: SyncStats, *, pause_s: float | None = None) -> None:
         """A sync reached ``stats.step`` (pass :attr:`DeltaFetcher.last_stats`); ``pause_s``: how long a
@@ -182,34 +162,32 @@ class SyncMetrics:
         self._move_applied(step)
 
     def _move_applied(self, step: int) -> None:
-        self._applied = step
         self._applied_time = self.clock()
-        if self._head is None or step > self._head:
-            self._head, self._head_time = step, self._applied_time
-        i = bisect.bisect_right(self._pending_steps, step)
-        del self._pending_steps[:i], self._pending_times[:i]
+        self._staleness.hold(step, self._applied_time)
 
     # ------------------------------------------------------------ read
 
     @property
     def applied_step(self) -> int | None:
         """The step the target holds, as last observed."""
-        return self._applied
+        return self._staleness.held
 
     @property
     def head_step(self) -> int | None:
         """The newest committed step seen."""
-        return self._head
+        return self._staleness.head
+
+    @property
+    def pending_commits(self) -> int:
+        """Commit times kept for steps not applied yet (at most ``MAX_PENDING``)."""
+        with self._lock:
+            return self._staleness.pending
 
     def staleness(self) -> tuple[int | None, float]:
         """(steps, seconds) behind the trainer now; steps is None until a step was applied."""
         with self._lock:
-            return self._staleness(self.clock())
-
-    def _staleness(self, now: float) -> tuple[int | None, float]:
-        steps = None if self._applied is None or self._head is None else max(0, self._head - self._applied)
-        seconds = max(0.0, now - self._pending_times[0]) if self._pending_times else 0.0
-        return steps, seconds
+            st = self._staleness.staleness(self.clock())
+        return st.steps, st.seconds
 
     def render(self) -> str:
         """The metrics in the Prometheus text exposition format 0.0.4."""
@@ -226,13 +204,15 @@ class SyncMetrics:
         def family(name: str, kind: str, doc: str) -> str:
             return f"# HELP {name} {doc}\n# TYPE {name} {kind}\n"
 
-        steps, seconds = self._staleness(now)
+        tracker = self._staleness
+        st = tracker.staleness(now)
+        steps, seconds = st.steps, st.seconds
         yield family("deltasync_head_step", "gauge", "Newest committed step of the run seen (signal or store).")
-        if self._head is not None:
-            yield sample("deltasync_head_step", self._head)
+        if tracker.head is not None:
+            yield sample("deltasync_head_step", tracker.head)
         yield family("deltasync_applied_step", "gauge", "Step the target holds.")
-        if self._applied is not None:
-            yield sample("deltasync_applied_step", self._applied)
+        if tracker.held is not None:
+            yield sample("deltasync_applied_step", tracker.held)
         yield family("deltasync_staleness_steps", "gauge", "Committed steps the target is behind the trainer.")
         if steps is not None:
             yield sample("deltasync_staleness_steps", steps)
@@ -243,8 +223,8 @@ class SyncMetrics:
         )
         yield sample("deltasync_staleness_seconds", seconds)
         yield family("deltasync_head_commit_timestamp_seconds", "gauge", "Commit time of the newest step seen.")
-        if self._head_time is not None:
-            yield sample("deltasync_head_commit_timestamp_seconds", self._head_time)
+        if tracker.head_time is not None:
+            yield sample("deltasync_head_commit_timestamp_seconds", tracker.head_time)
         yield family("deltasync_last_sync_timestamp_seconds", "gauge", "When the target last reached a step.")
         if self._applied_time is not None:
             yield sample("deltasync_last_sync_timestamp_seconds", self._applied_time)

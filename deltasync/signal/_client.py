@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 import httpx
 
+from deltasync._retry import RetryPolicy
+from deltasync._worker import SerialWorker, WorkerClosed
 from deltasync.errors import SignalConflict, SignalError, SignalRejected, SignalUnavailable
 from deltasync.signal._names import check_run
 
@@ -210,13 +212,14 @@ class SignalClient:
 
 
 class Notifier:
-    """Posts commits to the signal server from its own thread; never raises into the caller.
+    """Posts commits to the signal server from its own worker; never raises into the caller.
 
-    :meth:`notify` only records the newest commit and returns. The thread posts
-    it with short timeouts, retrying ``attempts`` times with exponential backoff
-    from ``backoff`` seconds; a newer commit supersedes a pending or retrying
-    older one (the server only needs the head). Failures are logged and counted
-    in ``failed`` / ``rejected``; ``sent`` counts successes.
+    :meth:`notify` only queues the newest commit and returns. A
+    :class:`~deltasync._worker.SerialWorker` posts it with short timeouts, making ``attempts``
+    attempts with the shared :class:`~deltasync._retry.RetryPolicy` (exponential backoff from
+    ``backoff`` seconds); a newer commit supersedes a queued or retrying older one (the server
+    only needs the head). Failures are logged and counted in ``failed`` / ``rejected``; ``sent``
+    counts successes, ``superseded`` the commits replaced before they were posted.
     """
 
     def __init__(
@@ -233,82 +236,67 @@ class Notifier:
         self.run = check_run(run)
         self.attempts = max(1, attempts)
         self.backoff = backoff
+        self.policy = RetryPolicy(retries=self.attempts - 1, backoff=backoff, max_backoff=max(30.0, backoff))
         self.sent = 0
         self.failed = 0
         self.rejected = 0
         self.superseded = 0
         self._client = SignalClient(url, token, timeout=timeout, transport=transport)
-        self._cond = threading.Condition()
-        self._pending: dict[str, Any] | None = None
-        self._busy = False
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="deltasync-notify", daemon=True)
-        self._thread.start()
+        self._worker = SerialWorker("deltasync-notify")
 
     def notify(self, step: int, manifest_digest: str, *, run_id: str | None = None, kind: str | None = None) -> None:
         """Queue a commit signal (returns at once)."""
-        with self._cond:
-            if self._stop.is_set():
-                return
-            if self._pending is not None:
-                self.superseded += 1
-            self._pending = {"step": step, "manifest_digest": manifest_digest, "run_id": run_id, "kind": kind}
-            self._cond.notify_all()
+        commit = _Commit(step, manifest_digest, run_id, kind)
+        try:
+            fut = self._worker.submit(lambda: self._send(commit), coalesce="head")
+        except WorkerClosed:
+            return
+        fut.add_done_callback(self._count_superseded)
+
+    def _count_superseded(self, fut: Future[None]) -> None:
+        if fut.cancelled():  # a newer commit took its place in the queue
+            self.superseded += 1
 
     def _newer_pending(self) -> bool:
-        with self._cond:
-            return self._pending is not None
+        return self._worker.pending() > 1  # the running job and at least one queued behind it
 
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._pending is not None or self._stop.is_set())
-                if self._pending is None:
-                    return
-                job, self._pending, self._busy = self._pending, None, True
+    def _send(self, c: _Commit) -> None:
+        stop = self._worker.stop
+        for attempt in range(self.attempts):
             try:
-                self._send(job)
-            finally:
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()
-
-    def _send(self, job: dict[str, Any]) -> None:
-        delay = self.backoff
-        for attempt in range(1, self.attempts + 1):
-            try:
-                self._client.publish(
-                    self.run, job["step"], job["manifest_digest"], run_id=job["run_id"], kind=job["kind"]
-                )
+                self._client.publish(self.run, c.step, c.manifest_digest, run_id=c.run_id, kind=c.kind)
                 self.sent += 1
                 return
             except SignalRejected as exc:
                 self.rejected += 1
-                log.warning("signal for step %d refused: %s", job["step"], exc)
+                log.warning("signal for step %d refused: %s", c.step, exc)
                 return
             except SignalError as exc:
-                if attempt == self.attempts or self._stop.is_set():
+                if attempt + 1 == self.attempts or stop.is_set():
                     self.failed += 1
-                    log.warning("signal for step %d not delivered after %d attempts: %s", job["step"], attempt, exc)
+                    log.warning("signal for step %d not delivered after %d attempts: %s", c.step, attempt + 1, exc)
                     return
-                log.debug("signal for step %d failed (attempt %d): %s", job["step"], attempt, exc)
-            if self._stop.wait(delay) or self._newer_pending():
+                log.debug("signal for step %d failed (attempt %d): %s", c.step, attempt + 1, exc)
+            if stop.wait(self.policy.delay(attempt)) or self._newer_pending():
                 if self._newer_pending():
                     return  # a newer step will be sent instead; it implies this one
                 self.failed += 1
                 return
-            delay *= 2
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until nothing is pending or in flight; whether that happened within ``timeout``."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self._pending is None and not self._busy, timeout=timeout)
+        return self._worker.flush(timeout)
 
     def close(self, timeout: float = 5.0) -> None:
-        """Send what is pending (up to ``timeout`` seconds), then stop the thread."""
-        self.flush(timeout)
-        with self._cond:
-            self._stop.set()
-            self._cond.notify_all()
-        self._thread.join(timeout)
+        """Send what is pending (up to ``timeout`` seconds), then stop the worker (cutting a backoff short)."""
+        self._worker.flush(timeout)
+        self._worker.close(timeout=timeout)
         self._client.close()
+
+
+@dataclass(frozen=True, slots=True)
+class _Commit:
+    step: int
+    manifest_digest: str
+    run_id: str | None
+    kind: str | None

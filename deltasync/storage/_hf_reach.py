@@ -10,14 +10,23 @@ raises :class:`~deltasync.errors.TransientStorageError` within a few seconds.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
 import httpx
 
+from deltasync._retry import RetryPolicy, retry_call
 from deltasync.errors import TransientStorageError
 
 __all__ = ["check_reachable"]
+
+_NO_CONNECTION = (httpx.ConnectError, httpx.ConnectTimeout, httpx.ProxyError, httpx.UnsupportedProtocol)
+# the final error names every attempt; a line per retry of a two-attempt probe is noise (and would
+# land on a CLI's stderr before its one error line)
+_quiet = logging.getLogger("deltasync.storage.reach")
+_quiet.propagate = False
+_quiet.addHandler(logging.NullHandler())
 
 
 def check_reachable(
@@ -35,22 +44,29 @@ def check_reachable(
 
     Each attempt is one ``HEAD endpoint`` with a ``timeout``-second connect limit (proxy
     variables apply, as for the client itself), ``pause`` seconds apart: at most
-    ``attempts * timeout + (attempts - 1) * pause`` seconds in all. ``what`` starts the
-    error message, ``hint`` ends it (which variables to check).
+    ``attempts * timeout + (attempts - 1) * pause`` seconds in all (the shared
+    :func:`~deltasync._retry.retry_call`, with a constant ``pause``; ``sleep`` is its wait).
+    ``what`` starts the error message, ``hint`` ends it (which variables to check).
     """
-    last: Exception | None = None
+    policy = RetryPolicy(retries=max(0, attempts - 1), backoff=pause, max_backoff=pause)
+    tried = 0
+
+    def probe() -> int:
+        nonlocal tried
+        tried += 1
+        try:
+            client.head(endpoint)
+        except _NO_CONNECTION:
+            raise
+        except httpx.HTTPError:
+            pass  # it connected: slow or odd, but there; the client's retries handle it
+        return tried
+
+    def give_up(exc: BaseException, n: int, stopped: bool) -> TransientStorageError:
+        return TransientStorageError(
+            f"{what}: cannot reach {endpoint} ({type(exc).__name__}: {exc}; {n} attempts): no network "
+            f"connection, or a wrong {hint}. Check the connection and those settings"
+        )
+
     with httpx.Client(timeout=httpx.Timeout(timeout), transport=transport, follow_redirects=False) as client:
-        for attempt in range(1, attempts + 1):
-            if attempt > 1:
-                sleep(pause)
-            try:
-                client.head(endpoint)
-                return attempt
-            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.ProxyError, httpx.UnsupportedProtocol) as exc:
-                last = exc
-            except httpx.HTTPError:
-                return attempt  # it connected: slow or odd, but there; the client's retries handle it
-    raise TransientStorageError(
-        f"{what}: cannot reach {endpoint} ({type(last).__name__}: {last}; {attempts} attempts): no network "
-        f"connection, or a wrong {hint}. Check the connection and those settings"
-    ) from last
+        return retry_call(probe, policy, what, retry_on=_NO_CONNECTION, give_up=give_up, logger=_quiet, wait=sleep)

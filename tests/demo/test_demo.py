@@ -16,7 +16,7 @@ from deltasync.errors import DemoError, StorageError
 
 pytest.importorskip("fastapi", reason="the demo extra is part of the test extra")
 
-from spaces_demo.hub import Hub  # noqa: E402
+from spaces_demo.board import LiveBoard  # noqa: E402
 from spaces_demo.live import (  # noqa: E402
     DEMO_KEY,
     DEMO_MARKER,
@@ -99,7 +99,7 @@ class FakeClock:
 
 def test_hub_staleness_is_committed_minus_applied() -> None:
     clock = FakeClock()
-    hub = Hub({"mode": "self-contained"}, clock=clock)
+    hub = LiveBoard({"mode": "self-contained"}, clock=clock)
     hub.trainer_step(0, loss=None)
     # produced but not committed yet: the uploader's pipeline, not staleness
     assert hub.snapshot()["staleness"] == {"committed": None, "applied": None, "steps": None, "seconds": 0.0}
@@ -128,7 +128,7 @@ def test_hub_staleness_is_committed_minus_applied() -> None:
 
 def test_hub_broadcasts_snapshot_then_events_in_order() -> None:
     async def main() -> list[dict[str, Any]]:
-        hub = Hub({"mode": "follower"})
+        hub = LiveBoard({"mode": "follower"})
         sub = hub.subscribe(asyncio.get_running_loop())
         t = threading.Thread(target=lambda: (hub.committed({"step": 3, "kind": "anchor"}), hub.set_status("x")))
         t.start()
@@ -201,7 +201,7 @@ def test_manifest_row_and_layer_change_match_a_bitwise_diff() -> None:
 def _run_until_done(run: DemoRun) -> None:
     run.start()
     try:
-        assert run.finished.wait(RUN_TIMEOUT), f"demo did not finish: {run.hub.snapshot()['status']}"
+        assert run.finished.wait(RUN_TIMEOUT), f"demo did not finish: {run.board.snapshot()['status']}"
     finally:
         run.stop()
 
@@ -210,7 +210,7 @@ def test_self_contained_run_ends_bit_exact_and_reports_every_commit() -> None:
     store = ds.MemoryStore()
     run = DemoRun(store, DemoOptions(store_url="memory://t", model="tiny", steps=12, step_interval=0.0, anchor_every=5))
     _run_until_done(run)
-    snap = run.hub.snapshot()
+    snap = run.board.snapshot()
     assert run.bit_exact is True and snap["bit_exact"] is True and snap["status"] == "done"
     assert snap["error"] is None
     steps = ds.DeltaFetcher(store).steps()
@@ -245,20 +245,20 @@ def test_follower_mode_applies_what_a_trainer_elsewhere_committed(tmp_path: Path
 
         def check() -> None:
             while not done.wait(0.05):
-                if follower.hub.applied_step == 6:
+                if follower.board.applied_step == 6:
                     done.set()
 
         t = threading.Thread(target=check)
         t.start()
         t.join(RUN_TIMEOUT)
-        assert done.is_set(), follower.hub.snapshot()
+        assert done.is_set(), follower.board.snapshot()
     finally:
         follower.stop()
-    snap = follower.hub.snapshot()
+    snap = follower.board.snapshot()
     assert snap["mode"] == "follower" and snap["trainer"] is None and snap["error"] is None
     assert snap["model"]["name"] == "tiny"
     assert [c["step"] for c in snap["commits"]] == ds.DeltaFetcher(ds.open_store(url)).steps()
-    assert snap["applied"]["text"] == trainer.hub.snapshot()["applied"]["text"]
+    assert snap["applied"]["text"] == trainer.board.snapshot()["applied"]["text"]
 
 
 def test_loop_empties_the_store_and_trains_again() -> None:
@@ -267,7 +267,7 @@ def test_loop_empties_the_store_and_trains_again() -> None:
     run = DemoRun(store, DemoOptions(store_url="memory://l", model="tiny", steps=3, step_interval=0.0, loop=0.01))
 
     async def collect() -> list[dict[str, Any]]:
-        sub = run.hub.subscribe(asyncio.get_running_loop())
+        sub = run.board.subscribe(asyncio.get_running_loop())
         run.start()
         got: list[dict[str, Any]] = []
         while sum(e["type"] == "snapshot" for e in got) < 2:
@@ -281,7 +281,7 @@ def test_loop_empties_the_store_and_trains_again() -> None:
         assert _wait_for(lambda: run.episode >= 1 and run.finished.is_set())
     finally:
         run.stop()  # the loop would go on restarting: read the store only once it is quiet
-    snap = run.hub.snapshot()
+    snap = run.board.snapshot()
     # the first run finished bit-exact before the page was told to start over
     assert any(e["type"] == "status" and e["data"]["status"] == "done" for e in events)
     assert events[-1]["type"] == "snapshot" and events[-1]["data"]["commits"] == []
@@ -324,10 +324,10 @@ def test_follower_on_an_empty_store_waits_without_error() -> None:
     run = DemoRun(ds.MemoryStore(), DemoOptions(store_url="memory://e", train=False, poll_interval=0.02))
     run.start()
     try:
-        assert _wait_for(lambda: len(run.hub.snapshot()["lag"]) >= 1, 10)
+        assert _wait_for(lambda: len(run.board.snapshot()["lag"]) >= 1, 10)
     finally:
         run.stop()
-    snap = run.hub.snapshot()
+    snap = run.board.snapshot()
     assert snap["status"] == "waiting for a trainer" and snap["error"] is None and snap["applied"] is None
 
 
@@ -339,11 +339,11 @@ def test_follower_shows_an_inventory_mismatch_and_keeps_serving(tmp_path: Path) 
     run = DemoRun(store, DemoOptions(store_url=url, train=False, poll_interval=0.02))
     run.start()
     try:
-        assert _wait_for(lambda: run.hub.error is not None, 60)
+        assert _wait_for(lambda: run.board.error is not None, 60)
     finally:
         run.stop()
-    assert "InventoryMismatch" in str(run.hub.error)
-    assert run.hub.applied_step is None
+    assert "InventoryMismatch" in str(run.board.error)
+    assert run.board.applied_step is None
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ real vLLM engine. Also SyncJournal, which the mirror's undo rests on.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -20,6 +21,7 @@ import deltasync as ds  # noqa: E402
 from deltasync.errors import InventoryMismatch, UpdateRolledBack, WorkerNeedsReplacement  # noqa: E402
 from deltasync.fetcher import SyncJournal  # noqa: E402
 from deltasync.integrations.vllm.mirror import EngineMirror  # noqa: E402
+from deltasync.integrations.vllm.prefetch import Prefetcher  # noqa: E402
 from deltasync.protocol import file_key  # noqa: E402
 
 STEPS = 6
@@ -132,6 +134,47 @@ def test_corrupted_patch_never_touches_the_engine(run: ds.MemoryStore) -> None:
         m.commit(2)
     assert _equal(engine.weights, _state(1)) and m.serving == 1 and m.state == "serving"
     assert "ChecksumMismatch" in (m.status()["last_error"] or "")
+
+
+def test_prefetch_backs_off_a_bad_step_and_prepares_it_once_repaired(run: ds.MemoryStore) -> None:
+    """The prefetcher (no vLLM) over a real mirror: a corrupted newest step is retried after 1, 2, 4 ...
+    poll intervals, not at every poll (fake time: each wait lets the prepares finish, then moves on)."""
+    store = _copy(run)
+    last = STEPS - 1
+    key = file_key(last, ds.DeltaFetcher(store).manifest(last).files[0].path)
+    good = store.get(key)
+    bad = bytearray(good)
+    bad[len(bad) // 2] ^= 0x40
+    store.put(key, bytes(bad))
+    engine = Engine(_state(0))
+    m = _mirror(store, engine)
+    now = [0.0]
+    stop = threading.Event()
+    tried: list[float] = []
+
+    class Counting:
+        serving = property(lambda self: m.serving)
+        latest_step = staticmethod(m.latest_step)
+
+        def prepare(self, step: int | None = None, *, coalesce: str | None = None) -> Any:
+            tried.append(now[0])
+            return m.prepare(step, coalesce=coalesce)
+
+    def wait(seconds: float) -> None:
+        assert m.wait_prepared(60)
+        now[0] += seconds
+        if now[0] == 10.0:
+            store.put(key, good)  # repaired (a re-upload of the same bytes)
+        if now[0] >= 16.0:
+            stop.set()
+
+    p = Prefetcher(lambda: Counting(), poll_interval=1.0, clock=lambda: now[0], wait=wait, stop=stop)
+    p.run()
+    assert m.wait_prepared(60)
+    assert tried == [0.0, 1.0, 3.0, 7.0, 15.0]  # 16 polls, 5 tries; the fifth finds it repaired
+    assert p.failures == 4 and m.prepared == last and engine.loads == []
+    m.commit()
+    assert _equal(engine.weights, _state(last)) and m.serving == last
 
 
 @pytest.mark.parametrize("fail_after", [0, 1])

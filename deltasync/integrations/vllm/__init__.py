@@ -3,7 +3,9 @@
 - :mod:`deltasync.integrations.vllm.backend`: the ``"deltasync"`` weight-transfer backend and the
   worker extension (imports vLLM and torch);
 - :mod:`deltasync.integrations.vllm.mirror`: the host mirror each worker keeps in checkpoint names
-  (imports neither at module level).
+  (imports neither at module level);
+- :mod:`deltasync.integrations.vllm.prefetch`: prepares each new committed step in the background
+  (imports neither).
 
 This package imports nothing itself, so the mirror can be used and tested without vLLM.
 """

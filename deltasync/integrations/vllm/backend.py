@@ -47,6 +47,7 @@ from vllm.distributed.weight_transfer.base import (
 from deltasync.errors import DeltaSyncError
 from deltasync.fetcher._fetcher import MARKER, DeltaFetcher, Verify
 from deltasync.integrations.vllm.mirror import EngineMirror
+from deltasync.integrations.vllm.prefetch import Prefetcher
 
 __all__ = [
     "BACKEND",
@@ -140,8 +141,7 @@ class WorkerSync:
         self.world_size = world_size
         self.options = DeltasyncInitInfo()
         self.mirror: EngineMirror | None = None
-        self._stop = threading.Event()
-        self._prefetcher: threading.Thread | None = None
+        self._prefetcher: Prefetcher | None = None
         self._lock = threading.Lock()
         from deltasync.fetcher.metrics import SyncMetrics
 
@@ -228,24 +228,10 @@ class WorkerSync:
     def _start_prefetch(self) -> None:
         if self._prefetcher is not None:
             return
-        self._stop.clear()
-        self._prefetcher = threading.Thread(target=self._prefetch_loop, name="deltasync-prefetch", daemon=True)
+        self._prefetcher = Prefetcher(
+            lambda: self.mirror_for(None), metrics=self.metrics, poll_interval=self.options.poll_interval
+        )
         self._prefetcher.start()
-
-    def _prefetch_loop(self) -> None:
-        last: int | None = None
-        while not self._stop.is_set():
-            try:
-                mirror = self.mirror_for(None)
-                latest = mirror.fetcher.latest_step()
-                if latest is not None:
-                    self.metrics.observe_head(latest)
-                if latest is not None and latest != last and (mirror.serving is None or latest > mirror.serving):
-                    mirror.prepare(latest).result()
-                    last = latest
-            except (DeltaSyncError, ValueError) as exc:
-                log.warning("prefetch: %s", exc)
-            self._stop.wait(self.options.poll_interval)
 
     # ------------------------------------------------------------- phases
 
@@ -268,9 +254,8 @@ class WorkerSync:
         return self.metrics.render()
 
     def close(self) -> None:
-        self._stop.set()
         if self._prefetcher is not None:
-            self._prefetcher.join(timeout=30)
+            self._prefetcher.close(timeout=30)
             self._prefetcher = None
         if self._metrics_server is not None:
             self._metrics_server.close()

@@ -23,12 +23,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Literal, NoReturn
 
 from deltasync._tensors import allocate
+from deltasync._worker import SerialWorker
 from deltasync.errors import DeltaSyncError, InventoryMismatch, UpdateRolledBack, WorkerNeedsReplacement
 from deltasync.fetcher._fetcher import DeltaFetcher, Verify
 from deltasync.fetcher._journal import SyncJournal
@@ -97,8 +98,7 @@ class EngineMirror:
         self.state: State = "serving"
         self.last_error: str | None = None
         self._lock = threading.RLock()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltasync-prepare")
-        self._inflight: Future[int | None] | None = None
+        self._preparer = SerialWorker("deltasync-prepare")
 
     # ---------------------------------------------------------------- state
 
@@ -166,9 +166,16 @@ class EngineMirror:
         self._pending.append(journal)
         return target
 
-    def prepare(self, step: int | None = None) -> Future[int | None]:
+    def latest_step(self) -> int | None:
+        """The run's newest committed step (None for an empty run)."""
+        return self.fetcher.latest_step()
+
+    def prepare(self, step: int | None = None, *, coalesce: Hashable | None = None) -> Future[int | None]:
         """Start bringing the mirror to ``step`` (default: the newest) in the background; the engine keeps
-        serving. Returns a future of the step prepared. Errors are kept for the commit."""
+        serving. Returns a future of the step prepared. Errors are kept for the commit.
+
+        ``coalesce``: a prepare queued with the same key and not started yet is superseded (its
+        future cancelled), as the prefetcher does with each newer step."""
         with self._lock:
             self._require_usable()
 
@@ -182,9 +189,11 @@ class EngineMirror:
                         self.metrics.observe_failure("prepare")
                     raise
 
-        fut = self._pool.submit(run)
-        self._inflight = fut
-        return fut
+        return self._preparer.submit(run, coalesce=coalesce)
+
+    def wait_prepared(self, timeout: float | None = None) -> bool:
+        """Wait until every prepare started so far has finished; False when ``timeout`` passed first."""
+        return self._preparer.flush(timeout)
 
     # --------------------------------------------------------------- commit
 
@@ -295,7 +304,7 @@ class EngineMirror:
 
     def close(self) -> None:
         """Stop the background preparer (waits for a running prepare)."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._preparer.close(cancel_pending=True)
 
 
 def _why(exc: BaseException | None) -> str | None:

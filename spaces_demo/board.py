@@ -1,6 +1,6 @@
 """The demo's shared state: what the page shows, and the live event stream to it.
 
-Threads (trainer, inference follower) call :class:`Hub` methods; each call updates
+Threads (trainer, inference follower) call :class:`LiveBoard` methods; each call updates
 the snapshot and broadcasts one JSON event to every subscribed page. Pages get the
 snapshot first (``/api/state``, or the first SSE event) and then apply events.
 """
@@ -14,7 +14,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Hub", "Subscription"]
+from deltasync.signal import StalenessTracker
+
+__all__ = ["LiveBoard", "Subscription"]
 
 MAX_COMMITS = 2000
 MAX_GENERATIONS = 60
@@ -48,8 +50,10 @@ class Subscription:
             self.dropped = True
 
 
-class Hub:
-    """Snapshot + broadcast. ``clock`` is injectable for tests."""
+class LiveBoard:
+    """What the demo page shows: a snapshot of the run, and a broadcast of each change to every page.
+
+    ``clock`` is injectable for tests."""
 
     def __init__(self, info: dict[str, Any], *, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
@@ -59,11 +63,12 @@ class Hub:
         self._generations: deque[dict[str, Any]] = deque(maxlen=MAX_GENERATIONS)
         self._lag: deque[dict[str, Any]] = deque(maxlen=MAX_LAG_POINTS)
         self._applied_steps: deque[int] = deque(maxlen=MAX_COMMITS)
-        self._pending_since: dict[int, float] = {}  # step -> when it was produced or first seen
+        # committed head, step held, and when each step not held yet was produced or first seen;
+        # the demo's runs start at step 0, so a copy holding nothing is head + 1 steps behind
+        self._staleness = StalenessTracker(first_step=0)
         self._info = dict(info)
         self._trainer: dict[str, Any] | None = None
         self._applied: dict[str, Any] | None = None
-        self._head: int | None = None
         self._error: str | None = None
         self._status = "starting"
         self._seq = 0
@@ -82,7 +87,7 @@ class Hub:
                 "status": self._status,
                 "error": self._error,
                 "trainer": self._trainer,
-                "head": self._head,
+                "head": self._staleness.head,
                 "applied": self._applied,
                 "staleness": self._staleness_locked(),
                 "commits": list(self._commits),
@@ -142,24 +147,19 @@ class Hub:
     def _staleness_locked(self) -> dict[str, Any]:
         """How far the inference copy is behind the store: committed (store head) - applied.
 
-        The one definition of staleness: the page's tile, the staleness chart and the terminal
-        all show ``steps`` from here (or, on the page, the same difference of the same snapshot's
+        The one definition of staleness (:class:`deltasync.signal.StalenessTracker`, as in the
+        fetcher's metrics): the page's tile, the staleness chart and the terminal all show
+        ``steps`` from here (or, on the page, the same difference of the same snapshot's
         ``head`` and ``applied.step``). ``seconds``: since the oldest committed step the copy
         does not hold yet was produced (or first seen). Steps the trainer made that are not
         committed yet are not staleness (they are the uploader's pipeline, ``trainer.step``).
         """
-        committed = self._head
-        applied = None if self._applied is None else int(self._applied["step"])
-        behind = [
-            t
-            for s, t in self._pending_since.items()
-            if committed is not None and s <= committed and (applied is None or s > applied)
-        ]
+        st = self._staleness.staleness(self._clock())
         return {
-            "committed": committed,
-            "applied": applied,
-            "steps": None if committed is None else max(0, committed - (applied if applied is not None else -1)),
-            "seconds": max(0.0, self._clock() - min(behind)) if behind else 0.0,
+            "committed": self._staleness.head,
+            "applied": self._staleness.held,
+            "steps": st.steps,
+            "seconds": st.seconds,
         }
 
     def reset(self) -> None:
@@ -169,8 +169,8 @@ class Hub:
             self._generations.clear()
             self._lag.clear()
             self._applied_steps.clear()
-            self._pending_since.clear()
-            self._trainer = self._applied = self._head = self._error = None
+            self._staleness.forget()
+            self._trainer = self._applied = self._error = None
             self._info.update(bit_exact=None)
             self._status = "starting"
             self._seq += 1
@@ -203,7 +203,7 @@ class Hub:
     def trainer_step(self, step: int, **data: Any) -> None:
         """The trainer produced ``step`` (loss, lr, push time ...)."""
         with self._lock:
-            self._pending_since.setdefault(step, self._clock())
+            self._staleness.note(step, self._clock())
             self._trainer = {**(self._trainer or {}), "step": step, **data}
             self._emit_locked("trainer", self._trainer)
 
@@ -216,33 +216,31 @@ class Hub:
     def set_head(self, step: int) -> None:
         """The newest committed step seen in the store (before the follower applies it)."""
         with self._lock:
-            self._pending_since.setdefault(step, self._clock())
-            if self._head is None or step > self._head:
-                self._head = step
+            newer = self._staleness.head is None or step > self._staleness.head
+            self._staleness.committed(step, self._clock(), exact=False)
+            if newer:
                 self._emit_locked("head", {"head": step})
 
     def committed(self, commit: dict[str, Any]) -> None:
         """The store holds a new committed step (read from its manifest)."""
         with self._lock:
             step = int(commit["step"])
-            self._pending_since.setdefault(step, self._clock())
+            self._staleness.committed(step, self._clock(), exact=False)
             commit = {**commit, "seen": self._clock()}
             self._commits.append(commit)
             if commit.get("held"):
                 self._applied_steps.append(step)
-            self._head = step if self._head is None else max(self._head, step)
             self._emit_locked("commit", commit)
 
     def applied(self, step: int, **data: Any) -> None:
         """The inference copy now holds ``step``; ``data`` carries text, sync time..."""
         with self._lock:
             now = self._clock()
-            produced = self._pending_since.get(step)
+            produced = self._staleness.time_of(step)
             self._applied = {"step": step, "t": now, "latency": None if produced is None else now - produced, **data}
             if not self._applied_steps or self._applied_steps[-1] != step:
                 self._applied_steps.append(step)
-            for s in [s for s in self._pending_since if s <= step]:
-                del self._pending_since[s]
+            self._staleness.hold(step, now)
             text = data.get("text")
             if text is not None and (not self._generations or self._generations[-1]["text"] != text):
                 self._generations.append({"step": step, "t": now, "text": text})
