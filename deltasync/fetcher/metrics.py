@@ -18,17 +18,15 @@ definition in :mod:`deltasync.signal._staleness` (the demo's page uses it too):
 
 from __future__ import annotations
 
-import bisect
-import math
-import re
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from deltasync._prometheus import CONTENT_TYPE, LABEL_NAME, Histogram, family, sample
 from deltasync.signal._staleness import MAX_PENDING, StalenessTracker, commit_time
 
 if TYPE_CHECKING:
@@ -36,49 +34,8 @@ if TYPE_CHECKING:
 
 __all__ = ["CONTENT_TYPE", "MAX_PENDING", "MetricsServer", "SyncMetrics"]
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PHASES = ("download", "decode", "verify", "apply", "total")
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-
-_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*\Z")
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _fmt(v: float) -> str:
-    if isinstance(v, int):
-        return str(v)
-    if math.isnan(v):
-        return "NaN"
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    return repr(float(v))
-
-
-class _Histogram:
-    __slots__ = ("buckets", "count", "counts", "sum")
-
-    def __init__(self, buckets: Sequence[float]) -> None:
-        self.buckets = tuple(buckets)
-        self.counts = [0] * len(self.buckets)
-        self.count = 0
-        self.sum = 0.0
-
-    def observe(self, v: float) -> None:
-        i = bisect.bisect_left(self.buckets, v)
-        if i < len(self.counts):
-            self.counts[i] += 1
-        self.count += 1
-        self.sum += v
-
-    def cumulative(self) -> Iterator[tuple[str, int]]:
-        acc = 0
-        for le, n in zip(self.buckets, self.counts, strict=True):
-            acc += n
-            yield _fmt(le), acc
-        yield "+Inf", self.count
 
 
 class SyncMetrics:
@@ -92,7 +49,7 @@ class SyncMetrics:
     def __init__(self, labels: Mapping[str, str] | None = None, *, clock: Callable[[], float] = time.time) -> None:
         self.labels = dict(labels or {})
         for name in self.labels:
-            if not _LABEL_NAME.match(name) or name.startswith("__") or name in ("le", "kind", "phase"):
+            if not LABEL_NAME.match(name) or name.startswith("__") or name in ("le", "kind", "phase"):
                 raise ValueError(f"invalid constant label name {name!r}")
         self.clock = clock
         self._lock = threading.Lock()
@@ -106,8 +63,8 @@ class SyncMetrics:
         self._phase_count = 0
         self._last_phase: dict[str, float] | None = None
         self._last_bytes: int | None = None
-        self._duration = _Histogram(DURATION_BUCKETS)
-        self._pause = _Histogram(DURATION_BUCKETS)
+        self._duration = Histogram(DURATION_BUCKETS)
+        self._pause = Histogram(DURATION_BUCKETS)
         self._last_pause: float | None = None
 
     # ------------------------------------------------------------ observe
@@ -195,78 +152,66 @@ class SyncMetrics:
             return "".join(self._render(self.clock()))
 
     def _render(self, now: float) -> Iterator[str]:
-        const = "".join(f',{k}="{_escape(v)}"' for k, v in self.labels.items())
+        const = tuple(self.labels.items())
 
-        def sample(name: str, value: float, **labels: str) -> str:
-            inner = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items()) + const
-            return f"{name}{{{inner.lstrip(',')}}} {_fmt(value)}\n" if inner else f"{name} {_fmt(value)}\n"
-
-        def family(name: str, kind: str, doc: str) -> str:
-            return f"# HELP {name} {doc}\n# TYPE {name} {kind}\n"
+        def one(name: str, value: float, **labels: str) -> str:
+            return sample(name, value, (*labels.items(), *const))
 
         tracker = self._staleness
         st = tracker.staleness(now)
         steps, seconds = st.steps, st.seconds
         yield family("deltasync_head_step", "gauge", "Newest committed step of the run seen (signal or store).")
         if tracker.head is not None:
-            yield sample("deltasync_head_step", tracker.head)
+            yield one("deltasync_head_step", tracker.head)
         yield family("deltasync_applied_step", "gauge", "Step the target holds.")
         if tracker.held is not None:
-            yield sample("deltasync_applied_step", tracker.held)
+            yield one("deltasync_applied_step", tracker.held)
         yield family("deltasync_staleness_steps", "gauge", "Committed steps the target is behind the trainer.")
         if steps is not None:
-            yield sample("deltasync_staleness_steps", steps)
+            yield one("deltasync_staleness_steps", steps)
         yield family(
             "deltasync_staleness_seconds",
             "gauge",
             "Seconds since the oldest committed step the target does not hold was committed (0: current).",
         )
-        yield sample("deltasync_staleness_seconds", seconds)
+        yield one("deltasync_staleness_seconds", seconds)
         yield family("deltasync_head_commit_timestamp_seconds", "gauge", "Commit time of the newest step seen.")
         if tracker.head_time is not None:
-            yield sample("deltasync_head_commit_timestamp_seconds", tracker.head_time)
+            yield one("deltasync_head_commit_timestamp_seconds", tracker.head_time)
         yield family("deltasync_last_sync_timestamp_seconds", "gauge", "When the target last reached a step.")
         if self._applied_time is not None:
-            yield sample("deltasync_last_sync_timestamp_seconds", self._applied_time)
+            yield one("deltasync_last_sync_timestamp_seconds", self._applied_time)
         yield family("deltasync_syncs_total", "counter", "Syncs that reached a step.")
-        yield sample("deltasync_syncs_total", self._syncs)
+        yield one("deltasync_syncs_total", self._syncs)
         yield family("deltasync_applied_steps_total", "counter", "Committed steps (patches, anchors) applied.")
-        yield sample("deltasync_applied_steps_total", self._steps)
+        yield one("deltasync_applied_steps_total", self._steps)
         yield family("deltasync_sync_failures_total", "counter", "Failed syncs, signal streams and store reads.")
         for kind, n in sorted(self._failures.items()):
-            yield sample("deltasync_sync_failures_total", n, kind=kind)
+            yield one("deltasync_sync_failures_total", n, kind=kind)
         yield family("deltasync_downloaded_bytes_total", "counter", "Bytes downloaded by syncs.")
-        yield sample("deltasync_downloaded_bytes_total", self._bytes)
+        yield one("deltasync_downloaded_bytes_total", self._bytes)
         yield family("deltasync_last_sync_bytes", "gauge", "Bytes downloaded by the last sync.")
         if self._last_bytes is not None:
-            yield sample("deltasync_last_sync_bytes", self._last_bytes)
+            yield one("deltasync_last_sync_bytes", self._last_bytes)
         yield family(
             "deltasync_sync_phase_seconds",
             "summary",
             "Seconds syncs spent per phase: download (with checksums), decode, verify (digests), apply, total.",
         )
         for p in PHASES:
-            yield sample("deltasync_sync_phase_seconds_sum", self._phase_sum[p], phase=p)
-            yield sample("deltasync_sync_phase_seconds_count", self._phase_count, phase=p)
+            yield one("deltasync_sync_phase_seconds_sum", self._phase_sum[p], phase=p)
+            yield one("deltasync_sync_phase_seconds_count", self._phase_count, phase=p)
         yield family("deltasync_last_sync_phase_seconds", "gauge", "Seconds the last sync spent per phase.")
         if self._last_phase is not None:
             for p in PHASES:
-                yield sample("deltasync_last_sync_phase_seconds", self._last_phase[p], phase=p)
-        yield from self._histogram("deltasync_sync_duration_seconds", self._duration, "Seconds per sync.", sample)
-        yield from self._histogram(
-            "deltasync_pause_seconds", self._pause, "Seconds a live engine paused to load new weights.", sample
+                yield one("deltasync_last_sync_phase_seconds", self._last_phase[p], phase=p)
+        yield from self._duration.render("deltasync_sync_duration_seconds", "Seconds per sync.", const)
+        yield from self._pause.render(
+            "deltasync_pause_seconds", "Seconds a live engine paused to load new weights.", const
         )
         yield family("deltasync_last_pause_seconds", "gauge", "Seconds of the last pause of a live engine.")
         if self._last_pause is not None:
-            yield sample("deltasync_last_pause_seconds", self._last_pause)
-
-    @staticmethod
-    def _histogram(name: str, h: _Histogram, doc: str, sample: Callable[..., str]) -> Iterator[str]:
-        yield f"# HELP {name} {doc}\n# TYPE {name} histogram\n"
-        for le, n in h.cumulative():
-            yield sample(f"{name}_bucket", n, le=le)
-        yield sample(f"{name}_sum", h.sum)
-        yield sample(f"{name}_count", h.count)
+            yield one("deltasync_last_pause_seconds", self._last_pause)
 
     # ------------------------------------------------------------ serve
 
