@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from deltasync._retry import RetryPolicy
 from deltasync.errors import DeltaSyncError, InventoryMismatch, SignalRejected, StorageError
@@ -29,13 +29,37 @@ from deltasync.signal import StepWatcher, StorePoller
 if TYPE_CHECKING:
     import httpx
 
-if TYPE_CHECKING:
-    from deltasync.fetcher._fetcher import DeltaFetcher
+    from deltasync.fetcher._stats import SyncStats
     from deltasync.fetcher.metrics import SyncMetrics
+    from deltasync.run import RunReader
+    from deltasync.storage import Store
 
-__all__ = ["FollowStats", "follow"]
+__all__ = ["FollowStats", "Followed", "follow"]
 
 log = logging.getLogger("deltasync.follow")
+
+
+class Followed(Protocol):
+    """What :func:`follow` uses of a :class:`~deltasync.DeltaFetcher` (a Protocol, so that the
+    fetcher can offer ``follow`` without an import circle)."""
+
+    store: Store
+    reader: RunReader
+    last_stats: SyncStats | None
+
+    def sync(self, target: Any, step: int | None = None) -> int: ...
+
+    def materialize(
+        self,
+        out_dir: str | os.PathLike[str],
+        step: int | None = None,
+        *,
+        config_from: str | os.PathLike[str] | None = None,
+    ) -> Path: ...
+
+    def latest_step(self) -> int | None: ...
+
+    def current_step(self, target: Any) -> int | None: ...
 MARKER = ".deltasync.json"
 
 
@@ -59,7 +83,7 @@ def _dir_step(out: Path) -> int | None:
 
 
 def follow(
-    fetcher: DeltaFetcher,
+    fetcher: Followed,
     target: Any,
     *,
     signal_url: str | None = None,

@@ -30,7 +30,7 @@ from deltasync._prometheus import CONTENT_TYPE, LABEL_NAME, Histogram, family, s
 from deltasync.signal._staleness import MAX_PENDING, StalenessTracker, commit_time
 
 if TYPE_CHECKING:
-    from deltasync.fetcher import SyncStats
+    from deltasync.fetcher._stats import SyncStats
 
 __all__ = ["CONTENT_TYPE", "MAX_PENDING", "MetricsServer", "SyncMetrics"]
 

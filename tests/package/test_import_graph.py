@@ -179,37 +179,9 @@ def test_a_submodule_import_is_an_edge_to_the_submodule(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------ no import circles
 
 
-#: the modules caught in import circles on main when this test was written (c918372), one set per
-#: strongly connected component; other parts of issue 22 remove them
-KNOWN_CIRCLES = [
-    {"deltasync.fetcher", "deltasync.fetcher._execute", "deltasync.fetcher._fetcher", "deltasync.fetcher._follow"}
-    | {"deltasync.fetcher._lease", "deltasync.fetcher._materialize", "deltasync.fetcher.metrics"},
-    {
-        "deltasync.uploader._pipeline",
-        "deltasync.uploader._resume",
-        "deltasync.uploader._sharded",
-        "deltasync.uploader._uploader",
-    },
-]
-
-
-@pytest.mark.xfail(
-    strict=False,
-    reason="import circles at the branch point, being removed in parallel (issue 22): "
-    + "deltasync.fetcher -> fetcher._fetcher -> fetcher._follow -> fetcher.metrics -> deltasync.fetcher "
-    "(with fetcher._execute, _lease, _materialize); uploader._pipeline <-> uploader._uploader "
-    "(with uploader._resume, _sharded)",
-)
 def test_no_import_circles() -> None:
     found = cycles(import_graph())
     assert not found, "import circles:\n" + "\n".join(" -> ".join(c) for c in found)
-
-
-def test_no_import_circle_beyond_the_known_ones() -> None:
-    """Until the known circles are gone: every module caught in a circle was already in one of them."""
-    graph = import_graph()
-    new = [c for c in strongly_connected(graph) if not any(c <= known for known in KNOWN_CIRCLES)]
-    assert not new, "new import circles:\n" + "\n".join(" -> ".join(closed_path(graph, c)) for c in new)
 
 
 # ------------------------------------------------------------------------------ dependency direction
@@ -220,15 +192,22 @@ def _offending(src: str, forbidden: set[str]) -> dict[str, dict[str, set[str]]]:
 
 
 OURS = {"__init__", "protocol", "storage", "run", "signal", "uploader", "fetcher", "server", "cli", "integrations"}
-OURS |= {"testing", "errors", "_worker", "_retry", "_tensors", "_checkpoint_io"}
+OURS |= {"testing", "errors", "_worker", "_retry", "_prometheus", "_tensors", "_checkpoint_io"}
+#: the shared private machinery any layer may use (it imports nothing of ours but errors)
+MACHINERY = {"_worker", "_retry", "_prometheus"}
 
 
 def test_protocol_imports_nothing_of_ours_but_errors() -> None:
     assert _offending("protocol", OURS - {"errors"}) == {}
 
 
-def test_storage_imports_only_protocol_and_errors() -> None:
-    assert _offending("storage", OURS - {"protocol", "errors"}) == {}
+def test_storage_imports_only_protocol_errors_and_the_shared_machinery() -> None:
+    assert _offending("storage", OURS - {"protocol", "errors"} - MACHINERY) == {}
+
+
+@pytest.mark.parametrize("module", sorted(MACHINERY))
+def test_the_shared_machinery_imports_nothing_of_ours_but_errors(module: str) -> None:
+    assert _offending(module, OURS - {"errors"}) == {}
 
 
 def test_run_imports_no_higher_layer() -> None:
