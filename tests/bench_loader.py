@@ -11,8 +11,12 @@ from typing import Any
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-def load_bench(name: str) -> Iterator[Any]:
-    """Import ``benchmarks/<name>.py`` as module ``name`` for a test module's life (a fixture body)."""
+def load_bench(name: str, *, imports: tuple[str, ...] = ()) -> Iterator[Any]:
+    """Import ``benchmarks/<name>.py`` as module ``name`` for a test module's life (a fixture body).
+
+    ``imports``: the other ``benchmarks/`` scripts it loads under their own names (``bench_payload``),
+    taken out of ``sys.modules`` with it.
+    """
     spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
@@ -21,4 +25,5 @@ def load_bench(name: str) -> Iterator[Any]:
         spec.loader.exec_module(mod)
         yield mod
     finally:
-        sys.modules.pop(name, None)
+        for loaded in (name, *imports):
+            sys.modules.pop(loaded, None)

@@ -12,8 +12,10 @@ How the tests share code (one way each):
   fixtures. Store wrappers subclass :class:`deltasync.storage.wrapper.WrapperStore`.
 * **Fixtures** live in ``conftest.py`` files only: here the ones more than one area uses
   (``s3_server``, ``fake_hub``, ``hf_bucket``, ``hf_env``), in ``tests/<area>/conftest.py``
-  the ones only that area uses. Test modules never import a conftest, never define
-  ``pytest_plugins``, and never import fixtures.
+  the ones more than one module of that area uses; a fixture of one module stays in that
+  module. Every area has a conftest, whose docstring says what the area tests, the fixtures
+  it defines, and the root fixtures and helper modules its tests use. Test modules never
+  import a conftest, never define ``pytest_plugins``, and never import fixtures.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Shared by the materialize tests: the checks of a materialized dir and the CLI (the fixtures ``run``
-and ``config_dir`` are in ``tests/fetcher/conftest.py``)."""
+"""Shared by the materialize tests: the checks of a materialized dir and the CLI (the fixtures
+``materialize_run`` and ``config_dir`` are in ``tests/fetcher/conftest.py``)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,6 @@ Not a benchmark; it only makes CI notice when the script no longer runs against 
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -25,10 +24,7 @@ TINY = dict(hidden=64, layers=2, intermediate=128, vocab=512, heads=4, kv_heads=
 
 @pytest.fixture(scope="module")
 def bench() -> Iterator[Any]:
-    try:
-        yield from load_bench("bench_backends")
-    finally:
-        sys.modules.pop("bench_payload", None)  # imported by bench_backends
+    yield from load_bench("bench_backends", imports=("bench_payload",))
 
 
 @pytest.mark.timeout(300)

@@ -6,33 +6,20 @@ Not a benchmark; it only makes CI notice when the script no longer runs against 
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
+from bench_loader import load_bench
 from fakehub import FakeHub
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_hf.py"
-
 
 @pytest.fixture(scope="module")
 def bench() -> Iterator[Any]:
-    spec = importlib.util.spec_from_file_location("bench_hf", BENCH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    try:
-        spec.loader.exec_module(mod)
-        yield mod
-    finally:
-        sys.modules.pop(spec.name, None)
-        sys.modules.pop("bench_payload", None)
+    yield from load_bench("bench_hf", imports=("bench_payload",))
 
 
 @pytest.mark.timeout(300)

@@ -1,9 +1,23 @@
-"""Fixtures of the end-to-end tests: the trainings (once per session) and the backends they are pushed to.
+"""Fixtures of the end-to-end tests: the whole of deltasync, uploader -> store -> fetcher, on every backend.
 
-``backend`` is parametrised over every store kind (``local``, ``memory``, ``s3``: SeaweedFS on
-loopback, ``hf``: the fake Hub with the real huggingface_hub + hf_xet); a test that is about one
-backend narrows it with ``@pytest.mark.parametrize("backend", ["hf"], indirect=True)``. The S3
-server and the fake Hub start only when a test asks for that backend.
+The area covers the acceptance scenario (a tiny Qwen3 trained with AdamW, every step pushed and
+fetched bit-exactly), what the fetcher does beyond the store on a local dir, what only HF Storage
+Buckets show, and the README's Python snippet.
+
+Fixtures defined here: the trainings (once per session) and the backends they are pushed to.
+
+* ``trainings`` (session): the two trainings of the scenario, by name.
+* ``backends`` (session): the backends made so far, by name (each is made once).
+* ``backend``: parametrised over every store kind (``local``, ``memory``, ``s3``: SeaweedFS on
+  loopback, ``hf``: the fake Hub with the real huggingface_hub + hf_xet); a test that is about
+  one backend narrows it with ``@pytest.mark.parametrize("backend", ["hf"], indirect=True)``.
+  The S3 server and the fake Hub start only when a test asks for that backend.
+* ``runs``: both runs of the scenario on ``backend``, pushed once per session.
+* ``run``: one of them (parametrised).
+
+Root fixtures used: ``s3_server`` and ``fake_hub`` (through ``backend``), ``hf_bucket``,
+``hf_env``. Helper modules: ``e2e_runs`` (the scenario), ``fakehub``, ``qwen3``, ``spy_store``,
+``tensors``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,21 @@
-"""Fixtures of the fetcher tests: a small run (tiny Qwen3, steps 0..5) and an HF model dir (materialize)."""
+"""Fixtures of the fetcher tests: ``deltasync.fetcher`` (DeltaFetcher, materialize, fold, metrics).
+
+The area covers sync and its proofs of what a target holds, allocation of an empty target, corrupt
+stores, folding decoded steps, checkpoint dirs rewritten for engines (``materialize``, ``fetch
+--out``, ``follow --out``, killed at every point) and the Prometheus metrics.
+
+Fixtures defined here, both module scope, for test_materialize and test_materialize_kill:
+
+* ``materialize_run``: a tiny Qwen3 run in a local store, steps 0..5 (anchors at 0 and 3),
+  with the state of every step (``materialize_support.Run``). Named apart from the ``run``
+  fixtures of test_fetcher_alloc and test_fetcher_identity, which are other runs (a
+  MemoryStore each, of their own states and scope) and stay in their modules.
+* ``config_dir``: an HF model dir (config, tokenizer files, chat template, remote code) plus
+  files that must not be copied.
+
+No root fixture is used. Helper modules: ``materialize_support``, ``qwen3``, ``tensors``,
+``cli_process``.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +30,7 @@ import deltasync as ds
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+def materialize_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     """Steps 0..5 (anchors at 0 and 3); each later step rewrites 1% of two tensors."""
     torch = pytest.importorskip("torch")
     root = tmp_path_factory.mktemp("mat") / "run"

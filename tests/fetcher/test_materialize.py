@@ -27,8 +27,8 @@ torch = pytest.importorskip("torch")
 # ------------------------------------------------------- swap, reuse, stats
 
 
-def test_patch_steps_rewrite_only_changed_shards(run: Run, tmp_path: Path) -> None:
-    root, states = run
+def test_patch_steps_rewrite_only_changed_shards(materialize_run: Run, tmp_path: Path) -> None:
+    root, states = materialize_run
     f = ds.DeltaFetcher(ds.LocalStore(root), shard_bytes=SHARD)
     out = tmp_path / "ckpt"
     f.materialize(out, step=1)
@@ -67,9 +67,9 @@ def test_patch_steps_rewrite_only_changed_shards(run: Run, tmp_path: Path) -> No
 
 
 def test_fallback_without_exchange_warns_once(
-    run: Run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    materialize_run: Run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    root, states = run
+    root, states = materialize_run
     monkeypatch.setattr(_materialize, "exchange", lambda a, b: False)
     monkeypatch.setattr(_materialize, "_warned", set())
     f = ds.DeltaFetcher(ds.LocalStore(root), shard_bytes=SHARD)
@@ -107,9 +107,9 @@ def test_renameat2_exchange_swaps_two_dirs(tmp_path: Path, use_syscall: bool) ->
 
 
 def test_config_from_copies_non_weight_files_and_they_carry_over(
-    run: Run, tmp_path: Path, config_dir: Path, caplog: pytest.LogCaptureFixture
+    materialize_run: Run, tmp_path: Path, config_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    root, states = run
+    root, states = materialize_run
     f = ds.DeltaFetcher(ds.LocalStore(root), shard_bytes=SHARD)
     out = tmp_path / "ckpt"
     with caplog.at_level(logging.WARNING, logger="deltasync.materialize"):
@@ -136,8 +136,8 @@ def test_config_from_copies_non_weight_files_and_they_carry_over(
     assert leftovers(tmp_path) == []
 
 
-def test_config_from_must_be_a_model_dir(run: Run, tmp_path: Path, config_dir: Path) -> None:
-    root, _ = run
+def test_config_from_must_be_a_model_dir(materialize_run: Run, tmp_path: Path, config_dir: Path) -> None:
+    root, _ = materialize_run
     f = ds.DeltaFetcher(ds.LocalStore(root), shard_bytes=SHARD)
     no_config = tmp_path / "tok-only"
     no_config.mkdir()
@@ -151,11 +151,11 @@ def test_config_from_must_be_a_model_dir(run: Run, tmp_path: Path, config_dir: P
 
 
 def test_fetch_config_from_loads_with_from_pretrained(
-    run: Run, tmp_path: Path, config_dir: Path, monkeypatch: pytest.MonkeyPatch
+    materialize_run: Run, tmp_path: Path, config_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from transformers import AutoModelForCausalLM
 
-    root, states = run
+    root, states = materialize_run
     out = tmp_path / "weights"
     res = cli("fetch", "--store", str(root), "--out", str(out), "--config-from", str(config_dir), cwd=tmp_path)
     assert res.returncode == 0, res.stderr
@@ -171,8 +171,8 @@ def test_fetch_config_from_loads_with_from_pretrained(
 # ------------------------------------------------------------- stale dirs
 
 
-def test_stale_dirs_of_a_killed_run_are_cleaned_only_when_ours(run: Run, tmp_path: Path) -> None:
-    root, states = run
+def test_stale_dirs_of_a_killed_run_are_cleaned_only_when_ours(materialize_run: Run, tmp_path: Path) -> None:
+    root, states = materialize_run
     f = ds.DeltaFetcher(ds.LocalStore(root), shard_bytes=SHARD)
     out = tmp_path / "ckpt"
     f.materialize(out, step=1)
@@ -197,8 +197,8 @@ def test_stale_dirs_of_a_killed_run_are_cleaned_only_when_ours(run: Run, tmp_pat
     assert check_dir(out, states) == 2
 
 
-def test_killed_between_fallback_renames_is_put_back(run: Run, tmp_path: Path) -> None:
-    root, states = run
+def test_killed_between_fallback_renames_is_put_back(materialize_run: Run, tmp_path: Path) -> None:
+    root, states = materialize_run
     f = ds.DeltaFetcher(ds.LocalStore(root), shard_bytes=SHARD)
     out = tmp_path / "ckpt"
     f.materialize(out, step=2)
@@ -209,8 +209,8 @@ def test_killed_between_fallback_renames_is_put_back(run: Run, tmp_path: Path) -
     assert check_dir(out, states) == 4 and leftovers(tmp_path) == []
 
 
-def test_foreign_dir_is_never_replaced(run: Run, tmp_path: Path) -> None:
-    root, _ = run
+def test_foreign_dir_is_never_replaced(materialize_run: Run, tmp_path: Path) -> None:
+    root, _ = materialize_run
     out = tmp_path / "mine"
     out.mkdir()
     (out / "config.json").write_text("{}")

@@ -54,8 +54,8 @@ def _bytes_of(state: dict[str, Any]) -> dict[str, bytes]:
     return {k: v.contiguous().view(-1).view(torch.int16).numpy().tobytes() for k, v in state.items()}
 
 
-def test_a_concurrent_reader_never_sees_a_missing_or_mixed_dir(run: Run, tmp_path: Path) -> None:
-    root, states = run
+def test_a_concurrent_reader_never_sees_a_missing_or_mixed_dir(materialize_run: Run, tmp_path: Path) -> None:
+    root, states = materialize_run
     want = [_bytes_of(s) for s in states]
     f = ds.DeltaFetcher(ds.LocalStore(root), shard_bytes=SHARD)
     out = tmp_path / "ckpt"
@@ -175,10 +175,10 @@ def _finish_and_check(root: Path, out: Path, states: list[dict[str, Any]], confi
 
 
 @pytest.mark.parametrize("mode", ["exchange", "rename"])
-def test_killed_at_every_kind_of_point(run: Run, tmp_path: Path, config_dir: Path, mode: str) -> None:
+def test_killed_at_every_kind_of_point(materialize_run: Run, tmp_path: Path, config_dir: Path, mode: str) -> None:
     """SIGKILL at sampled points of the write sequence (tmp made, marker, each shard, kept files,
     config, swap, between the fallback's renames, each file of the old version removed)."""
-    root, states = run
+    root, states = materialize_run
     plan = [1, 2, 5, 4, 5]  # fresh; patch; patch chain; backwards (anchor plan); forward
     probe = tmp_path / "probe" / "ckpt"
     probe.parent.mkdir()
@@ -204,8 +204,8 @@ def test_killed_at_every_kind_of_point(run: Run, tmp_path: Path, config_dir: Pat
     assert len(kinds) >= 3, kinds
 
 
-def test_killed_at_random_times(run: Run, tmp_path: Path, config_dir: Path) -> None:
-    root, states = run
+def test_killed_at_random_times(materialize_run: Run, tmp_path: Path, config_dir: Path) -> None:
+    root, states = materialize_run
     rng = random.Random(7)
     plan = [1, 2, 3, 5, 4, 2, 5]
     for i in range(5):
@@ -221,9 +221,9 @@ def test_killed_at_random_times(run: Run, tmp_path: Path, config_dir: Path) -> N
         _finish_and_check(root, out, states, config_dir if i % 2 else None)
 
 
-def test_follow_out_killed_at_random_times(run: Run, tmp_path: Path, config_dir: Path) -> None:
+def test_follow_out_killed_at_random_times(materialize_run: Run, tmp_path: Path, config_dir: Path) -> None:
     """``deltasync follow --out`` while steps are committed one by one; SIGKILL at random times."""
-    root, states = run
+    root, states = materialize_run
     rng = random.Random(11)
     manifests = sorted(root.glob("steps/*/manifest.json"))
     for i in range(3):

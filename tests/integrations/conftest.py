@@ -1,9 +1,28 @@
-"""Fixtures of the integration tests: the vLLM venv, the tiny model and a trained run (see ``tests/vllm_harness.py``)."""
+"""Fixtures of the integration tests: ``deltasync.integrations`` (vLLM and transformers).
+
+The area covers the vLLM backend, prefetcher and EngineMirror (``integrations/vllm``), the
+transformers ``DeltaSyncCallback``, and real vLLM engines and ``vllm serve`` (marker ``vllm``,
+in their own cached venv; see ``tests/vllm_harness.py``).
+
+Fixtures defined here (all session scope except ``run_script``):
+
+* ``vllm_python``: the python of the vLLM venv with this checkout installed.
+* ``tiny_model``: a tiny random Qwen3 + tokenizer in HF layout.
+* ``trained_run``: steps 0..5 of real training of ``tiny_model``, pushed to a local store.
+* ``run_script`` (module scope): runs a script in the vLLM venv (``vllm_harness.run_vllm``) in a
+  work dir of its own per test module; returns the JSON the script wrote (test_vllm_backend,
+  test_vllm_engine).
+
+No root fixture is used. Helper modules: ``vllm_harness``, ``qwen3`` (tiny model, training steps),
+``tensors`` (bit-exact checks); ``tests/vllm_support/`` holds what runs inside the vLLM venv.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from vllm_harness import (
@@ -12,6 +31,7 @@ from vllm_harness import (
     build_tiny_model,
     build_vllm_venv,
     install_checkout,
+    run_vllm,
     train_and_push,
     venv_dir,
 )
@@ -44,4 +64,15 @@ def trained_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> T
     root = tmp_path_factory.mktemp("vllm-run")
     run = train_and_push(tiny_model, root / "store", root / "expected")
     assert run.kinds[0] == "anchor" and all(run.kinds[s] == "patch" for s in run.steps[1:]), run.kinds
+    return run
+
+
+@pytest.fixture(scope="module")
+def run_script(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict[str, Any]]:
+    """``run_script(script, params, **kw)``: ``run_vllm`` in the vLLM venv, in a scripts dir of the module's own."""
+    work = tmp_path_factory.mktemp("vllm-scripts")
+
+    def run(script: str, params: dict[str, Any], **kw: Any) -> dict[str, Any]:
+        return run_vllm(vllm_python, script, params, work, **kw)
+
     return run

@@ -32,7 +32,6 @@ from vllm_harness import (
     FRESH_SCRIPT,
     TrainedRun,
     checkpoint_dir,
-    run_vllm,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1800)]
@@ -161,14 +160,6 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def step_dirs(trained_run: TrainedRun, work: Path) -> dict[int, Path]:
     return {s: checkpoint_dir(trained_run, s, work / f"ckpt-{s}") for s in (0, LAST)}
-
-
-@pytest.fixture(scope="module")
-def run_script(vllm_python: Path, work: Path) -> Callable[..., dict[str, Any]]:
-    def run(script: str, params: dict[str, Any], **kw: Any) -> dict[str, Any]:
-        return run_vllm(vllm_python, script, params, work / "scripts", **kw)
-
-    return run
 
 
 def _store_copy(run: TrainedRun, dest: Path) -> Path:

@@ -26,7 +26,6 @@ from vllm_harness import (
     FRESH_SCRIPT,
     TrainedRun,
     checkpoint_dir,
-    run_vllm,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1800)]
@@ -113,16 +112,6 @@ STEP_A, STEP_B = 0, 4
 def engine_dirs(trained_run: TrainedRun, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     root = tmp_path_factory.mktemp("vllm-ckpt")
     return {s: checkpoint_dir(trained_run, s, root / f"step-{s}") for s in (STEP_A, STEP_B)}
-
-
-@pytest.fixture(scope="module")
-def run_script(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict[str, Any]]:
-    work = tmp_path_factory.mktemp("vllm-scripts")
-
-    def run(script: str, params: dict[str, Any], **kw: Any) -> dict[str, Any]:
-        return run_vllm(vllm_python, script, params, work, **kw)
-
-    return run
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ byte-plane coding (plus zstd framing).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -16,19 +15,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deltasync.protocol import encoding, kernels, positions, streams, values
+from deltasync.protocol import encoding, positions, streams, values
 from deltasync.protocol.dtypes import DTYPES
 from deltasync.protocol.encoding import apply_values, decode_positions, decode_values, encode_changes
 
 Bits = np.ndarray[Any, np.dtype[Any]]
 
-
-@pytest.fixture(autouse=True, scope="module", params=["numba", "numpy"])
-def _kernel_backend(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Every test here runs on the compiled kernels and on the numpy fallback."""
-    with kernels.using(request.param):
-        yield
-
+pytestmark = pytest.mark.usefixtures("kernel_backend")  # each test on the compiled kernels and on numpy
 
 SIZES = (1, 2, 3, 8, 63, 640, 4099)
 DENSITIES = ("one", 0.01, 0.5, 1.0)

@@ -9,7 +9,6 @@ frames after an upgrade; the decode tests below must keep passing regardless.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -29,11 +28,12 @@ from deltasync.protocol import (
     decode_values,
     encode_changes,
     inventory_digest,
-    kernels,
     xxh3_128,
 )
 from deltasync.protocol.encoding import apply_values
 from deltasync.protocol.safetensors_io import TensorBytes, parse_safetensors, to_bytes
+
+pytestmark = pytest.mark.usefixtures("kernel_backend")  # each test on the compiled kernels and on numpy
 
 # ----------------------------------------------------------------- the patch
 
@@ -303,13 +303,6 @@ UPLOADER_PATCH_MANIFEST = (
 UPLOADER_HEAD = (
     b'{"format_version":1,"manifest_digest":"3467c409a49a1a6ebdfa1d1aa7da1036","run_id":"golden-run","step":7}'
 )
-
-
-@pytest.fixture(autouse=True, scope="module", params=["numba", "numpy"])
-def _kernel_backend(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Every test here runs on the compiled kernels and on the numpy fallback."""
-    with kernels.using(request.param):
-        yield
 
 
 UPLOADER_CLAIM = b'{"after_step":null,"epoch":1,"format_version":1,"writer":"0123456789abcdef"}'

@@ -1,16 +1,12 @@
-"""Fixtures of the uploader tests."""
+"""The uploader tests: ``deltasync.uploader`` (DeltaUploader, its commit writes, spans, sharded push).
+
+The area covers push never waiting for the store, the bounded backlog, commit kinds and failures,
+the retry of commit writes, resume after a crash, what the uploader keeps in memory, spans, and
+sharded push from real multi-process ``torch.distributed`` groups (``tests/sharded_worker.py``).
+
+No fixture is shared by more than one module here: each module's fixtures stay in it
+(``spy_store`` in test_uploader). No root fixture is used. Helper modules: ``spy_store``
+(SpyStore), ``tensors`` (bit-exact checks).
+"""
 
 from __future__ import annotations
-
-from pathlib import Path
-
-import pytest
-from spy_store import SpyStore
-
-from deltasync import LocalStore
-
-
-@pytest.fixture
-def spy_store(tmp_path: Path) -> SpyStore:
-    """A SpyStore over a LocalStore in ``tmp_path / 'store'``."""
-    return SpyStore(LocalStore(tmp_path / "store", fsync=False))

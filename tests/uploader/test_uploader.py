@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -65,6 +66,12 @@ def wait_until(pred: Any, timeout: float = WAIT) -> bool:
             return True
         time.sleep(0.005)
     return pred()
+
+
+@pytest.fixture
+def spy_store(tmp_path: Path) -> SpyStore:
+    """A SpyStore over a LocalStore in ``tmp_path / 'store'``."""
+    return SpyStore(ds.LocalStore(tmp_path / "store", fsync=False))
 
 
 # ------------------------------------------------------------ not waiting
