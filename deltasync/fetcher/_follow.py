@@ -60,6 +60,8 @@ class Followed(Protocol):
     def latest_step(self) -> int | None: ...
 
     def current_step(self, target: Any) -> int | None: ...
+
+
 MARKER = ".deltasync.json"
 
 
