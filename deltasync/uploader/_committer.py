@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from deltasync.run.gc import RetentionWorker
     from deltasync.signal import Notifier
 
-__all__ = ["AfterCommit", "StepCommitter", "resolve_committed"]
+__all__ = ["AfterCommit", "CommitContext", "StepCommitter", "resolve_committed"]
 
 log = logging.getLogger("deltasync.uploader")
 
@@ -41,6 +41,22 @@ class AfterCommit:
     notifier: Notifier | None = None
     spans: SpanWriter | None = None
     retention: RetentionWorker | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CommitContext:
+    """What a commit stage works with, single-process (:class:`StepCommitter`) or sharded
+    (:class:`~deltasync.uploader.sharded.ShardedPush`): the store and config, the chain state it
+    records outcomes in, the writer identity (fence), the encode pool, who hears of a commit, and
+    the uploader's stop event (retry backoffs wait on it)."""
+
+    store: Store
+    config: UploaderConfig
+    chain: ChainState
+    writer: WriterIdentity
+    pool: Executor
+    after: AfterCommit
+    stop: threading.Event
 
 
 def resolve_committed(job: StepJob, committed: Committed, seconds: float, *, skipped: bool = True) -> None:
@@ -59,66 +75,50 @@ def resolve_committed(job: StepJob, committed: Committed, seconds: float, *, ski
 class StepCommitter:
     """Writes a step on the commit stage of a single-process uploader."""
 
-    def __init__(
-        self,
-        store: Store,
-        config: UploaderConfig,
-        *,
-        chain: ChainState,
-        writer: WriterIdentity,
-        pool: Executor,
-        after: AfterCommit,
-        stop: threading.Event,
-    ) -> None:
-        self.store = store
-        self.config = config
-        self.chain = chain
-        self.writer = writer
-        self.pool = pool
-        self.after = after
-        self.stop = stop
+    def __init__(self, ctx: CommitContext) -> None:
+        self.ctx = ctx
 
     def commit(self, job: StepJob) -> None:
         """Write one step and resolve its Futures (a failure goes to them, never raised)."""
-        cfg = self.config
+        cfg = self.ctx.config
         t0 = time.perf_counter()
         try:
-            if job.kind == "patch" and self.chain.failed:
+            if job.kind == "patch" and self.ctx.chain.failed:
                 raise CommitFailed(
                     f"step {job.step}: its parent step was not committed; the next push will be an anchor"
                 )
             if job.error is not None or (cfg.tensor_digests and len(job.digests) != len(job.inventory)):
                 raise CommitFailed(f"step {job.step}: diffing or hashing the state failed: {job.error}")
-            last = self.chain.last_committed
+            last = self.ctx.chain.last_committed
             committed = write_step(
-                self.store,
+                self.ctx.store,
                 job,
-                run_id=self.writer.run_id,
+                run_id=self.ctx.writer.run_id,
                 parent=last,
                 anchor_step=last.manifest.anchor_step if last else job.step,
                 shard_bytes=cfg.shard_bytes,
-                pool=self.pool,
+                pool=self.ctx.pool,
                 signing_key=cfg.signing_key,
-                writer=self.writer.writer,
-                fence=self.writer.check_fence,
+                writer=self.ctx.writer.writer,
+                fence=self.ctx.writer.check_fence,
                 retry=RetryPolicy(cfg.retries, cfg.retry_backoff),
-                stop=self.stop,
+                stop=self.ctx.stop,
             )
         except Exception as exc:  # noqa: BLE001 - re-raised into the futures
             log.error("commit of step %d failed: %s", job.step, exc)
             err = exc if isinstance(exc, CommitFailed) else CommitFailed(f"step {job.step}: commit failed: {exc}")
             if err is not exc:
                 err.__cause__ = exc
-            self.chain.failed_step(job.futures, err)
+            self.ctx.chain.failed_step(job.futures, err)
             return
         m = committed.manifest
-        self.chain.committed(committed, len(job.futures))
-        if self.after.notifier is not None:
-            self.after.notifier.notify(m.step, committed.digest, run_id=self.writer.run_id, kind=m.kind)
-        if self.after.spans is not None:
-            self.after.spans.submit(committed, job.changes if m.kind == "patch" else None)
+        self.ctx.chain.committed(committed, len(job.futures))
+        if self.ctx.after.notifier is not None:
+            self.ctx.after.notifier.notify(m.step, committed.digest, run_id=self.ctx.writer.run_id, kind=m.kind)
+        if self.ctx.after.spans is not None:
+            self.ctx.after.spans.submit(committed, job.changes if m.kind == "patch" else None)
         # the job stays referenced until the next push (coalescing): let go of its arrays now
         job.changes, job.snapshot, job.staged = {}, {}, {}
-        if m.kind == "anchor" and self.after.retention is not None:
-            self.after.retention.trigger()
+        if m.kind == "anchor" and self.ctx.after.retention is not None:
+            self.ctx.after.retention.trigger()
         resolve_committed(job, committed, time.perf_counter() - t0)

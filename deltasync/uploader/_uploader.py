@@ -25,7 +25,7 @@ from deltasync.run import RunReader
 from deltasync.run.gc import RetentionWorker
 from deltasync.storage import Store, open_store
 from deltasync.uploader._chain import ChainState
-from deltasync.uploader._committer import AfterCommit, StepCommitter
+from deltasync.uploader._committer import AfterCommit, CommitContext, StepCommitter
 from deltasync.uploader._config import CommitInfo, UploaderConfig
 from deltasync.uploader._diff import inventory_of
 from deltasync.uploader._dtypes import warn_dtype_change
@@ -73,13 +73,15 @@ class DeltaUploader:
         self._sharded: ShardedPush | None = None
         if sharded_wanted(cfg):
             self._sharded = ShardedPush(
-                self.store,
-                cfg,
-                chain=self._chain,
-                writer=self._writer,
-                pool=self._pool,
-                after=self._after,
-                stop=self._stop,
+                CommitContext(
+                    self.store,
+                    cfg,
+                    chain=self._chain,
+                    writer=self._writer,
+                    pool=self._pool,
+                    after=self._after,
+                    stop=self._stop,
+                )
             )
         rank0 = self._sharded is None or self._sharded.rank == 0  # only rank 0 commits and signals
         self.notifier: Notifier | None = None  # counts sent / failed signals
@@ -124,13 +126,15 @@ class DeltaUploader:
 
     def _single_committer(self) -> StepCommitter:
         return StepCommitter(
-            self.store,
-            self.config,
-            chain=self._chain,
-            writer=self._writer,
-            pool=self._pool,
-            after=self._after,
-            stop=self._stop,
+            CommitContext(
+                self.store,
+                self.config,
+                chain=self._chain,
+                writer=self._writer,
+                pool=self._pool,
+                after=self._after,
+                stop=self._stop,
+            )
         )
 
     # ------------------------------------------------------------ identity

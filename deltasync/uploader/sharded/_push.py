@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import logging
 import sys
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor, Future
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -29,13 +28,10 @@ import numpy as np
 from deltasync._retry import RetryPolicy
 from deltasync.errors import CommitFailed, ProtocolError, WriterFenced
 from deltasync.protocol import Committed, TensorInfo, inventory_digest
-from deltasync.storage import Store
-from deltasync.uploader._chain import ChainState
 from deltasync.uploader._commit import StepJob
-from deltasync.uploader._committer import AfterCommit, resolve_committed
+from deltasync.uploader._committer import CommitContext, resolve_committed
 from deltasync.uploader._config import CommitInfo, UploaderConfig
 from deltasync.uploader._diff import TensorChange, diff_tensor
-from deltasync.uploader._writer import WriterIdentity
 from deltasync.uploader.sharded._channel import RankChannel
 from deltasync.uploader.sharded._dtensor import local_shards
 from deltasync.uploader.sharded._owner import OwnerCopies, RankReport, commit_on_rank0, write_rank_files
@@ -93,27 +89,12 @@ class ShardedJob(StepJob):
 class ShardedPush:
     """The per-rank engine. Constructing it is a collective (it creates a gloo group)."""
 
-    def __init__(
-        self,
-        store: Store,
-        config: UploaderConfig,
-        *,
-        chain: ChainState,
-        writer: WriterIdentity,
-        pool: Executor,
-        after: AfterCommit,
-        stop: threading.Event,
-    ) -> None:
-        self.store = store
-        self.config = config
-        self.chain = chain
-        self.writer = writer
-        self.pool = pool
-        self.after = after  # rank 0 only: a notifier and retention (no spans in a sharded push)
-        self.stop = stop
-        self.channel = RankChannel(config.distributed_timeout)
+    def __init__(self, ctx: CommitContext) -> None:
+        self.ctx = ctx  # ctx.after: rank 0 only: a notifier and retention (no spans in a sharded push)
+        self.channel = RankChannel(ctx.config.distributed_timeout)
         self.rank, self.world = self.channel.rank, self.channel.world
         # rank 0's view of the run is everyone's
+        writer, chain = ctx.writer, ctx.chain
         run_id, committed, last_step = self.channel.broadcast((writer.run_id, chain.last_committed, chain.last_step))
         writer.adopt(run_id, writer.writer_id, writer.epoch)
         chain.set_view(committed, last_step)
@@ -144,10 +125,10 @@ class ShardedPush:
 
     def push(self, state: Any, step: int, enqueue: Callable[[StepJob], None]) -> Future[CommitInfo]:
         """Diff this rank's shards against its baseline and ``enqueue`` the step (see DeltaUploader.push)."""
-        self.chain.wait_until_idle()  # one step in flight: the previous outcome is known here on every rank
+        self.ctx.chain.wait_until_idle()  # one step in flight: the previous outcome is known here on every rank
         if self.broken is not None:
             raise CommitFailed(self.broken)
-        self.chain.raise_if_fenced()
+        self.ctx.chain.raise_if_fenced()
         job = ShardedJob(step, "patch", ())
         try:
             self._snapshot(job, state)
@@ -159,12 +140,12 @@ class ShardedPush:
         fut: Future[CommitInfo] = Future()
         fut.set_running_or_notify_cancel()
         job.futures.append((step, fut))
-        self.chain.pushed(step)
+        self.ctx.chain.pushed(step)
         enqueue(job)
         return fut
 
     def _snapshot(self, job: ShardedJob, state: Any) -> None:
-        cfg = self.config
+        cfg = self.ctx.config
         bits, boxes_in, infos = local_shards(state, cfg.cast_dtype)
         inventory = tuple(infos)
         if inventory != self.inventory:
@@ -178,9 +159,9 @@ class ShardedPush:
                     boxes[info.name] = Box.whole(info.shape)
             elif b.numel:
                 boxes[info.name] = b
-        rebuild = self.chain.needs_anchor or inventory != self.inventory or boxes != self.boxes
+        rebuild = self.ctx.chain.needs_anchor or inventory != self.inventory or boxes != self.boxes
         job.inventory, job.total = inventory, sum(t.numel for t in inventory)
-        anchor_due = self.chain.anchor_due(cfg.anchor_every, cfg.anchor_bytes_fraction)
+        anchor_due = self.ctx.chain.anchor_due(cfg.anchor_every, cfg.anchor_bytes_fraction)
         job.kind = "anchor" if rebuild or anchor_due else "patch"
         job.rebuild = rebuild
         self.inventory = inventory
@@ -228,11 +209,11 @@ class ShardedPush:
         self._resolve(job, outcome, t0)
 
     def _commit_collective(self, job: ShardedJob) -> _Outcome:
-        cfg, writer = self.config, self.writer
+        cfg, writer = self.ctx.config, self.ctx.writer
         err = None if job.error is None else f"{type(job.error).__name__}: {job.error}"
         if self.rank == 0 and not writer.epoch and err is None:
             try:
-                last = self.chain.last_committed
+                last = self.ctx.chain.last_committed
                 writer.claim_after(last.manifest.step if last else None)
             except Exception as exc:  # noqa: BLE001 - fails the step on every rank
                 err = f"claiming the writer epoch: {exc}"
@@ -248,7 +229,7 @@ class ShardedPush:
             if job.kind == "anchor" and self.plan is None:
                 self.plan = anchor_plan(job.inventory, self.owners, self.world, cfg.shard_bytes)
             report = write_rank_files(
-                self.store,
+                self.ctx.store,
                 job,
                 rank=self.rank,
                 world=self.world,
@@ -256,10 +237,10 @@ class ShardedPush:
                 changes=changes,
                 plan=self.plan,
                 shard_bytes=cfg.shard_bytes,
-                pool=self.pool,
+                pool=self.ctx.pool,
                 policy=self._policy,
                 tensor_digests=cfg.tensor_digests,
-                stop=self.stop,
+                stop=self.ctx.stop,
             )
         except _Collective:
             raise
@@ -272,16 +253,16 @@ class ShardedPush:
             assert reports is not None
             try:
                 committed = commit_on_rank0(
-                    self.store,
+                    self.ctx.store,
                     job,
                     reports,
                     run_id=writer.run_id,
-                    parent=self.chain.last_committed,
+                    parent=self.ctx.chain.last_committed,
                     writer=writer.writer,
                     signing_key=cfg.signing_key,
                     policy=self._policy,
                     fence=writer.check_fence,
-                    stop=self.stop,
+                    stop=self.ctx.stop,
                 )
                 outcome = _Outcome(committed, None, writer=(writer.writer_id, writer.epoch))
             except Exception as exc:  # noqa: BLE001 - broadcast to every rank
@@ -292,7 +273,7 @@ class ShardedPush:
 
     @property
     def _policy(self) -> RetryPolicy:
-        return RetryPolicy(self.config.retries, self.config.retry_backoff)
+        return RetryPolicy(self.ctx.config.retries, self.ctx.config.retry_backoff)
 
     def _to_owners(self, job: ShardedJob, rebuild: bool) -> dict[str, TensorChange]:
         """Move this step's data to the owners: whole shards when rebuilding, else sparse changes."""
@@ -363,16 +344,16 @@ class ShardedPush:
         if c is None:
             err = (WriterFenced if outcome.fenced else CommitFailed)(outcome.error or f"step {job.step} failed")
             self.copies.clear()
-            self.chain.failed_step(job.futures, err)
+            self.ctx.chain.failed_step(job.futures, err)
             return
         m = c.manifest
         if self.rank != 0:
-            self.writer.adopt(self.writer.run_id, *outcome.writer)
-        self.chain.committed(c, len(job.futures), count_pushes=True)
-        if self.rank == 0 and self.after.notifier is not None:
-            self.after.notifier.notify(m.step, c.digest, run_id=self.writer.run_id, kind=m.kind)
-        if m.kind == "anchor" and self.after.retention is not None:  # rank 0 only (keep_anchors)
-            self.after.retention.trigger()
+            self.ctx.writer.adopt(self.ctx.writer.run_id, *outcome.writer)
+        self.ctx.chain.committed(c, len(job.futures), count_pushes=True)
+        if self.rank == 0 and self.ctx.after.notifier is not None:
+            self.ctx.after.notifier.notify(m.step, c.digest, run_id=self.ctx.writer.run_id, kind=m.kind)
+        if m.kind == "anchor" and self.ctx.after.retention is not None:  # rank 0 only (keep_anchors)
+            self.ctx.after.retention.trigger()
         resolve_committed(job, c, time.perf_counter() - t0, skipped=False)
 
 
