@@ -329,8 +329,8 @@ class ShardedPush:
         if steps:
             chain.skip_to(max(steps))  # every rank refuses the same step numbers from now on
         problem = _disagreement(headers)
-        if problem is not None:
-            return _Outcome(None, f"step {job.pushed}: {problem}")
+        if problem is not None:  # named by the highest step pushed: the same text on every rank
+            return _Outcome(None, f"step {max(steps) if steps else job.pushed}: {problem}")
         if job.resume:
             return _Outcome(chain.last_committed, None, resumed=True)
         job.kind = "anchor" if any(h.kind == "anchor" for h in headers) else "patch"
