@@ -463,3 +463,32 @@ def vllm_server(python: Path, model: Path, log_path: Path, *, tp: int = 1) -> It
             os.killpg(server.pid, signal.SIGKILL)
         server.wait()
         log.close()
+
+
+def publish_step(src: Path, dst: Path, step: int) -> None:
+    """Copy step ``step``'s objects from a finished run's store into a live one, manifest last (a commit).
+    The first call also copies what is not per-step (writer claims), never ``HEAD.json``."""
+    import shutil
+
+    tag = f"{step:012d}"
+    if not (dst / "writers").exists():
+        for path in src.rglob("*"):
+            rel = path.relative_to(src)
+            per_step = any(p.isdigit() and len(p) == 12 for p in rel.parts)
+            if path.is_file() and not per_step and path.name != "HEAD.json":
+                (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(path, dst / rel)
+    manifests = []
+    for path in sorted(src.rglob("*")):
+        rel = path.relative_to(src)
+        if path.is_file() and tag in rel.parts:
+            if path.name == "manifest.json":
+                manifests.append(rel)
+                continue
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, dst / rel)
+    for rel in manifests:
+        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst / rel.with_name(".manifest.tmp")
+        shutil.copy2(src / rel, tmp)
+        os.replace(tmp, dst / rel)
