@@ -9,49 +9,19 @@ for every step, and a step is reported committed exactly when its manifest is in
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from rank_group import run_ranks
 
 pytest.importorskip("torch")
 
-ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parents[1] / "sharded_faults_worker.py"
 
 
 def _run(world: int, scenario: str, run_dir: Path, *, killed: tuple[int, ...] = ()) -> list[dict[str, Any]]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    env["GLOO_SOCKET_IFNAME"] = "lo"  # the ranks talk over the loopback interface only
-    env.setdefault("OMP_NUM_THREADS", "1")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(r), str(world), str(run_dir), scenario],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=400)
-            logs.append(out)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for r, p in enumerate(procs):
-        want = -9 if r in killed else 0
-        assert p.returncode == want, f"rank {r} exited with {p.returncode}:\n{logs[r][-6000:]}"
-    return [json.loads((run_dir / f"rank{r}.json").read_text()) for r in range(world) if r not in killed]
+    return run_ranks(WORKER, world, scenario, run_dir, killed=killed)
 
 
 def _committed_steps(store: Path) -> set[int]:

@@ -10,51 +10,23 @@ global positions) and the device diff path are tested in-process below.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from rank_group import run_ranks
 
 from deltasync.protocol import TensorInfo
 from deltasync.uploader.sharded._shardmap import Box, anchor_plan, owner_map, patch_file_names, to_global, write_box
 
 torch = pytest.importorskip("torch")
 
-ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parents[1] / "sharded_worker.py"
 
 
 def _run(world: int, scenario: str, run_dir: Path) -> list[dict[str, Any]]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    env["GLOO_SOCKET_IFNAME"] = "lo"  # the ranks talk over the loopback interface only
-    env.setdefault("OMP_NUM_THREADS", "1")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(r), str(world), str(run_dir), scenario],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=240)
-            logs.append(out)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} exited with {p.returncode}:\n{logs[r][-4000:]}"
-    return [json.loads((run_dir / f"rank{r}.json").read_text()) for r in range(world)]
+    return run_ranks(WORKER, world, scenario, run_dir, timeout=240)
 
 
 def _check_anchor_files(store_dir: Path, step: int) -> None:
