@@ -198,7 +198,8 @@ def _console(run: DemoRun, print_: Callable[[str], None], url: str | None) -> Ca
         last_text: str | None = None
         summarized = -1  # the episode whose end was printed
         while not stop.wait(0.5):
-            episode, finished = run.episode, run.finished.is_set()
+            ep = run.current  # one read: this run's number and its finished flag together
+            episode, finished = ep.number, ep.finished.is_set()
             s = run.board.snapshot()
             a = s["applied"]
             if a is not None and a.get("text") != last_text:
@@ -266,7 +267,7 @@ def run_demo(
             with contextlib.suppress(Exception):
                 webbrowser.open(url)
         if exit_when_done:
-            run.finished.wait()
+            run.current.finished.wait()
             _close_streams(app)
             server.should_exit = True
 
@@ -276,12 +277,13 @@ def run_demo(
     finally:
         stop_console()
         store.close()
-    if run.finished.is_set():
+    ep = run.current  # stopped: the last run
+    if ep.finished.is_set():
         if exit_when_done:
             for line in end_of_run_lines(run.board.snapshot(), None):
                 print_(line)
-        ok = "bit-exact with the trainer's" if run.bit_exact else "NOT bit-exact with the trainer's"
+        ok = "bit-exact with the trainer's" if ep.bit_exact else "NOT bit-exact with the trainer's"
         print_(f"done: the inference copy holds step {run.board.applied_step}, {ok}")
-    if run.board.error and run.bit_exact is None and exit_when_done:
+    if run.board.error and ep.bit_exact is None and exit_when_done:
         return 1
-    return 0 if run.bit_exact is not False else 1
+    return 0 if ep.bit_exact is not False else 1

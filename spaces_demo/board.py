@@ -79,22 +79,25 @@ class LiveBoard:
     def snapshot(self) -> dict[str, Any]:
         """Everything the page needs to draw itself from scratch."""
         with self._lock:
-            return {
-                **self._info,
-                "seq": self._seq,
-                "now": self._clock(),
-                "started": self.started,
-                "status": self._status,
-                "error": self._error,
-                "trainer": self._trainer,
-                "head": self._staleness.head,
-                "applied": self._applied,
-                "staleness": self._staleness_locked(),
-                "commits": list(self._commits),
-                "generations": list(self._generations),
-                "applied_steps": list(self._applied_steps),
-                "lag": list(self._lag),
-            }
+            return self._snapshot_locked()
+
+    def _snapshot_locked(self) -> dict[str, Any]:
+        return {
+            **self._info,
+            "seq": self._seq,
+            "now": self._clock(),
+            "started": self.started,
+            "status": self._status,
+            "error": self._error,
+            "trainer": self._trainer,
+            "head": self._staleness.head,
+            "applied": self._applied,
+            "staleness": self._staleness_locked(),
+            "commits": list(self._commits),
+            "generations": list(self._generations),
+            "applied_steps": list(self._applied_steps),
+            "lag": list(self._lag),
+        }
 
     @property
     def applied_step(self) -> int | None:
@@ -162,8 +165,10 @@ class LiveBoard:
             "seconds": st.seconds,
         }
 
-    def reset(self) -> None:
-        """Forget the run (a new one starts); every page gets a fresh snapshot."""
+    def reset(self, **info: Any) -> None:
+        """Forget the run (a new one starts) and set the new run's ``info`` (its number...) in
+        the same step, so that no snapshot shows the new run's facts with the old run's state;
+        every page gets a fresh snapshot."""
         with self._lock:
             self._commits.clear()
             self._generations.clear()
@@ -171,14 +176,12 @@ class LiveBoard:
             self._applied_steps.clear()
             self._staleness.forget()
             self._trainer = self._applied = self._error = None
-            self._info.update(bit_exact=None)
+            self._info.update(bit_exact=None, **info)
             self._status = "starting"
             self._seq += 1
-            event = {"type": "snapshot", "seq": self._seq, "now": self._clock(), "data": None}
-        snap = self.snapshot()
-        with self._lock:
+            event = {"type": "snapshot", "seq": self._seq, "now": self._clock(), "data": self._snapshot_locked()}
             for s in self._subs:
-                s.put({**event, "data": snap})
+                s.put(event)
 
     def set_status(self, status: str) -> None:
         """A one-word state for the header (waiting, training, following, done...)."""
