@@ -152,6 +152,8 @@ class Episode:
     bit_exact: bool | None = None
     #: the trainer's last step and its bf16 weights, for the follower's comparison
     final: tuple[int, dict[str, Any]] | None = None
+    #: the page's snapshot as the run ended (set before ``finished``): what the terminal summarizes
+    result: dict[str, Any] | None = None
 
 
 class DemoRun:
@@ -196,6 +198,8 @@ class DemoRun:
         self._threads: list[threading.Thread] = []
         self._loop_stop = threading.Event()
         self._loop_thread: threading.Thread | None = None
+        self._ending = threading.Lock()
+        self._on_run_end: list[Callable[[Episode], None]] = []
         #: the run in progress (or the last one); replaced as a whole by :meth:`restart`
         self.current = self._new_episode(0)
         self.board.set_info(signal=self._signal_source(self.current))
@@ -219,6 +223,24 @@ class DemoRun:
     def bit_exact(self) -> bool | None:
         """Whether the current run ended bit-exact (None until the follower compared)."""
         return self.current.bit_exact
+
+    def on_run_end(self, fn: Callable[[Episode], None]) -> None:
+        """Call ``fn(episode)`` once for every run that ends (compared bit for bit, or failed), with
+        its ``result`` set, from the thread that ended it; register before :meth:`start`. Unlike a
+        reader polling :attr:`current`, it cannot miss a run that the loop replaced quickly."""
+        self._on_run_end.append(fn)
+
+    def _end_run(self, ep: Episode) -> None:
+        with self._ending:  # a failing trainer and the follower may both end the run
+            if ep.finished.is_set():
+                return
+            ep.result = self.board.snapshot()
+            ep.finished.set()
+        for fn in self._on_run_end:
+            try:
+                fn(ep)
+            except Exception:  # noqa: BLE001 - a listener's bug must not stop the run's threads
+                log.exception("a run-end listener failed")
 
     def listen_to(self, url: str, token: str | None, source: str) -> None:
         """Make the follower listen to the signal server at ``url`` (SSE), described as ``source``."""
@@ -343,7 +365,7 @@ class DemoRun:
                 log.exception("%s failed", threading.current_thread().name)
                 self.board.set_error(f"{threading.current_thread().name}: {type(exc).__name__}: {exc}")
                 self.board.set_status("failed")
-                ep.finished.set()
+                self._end_run(ep)
 
         return run
 
@@ -426,7 +448,7 @@ class DemoRun:
         )
         self.board.set_info(bit_exact=ep.bit_exact)
         self.board.set_status("done" if ep.bit_exact else "MISMATCH")
-        ep.finished.set()
+        self._end_run(ep)
 
     # -------------------------------------------------------------- follower
 
