@@ -203,7 +203,9 @@ def _console(run: DemoRun, print_: Callable[[str], None], url: str | None) -> Ca
 
     def loop() -> None:
         last_text: str | None = None
-        while not stop.wait(0.5):
+        stopping = False
+        while not stopping:
+            stopping = stop.wait(0.5)  # a last round once stopped: a summary queued meanwhile is printed
             s = run.board.snapshot()
             a = s["applied"]
             if a is not None and a.get("text") != last_text:
@@ -223,7 +225,12 @@ def _console(run: DemoRun, print_: Callable[[str], None], url: str | None) -> Ca
 
     t = threading.Thread(target=loop, name="demo-console", daemon=True)
     t.start()
-    return stop.set
+
+    def stopper() -> None:
+        stop.set()
+        t.join(5.0)
+
+    return stopper
 
 
 def _close_streams(app: FastAPI) -> None:

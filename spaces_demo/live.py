@@ -90,6 +90,12 @@ MAX_NEW_MANIFESTS = 64  # a follower far behind reads only the newest manifests 
 #: reconnects to the signal server: 0.2 s, doubling, at most 5 s apart
 RECONNECT = RetryPolicy(retries=0, backoff=0.2, max_backoff=5.0)
 STEP_THROUGH = 16  # up to this many new steps are applied one by one (exact per-step heatmap), more are jumped
+#: while the signal stream is up, the follower still checks the store this often (a lost signal)
+SIGNAL_STORE_CHECK_S = 5.0
+#: a signal stream that failed this many times releases the trainer (the follower polls meanwhile)
+LISTEN_LOST = 3
+#: how long a run's trainer waits for its follower to listen before its first commit (then trains anyway)
+LISTEN_WAIT_S = 15.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,12 +154,21 @@ class Episode:
     finished: threading.Event = field(default_factory=threading.Event)
     #: set once the trainer is done and handed over its last weights (``final``)
     trainer_done: threading.Event = field(default_factory=threading.Event)
+    #: set once the follower listens: its signal stream is up (or keeps failing: it polls), or its
+    #: first store poll is done when there is no signal server; the trainer's first commit waits for it
+    listening: threading.Event = field(default_factory=threading.Event)
     #: the follower's copy equals the trainer's last weights bit for bit (None until compared)
     bit_exact: bool | None = None
     #: the trainer's last step and its bf16 weights, for the follower's comparison
     final: tuple[int, dict[str, Any]] | None = None
     #: the page's snapshot as the run ended (set before ``finished``): what the terminal summarizes
     result: dict[str, Any] | None = None
+
+    def end(self) -> None:
+        """Tell this run's threads to end, and release every wait of theirs."""
+        self.stop.set()
+        self.signal.close()
+        self.listening.set()
 
 
 class DemoRun:
@@ -180,6 +195,8 @@ class DemoRun:
                 "groups": [],
                 "bit_exact": None,
                 "episode": 0,
+                # the signal server the follower listens to (None: in-process callbacks + store polling)
+                "signal_server": None,
                 # the anchor rules the page explains (null in follower mode: the trainer elsewhere decides)
                 "uploader": {"anchor_every": options.anchor_every, "anchor_bytes_fraction": ANCHOR_BYTES_FRACTION}
                 if options.train
@@ -245,7 +262,7 @@ class DemoRun:
     def listen_to(self, url: str, token: str | None, source: str) -> None:
         """Make the follower listen to the signal server at ``url`` (SSE), described as ``source``."""
         self.listen_url, self.listen_token, self.listen_source = url, token, source
-        self.board.set_info(signal=source)
+        self.board.set_info(signal=source, signal_server=url)
 
     def _signal_run(self, episode: int) -> str:
         return self.options.signal_run or f"demo-{episode}"
@@ -289,9 +306,7 @@ class DemoRun:
             t.start()
 
     def _stop_threads(self, timeout: float) -> None:
-        ep = self.current
-        ep.stop.set()
-        ep.signal.close()
+        self.current.end()
         for t in self._threads:
             t.join(timeout)
 
@@ -365,6 +380,7 @@ class DemoRun:
                 log.exception("%s failed", threading.current_thread().name)
                 self.board.set_error(f"{threading.current_thread().name}: {type(exc).__name__}: {exc}")
                 self.board.set_status("failed")
+                ep.listening.set()  # a failed follower keeps no trainer waiting
                 self._end_run(ep)
 
         return run
@@ -381,6 +397,21 @@ class DemoRun:
         self.store.put(DEMO_KEY, json.dumps({"model": opts.model, "prompt": PROMPT}).encode())
         self.board.set_status("training")
 
+        # the follower listens before the first commit, so the page shows how every step reaches it
+        if not ep.listening.wait(LISTEN_WAIT_S):
+            log.warning("the follower is not listening after %g s; training anyway (it polls the store)", LISTEN_WAIT_S)
+        # anchors on a fixed cadence (plus whenever the patches since the last one add up to a
+        # full checkpoint, which happens early on, when Adam still moves most weights)
+        up = DeltaUploader(
+            self.store,
+            anchor_every=opts.anchor_every,
+            anchor_bytes_fraction=ANCHOR_BYTES_FRACTION,
+            cast_dtype=torch.bfloat16,
+            signal_url=self.publish_url,
+            signal_token=self.publish_token,
+            signal_run=self._signal_run(ep.number),
+        )
+
         def on_commit(fut: Future[CommitInfo]) -> None:
             try:
                 info = fut.result()
@@ -389,19 +420,9 @@ class DemoRun:
                 return
             if info.kind != "skipped":
                 ep.signal.notify(info.step)
-            self.board.trainer_update(committed=info.committed_step, last_kind=info.kind)
+            self.board.trainer_update(committed=info.committed_step, last_kind=info.kind, signals=_signals(up))
 
-        # anchors on a fixed cadence (plus whenever the patches since the last one add up to a
-        # full checkpoint, which happens early on, when Adam still moves most weights)
-        with DeltaUploader(
-            self.store,
-            anchor_every=opts.anchor_every,
-            anchor_bytes_fraction=ANCHOR_BYTES_FRACTION,
-            cast_dtype=torch.bfloat16,
-            signal_url=self.publish_url,
-            signal_token=self.publish_token,
-            signal_run=self._signal_run(ep.number),
-        ) as up:
+        with up:
             last = up.last_committed_step
             first = 0 if last is None else last + 1
             loss_v: float | None = None
@@ -422,7 +443,8 @@ class DemoRun:
                 self.board.trainer_step(step, loss=loss_v, lr=opts.lr, train_ms=1000 * (t1 - t0), push_ms=push_ms)
                 fut.add_done_callback(on_commit)
                 ep.stop.wait(max(0.0, opts.step_interval - (time.perf_counter() - t0)))
-        self.board.trainer_update(done=True)
+        # closed: the notifier sent what it had, so these counts are final
+        self.board.trainer_update(done=True, signals=_signals(up))
         self._final_check(ep, model)
 
     def _final_check(self, ep: Episode, model: Any) -> None:
@@ -461,6 +483,7 @@ class DemoRun:
         groups: list[tuple[str, list[str]]] = []
         seen: int | None = None
         last_tick = 0.0
+        lost = 0  # signal streams that failed (the page's own server is not up yet at the first try)
         if not opts.train:
             self.board.set_status("waiting for a trainer")
 
@@ -479,7 +502,10 @@ class DemoRun:
             run=self._signal_run(ep.number),
             heartbeat=1.0,
             poll_interval=opts.poll_interval,
-            store_check_interval=opts.poll_interval,
+            # with a signal server its stream is the fast path; the store is checked now and then in
+            # case a signal was lost (polling at poll_interval while the stream is up would find most
+            # steps before their signal is read, and the page could not tell a working stream apart)
+            store_check_interval=SIGNAL_STORE_CHECK_S if self.listen_url else opts.poll_interval,
             reconnect=RECONNECT,
             stop=ep.stop,
             # the uploader's Future callbacks (in-process) cut the pause between polls short
@@ -492,6 +518,11 @@ class DemoRun:
                 if time.monotonic() - last_tick >= 1.0:
                     self.board.tick()
                     last_tick = time.monotonic()
+                lost += observed.kind == "lost"
+                if not ep.listening.is_set() and (
+                    self.listen_url is None or observed.kind in ("signal", "heartbeat") or lost >= LISTEN_LOST
+                ):
+                    ep.listening.set()  # the first poll is done, the stream is up, or it keeps failing
                 self._maybe_finish(ep, infer, seen)
                 if observed.step is None or (seen is not None and observed.step <= seen):
                     continue  # a heartbeat, a lost stream, or nothing new
@@ -541,7 +572,11 @@ class DemoRun:
                     t1 = time.perf_counter()
                     text = greedy(infer, toy.tokenizer)
                     gen_ms = 1000 * (time.perf_counter() - t1)
-                    self.board.applied(target, sync_ms=sync_ms, gen_ms=gen_ms, text=text, verified=True, steps=len(new))
+                    # the true path of these steps: announced by the signal server, or found by a store poll
+                    via = "signal" if observed.kind == "signal" else "store"
+                    self.board.applied(
+                        target, sync_ms=sync_ms, gen_ms=gen_ms, text=text, verified=True, steps=len(new), via=via
+                    )
                     self.board.set_error(None)
                     if self.board.trainer is None or not self.board.trainer.get("done"):
                         self.board.set_status("training" if opts.train else "following")
@@ -550,6 +585,7 @@ class DemoRun:
                     log.warning("sync failed: %s", exc)
                     self.board.set_error(f"{type(exc).__name__}: {exc}")
         finally:
+            ep.listening.set()  # a follower that ended (or failed) keeps no trainer waiting
             watcher.close()
 
     def _inference_copy(self) -> tuple[Any, Any]:
@@ -564,3 +600,11 @@ class DemoRun:
             log.warning("%s in %s is not valid JSON; using --model %s", DEMO_KEY, self.store.url, name)
         # a different seed than the trainer: everything it holds comes from the store
         return build_model(name, seed=self.options.seed + 1, dtype=torch.bfloat16)
+
+
+def _signals(up: DeltaUploader) -> dict[str, int] | None:
+    """What became of the uploader's commit signals (None without a signal server)."""
+    n = up.notifier
+    if n is None:
+        return None
+    return {"sent": n.sent, "refused": n.rejected, "failed": n.failed, "superseded": n.superseded}

@@ -230,6 +230,8 @@ def test_self_contained_run_ends_bit_exact_and_reports_every_commit() -> None:
     assert isinstance(snap["applied"]["text"], str) and snap["generations"]
     assert snap["trainer"]["done"] is True and snap["trainer"]["step"] == 12
     assert snap["staleness"]["steps"] == 0
+    # no signal server here: every step was found by a store poll (woken by the uploader's callbacks)
+    assert snap["signal_server"] is None and snap["paths"] == {"signal": 0, "store": len(steps)}
     assert json.loads(store.get(DEMO_KEY))["model"] == "tiny"
     assert snap["model"]["params"] == sum(c["total"] for c in snap["commits"][:1])
 
