@@ -11,7 +11,9 @@ For each builder (BuildKit and the classic one, ``DOCKER_BUILDKIT=0``) it builds
 the user is uid 1000 and the CMD is the demo on 7860; the app dir holds no build/ or *.egg-info; torch
 is the CPU build; the s3 and hf store extras import and open; the image's CMD (host/port moved to
 127.0.0.1 and a free port) serves the page, its JSON state and SSE stream, and trains a few steps
-into ./deltasync-demo (owned by uid 1000). Then, on a SeaweedFS server on 127.0.0.1 (needs the
+into ./deltasync-demo (owned by uid 1000); the same CMD with the loop on (a short run, 2 s between
+runs instead of the Space's 30) trains two runs in a row, and in each one the in-process signal
+server accepts every commit signal and announces steps to the follower. Then, on a SeaweedFS server on 127.0.0.1 (needs the
 ``test`` extra), one container trains into ``s3://`` and a second follows it through
 ``DELTASYNC_DEMO_FOLLOW``. Prints the figures (image size, build time, time to first page) and
 writes them as JSON with ``--report``.
@@ -27,6 +29,7 @@ import functools
 import http.server
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -331,6 +334,52 @@ def check_demo(docker: str, tag: str, steps: int) -> dict[str, Any]:
     return {"first_page_s": round(first_page, 1), "commits_seen": len(state["commits"]), "applied_step": applied}
 
 
+#: the terminal's end-of-run line about the signal path (spaces_demo/summary.py, signal_path_line)
+SIGNAL_PATH = re.compile(
+    r"^new steps via the signal server: (\d+), via store polling: (\d+); "
+    r"the trainer's signals: (\d+) sent, (\d+) refused, (\d+) failed$",
+    re.MULTILINE,
+)
+LOOP_ARGS = ["--model", "tiny", "--steps", "12", "--step-interval", "0.05"]
+
+
+def check_loop_runs(base: str, logs: Any, runs: int = 2, steps: int = 12) -> dict[str, Any]:
+    """Over ``runs`` loop runs of the demo at ``base`` (``logs()``: its output so far): every commit
+    signal accepted and steps announced by the signal server to the follower, in each run."""
+    wait_for(f"{base}: {runs} runs ended", lambda: len(SIGNAL_PATH.findall(logs())) >= runs, 300)
+    out = logs()
+    lines = SIGNAL_PATH.findall(out)[:runs]
+    via_signal = []
+    for i, (signal, polled, sent, refused, failed) in enumerate(lines):
+        if int(refused) or int(failed) or not int(sent):
+            raise CheckFailed(f"run {i}: the trainer's signals: {sent} sent, {refused} refused, {failed} failed")
+        if not int(signal):
+            raise CheckFailed(f"run {i}: no step reached the follower via the signal server ({polled} by polling)")
+        status, body = get(f"{base}/signal/v1/runs/demo-{i}/head")
+        head = json.loads(body) if status == 200 else {}
+        if head.get("step") != steps:
+            raise CheckFailed(f"run {i}: the signal server's head of demo-{i} is {status} {body[:200]!r}")
+        via_signal.append(int(signal))
+    if "signal for step" in out:  # the uploader's "signal for step N refused/not delivered" warnings
+        raise CheckFailed("a commit signal was refused or lost: " + out[out.index("signal for step") :][:300])
+    return {"loop_runs": len(lines), "loop_steps_via_signal": via_signal}
+
+
+def check_demo_loop(docker: str, tag: str) -> dict[str, Any]:
+    """The image's CMD with the loop on and a short run: the signal path holds in each of two runs."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    with container(docker, tag, [*moved(CMD, port), *LOOP_ARGS], {"DELTASYNC_DEMO_LOOP": "2"}) as name:
+
+        def logs() -> str:
+            r = subprocess.run([docker, "logs", name], capture_output=True, text=True, timeout=60)
+            return r.stdout + r.stderr
+
+        figures = check_loop_runs(base, logs)
+    log(f"{tag}: {figures['loop_runs']} loop runs, steps via the signal server: {figures['loop_steps_via_signal']}")
+    return figures
+
+
 def check_follow_s3(docker: str, tag: str, steps: int) -> dict[str, Any]:
     """One container trains into s3:// (SeaweedFS on 127.0.0.1), a second follows it via DELTASYNC_DEMO_FOLLOW."""
     sys.path.insert(0, str(ROOT))
@@ -384,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
                 info = check_image(docker, tag)
                 figures[builder] = {"build_s": round(seconds), "size_mb": round(info["size_bytes"] / 1e6)}
                 figures[builder].update(check_demo(docker, tag, args.steps))
+                figures[builder].update(check_demo_loop(docker, tag))
                 if not args.skip_follow and builder == builders[0]:
                     figures[builder].update(check_follow_s3(docker, tag, args.steps))
             finally:

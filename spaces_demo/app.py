@@ -13,6 +13,7 @@ import errno
 import json
 import logging
 import os
+import queue
 import socket
 import sys
 import threading
@@ -29,7 +30,7 @@ from fastapi.staticfiles import StaticFiles
 
 from deltasync.errors import DemoError, StorageError
 from deltasync.storage import Store, open_store
-from spaces_demo.live import DemoOptions, DemoRun, prepare_demo_store
+from spaces_demo.live import DemoOptions, DemoRun, Episode, prepare_demo_store
 from spaces_demo.summary import end_of_run_lines
 
 __all__ = ["connect_signal", "create_app", "prepare_store", "run_demo"]
@@ -191,14 +192,20 @@ def _can_open_browser() -> bool:
 
 def _console(run: DemoRun, print_: Callable[[str], None], url: str | None) -> Callable[[], None]:
     """Print one line per change of the inference copy's answer, and a summary when a run ends
-    (``url``: where the page is still served, None with --exit-when-done); returns a stopper."""
+    (``url``: where the page is still served, None with --exit-when-done); returns a stopper.
+
+    Call it before the run starts: every run's end is queued (:meth:`DemoRun.on_run_end`), so a
+    summary is printed for each run, even one that ``--loop`` replaced between two ticks."""
     stop = threading.Event()
+    ended: queue.Queue[Episode] = queue.Queue()
+    if url is not None:
+        run.on_run_end(ended.put)
 
     def loop() -> None:
         last_text: str | None = None
-        summarized = -1  # the episode whose end was printed
-        while not stop.wait(0.5):
-            episode, finished = run.episode, run.finished.is_set()
+        stopping = False
+        while not stopping:
+            stopping = stop.wait(0.5)  # a last round once stopped: a summary queued meanwhile is printed
             s = run.board.snapshot()
             a = s["applied"]
             if a is not None and a.get("text") != last_text:
@@ -208,14 +215,22 @@ def _console(run: DemoRun, print_: Callable[[str], None], url: str | None) -> Ca
                     f"step {a['step']:>4}  applied in {a['sync_ms']:.1f} ms  (lag {lag['steps']} steps)  "
                     f"inference copy answers {last_text!r}"
                 )
-            if url is not None and finished and summarized != episode and s.get("episode", episode) == episode:
-                summarized = episode
-                for line in end_of_run_lines(s, url, loop=run.options.loop):
+            while url is not None:
+                try:
+                    ep = ended.get_nowait()
+                except queue.Empty:
+                    break
+                for line in end_of_run_lines(ep.result or s, url, loop=run.options.loop):
                     print_(line)
 
     t = threading.Thread(target=loop, name="demo-console", daemon=True)
     t.start()
-    return stop.set
+
+    def stopper() -> None:
+        stop.set()
+        t.join(5.0)
+
+    return stopper
 
 
 def _close_streams(app: FastAPI) -> None:
@@ -266,7 +281,7 @@ def run_demo(
             with contextlib.suppress(Exception):
                 webbrowser.open(url)
         if exit_when_done:
-            run.finished.wait()
+            run.current.finished.wait()
             _close_streams(app)
             server.should_exit = True
 
@@ -276,12 +291,13 @@ def run_demo(
     finally:
         stop_console()
         store.close()
-    if run.finished.is_set():
+    ep = run.current  # stopped: the last run
+    if ep.finished.is_set():
         if exit_when_done:
-            for line in end_of_run_lines(run.board.snapshot(), None):
+            for line in end_of_run_lines(ep.result or run.board.snapshot(), None):
                 print_(line)
-        ok = "bit-exact with the trainer's" if run.bit_exact else "NOT bit-exact with the trainer's"
+        ok = "bit-exact with the trainer's" if ep.bit_exact else "NOT bit-exact with the trainer's"
         print_(f"done: the inference copy holds step {run.board.applied_step}, {ok}")
-    if run.board.error and run.bit_exact is None and exit_when_done:
+    if run.board.error and ep.bit_exact is None and exit_when_done:
         return 1
-    return 0 if run.bit_exact is not False else 1
+    return 0 if ep.bit_exact is not False else 1

@@ -63,6 +63,9 @@ class LiveBoard:
         self._generations: deque[dict[str, Any]] = deque(maxlen=MAX_GENERATIONS)
         self._lag: deque[dict[str, Any]] = deque(maxlen=MAX_LAG_POINTS)
         self._applied_steps: deque[int] = deque(maxlen=MAX_COMMITS)
+        # how the applied steps reached the follower: "signal" (the signal server announced them)
+        # or "store" (a store poll found them first)
+        self._paths: dict[str, int] = {"signal": 0, "store": 0}
         # committed head, step held, and when each step not held yet was produced or first seen;
         # the demo's runs start at step 0, so a copy holding nothing is head + 1 steps behind
         self._staleness = StalenessTracker(first_step=0)
@@ -79,22 +82,26 @@ class LiveBoard:
     def snapshot(self) -> dict[str, Any]:
         """Everything the page needs to draw itself from scratch."""
         with self._lock:
-            return {
-                **self._info,
-                "seq": self._seq,
-                "now": self._clock(),
-                "started": self.started,
-                "status": self._status,
-                "error": self._error,
-                "trainer": self._trainer,
-                "head": self._staleness.head,
-                "applied": self._applied,
-                "staleness": self._staleness_locked(),
-                "commits": list(self._commits),
-                "generations": list(self._generations),
-                "applied_steps": list(self._applied_steps),
-                "lag": list(self._lag),
-            }
+            return self._snapshot_locked()
+
+    def _snapshot_locked(self) -> dict[str, Any]:
+        return {
+            **self._info,
+            "seq": self._seq,
+            "now": self._clock(),
+            "started": self.started,
+            "status": self._status,
+            "error": self._error,
+            "trainer": self._trainer,
+            "head": self._staleness.head,
+            "applied": self._applied,
+            "staleness": self._staleness_locked(),
+            "commits": list(self._commits),
+            "generations": list(self._generations),
+            "applied_steps": list(self._applied_steps),
+            "lag": list(self._lag),
+            "paths": dict(self._paths),
+        }
 
     @property
     def applied_step(self) -> int | None:
@@ -162,23 +169,24 @@ class LiveBoard:
             "seconds": st.seconds,
         }
 
-    def reset(self) -> None:
-        """Forget the run (a new one starts); every page gets a fresh snapshot."""
+    def reset(self, **info: Any) -> None:
+        """Forget the run (a new one starts) and set the new run's ``info`` (its number...) in
+        the same step, so that no snapshot shows the new run's facts with the old run's state;
+        every page gets a fresh snapshot."""
         with self._lock:
             self._commits.clear()
             self._generations.clear()
             self._lag.clear()
             self._applied_steps.clear()
+            self._paths = dict.fromkeys(self._paths, 0)
             self._staleness.forget()
             self._trainer = self._applied = self._error = None
-            self._info.update(bit_exact=None)
+            self._info.update(bit_exact=None, **info)
             self._status = "starting"
             self._seq += 1
-            event = {"type": "snapshot", "seq": self._seq, "now": self._clock(), "data": None}
-        snap = self.snapshot()
-        with self._lock:
+            event = {"type": "snapshot", "seq": self._seq, "now": self._clock(), "data": self._snapshot_locked()}
             for s in self._subs:
-                s.put({**event, "data": snap})
+                s.put(event)
 
     def set_status(self, status: str) -> None:
         """A one-word state for the header (waiting, training, following, done...)."""
@@ -233,8 +241,12 @@ class LiveBoard:
             self._emit_locked("commit", commit)
 
     def applied(self, step: int, **data: Any) -> None:
-        """The inference copy now holds ``step``; ``data`` carries text, sync time..."""
+        """The inference copy now holds ``step``; ``data`` carries text, sync time, and ``via``:
+        how the ``steps`` it applied reached it ("signal" or "store"), counted in ``paths``."""
         with self._lock:
+            via = data.get("via")
+            if via is not None:
+                self._paths[via] = self._paths.get(via, 0) + int(data.get("steps", 1))
             now = self._clock()
             produced = self._staleness.time_of(step)
             self._applied = {"step": step, "t": now, "latency": None if produced is None else now - produced, **data}
@@ -244,7 +256,9 @@ class LiveBoard:
             text = data.get("text")
             if text is not None and (not self._generations or self._generations[-1]["text"] != text):
                 self._generations.append({"step": step, "t": now, "text": text})
-            self._emit_locked("applied", {**self._applied, "staleness": self._staleness_locked()})
+            self._emit_locked(
+                "applied", {**self._applied, "staleness": self._staleness_locked(), "paths": dict(self._paths)}
+            )
             self._tick_locked()
 
     def tick(self) -> None:

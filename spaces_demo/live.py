@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from deltasync._retry import RetryPolicy
@@ -43,6 +43,7 @@ __all__ = [
     "DEMO_MARKER",
     "DemoOptions",
     "DemoRun",
+    "Episode",
     "StepSignal",
     "bit_snapshot",
     "layer_change",
@@ -89,6 +90,12 @@ MAX_NEW_MANIFESTS = 64  # a follower far behind reads only the newest manifests 
 #: reconnects to the signal server: 0.2 s, doubling, at most 5 s apart
 RECONNECT = RetryPolicy(retries=0, backoff=0.2, max_backoff=5.0)
 STEP_THROUGH = 16  # up to this many new steps are applied one by one (exact per-step heatmap), more are jumped
+#: while the signal stream is up, the follower still checks the store this often (a lost signal)
+SIGNAL_STORE_CHECK_S = 5.0
+#: a signal stream that failed this many times releases the trainer (the follower polls meanwhile)
+LISTEN_LOST = 3
+#: how long a run's trainer waits for its follower to listen before its first commit (then trains anyway)
+LISTEN_WAIT_S = 15.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,14 +135,54 @@ class DemoOptions:
 # -------------------------------------------------------------------- run
 
 
-class DemoRun:
-    """Owns the trainer and follower threads; ``start()`` then ``stop()``."""
+@dataclass(eq=False)
+class Episode:
+    """One training run of the demo (``--loop`` starts the next one): its number, its own events
+    and its result.
 
-    def __init__(self, store: Store, options: DemoOptions) -> None:
+    :meth:`DemoRun.restart` builds the next episode whole and publishes it with one assignment
+    to :attr:`DemoRun.current`, so whoever reads ``run.current`` once gets one run's number,
+    events and result together, never one run's number with the previous run's ``finished``.
+    """
+
+    number: int
+    #: the in-process wake-up of this run's follower (the uploader's Future callbacks)
+    signal: StepSignal
+    #: tells this run's threads to end
+    stop: threading.Event = field(default_factory=threading.Event)
+    #: set once the follower holds the trainer's last step and compared it (or a thread failed)
+    finished: threading.Event = field(default_factory=threading.Event)
+    #: set once the trainer is done and handed over its last weights (``final``)
+    trainer_done: threading.Event = field(default_factory=threading.Event)
+    #: set once the follower listens: its signal stream is up (or keeps failing: it polls), or its
+    #: first store poll is done when there is no signal server; the trainer's first commit waits for it
+    listening: threading.Event = field(default_factory=threading.Event)
+    #: the follower's copy equals the trainer's last weights bit for bit (None until compared)
+    bit_exact: bool | None = None
+    #: the trainer's last step and its bf16 weights, for the follower's comparison
+    final: tuple[int, dict[str, Any]] | None = None
+    #: the page's snapshot as the run ended (set before ``finished``): what the terminal summarizes
+    result: dict[str, Any] | None = None
+
+    def end(self) -> None:
+        """Tell this run's threads to end, and release every wait of theirs."""
+        self.stop.set()
+        self.signal.close()
+        self.listening.set()
+
+
+class DemoRun:
+    """Owns the trainer and follower threads; ``start()`` then ``stop()``.
+
+    runs: with ``--loop``, stop looping after this many training runs (None: until stopped).
+    """
+
+    def __init__(self, store: Store, options: DemoOptions, *, runs: int | None = None) -> None:
         import torch
 
         self.store = store
         self.options = options
+        self.runs = runs
         self._torch = torch
         self.board = LiveBoard(
             {
@@ -147,13 +194,15 @@ class DemoRun:
                 "model": None,
                 "groups": [],
                 "bit_exact": None,
+                "episode": 0,
+                # the signal server the follower listens to (None: in-process callbacks + store polling)
+                "signal_server": None,
                 # the anchor rules the page explains (null in follower mode: the trainer elsewhere decides)
                 "uploader": {"anchor_every": options.anchor_every, "anchor_bytes_fraction": ANCHOR_BYTES_FRACTION}
                 if options.train
                 else None,
             }
         )
-        self.episode = 0
         # set by spaces_demo.app.connect_signal: where the trainer publishes its commits
         self.publish_url: str | None = None
         self.publish_token: str | None = None
@@ -166,33 +215,71 @@ class DemoRun:
         self._threads: list[threading.Thread] = []
         self._loop_stop = threading.Event()
         self._loop_thread: threading.Thread | None = None
-        self._new_episode()
+        self._ending = threading.Lock()
+        self._on_run_end: list[Callable[[Episode], None]] = []
+        #: the run in progress (or the last one); replaced as a whole by :meth:`restart`
+        self.current = self._new_episode(0)
+        self.board.set_info(signal=self._signal_source(self.current))
 
     @property
     def closed(self) -> bool:
         """True once :meth:`stop` ran."""
         return self._closed
 
+    @property
+    def episode(self) -> int:
+        """The current run's number (0 for the first; ``--loop`` counts up)."""
+        return self.current.number
+
+    @property
+    def finished(self) -> threading.Event:
+        """The current run's ``finished`` event (read ``current`` once to pair it with its number)."""
+        return self.current.finished
+
+    @property
+    def bit_exact(self) -> bool | None:
+        """Whether the current run ended bit-exact (None until the follower compared)."""
+        return self.current.bit_exact
+
+    def on_run_end(self, fn: Callable[[Episode], None]) -> None:
+        """Call ``fn(episode)`` once for every run that ends (compared bit for bit, or failed), with
+        its ``result`` set, from the thread that ended it; register before :meth:`start`. Unlike a
+        reader polling :attr:`current`, it cannot miss a run that the loop replaced quickly."""
+        self._on_run_end.append(fn)
+
+    def _end_run(self, ep: Episode) -> None:
+        with self._ending:  # a failing trainer and the follower may both end the run
+            if ep.finished.is_set():
+                return
+            ep.result = self.board.snapshot()
+            ep.finished.set()
+        for fn in self._on_run_end:
+            try:
+                fn(ep)
+            except Exception:  # noqa: BLE001 - a listener's bug must not stop the run's threads
+                log.exception("a run-end listener failed")
+
     def listen_to(self, url: str, token: str | None, source: str) -> None:
         """Make the follower listen to the signal server at ``url`` (SSE), described as ``source``."""
         self.listen_url, self.listen_token, self.listen_source = url, token, source
-        self.board.set_info(signal=source)
+        self.board.set_info(signal=source, signal_server=url)
+
+    def _signal_run(self, episode: int) -> str:
+        return self.options.signal_run or f"demo-{episode}"
 
     @property
     def signal_run(self) -> str:
         """The run name at the signal server: given, or one per episode (a new run restarts at step 0)."""
-        return self.options.signal_run or f"demo-{self.episode}"
+        return self._signal_run(self.current.number)
 
-    def _new_episode(self) -> None:
+    def _signal_source(self, ep: Episode) -> str:
+        return self.listen_source or ep.signal.source
+
+    def _new_episode(self, number: int) -> Episode:
         # in-process: the uploader's Future callbacks notify it (see _train); plus store polling
-        self.signal = StepSignal()
-        self.signal.source = "in-process uploader callbacks + store polling" if self.options.train else "store polling"
-        self.board.set_info(signal=self.listen_source or self.signal.source, episode=self.episode)
-        self._stop = threading.Event()
-        self.finished = threading.Event()
-        self.bit_exact: bool | None = None
-        self._trainer_done = threading.Event()
-        self._final: tuple[int, dict[str, Any]] | None = None
+        signal = StepSignal()
+        signal.source = "in-process uploader callbacks + store polling" if self.options.train else "store polling"
+        return Episode(number, signal)
 
     # --------------------------------------------------------------- control
 
@@ -201,24 +288,45 @@ class DemoRun:
         with self._lock:
             if self._threads or self._closed:
                 raise RuntimeError("DemoRun already started")
-            self._start_threads()
+            self._start_threads(self.current)
             if self.options.loop:
                 self._loop_thread = threading.Thread(target=self._loop, name="demo-loop", daemon=True)
                 self._loop_thread.start()
 
-    def _start_threads(self) -> None:
+    def _start_threads(self, ep: Episode) -> None:
         self._threads = []
         if self.options.train:
-            self._threads.append(threading.Thread(target=self._guard(self._train), name="demo-trainer", daemon=True))
-        self._threads.append(threading.Thread(target=self._guard(self._follow), name="demo-follower", daemon=True))
+            self._threads.append(
+                threading.Thread(target=self._guard(ep, lambda: self._train(ep)), name="demo-trainer", daemon=True)
+            )
+        self._threads.append(
+            threading.Thread(target=self._guard(ep, lambda: self._follow(ep)), name="demo-follower", daemon=True)
+        )
         for t in self._threads:
             t.start()
 
     def _stop_threads(self, timeout: float) -> None:
-        self._stop.set()
-        self.signal.close()
+        self.current.end()
         for t in self._threads:
             t.join(timeout)
+
+    def _join_stopped_threads(self, timeout: float) -> bool:
+        """Wait until the stopped run's threads have ended (however long that takes on a busy
+        machine: a thread of the old run must never write over the new run's page); False when
+        the demo is being stopped meanwhile."""
+        started = time.monotonic()
+        warned = False
+        for t in self._threads:
+            while True:
+                t.join(0.25)
+                if not t.is_alive():
+                    break
+                if self._loop_stop.is_set():
+                    return False
+                if not warned and time.monotonic() - started > timeout:
+                    log.warning("the last run's %s has not ended after %g s; still waiting for it", t.name, timeout)
+                    warned = True
+        return True
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop every thread and end the pages' streams."""
@@ -231,21 +339,30 @@ class DemoRun:
         self.board.close()
 
     def restart(self, timeout: float = 30.0) -> None:
-        """Train again from a fresh model in an emptied store (``--loop``); pages get a new snapshot."""
+        """Train again from a fresh model in an emptied store (``--loop``); pages get a new snapshot.
+
+        The last run's threads end first; then the store is emptied, the page reset to the new
+        run's number and the new :class:`Episode` published, before its threads start."""
         with self._lock:
             if self._closed:
                 return
-            self._stop_threads(timeout)
+            self._stop_threads(0.0)
+            if not self._join_stopped_threads(timeout):
+                return  # stop() is under way
             prepare_demo_store(self.store)  # empties a store the demo created; refuses any other
-            self.episode += 1
-            self.board.reset()
-            self._new_episode()
-            self._start_threads()
+            ep = self._new_episode(self.current.number + 1)
+            # one step for the page: no snapshot shows the new run's number with the old run's state
+            self.board.reset(episode=ep.number, signal=self._signal_source(ep))
+            self.current = ep
+            self._start_threads(ep)
 
     def _loop(self) -> None:
         while not self._loop_stop.is_set():
-            if not self.finished.wait(0.5):
+            ep = self.current
+            if not ep.finished.wait(0.5):
                 continue
+            if self.runs is not None and ep.number + 1 >= self.runs:
+                return
             if self._loop_stop.wait(self.options.loop):
                 return
             try:
@@ -255,7 +372,7 @@ class DemoRun:
                 self.board.set_error(f"restart failed: {type(exc).__name__}: {exc}")
                 return
 
-    def _guard(self, fn: Callable[[], None]) -> Callable[[], None]:
+    def _guard(self, ep: Episode, fn: Callable[[], None]) -> Callable[[], None]:
         def run() -> None:
             try:
                 fn()
@@ -263,21 +380,37 @@ class DemoRun:
                 log.exception("%s failed", threading.current_thread().name)
                 self.board.set_error(f"{threading.current_thread().name}: {type(exc).__name__}: {exc}")
                 self.board.set_status("failed")
-                self.finished.set()
+                ep.listening.set()  # a failed follower keeps no trainer waiting
+                self._end_run(ep)
 
         return run
 
     # --------------------------------------------------------------- trainer
 
-    def _train(self) -> None:
+    def _train(self, ep: Episode) -> None:
         torch = self._torch
         opts = self.options
-        toy, model = build_model(opts.model, seed=opts.seed + self.episode)
+        toy, model = build_model(opts.model, seed=opts.seed + ep.number)
         model.train()
         ids, mask, labels = training_batch(toy.tokenizer)
         opt = torch.optim.AdamW(model.parameters(), lr=opts.lr, weight_decay=0.0)
         self.store.put(DEMO_KEY, json.dumps({"model": opts.model, "prompt": PROMPT}).encode())
         self.board.set_status("training")
+
+        # the follower listens before the first commit, so the page shows how every step reaches it
+        if not ep.listening.wait(LISTEN_WAIT_S):
+            log.warning("the follower is not listening after %g s; training anyway (it polls the store)", LISTEN_WAIT_S)
+        # anchors on a fixed cadence (plus whenever the patches since the last one add up to a
+        # full checkpoint, which happens early on, when Adam still moves most weights)
+        up = DeltaUploader(
+            self.store,
+            anchor_every=opts.anchor_every,
+            anchor_bytes_fraction=ANCHOR_BYTES_FRACTION,
+            cast_dtype=torch.bfloat16,
+            signal_url=self.publish_url,
+            signal_token=self.publish_token,
+            signal_run=self._signal_run(ep.number),
+        )
 
         def on_commit(fut: Future[CommitInfo]) -> None:
             try:
@@ -286,25 +419,15 @@ class DemoRun:
                 self.board.set_error(f"commit failed: {exc}")
                 return
             if info.kind != "skipped":
-                self.signal.notify(info.step)
-            self.board.trainer_update(committed=info.committed_step, last_kind=info.kind)
+                ep.signal.notify(info.step)
+            self.board.trainer_update(committed=info.committed_step, last_kind=info.kind, signals=_signals(up))
 
-        # anchors on a fixed cadence (plus whenever the patches since the last one add up to a
-        # full checkpoint, which happens early on, when Adam still moves most weights)
-        with DeltaUploader(
-            self.store,
-            anchor_every=opts.anchor_every,
-            anchor_bytes_fraction=ANCHOR_BYTES_FRACTION,
-            cast_dtype=torch.bfloat16,
-            signal_url=self.publish_url,
-            signal_token=self.publish_token,
-            signal_run=self.signal_run,
-        ) as up:
+        with up:
             last = up.last_committed_step
             first = 0 if last is None else last + 1
             loss_v: float | None = None
             for i in range(opts.steps + 1):
-                if self._stop.is_set():
+                if ep.stop.is_set():
                     break
                 t0 = time.perf_counter()
                 step = first + i
@@ -319,38 +442,39 @@ class DemoRun:
                 push_ms = 1000 * (time.perf_counter() - t1)
                 self.board.trainer_step(step, loss=loss_v, lr=opts.lr, train_ms=1000 * (t1 - t0), push_ms=push_ms)
                 fut.add_done_callback(on_commit)
-                self._stop.wait(max(0.0, opts.step_interval - (time.perf_counter() - t0)))
-        self.board.trainer_update(done=True)
-        self._final_check(model)
+                ep.stop.wait(max(0.0, opts.step_interval - (time.perf_counter() - t0)))
+        # closed: the notifier sent what it had, so these counts are final
+        self.board.trainer_update(done=True, signals=_signals(up))
+        self._final_check(ep, model)
 
-    def _final_check(self, model: Any) -> None:
+    def _final_check(self, ep: Episode, model: Any) -> None:
         """Hand the follower the trainer's last weights, to compare once it holds that step."""
         torch = self._torch
         last = self.board.trainer
         if last is not None and last.get("step") is not None:
             state = {k: v.detach().to(torch.bfloat16).clone() for k, v in model.state_dict().items()}
-            self._final = (int(last["step"]), state)
-        self._trainer_done.set()
+            ep.final = (int(last["step"]), state)
+        ep.trainer_done.set()
 
-    def _maybe_finish(self, infer: Any, seen: int | None) -> None:
-        if self.finished.is_set() or not self._trainer_done.is_set():
+    def _maybe_finish(self, ep: Episode, infer: Any, seen: int | None) -> None:
+        if ep.finished.is_set() or not ep.trainer_done.is_set():
             return
-        final = self._final
+        final = ep.final
         if final is None or infer is None or seen != final[0]:
             return
         torch = self._torch
         got = infer.state_dict()
         want = final[1]
-        self.bit_exact = sorted(got) == sorted(want) and all(
+        ep.bit_exact = sorted(got) == sorted(want) and all(
             torch.equal(got[k].view(torch.int16), want[k].view(torch.int16)) for k in want
         )
-        self.board.set_info(bit_exact=self.bit_exact)
-        self.board.set_status("done" if self.bit_exact else "MISMATCH")
-        self.finished.set()
+        self.board.set_info(bit_exact=ep.bit_exact)
+        self.board.set_status("done" if ep.bit_exact else "MISMATCH")
+        self._end_run(ep)
 
     # -------------------------------------------------------------- follower
 
-    def _follow(self) -> None:
+    def _follow(self, ep: Episode) -> None:
         opts = self.options
         fetcher = DeltaFetcher(self.store, verify=True)
         reader = fetcher.reader
@@ -359,6 +483,7 @@ class DemoRun:
         groups: list[tuple[str, list[str]]] = []
         seen: int | None = None
         last_tick = 0.0
+        lost = 0  # signal streams that failed (the page's own server is not up yet at the first try)
         if not opts.train:
             self.board.set_status("waiting for a trainer")
 
@@ -374,23 +499,31 @@ class DemoRun:
             latest,
             signal_url=self.listen_url,
             token=self.listen_token,
-            run=self.signal_run,
+            run=self._signal_run(ep.number),
             heartbeat=1.0,
             poll_interval=opts.poll_interval,
-            store_check_interval=opts.poll_interval,
+            # with a signal server its stream is the fast path; the store is checked now and then in
+            # case a signal was lost (polling at poll_interval while the stream is up would find most
+            # steps before their signal is read, and the page could not tell a working stream apart)
+            store_check_interval=SIGNAL_STORE_CHECK_S if self.listen_url else opts.poll_interval,
             reconnect=RECONNECT,
-            stop=self._stop,
+            stop=ep.stop,
             # the uploader's Future callbacks (in-process) cut the pause between polls short
-            wait=lambda seconds: self.signal.wait(seen, seconds),
+            wait=lambda seconds: ep.signal.wait(seen, seconds),
         )
         try:
             for observed in watcher.watch(resume=lambda: seen):  # noqa: B023 - the step held at each connect
-                if self._stop.is_set():
+                if ep.stop.is_set():
                     break
                 if time.monotonic() - last_tick >= 1.0:
                     self.board.tick()
                     last_tick = time.monotonic()
-                self._maybe_finish(infer, seen)
+                lost += observed.kind == "lost"
+                if not ep.listening.is_set() and (
+                    self.listen_url is None or observed.kind in ("signal", "heartbeat") or lost >= LISTEN_LOST
+                ):
+                    ep.listening.set()  # the first poll is done, the stream is up, or it keeps failing
+                self._maybe_finish(ep, infer, seen)
                 if observed.step is None or (seen is not None and observed.step <= seen):
                     continue  # a heartbeat, a lost stream, or nothing new
                 try:
@@ -439,7 +572,11 @@ class DemoRun:
                     t1 = time.perf_counter()
                     text = greedy(infer, toy.tokenizer)
                     gen_ms = 1000 * (time.perf_counter() - t1)
-                    self.board.applied(target, sync_ms=sync_ms, gen_ms=gen_ms, text=text, verified=True, steps=len(new))
+                    # the true path of these steps: announced by the signal server, or found by a store poll
+                    via = "signal" if observed.kind == "signal" else "store"
+                    self.board.applied(
+                        target, sync_ms=sync_ms, gen_ms=gen_ms, text=text, verified=True, steps=len(new), via=via
+                    )
                     self.board.set_error(None)
                     if self.board.trainer is None or not self.board.trainer.get("done"):
                         self.board.set_status("training" if opts.train else "following")
@@ -448,6 +585,7 @@ class DemoRun:
                     log.warning("sync failed: %s", exc)
                     self.board.set_error(f"{type(exc).__name__}: {exc}")
         finally:
+            ep.listening.set()  # a follower that ended (or failed) keeps no trainer waiting
             watcher.close()
 
     def _inference_copy(self) -> tuple[Any, Any]:
@@ -462,3 +600,11 @@ class DemoRun:
             log.warning("%s in %s is not valid JSON; using --model %s", DEMO_KEY, self.store.url, name)
         # a different seed than the trainer: everything it holds comes from the store
         return build_model(name, seed=self.options.seed + 1, dtype=torch.bfloat16)
+
+
+def _signals(up: DeltaUploader) -> dict[str, int] | None:
+    """What became of the uploader's commit signals (None without a signal server)."""
+    n = up.notifier
+    if n is None:
+        return None
+    return {"sent": n.sent, "refused": n.rejected, "failed": n.failed, "superseded": n.superseded}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["CostSplit", "cost_split", "end_of_run_lines"]
+__all__ = ["CostSplit", "cost_split", "end_of_run_lines", "signal_path_line"]
 
 
 def _fmt_bytes(n: float) -> str:
@@ -66,7 +66,22 @@ def end_of_run_lines(snapshot: dict[str, Any], url: str | None, *, loop: float =
         f"{c.patches} patches {_fmt_bytes(c.patch_bytes)} (vs {_fmt_bytes(c.full_bytes)} as full checkpoints, "
         f"{full_x:.1f}x less)",
     ]
+    if snapshot.get("signal_server"):
+        lines.append(signal_path_line(snapshot))
     if url is not None:
         again = f"; a new run starts in {loop:g} s" if loop else ""
         lines.append(f"still serving {url}{again} (Ctrl-C to stop)")
     return lines
+
+
+def signal_path_line(snapshot: dict[str, Any]) -> str:
+    """How the run's steps reached the inference copy (the page's line under the title), and what
+    became of the trainer's commit signals, when a signal server is in the loop."""
+    paths = snapshot.get("paths") or {}
+    line = f"new steps via the signal server: {paths.get('signal', 0)}, via store polling: {paths.get('store', 0)}"
+    signals = (snapshot.get("trainer") or {}).get("signals")
+    if signals:
+        line += (
+            f"; the trainer's signals: {signals['sent']} sent, {signals['refused']} refused, {signals['failed']} failed"
+        )
+    return line

@@ -3,7 +3,10 @@
 Every reader of a run goes through it: the fetcher, ``follow``, ``inspect``, the
 demo, the signal server's store check and ``DeltaUploader.resume``. Manifests
 and writer claims are immutable, so both are cached for the reader's life, and
-a refresh lists only keys that sort after the newest one already seen. What it
+a refresh lists only keys that sort after the newest one already seen. A store
+that is emptied and written again under a long-lived reader (the demo's
+``--loop``) breaks that promise: :meth:`RunReader.revalidate` notices it for a
+step (one read) and starts the reader over. What it
 costs, in store round trips (a ``get_many`` batch counts once):
 
 * a reader that already knows the run, seeing one new step: one listing of
@@ -89,10 +92,13 @@ class RunReader:
         self.store = store
         self.signing_key = signing_key
         self.use_spans = spans
-        # span manifests read so far, by (from, to); None: unreadable or distrusted (never used again)
-        self._spans: dict[tuple[int, int], Committed | None] = {}
         self._lock = threading.RLock()
         self.max_cached = max_cached
+        self._forget_all()
+
+    def _forget_all(self) -> None:
+        # span manifests read so far, by (from, to); None: unreadable or distrusted (never used again)
+        self._spans: dict[tuple[int, int], Committed | None] = {}
         self._manifests: OrderedDict[int, Committed] = OrderedDict()
         self._steps: set[int] = set()
         # the listing is complete for steps >= _floor (None: never listed)
@@ -162,6 +168,44 @@ class RunReader:
         while len(self._manifests) > self.max_cached:
             self._manifests.popitem(last=False)  # least recently used; read again if needed
         return c
+
+    def revalidate(self, step: int) -> bool:
+        """Whether the manifest cached for ``step`` is still the one the store holds.
+
+        Manifests are written once, so a cached one stays true, unless the store was emptied
+        and written again under this reader (``deltasync demo --loop`` does that: the same
+        steps with other content). This reads ``step``'s manifest again (one read; none when
+        nothing is cached for it, which is then True). When the store's manifest has another
+        digest, no longer parses, or is gone, the store was rewritten: everything this reader
+        cached is dropped, as if it were new (keeping the manifest just read), and the answer
+        is False. An unreadable store raises its StorageError and drops nothing.
+        """
+        with self._lock:
+            cached = self._manifests.get(step)
+            if cached is None:
+                return True
+            fresh: Committed | None = None
+            try:
+                body = self.store.get(manifest_key(step))
+            except ObjectNotFound:
+                body = None
+            if body is not None:
+                try:
+                    fresh = self._parse(step, body)
+                except DeltaSyncError:
+                    fresh = None  # not valid any more: committed() raises why, once asked
+            if fresh is not None and fresh.digest == cached.digest:
+                return True
+            self._forget_all()
+            if fresh is not None:
+                self._remember(step, fresh)
+                self._steps.add(step)
+            return False
+
+    def reset(self) -> None:
+        """Forget everything cached (steps, manifests, claims, spans): the next call reads the store afresh."""
+        with self._lock:
+            self._forget_all()
 
     def forget(self, steps: Iterable[int]) -> None:
         """Drop cached manifests (after a failure they may be the bad bytes)."""

@@ -5,7 +5,11 @@ the SSE streams and long-polls waiting on a run, delivers webhooks (retried with
 :class:`~deltasync._retry.RetryPolicy`, whose waits the server's shutdown cuts short), and checks
 published steps against the store. Store checks read through one
 :class:`~deltasync.run.RunReader` per store, so a manifest is read once for the server's life
-(manifests are immutable).
+(manifests are immutable), except where the cache disagrees with a publisher or is about to
+name a run's head: then the store is asked again (:meth:`RunReader.revalidate`), because a
+store can be emptied and written again under the server (the demo's ``--loop`` does that,
+with new content at the same steps). A publish is accepted only for the digest of the
+manifest the store holds now.
 
 All mutation happens on the event loop without an ``await`` inside the critical
 section, so two concurrent publishes of one run cannot both pass the checks.
@@ -151,15 +155,24 @@ class CommitRelay:
                 held = self._readers[id(store)] = (store, RunReader(store))
             return held[1]
 
-    def _read_manifest(self, run: str, step: int) -> Committed | None:
+    def _read_manifest(self, run: str, step: int, digest: str | None = None) -> Committed | None:
+        """Step ``step``'s manifest (None when not committed). When the cached one's digest is not
+        ``digest``, the store is asked again: a legit publish after the store was emptied and
+        rewritten matches the store's manifest now; a wrong digest still matches nothing."""
+        reader = self.reader(run)
         try:
-            return self.reader(run).committed(step)
+            found = reader.committed(step)
+            if digest is not None and found.digest != digest and not reader.revalidate(step):
+                found = reader.committed(step)  # the store was rewritten: its manifest now
         except ObjectNotFound:
             return None
+        return found
 
     def _latest_in_store(self, run: str) -> Committed | None:
         reader = self.reader(run)
         step = reader.latest_step()  # newest committed step that no newer writer claim fences off
+        if step is not None and not reader.revalidate(step):
+            step = reader.latest_step()  # the store was emptied (and written again) under the cache
         return None if step is None else self._read_manifest(run, step)
 
     async def check_in_store(self, run: str, step: int, digest: str) -> None:
@@ -167,7 +180,7 @@ class CommitRelay:
         if self.store_for is None:
             return
         try:
-            found = await asyncio.to_thread(self._read_manifest, run, step)
+            found = await asyncio.to_thread(self._read_manifest, run, step, digest)
         except StorageError as exc:
             raise StoreUnavailable(f"cannot read step {step}'s manifest from the store: {exc}") from exc
         except DeltaSyncError as exc:

@@ -55,6 +55,7 @@ function apply(ev) {
       const prev = S.applied;
       S.applied = d;
       S.staleness = d.staleness;
+      if (d.paths) S.paths = d.paths;
       if (S.applied_steps[S.applied_steps.length - 1] !== d.step) S.applied_steps.push(d.step);
       if (S.applied_steps.length > 2000) S.applied_steps.shift();
       const g = S.generations;
@@ -105,7 +106,9 @@ function render() {
   st.textContent = S.bit_exact === true ? "done · bit-exact ✓" : S.status;
   st.className = "pill " + (S.bit_exact === true ? "done" : S.status);
   $("store").textContent = "store: " + S.store + (S.episode ? ` · run ${S.episode + 1}` : "");
-  $("signal").textContent = S.signal ? "· new steps via " + S.signal : "";
+  const sig = $("signal");
+  sig.textContent = signalPath();
+  sig.title = S.signal || "";
   const m = S.model;
   $("model").textContent = m ? `· ${m.arch} ${m.layers} layers, hidden ${m.hidden}, ${(m.params / 1e6).toFixed(2)}M\u00a0params, bf16 checkpoint ${fmtBytes(m.full_bytes).replace(" ", "\u00a0")}` : "";
   const err = $("error");
@@ -121,6 +124,19 @@ function render() {
   densityChart(commits);
   heatmap(commits);
   lagChart();
+}
+
+// How new steps really reach the inference copy. With a signal server, the follower counts each
+// applied step as "signal" (the server announced it) or "store" (a store poll found it first), so
+// a silent or refusing signal server shows up here as polling, never as "via signal server".
+function signalPath() {
+  if (!S.signal) return "";
+  if (!S.signal_server) return "· new steps via " + S.signal;
+  const p = S.paths || {};
+  const viaSignal = p.signal || 0, viaStore = p.store || 0;
+  if (!viaSignal && !viaStore) return "· listening to the signal server (SSE), polling the store meanwhile";
+  const last = S.applied && S.applied.via === "signal" ? "signal server" : "store polling";
+  return `· new steps via the signal server: ${viaSignal}, via store polling: ${viaStore} (last: ${last})`;
 }
 
 // Staleness, the one definition the page shows: committed (store head) − applied, both from S,

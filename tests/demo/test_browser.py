@@ -148,6 +148,11 @@ def check_finished_page(page: Any) -> None:
     bad = [(h, a, s) for h, a, s in numeric if s != f"{h - a} step{'' if h - a == 1 else 's'}"]
     assert not bad, bad
     assert page.text_content("#lag-steps") == "0 steps"
+    # how the steps reached the inference copy, as the follower counted them, not a claim
+    paths = page.evaluate("S.paths")
+    path = page.text_content("#signal") or ""
+    assert path.startswith(f"· new steps via the signal server: {paths['signal']}, via store polling: {paths['store']}")
+    assert paths["signal"] >= 1, path
     assert page.text_content("#head-step") == page.text_content("#applied-step") == str(STEPS)
     # "steps seen" counts the training steps: --steps of them, plus step 0 (the initial weights)
     assert (page.text_content("#head-sub") or "").startswith(f"{STEPS} training steps seen + initial weights")

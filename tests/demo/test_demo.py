@@ -22,6 +22,7 @@ from spaces_demo.live import (  # noqa: E402
     DEMO_MARKER,
     DemoOptions,
     DemoRun,
+    Episode,
     StepSignal,
     bit_snapshot,
     layer_change,
@@ -229,6 +230,8 @@ def test_self_contained_run_ends_bit_exact_and_reports_every_commit() -> None:
     assert isinstance(snap["applied"]["text"], str) and snap["generations"]
     assert snap["trainer"]["done"] is True and snap["trainer"]["step"] == 12
     assert snap["staleness"]["steps"] == 0
+    # no signal server here: every step was found by a store poll (woken by the uploader's callbacks)
+    assert snap["signal_server"] is None and snap["paths"] == {"signal": 0, "store": len(steps)}
     assert json.loads(store.get(DEMO_KEY))["model"] == "tiny"
     assert snap["model"]["params"] == sum(c["total"] for c in snap["commits"][:1])
 
@@ -264,7 +267,11 @@ def test_follower_mode_applies_what_a_trainer_elsewhere_committed(tmp_path: Path
 def test_loop_empties_the_store_and_trains_again() -> None:
     store = ds.MemoryStore()
     prepare_demo_store(store)  # what `deltasync demo` does to the store it trains in
-    run = DemoRun(store, DemoOptions(store_url="memory://l", model="tiny", steps=3, step_interval=0.0, loop=0.01))
+    # two runs, then the loop ends: the store and the page are read once quiet, at the second run
+    opts = DemoOptions(store_url="memory://l", model="tiny", steps=3, step_interval=0.0, loop=0.01)
+    run = DemoRun(store, opts, runs=2)
+    ended: list[Episode] = []
+    run.on_run_end(ended.append)
 
     async def collect() -> list[dict[str, Any]]:
         sub = run.board.subscribe(asyncio.get_running_loop())
@@ -278,20 +285,51 @@ def test_loop_empties_the_store_and_trains_again() -> None:
 
     try:
         events = asyncio.run(collect())
-        assert _wait_for(lambda: run.episode >= 1 and run.finished.is_set())
+        # one read of `current`: the second run's number and its own finished flag, never the first's
+        assert _wait_for(lambda: (ep := run.current).number == 1 and ep.finished.is_set())
     finally:
-        run.stop()  # the loop would go on restarting: read the store only once it is quiet
+        run.stop()
     snap = run.board.snapshot()
     # the first run finished bit-exact before the page was told to start over
     assert any(e["type"] == "status" and e["data"]["status"] == "done" for e in events)
-    assert events[-1]["type"] == "snapshot" and events[-1]["data"]["commits"] == []
-    assert snap["episode"] >= 1
+    reset = events[-1]
+    assert reset["type"] == "snapshot" and reset["data"]["commits"] == []
+    # the page's new snapshot already names the new run, with nothing of the old one's result
+    assert reset["data"]["episode"] == 1 and reset["data"]["bit_exact"] is None and reset["data"]["trainer"] is None
+    assert run.current.number == 1  # runs=2: no third run started
+    # each run's end was reported once, with the page as that run ended (the terminal's summary)
+    assert [ep.number for ep in ended] == [0, 1]
+    for ep in ended:
+        assert ep.result is not None and ep.result["episode"] == ep.number
+        assert ep.result["bit_exact"] is True and ep.result["applied"]["step"] == 3
+        steps_seen = [c["step"] for c in ep.result["commits"]]
+        assert steps_seen[0] == 0 and steps_seen[-1] == 3 and steps_seen == sorted(set(steps_seen))
+    assert snap["episode"] == 1 and snap["bit_exact"] is True and snap["status"] == "done"
+    assert run.bit_exact is True and snap["error"] is None
     steps = ds.DeltaFetcher(store).steps()
-    if snap["episode"] == 1:  # stopped before a third episode could start
-        assert snap["bit_exact"] is True
-        assert steps == [0, 1, 2, 3]  # the store was emptied: the second run starts at step 0 again
+    # the store was emptied: the second run starts at step 0 again (the uploader may coalesce a
+    # step while the store is busy, so not every step need be there)
+    assert steps[0] == 0 and steps[-1] == 3
     assert [c["step"] for c in snap["commits"]] == steps
     assert store.exists(DEMO_MARKER)  # emptied, but still the demo's
+
+
+def test_board_reset_sets_the_new_runs_facts_in_the_same_snapshot() -> None:
+    async def main() -> list[dict[str, Any]]:
+        board = LiveBoard({"mode": "self-contained", "episode": 0, "bit_exact": None})
+        board.set_info(bit_exact=True)
+        board.set_status("done")
+        sub = board.subscribe(asyncio.get_running_loop())
+        board.reset(episode=1, signal="x")
+        got = [await asyncio.wait_for(sub.queue.get(), 5) for _ in range(2)]
+        board.close()
+        return [g for g in got if g is not None]
+
+    first, reset = asyncio.run(main())
+    assert first["data"]["episode"] == 0 and first["data"]["bit_exact"] is True
+    data = reset["data"]
+    assert (data["episode"], data["bit_exact"], data["status"], data["signal"]) == (1, None, "starting", "x")
+    assert reset["seq"] == data["seq"] > first["data"]["seq"]
 
 
 def test_loop_refuses_to_empty_a_store_the_demo_did_not_create() -> None:

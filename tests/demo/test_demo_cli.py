@@ -45,6 +45,31 @@ def read_sse(demo: Demo, want: Callable[[list[dict[str, Any]]], bool], timeout: 
     pytest.fail(f"event stream ended after {len(events)} events")
 
 
+def finished_run(demo: Demo, after: int) -> dict[str, Any]:
+    """The page's state (one snapshot) once a run later than episode ``after`` ended bit-exact."""
+    got: list[dict[str, Any]] = []
+
+    def done() -> bool:
+        s = demo.state()
+        if s["episode"] > after and s["bit_exact"] is True:
+            got.append(s)
+        return bool(got)
+
+    demo.wait_until(f"a run after run {after} to finish", done, START_TIMEOUT + RUN_TIMEOUT)
+    return got[0]
+
+
+def check_signal_path(demo: Demo, s: dict[str, Any]) -> None:
+    """In the run ``s`` shows: every commit signal accepted, and steps reached the follower through it."""
+    assert s["signal_server"] == f"http://127.0.0.1:{demo.port}/signal"
+    signals = s["trainer"]["signals"]
+    assert signals["refused"] == 0 and signals["failed"] == 0 and signals["sent"] >= 1, signals
+    # the follower listened before the first commit: the signal server announced steps to it
+    assert s["paths"]["signal"] >= 1, s["paths"]
+    head = demo.client.get(f"/signal/v1/runs/demo-{s['episode']}/head")
+    assert head.status_code == 200 and head.json()["step"] == 25, head.text
+
+
 def test_entrypoint_serves_page_state_and_live_events(demo_factory: Callable[..., Demo]) -> None:
     # as in the Space: the Dockerfile sets DELTASYNC_DEMO_LOOP, so a finished run starts over
     demo = demo_factory("--store", "store", *FAST, env={"DELTASYNC_DEMO_LOOP": "3"})
@@ -58,26 +83,32 @@ def test_entrypoint_serves_page_state_and_live_events(demo_factory: Callable[...
     assert [e["seq"] for e in events[1:]] == sorted(e["seq"] for e in events[1:])
     applied = next(e for e in events if e["type"] == "applied")["data"]
     assert applied["verified"] is True and isinstance(applied["text"], str)
+    assert applied["via"] in ("signal", "store")
 
-    demo.wait_until("training to finish and be applied", lambda: demo.state()["bit_exact"] is True, RUN_TIMEOUT)
-    s = demo.state()
+    # each snapshot is one run's: read once, its number and its result belong together
+    s = finished_run(demo, -1)
     assert s["status"] == "done" and s["error"] is None
     assert s["trainer"]["step"] == 25 and s["applied"]["step"] == 25 and s["head"] == 25
     assert s["commits"][0]["kind"] == "anchor" and s["commits"][-1]["step"] == 25
     assert s["model"]["arch"] == "Qwen3ForCausalLM" and s["model"]["name"] == "tiny"
-    assert s["episode"] == 0
     # the in-process signal server heard every commit and the follower listens to it
     assert s["signal"].startswith(f"signal server http://127.0.0.1:{demo.port}/signal (SSE)")
-    head = demo.client.get("/signal/v1/runs/demo-0/head")
-    assert head.status_code == 200 and head.json()["step"] == 25, head.text
-    demo.wait_until("the second run", lambda: demo.state()["episode"] == 1, RUN_TIMEOUT)
-    demo.wait_until("the second run to finish", lambda: demo.state()["bit_exact"] is True, RUN_TIMEOUT)
-    assert demo.state()["commits"][0]["step"] == 0
+    check_signal_path(demo, s)
+
+    # the loop emptied the store and trained again: the signal path works in the next run too
+    # (it once refused every commit from the second run on: issue 26, point 8)
+    s2 = finished_run(demo, s["episode"])
+    assert s2["commits"][0]["step"] == 0 and s2["error"] is None
+    check_signal_path(demo, s2)
     rc = demo.stop(signal.SIGINT)
     assert rc in (0, 130), demo.log()
     out = demo.log()
     assert f"open http://127.0.0.1:{demo.port}" in out
     assert "Traceback" not in out
+    assert "refused" not in out.replace(" 0 refused", ""), out  # no "signal for step N refused" line
+    # the terminal summarized each run, with how its steps reached the inference copy
+    paths = [line for line in out.splitlines() if line.startswith("new steps via the signal server: ")]
+    assert len(paths) >= 2 and all("0 refused, 0 failed" in line for line in paths), paths
 
 
 def test_exit_when_done_then_a_follower_on_the_same_store(demo_factory: Callable[..., Demo], tmp_path: Path) -> None:
@@ -216,7 +247,11 @@ def test_the_terminal_prints_a_summary_when_the_run_ends_and_keeps_serving(
     anchors = [c for c in s["commits"] if c["kind"] == "anchor"]
     assert summary[1].startswith("shipped ") and f": {len(anchors)} anchors " in summary[1], out
     assert f" + {n - len(anchors)} patches " in summary[1] and "as full checkpoints" in summary[1]
-    assert summary[2] == f"still serving http://127.0.0.1:{demo.port} (Ctrl-C to stop)"
+    # how the steps reached the inference copy, and what became of the trainer's signals
+    assert summary[2].startswith("new steps via the signal server: ") and summary[2].endswith(
+        f"the trainer's signals: {s['trainer']['signals']['sent']} sent, 0 refused, 0 failed"
+    ), out
+    assert summary[3] == f"still serving http://127.0.0.1:{demo.port} (Ctrl-C to stop)"
     assert out.count("run finished:") == 1
     # printed after the run ended, while the page is still served
     assert demo.proc.poll() is None and demo.client.get("/healthz").json()["status"] == "done"

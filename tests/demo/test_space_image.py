@@ -38,4 +38,6 @@ def test_space_image_builds_under_both_builders_and_serves_the_demo(tmp_path: Pa
         # the script checked these; the report must carry what it saw, for both builders
         assert fig["commits_seen"] >= 4 and fig["applied_step"] >= 3, (builder, fig)
         assert fig["size_mb"] > 0 and fig["build_s"] >= 0 and fig["first_page_s"] > 0, (builder, fig)
+        # two loop runs, each with every commit signal accepted and steps announced to the follower
+        assert fig["loop_runs"] == 2 and min(fig["loop_steps_via_signal"]) >= 1, (builder, fig)
     assert figures["buildkit"]["follow_s3_applied_step"] >= 3

@@ -562,11 +562,46 @@ def test_store_checks_read_each_manifest_once_through_one_run_reader(tmp_path: P
         assert publish(c, 3, D1, run="a").status_code == 409
         read = store.objects_read
         assert read >= 1
-        assert publish(c, 3, D2, run="a").status_code == 409  # the manifest is immutable: read from the cache
+        # a digest the cache refuses is checked once more against the store (was it rewritten?)
+        assert publish(c, 3, D2, run="a").status_code == 409
+        assert store.objects_read == read + 1
         assert publish(c, 3, d3, run="b").status_code == 201  # another run on the same store: same reader
-        assert store.objects_read == read
+        assert store.objects_read == read + 1  # an accepted digest comes from the cache
         relay = app.state.relay
         assert relay.reader("a") is relay.reader("b")
+
+
+def test_a_store_emptied_and_written_again_under_the_server_is_read_afresh(tmp_path: Path) -> None:
+    # what `deltasync demo --loop` does under its signal server: the same steps, other content,
+    # published under a new run name (demo-0, demo-1, ...)
+    store = MemoryStore("loop")
+    old = {s: _commit_to(store, s, run_id="run-a") for s in range(3)}
+    with TestClient(create_app(Settings(publish_token=PUB, db_path=str(tmp_path / "s.db")), store=store)) as c:
+        for s in range(3):
+            assert publish(c, s, old[s], run="demo-0").status_code == 201
+        store.delete_many([o.key for o in store.list("")])
+        new = {s: _commit_to(store, s, run_id="run-b") for s in range(2)}
+        assert new[0] != old[0] and new[1] != old[1]
+        # the server's reader cached step 0 of the first run; the new run's digest is the store's now
+        assert publish(c, 0, new[0], run="demo-1").status_code == 201
+        # a digest that is not the store's current manifest is still refused, naming the right one
+        r = publish(c, 1, old[1], run="demo-1")
+        assert r.status_code == 409 and new[1] in r.json()["detail"]
+        r = publish(c, 1, D1, run="demo-1")
+        assert r.status_code == 409 and new[1] in r.json()["detail"]
+        assert publish(c, 1, new[1], run="demo-1").status_code == 201
+
+        # emptied again: the head of a run the server never heard of is derived from the store as it
+        # is now (step 0 of a third run), not from the steps the reader cached before
+        store.delete_many([o.key for o in store.list("")])
+        d0 = _commit_to(store, 0, run_id="run-c")
+        got = c.get("/v1/runs/demo-2/head").json()
+        assert (got["step"], got["manifest_digest"], got["run_id"]) == (0, d0, "run-c")
+        assert publish(c, 0, d0, run="demo-2").status_code == 200  # the derived head, published again
+        d1 = _commit_to(store, 1, run_id="run-c")
+        assert publish(c, 1, d1, run="demo-2").status_code == 201
+        # the first runs' signalled history is kept as it was
+        assert c.get("/v1/runs/demo-0/head").json()["manifest_digest"] == old[2]
 
 
 def test_derived_head_skips_a_step_fenced_off_by_a_newer_writer(tmp_path: Path) -> None:
