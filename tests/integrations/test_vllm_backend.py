@@ -13,7 +13,10 @@ steps (0 an anchor, 1-4 patches) through
 Bit-exactness is proven with vLLM's own ``compute_weight_checksums`` (sha256 of every parameter of
 every rank): after each step it must equal both the checksums predicted from the trainer's state
 (``engine_checks.expected_checksums``) and those of a fresh engine booted on the materialized step,
-and greedy output (tokens and logprobs) must equal the fresh engine's. A corrupted patch in the
+and greedy output (tokens and logprobs) must equal the fresh engine's. No rollout comes from KV of
+an older step: prompts sharing a prefix of three KV blocks are served before each update and again
+after it, and must be answered as a fresh engine answers them, with nothing taken from the prefix
+cache that the update left behind (deltasync's engine-core hook drops it inside ``update_weights``). A corrupted patch in the
 store makes the update raise and leaves the engine serving the previous step, bit for bit.
 
 On CPU, in-place loading needs the TEST-ONLY patch in ``tests/vllm_support/sitecustomize.py``
@@ -52,6 +55,7 @@ def snapshot(llm):
     return {
         "checksums": ec.checksums(llm),
         "fp": ec.fingerprint(llm),
+        "prefix": ec.prefix_fingerprint(llm),  # the same long prompts at every step: cached after the first
         "version": llm.get_weight_version(),
         "status": llm.collective_rpc("deltasync_status"),
     }
@@ -138,6 +142,7 @@ def check(p):
     out["update1_s"] = time.monotonic() - t0
     out["status1"] = llm.collective_rpc("deltasync_status")
     out["checksums1"] = ec.checksums(llm)
+    out["prefix1"] = ec.prefix_fingerprint(llm)  # step 1's KV of the long prompts is in the cache now
 
     t0 = time.monotonic()
     out["update_last"] = llm.collective_rpc("deltasync_update", kwargs={"store": url, "step": p["last"]})
@@ -145,6 +150,7 @@ def check(p):
     out["status_last"] = llm.collective_rpc("deltasync_status")
     out["checksums_last"] = ec.checksums(llm)
     out["fp_last"] = ec.fingerprint(llm)
+    out["prefix_last"] = ec.prefix_fingerprint(llm)
     return out
 
 if __name__ == "__main__":
@@ -261,6 +267,33 @@ def test_synced_engine_equals_a_fresh_engine_on_the_materialized_step(
     assert live["fp"] == ref["fp"]  # greedy tokens and logprobs
 
 
+# ------------------------------------------------------------------------------- no stale rollout
+
+
+def _cold_then_shared(prefix: dict[str, Any]) -> None:
+    """The first long prompt took nothing from the prefix cache (all of it was computed with the
+    weights now served), the next two took the shared prefix the first one had just computed (caching
+    is on: without deltasync's reset the first prompt would have hit the previous step's KV too)."""
+    blocks = prefix["prompt_len"] // prefix["block_size"]
+    assert blocks >= 3 and prefix["block_size"] >= 16, prefix  # several full KV blocks (128 tokens each on CPU)
+    shared = blocks * prefix["block_size"]
+    assert [o["cached"] for o in prefix["outputs"]] == [0, shared, shared]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_after_each_update_no_prompt_is_answered_from_kv_of_the_previous_step(
+    tp: int, request: pytest.FixtureRequest, fresh: Callable[[int], dict[str, Any]]
+) -> None:
+    # the script serves the same long prompts at step 0 and after each update, and never resets a cache
+    rep = request.getfixturevalue(f"backend_tp{tp}")
+    for step in range(1, LAST + 1):
+        _cold_then_shared(rep["steps"][str(step)]["prefix"])
+    live, ref = rep["steps"][str(LAST)]["prefix"], fresh(tp)["prefix"]
+    _cold_then_shared(ref)
+    assert live == ref  # token ids and logprobs of every prompt, bit for bit, as a fresh engine on the step
+    assert live["outputs"] != rep["steps"][str(LAST - 1)]["prefix"]["outputs"]  # the update changes them
+
+
 # ------------------------------------------------------------------------------- failures
 
 
@@ -315,3 +348,13 @@ def test_extension_catches_up_from_step_1_to_the_last(
     assert [(s["step"], s["state"], s["last_error"]) for s in rep["status_last"]] == [(LAST, "serving", None)]
     assert rep["checksums_last"] == rep["expected"][str(LAST)] == fresh(1)["checksums"]
     assert rep["fp_last"] == fresh(1)["fp"]
+
+
+def test_extension_update_drops_kv_of_the_step_it_left(
+    extension_tp1: dict[str, Any], fresh: Callable[[int], dict[str, Any]]
+) -> None:
+    # the long prompts were served at step 1, then deltasync_update jumped to the last step
+    rep = extension_tp1
+    _cold_then_shared(rep["prefix_last"])
+    assert rep["prefix_last"] == fresh(1)["prefix"]
+    assert rep["prefix_last"]["outputs"] != rep["prefix1"]["outputs"]

@@ -13,6 +13,9 @@ then, at each step the trainer commits, the standard four phases (HTTP twins und
     llm.update_weights({"update_info": {"store": URL, "step": N}})
     llm.finish_weight_update(weight_version=str(N))
 
+The same plugin hooks the engine core (:mod:`deltasync.integrations.vllm.engine_core`): when
+``update_weights`` returns, the engine's prefix cache no longer holds KV of the previous weights.
+
 Each worker keeps a host mirror in checkpoint names (seeded from the checkpoint dir the
 engine loaded), brings it to the step with :class:`~deltasync.DeltaFetcher` (chain
 catch-up, checksums, digests) and hands vLLM only the tensors that changed through
@@ -46,6 +49,8 @@ from vllm.distributed.weight_transfer.base import (
 
 from deltasync.errors import DeltaSyncError
 from deltasync.fetcher._fetcher import MARKER, DeltaFetcher, Verify
+from deltasync.integrations.vllm import engine_core
+from deltasync.integrations.vllm.engine_core import BACKEND
 from deltasync.integrations.vllm.mirror import EngineMirror
 from deltasync.integrations.vllm.prefetch import Prefetcher
 
@@ -60,16 +65,16 @@ __all__ = [
 
 log = logging.getLogger("deltasync.vllm")
 
-BACKEND = "deltasync"
-
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: make ``{"backend": "deltasync"}`` selectable.
-    vLLM runs it in every process, maybe more than once."""
+    """The ``vllm.general_plugins`` entry point: make ``{"backend": "deltasync"}`` selectable and hook
+    the engine core (see :mod:`~deltasync.integrations.vllm.engine_core`). vLLM runs it in every
+    process, maybe more than once."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     with contextlib.suppress(ValueError):  # registered already in this process
         WeightTransferEngineFactory.register_engine(BACKEND, __name__, "DeltasyncWeightTransferEngine")
+    engine_core.install()
 
 
 @dataclass
