@@ -3,10 +3,12 @@
 The engine boots on ``DeltaFetcher.materialize(step 0)`` and follows a store of real training
 steps (0 an anchor, 1-4 patches) through
 
-* the weight-transfer API: ``weight_transfer_config={"backend": "deltasync"}`` (registered by the
-  ``vllm.general_plugins`` entry point), then ``init_weight_transfer_engine`` ->
-  ``start_weight_update`` -> ``update_weights({"update_info": {"store", "step"}})`` ->
-  ``finish_weight_update(weight_version=...)``, TP=1 and TP=2;
+* the weight-transfer API, set up as the README shows: ``weight_transfer_config={"backend":
+  "deltasync"}`` (registered by the ``vllm.general_plugins`` entry point) and no deltasync worker
+  extension, then ``init_weight_transfer_engine`` -> ``start_weight_update`` ->
+  ``update_weights({"update_info": {"store", "step"}})`` -> ``finish_weight_update(weight_version=...)``,
+  TP=1 and TP=2, with ``deltasync_status`` / ``deltasync_metrics`` through ``collective_rpc`` (served by
+  the plugin's engine-core hook);
 * the worker extension ``DeltasyncWorkerExtension`` (``deltasync_prepare`` / ``deltasync_update`` /
   ``deltasync_status`` through ``collective_rpc``), including a catch-up from step 1 to step 4.
 
@@ -25,6 +27,7 @@ On CPU, in-place loading needs the TEST-ONLY patch in ``tests/vllm_support/sitec
 
 from __future__ import annotations
 
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -43,8 +46,8 @@ EXTENSION = "deltasync.integrations.vllm.backend.DeltasyncWorkerExtension"
 LAST = 4  # the step the engines are synced to and compared at
 CORRUPT_STEP = 5  # the next committed step, damaged in the store
 
-# One engine on step 0 with the "deltasync" backend (and the extension, for deltasync_status),
-# stepped through 1..LAST with the four phases. Then step CORRUPT_STEP with its data file(s) damaged
+# One engine on step 0 with the "deltasync" backend only (the README's setup: deltasync_status and
+# deltasync_metrics need no worker extension), stepped through 1..LAST with the four phases. Then step CORRUPT_STEP with its data file(s) damaged
 # in the store after commit: the update must raise and change nothing. Then the files are repaired
 # and the same step must apply.
 BACKEND_SCRIPT = """
@@ -69,7 +72,7 @@ def four_phases(llm, url, step):
 
 def check(p):
     url, tp = p["store"], p["tp"]
-    llm = ec.make_llm(p["model"], tp=tp, weight_transfer_config={"backend": "deltasync"}, worker_extension_cls=p["extension"])
+    llm = ec.make_llm(p["model"], tp=tp, weight_transfer_config={"backend": "deltasync"})
     out = {"boot": snapshot(llm), "steps": {}, "seconds": {}}
     out["expected"] = {str(s): ec.expected_checksums(path, tp=tp) for s, path in p["states"].items()}
     llm.init_weight_transfer_engine({"init_info": {"store": url}})
@@ -106,6 +109,7 @@ def check(p):
         out["repair_error"] = None
     except Exception as exc:
         out["repair_error"] = f"{type(exc).__name__}: {exc}"
+    out["metrics"] = llm.collective_rpc("deltasync_metrics")
     return out
 
 if __name__ == "__main__":
@@ -183,7 +187,6 @@ def _backend_params(run: TrainedRun, step_dirs: dict[int, Path], store: Path, tp
         "tp": tp,
         "last": LAST,
         "corrupt_step": CORRUPT_STEP,
-        "extension": EXTENSION,
         "states": {s: run.expected(s) for s in run.steps},
         "corrupt_files": corrupt,
     }
@@ -319,6 +322,22 @@ def test_after_a_failed_update_the_repaired_step_applies(tp: int, request: pytes
     assert got["checksums"] == rep["expected"][str(CORRUPT_STEP)]
     assert got["version"] == str(CORRUPT_STEP)
     assert [s["step"] for s in got["status"]] == [CORRUPT_STEP] * tp
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_status_and_metrics_need_no_worker_extension(tp: int, request: pytest.FixtureRequest) -> None:
+    # the engine has the backend and the tests' own check extension, nothing else of deltasync's
+    rep = request.getfixturevalue(f"backend_tp{tp}")
+    assert [s["rank"] for s in rep["after_init"]] == list(range(tp))
+    assert [(s["step"], s["state"]) for s in rep["steps"][str(CORRUPT_STEP)]["status"]] == [
+        (CORRUPT_STEP, "serving")
+    ] * tp
+    assert len(rep["metrics"]) == tp
+    for rank, text in enumerate(rep["metrics"]):
+        applied = re.search(rf'^deltasync_applied_step{{rank="{rank}"}} (\S+)$', text, re.M)
+        assert applied is not None and float(applied.group(1)) == CORRUPT_STEP, text
+        failed = re.search(rf'^deltasync_sync_failures_total{{[^}}]*rank="{rank}"[^}}]*}} (\S+)$', text, re.M)
+        assert failed is not None and float(failed.group(1)) >= 1, text  # the damaged step
 
 
 # ------------------------------------------------------------------------------- worker extension

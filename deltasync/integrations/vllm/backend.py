@@ -32,6 +32,7 @@ Payloads never cross the RPC as tensors: the update names a store and a step.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import sys
@@ -74,7 +75,7 @@ def register() -> None:
 
     with contextlib.suppress(ValueError):  # registered already in this process
         WeightTransferEngineFactory.register_engine(BACKEND, __name__, "DeltasyncWeightTransferEngine")
-    engine_core.install()
+    engine_core.install(_worker_rpc)
 
 
 @dataclass
@@ -348,48 +349,66 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         self.sync.close()
 
 
+def _state_of(worker: Any) -> WorkerSync:
+    """A vLLM worker's deltasync state: its ``"deltasync"`` backend's, else one kept on the worker."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    if isinstance(engine, DeltasyncWeightTransferEngine):
+        return engine.sync
+    sync: WorkerSync | None = getattr(worker, "_deltasync_sync", None)
+    if sync is None:
+        sync = _worker_sync(worker.model_runner.get_model(), worker.vllm_config)
+        worker._deltasync_sync = sync
+    return sync
+
+
 class DeltasyncWorkerExtension:
-    """Worker extension (``worker_extension_cls="deltasync.integrations.vllm.backend.DeltasyncWorkerExtension"``) for
-    vLLM versions or setups without the weight-transfer API, driven by ``llm.collective_rpc``::
+    """deltasync's worker API, driven by ``llm.collective_rpc`` (also where the weight-transfer API is
+    not used)::
 
         llm.collective_rpc("deltasync_prepare", kwargs={"store": URL, "step": N})  # returns at once
         llm.collective_rpc("deltasync_update", kwargs={"store": URL, "step": N})   # the pause
         llm.collective_rpc("deltasync_status")
+        llm.collective_rpc("deltasync_metrics")
 
-    Shares the worker's state with the ``"deltasync"`` backend when both are configured.
+    Any engine in an environment where deltasync is installed answers these: the plugin's engine-core
+    hook sends them to the workers as :func:`_worker_rpc` calls. Starting the engine with
+    ``worker_extension_cls="deltasync.integrations.vllm.backend.DeltasyncWorkerExtension"`` is needed only
+    where vLLM plugins are turned off (``VLLM_PLUGINS``). Shares the worker's state with the
+    ``"deltasync"`` backend when both are configured.
     """
-
-    def _deltasync(self) -> WorkerSync:
-        engine = getattr(self, "weight_transfer_engine", None)
-        if isinstance(engine, DeltasyncWeightTransferEngine):
-            return engine.sync
-        sync: WorkerSync | None = getattr(self, "_deltasync_sync", None)
-        if sync is None:
-            runner: Any = self.model_runner  # type: ignore[attr-defined]
-            vllm_config: Any = self.vllm_config  # type: ignore[attr-defined]
-            sync = _worker_sync(runner.get_model(), vllm_config)
-            self._deltasync_sync = sync
-        return sync
 
     def deltasync_init(self, **init_info: Any) -> dict[str, Any]:
         """Configure (same options as :class:`DeltasyncInitInfo`)."""
-        sync = self._deltasync()
+        sync = _state_of(self)
         return sync.call(lambda: sync.configure(DeltasyncInitInfo(**init_info)))
 
     def deltasync_prepare(self, store: str | None = None, step: int | None = None) -> dict[str, Any]:
         """Start bringing the mirror to ``step`` in the background; returns at once."""
-        sync = self._deltasync()
+        sync = _state_of(self)
         return sync.call(sync.prepare, store, step)
 
     def deltasync_update(self, store: str | None = None, step: int | None = None) -> dict[str, Any]:
         """Make the engine serve ``step`` (default: newest); raises UpdateRolledBack / WorkerNeedsReplacement."""
-        sync = self._deltasync()
+        sync = _state_of(self)
         return sync.call(sync.update, store, step)
 
     def deltasync_status(self) -> dict[str, Any]:
         """``{"step", "prepared", "state", "last_error", "store", "rank"}``."""
-        return self._deltasync().status()
+        return _state_of(self).status()
 
     def deltasync_metrics(self) -> str:
         """Prometheus text of this worker's sync metrics (staleness, bytes, verify/apply/pause seconds)."""
-        return self._deltasync().render_metrics()
+        return _state_of(self).render_metrics()
+
+
+def _worker_rpc(worker: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run deltasync's worker method ``name`` on a vLLM worker (what the engine-core hook sends for
+    ``collective_rpc(name)``): the engine's worker extension's where it has one, else
+    :class:`DeltasyncWorkerExtension`'s, with the worker as ``self``."""
+    if name not in engine_core.RPCS:
+        raise ValueError(f"{name!r} is not one of deltasync's worker methods ({', '.join(sorted(engine_core.RPCS))})")
+    target = getattr(worker, "worker", worker)  # vLLM calls with its WorkerWrapperBase
+    method = getattr(target, name, None)
+    if method is None:
+        method = functools.partial(getattr(DeltasyncWorkerExtension, name), target)
+    return method(*args, **kwargs)

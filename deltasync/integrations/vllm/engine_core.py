@@ -4,8 +4,9 @@ vLLM runs every weight update as a collective RPC from its engine core (the loop
 requests, in its own process or in the ``LLM``'s) to its workers, through
 ``EngineCore.collective_rpc``; ``LLM.update_weights``, the HTTP route ``/update_weights`` and
 ``LLM.collective_rpc`` all end there. :func:`install` (run by deltasync's ``vllm.general_plugins``
-entry point, which vLLM loads in every process, engine core included) wraps that one method so that
-**no rollout is served from state computed with older weights.** vLLM's prefix cache keys KV
+entry point, which vLLM loads in every process, engine core included) wraps that one method so that:
+
+* **No rollout is served from state computed with older weights.** vLLM's prefix cache keys KV
   blocks by token ids, not by weights, and a weight update leaves it alone (vLLM 0.32): a prompt
   of one KV block or more that was served before an update is answered from KV of the previous
   weights (issue 24: the output leaves a fresh engine's at the 1st or 2nd token). So right after an
@@ -16,6 +17,11 @@ entry point, which vLLM loads in every process, engine core included) wraps that
   requests are preempted and recomputed with the new weights, and a multimodal model's encoder
   cache (vision-encoder outputs) is dropped. The multimodal *processor* cache holds preprocessed
   inputs, which do not depend on the weights; it stays.
+* **deltasync's worker API needs no worker extension.** ``collective_rpc("deltasync_status")`` and
+  the other :data:`RPCS` are sent to the workers as a call of the function given to :func:`install`,
+  which runs the method of the engine's worker extension where it has one and deltasync's own
+  otherwise: an engine started with only ``--weight-transfer-config '{"backend": "deltasync"}'``
+  (or with nothing of deltasync's) answers them.
 
 Everything else passes through untouched. Without the plugin (``VLLM_PLUGINS`` set without
 ``deltasync``) nothing of this runs: the backend is not registered either.
@@ -25,18 +31,23 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from deltasync.errors import DeltaSyncError
 
-__all__ = ["BACKEND", "changes_weights", "install", "reset_caches"]
+__all__ = ["BACKEND", "RPCS", "WorkerCall", "changes_weights", "install", "reset_caches"]
 
 log = logging.getLogger("deltasync.vllm")
 
 #: the weight-transfer backend's name (``--weight-transfer-config '{"backend": "deltasync"}'``)
 BACKEND = "deltasync"
+#: deltasync's worker methods, callable with ``collective_rpc`` on any engine once :func:`install` ran
+RPCS = frozenset({"deltasync_init", "deltasync_prepare", "deltasync_update", "deltasync_status", "deltasync_metrics"})
 _MARK = "__deltasync_engine_core__"
+
+#: ``worker_call(worker, name, args, kwargs)``: runs deltasync's worker method ``name`` on a vLLM worker
+WorkerCall = Callable[[Any, str, tuple[Any, ...], dict[str, Any]], Any]
 
 
 def changes_weights(method: Any, args: Any, kwargs: Mapping[str, Any] | None, backend: str | None) -> bool:
@@ -80,8 +91,9 @@ def _backend_of(core: Any) -> str | None:
     return None if config is None else str(getattr(config, "backend", None))
 
 
-def install() -> bool:
-    """Wrap ``EngineCore.collective_rpc`` (see the module docstring); idempotent.
+def install(worker_call: WorkerCall) -> bool:
+    """Wrap ``EngineCore.collective_rpc`` (see the module docstring); idempotent. ``worker_call`` must
+    be a module-level function: vLLM sends it to worker processes by reference.
 
     Returns False, with an error logged, where this vLLM has no ``EngineCore`` of the expected shape.
     """
@@ -111,6 +123,8 @@ def install() -> bool:
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         resets = changes_weights(method, args, kwargs, _backend_of(self))
+        if isinstance(method, str) and method in RPCS:
+            method, args, kwargs = worker_call, (method, tuple(args), dict(kwargs or {})), None
         try:
             out = original(self, method, timeout, args, kwargs)
         except BaseException:
