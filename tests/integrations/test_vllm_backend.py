@@ -43,6 +43,7 @@ from vllm_harness import (
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1800)]
 
 EXTENSION = "deltasync.integrations.vllm.backend.DeltasyncWorkerExtension"
+QKV = "model.layers.0.self_attn.qkv_proj.weight"
 LAST = 4  # the step the engines are synced to and compared at
 CORRUPT_STEP = 5  # the next committed step, damaged in the store
 
@@ -162,6 +163,37 @@ if __name__ == "__main__":
 """
 
 
+# vLLM's own CPU path (the tests' linear-weight patch off): in fp32 it repacks every linear weight for
+# oneDNN at load time and leaves an empty layer.weight. Started as the README shows; init must refuse
+# it, and so must each update, before anything is loaded.
+REPACKED_SCRIPT = """
+import engine_checks as ec
+
+def attempt(fn):
+    try:
+        fn()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+def check(p):
+    url = p["store"]
+    llm = ec.make_llm(p["model"], dtype="float32", weight_transfer_config={"backend": "deltasync"})
+    out = {"describe": llm.collective_rpc("check_describe_param", args=(p["qkv"],)), "fp_before": ec.fingerprint(llm)}
+    out["init_error"] = attempt(lambda: llm.init_weight_transfer_engine({"init_info": {"store": url, "prefetch": True}}))
+    out["status"] = llm.collective_rpc("deltasync_status")
+    llm.start_weight_update()
+    out["update_error"] = attempt(lambda: llm.update_weights({"update_info": {"store": url, "step": 1}}))
+    out["rpc_update_error"] = attempt(lambda: llm.collective_rpc("deltasync_update", kwargs={"step": 1}))
+    out["status_after"] = llm.collective_rpc("deltasync_status")
+    out["fp_after"] = ec.fingerprint(llm)
+    return out
+
+if __name__ == "__main__":
+    ec.main(check)
+"""
+
+
 @pytest.fixture(scope="module")
 def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("vllm-backend")
@@ -222,6 +254,14 @@ def extension_tp1(
         "states": {s: trained_run.expected(s) for s in (0, 1, LAST)},
     }
     return run_script(EXTENSION_SCRIPT, params, timeout=420)
+
+
+@pytest.fixture(scope="module")
+def repacked(
+    run_script: Callable[..., dict[str, Any]], trained_run: TrainedRun, step_dirs: dict[int, Path]
+) -> dict[str, Any]:
+    params = {"model": step_dirs[0], "store": trained_run.store_url, "qkv": QKV}
+    return run_script(REPACKED_SCRIPT, params, timeout=300, env={"DELTASYNC_TEST_NO_CPU_GEMM_PATCH": "1"})
 
 
 @pytest.fixture(scope="module")
@@ -377,3 +417,31 @@ def test_extension_update_drops_kv_of_the_step_it_left(
     _cold_then_shared(rep["prefix_last"])
     assert rep["prefix_last"] == fresh(1)["prefix"]
     assert rep["prefix_last"]["outputs"] != rep["prefix1"]["outputs"]
+
+
+# ------------------------------------------------------------------------------- engines refused at init
+
+
+def test_an_engine_whose_cpu_backend_repacked_its_weights_is_refused_at_init(repacked: dict[str, Any]) -> None:
+    rep = repacked
+    assert rep["describe"] == [{"shape": [0], "dtype": "torch.float32", "patched": False}]  # vLLM's own CPU path
+    err = rep["init_error"]
+    assert err is not None and err.startswith("EngineIncompatible: deltasync cannot update this engine in place"), err
+    # named through vLLM's own mapping: q/k/v_proj land in the fused qkv_proj, gate/up_proj in gate_up_proj
+    assert (
+        "self_attn.qkv_proj.weight (0,) float32 <- model.layers.0.self_attn.k_proj.weight [64, 128] and 2 more" in err
+    )
+    assert "mlp.gate_up_proj.weight (0,) float32 <- model.layers.0.mlp.gate_proj.weight [256, 128] and 1 more" in err
+    assert "10 of the parameters" in err  # 2 layers x (qkv, o, gate_up, down), lm_head and the embedding
+    assert "dispatch_cpu_unquantized_gemm" in err and "Nothing was loaded" in err
+    assert [(s["step"], s["state"], s["rank"]) for s in rep["status"]] == [(None, "serving", 0)]
+    assert rep["status"][0]["last_error"].startswith("EngineIncompatible")
+
+
+def test_updates_of_a_refused_engine_are_refused_the_same_way_and_change_nothing(repacked: dict[str, Any]) -> None:
+    rep = repacked
+    for err in (rep["update_error"], rep["rpc_update_error"]):
+        assert err is not None and err.startswith("EngineIncompatible: deltasync cannot update this engine"), err
+        assert "Attempted to load" not in err
+    assert [s["state"] for s in rep["status_after"]] == ["serving"]  # not needs_replacement
+    assert rep["fp_after"] == rep["fp_before"]  # still serving what it loaded

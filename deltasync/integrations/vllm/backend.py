@@ -20,11 +20,12 @@ Each worker keeps a host mirror in checkpoint names (seeded from the checkpoint 
 engine loaded), brings it to the step with :class:`~deltasync.DeltaFetcher` (chain
 catch-up, checksums, digests) and hands vLLM only the tensors that changed through
 the model's own ``load_weights``, so fused parameters and tensor parallelism stay
-vLLM's business. With ``prefetch`` (or :meth:`DeltasyncWorkerExtension.deltasync_prepare`)
+vLLM's business. Before the first load, :mod:`~deltasync.integrations.vllm.engine_check` makes
+sure the parameters those tensors land in are what the engine computes with. With ``prefetch`` (or :meth:`DeltasyncWorkerExtension.deltasync_prepare`)
 the download, checks and decode happen while the engine keeps generating; the
 update itself is the in-place load. See :mod:`deltasync.integrations.vllm.mirror` for the
-failure states. Unquantized weights only (bf16/fp16/fp32): a quantized engine's
-parameters are not the checkpoint's bits.
+failure states. Unquantized weights only (bf16/fp16/fp32): a quantized engine, or one
+whose CPU backend repacked its linear weights, is refused at init (:class:`EngineIncompatible`).
 
 Payloads never cross the RPC as tensors: the update names a store and a step.
 """
@@ -48,9 +49,10 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from deltasync.errors import DeltaSyncError
+from deltasync.errors import DeltaSyncError, EngineIncompatible
 from deltasync.fetcher._fetcher import MARKER, DeltaFetcher, Verify
 from deltasync.integrations.vllm import engine_core
+from deltasync.integrations.vllm.engine_check import check_engine
 from deltasync.integrations.vllm.engine_core import BACKEND
 from deltasync.integrations.vllm.mirror import EngineMirror
 from deltasync.integrations.vllm.prefetch import Prefetcher
@@ -147,6 +149,7 @@ class WorkerSync:
         self.world_size = world_size
         self.options = DeltasyncInitInfo()
         self.mirror: EngineMirror | None = None
+        self._refusal: str | None = None  # why this engine cannot be updated in place (engine_check)
         self._prefetcher: Prefetcher | None = None
         self._lock = threading.Lock()
         from deltasync.fetcher.metrics import SyncMetrics
@@ -173,8 +176,11 @@ class WorkerSync:
             self._metrics_server = self.metrics.serve(port)
 
     def mirror_for(self, store: str | None) -> EngineMirror:
-        """The mirror of ``store`` (the configured one when None), created on first use."""
+        """The mirror of ``store`` (the configured one when None), created on first use; raises
+        :class:`EngineIncompatible` for an engine that cannot take the run's tensors in place."""
         with self._lock:
+            if self._refusal is not None:
+                raise EngineIncompatible(self._refusal)
             url = store or self.options.store
             if url is None:
                 if self.mirror is not None:
@@ -202,8 +208,17 @@ class WorkerSync:
                 max_bytes=2 * local * tp + (64 << 20),
                 metrics=self.metrics,
                 agree=self._agree,
+                check=self._check,
             )
             return self.mirror
+
+    def _check(self, layout: Any) -> None:
+        """Refuse (once and for all) an engine whose parameters are not what it computes with."""
+        try:
+            check_engine(self.model, layout, quantization=getattr(self.vllm_config.model_config, "quantization", None))
+        except EngineIncompatible as exc:
+            self._refusal = str(exc)
+            raise
 
     def _agree(self, mine: Any) -> list[Any]:
         if self.world_size == 1:
@@ -253,7 +268,15 @@ class WorkerSync:
 
     def status(self) -> dict[str, Any]:
         if self.mirror is None:
-            return {"step": None, "prepared": None, "state": "serving", "last_error": None, "store": self.options.store}
+            why = None if self._refusal is None else f"EngineIncompatible: {self._refusal}"
+            return {
+                "step": None,
+                "prepared": None,
+                "state": "serving",
+                "last_error": why,
+                "store": self.options.store,
+                "rank": self.rank,
+            }
         return {**self.mirror.status(), "rank": self.rank}
 
     def render_metrics(self) -> str:
