@@ -27,6 +27,7 @@ builtin exception means the same thing, the class also subclasses it, so
     │   └── WebhookVerificationError      (also ValueError) a webhook delivery's signature or timestamp is bad
     ├── UpdateRolledBack                  a live engine refused a step; it still serves its previous step, bit-exact
     ├── WorkerNeedsReplacement            a live engine's weights could not be restored: replace the worker
+    ├── EngineIncompatible                a live engine's parameters are not the checkpoint's tensors: refused before any load
     └── DemoError                         (also ValueError) `deltasync demo` cannot start as asked
 
 Every class pickles (it carries only its message), so errors cross process
@@ -42,6 +43,7 @@ __all__ = [
     "CommitFailed",
     "DeltaSyncError",
     "DemoError",
+    "EngineIncompatible",
     "InvalidKey",
     "InventoryMismatch",
     "ObjectNotFound",
@@ -166,6 +168,12 @@ class UpdateRolledBack(DeltaSyncError):
 class WorkerNeedsReplacement(DeltaSyncError):
     """A live engine failed mid-update and its previous weights could not be restored either: it holds
     an unknown mix and must be restarted or replaced (every further update is refused)."""
+
+
+class EngineIncompatible(DeltaSyncError):
+    """A live engine cannot be updated in place: the parameters the run's tensors load into are not
+    what it computes with (a quantized engine, linear weights repacked by vLLM's CPU backend). Found
+    before anything is loaded; the engine keeps serving what it loaded at start."""
 
 
 class DemoError(DeltaSyncError, ValueError):

@@ -18,13 +18,18 @@ Three processes, anywhere that can reach the store:
            --weight-transfer-config '{"backend": "deltasync"}'
 
 3. This loop: it asks every worker to prepare new steps in the background (``prefetch``), and at
-   each committed step runs the four phases; generation requests flow the whole time::
+   each committed step pauses generation (``/pause?mode=wait``: requests in flight finish on the
+   weights they started with, new ones wait), runs the four phases and resumes; generation
+   requests are sent the whole time::
 
        python examples/vllm_rl_loop.py --vllm http://127.0.0.1:8000 --store hf://buckets/me/run-1 \\
            [--signal https://signal.example --token SUBSCRIBE] [--until-step N]
 
-A failed update (HTTP 500) leaves the engine serving its previous step, bit-exact; the loop logs it
-and moves on to the next step. Prints a JSON summary at the end.
+So every completion comes from one step, and none after an update from KV of an older one:
+deltasync's plugin drops the engine's prefix cache inside ``/update_weights`` (see
+``deltasync.integrations.vllm.engine_core``), however long the prompts. A failed update (HTTP 500)
+leaves the engine serving its previous step, bit-exact; the loop logs it, resumes and moves on to the
+next step. Prints a JSON summary at the end.
 """
 
 from __future__ import annotations
@@ -112,15 +117,20 @@ def main() -> None:
                 continue
             before = served[0]
             t0 = time.perf_counter()
-            engine.post("/start_weight_update").raise_for_status()
-            r = engine.post("/update_weights", json={"update_info": {"step": step}})
-            if r.status_code != 200:
-                # the update failed on every worker together: the engine still serves `current`
-                # (vLLM has already closed the update: no finish_weight_update)
-                print(f"step {step} not applied, still serving step {current}: {r.text[:300]}")
-                updates.append({"step": step, "ok": False})
-                continue
-            engine.post("/finish_weight_update", json={"weight_version": str(step)}).raise_for_status()
+            # no completion mixes two steps: requests in flight finish first, new ones wait for /resume
+            engine.post("/pause", params={"mode": "wait"}).raise_for_status()
+            try:
+                engine.post("/start_weight_update").raise_for_status()
+                r = engine.post("/update_weights", json={"update_info": {"step": step}})
+                if r.status_code != 200:
+                    # the update failed on every worker together: the engine still serves `current`
+                    # (vLLM has already closed the update: no finish_weight_update)
+                    print(f"step {step} not applied, still serving step {current}: {r.text[:300]}")
+                    updates.append({"step": step, "ok": False})
+                    continue
+                engine.post("/finish_weight_update", json={"weight_version": str(step)}).raise_for_status()
+            finally:
+                engine.post("/resume").raise_for_status()
             pause = time.perf_counter() - t0
             current = step
             version = engine.get("/weight_info").json()["weight_version"]

@@ -321,7 +321,7 @@ import engine_checks as ec
 
 def check(p):
     llm = ec.make_llm(p["model"], tp=p["tp"])
-    return {"fp": ec.fingerprint(llm), "checksums": ec.checksums(llm)}
+    return {"fp": ec.fingerprint(llm), "checksums": ec.checksums(llm), "prefix": ec.prefix_fingerprint(llm)}
 
 if __name__ == "__main__":
     ec.main(check)

@@ -1,6 +1,6 @@
 """Fixtures of the integration tests: ``deltasync.integrations`` (vLLM and transformers).
 
-The area covers the vLLM backend, prefetcher and EngineMirror (``integrations/vllm``), the
+The area covers the vLLM backend, engine-core hook, prefetcher and EngineMirror (``integrations/vllm``), the
 transformers ``DeltaSyncCallback``, and real vLLM engines and ``vllm serve`` (marker ``vllm``,
 in their own cached venv; see ``tests/vllm_harness.py``).
 

@@ -18,7 +18,12 @@ torch = pytest.importorskip("torch")
 from tensors import bits_equal  # noqa: E402
 
 import deltasync as ds  # noqa: E402
-from deltasync.errors import InventoryMismatch, UpdateRolledBack, WorkerNeedsReplacement  # noqa: E402
+from deltasync.errors import (  # noqa: E402
+    EngineIncompatible,
+    InventoryMismatch,
+    UpdateRolledBack,
+    WorkerNeedsReplacement,
+)
 from deltasync.fetcher import SyncJournal  # noqa: E402
 from deltasync.integrations.vllm.mirror import EngineMirror  # noqa: E402
 from deltasync.integrations.vllm.prefetch import Prefetcher  # noqa: E402
@@ -233,6 +238,49 @@ def test_seed_with_unknown_step_loads_only_tensors_that_differ(run: ds.MemorySto
     m = _mirror(run, engine, step=None)
     report = m.commit(2)
     assert report.tensors == 0 and _equal(engine.weights, _state(2))
+
+
+# ---------------------------------------------------------------- engine check
+
+LAYOUT = {n: (torch.bfloat16, (64, 8)) for n in NAMES}
+
+
+class Refuse:
+    """An engine check that records the layouts it is shown and refuses them."""
+
+    def __init__(self) -> None:
+        self.layouts: list[dict[str, Any]] = []
+
+    def __call__(self, layout: Any) -> None:
+        self.layouts.append(dict(layout))
+        raise EngineIncompatible("this engine computes from copies of its weights")
+
+
+def test_a_seeded_mirror_shows_its_seed_to_the_check_before_anything_else(run: ds.MemoryStore) -> None:
+    engine, refuse = Engine(_state(0)), Refuse()
+    with pytest.raises(EngineIncompatible, match="copies of its weights"):
+        _mirror(run, engine, check=refuse)
+    assert refuse.layouts == [LAYOUT] and engine.loads == []
+
+
+def test_an_unseeded_mirror_shows_the_run_s_inventory_to_the_check_before_the_first_load(run: ds.MemoryStore) -> None:
+    engine, refuse = Engine(_state(0)), Refuse()
+    m = EngineMirror(ds.DeltaFetcher(run), engine.load, check=refuse)
+    with pytest.raises(EngineIncompatible):
+        m.prepare(2).result()
+    with pytest.raises(EngineIncompatible, match="copies of its weights"):  # itself, not UpdateRolledBack
+        m.commit(2)
+    assert refuse.layouts == [LAYOUT, LAYOUT]
+    assert engine.loads == [] and _equal(engine.weights, _state(0))
+    assert m.status()["state"] == "serving" and m.serving is None
+    assert "EngineIncompatible" in (m.status()["last_error"] or "")
+
+
+def test_a_check_that_accepts_the_engine_changes_nothing(run: ds.MemoryStore) -> None:
+    engine, seen = Engine(_state(0)), []
+    m = _mirror(run, engine, check=seen.append)
+    m.commit(3)
+    assert _equal(engine.weights, _state(3)) and seen == [LAYOUT]
 
 
 # ---------------------------------------------------------------- journal

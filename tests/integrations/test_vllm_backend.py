@@ -3,17 +3,22 @@
 The engine boots on ``DeltaFetcher.materialize(step 0)`` and follows a store of real training
 steps (0 an anchor, 1-4 patches) through
 
-* the weight-transfer API: ``weight_transfer_config={"backend": "deltasync"}`` (registered by the
-  ``vllm.general_plugins`` entry point), then ``init_weight_transfer_engine`` ->
-  ``start_weight_update`` -> ``update_weights({"update_info": {"store", "step"}})`` ->
-  ``finish_weight_update(weight_version=...)``, TP=1 and TP=2;
+* the weight-transfer API, set up as the README shows: ``weight_transfer_config={"backend":
+  "deltasync"}`` (registered by the ``vllm.general_plugins`` entry point) and no deltasync worker
+  extension, then ``init_weight_transfer_engine`` -> ``start_weight_update`` ->
+  ``update_weights({"update_info": {"store", "step"}})`` -> ``finish_weight_update(weight_version=...)``,
+  TP=1 and TP=2, with ``deltasync_status`` / ``deltasync_metrics`` through ``collective_rpc`` (served by
+  the plugin's engine-core hook);
 * the worker extension ``DeltasyncWorkerExtension`` (``deltasync_prepare`` / ``deltasync_update`` /
   ``deltasync_status`` through ``collective_rpc``), including a catch-up from step 1 to step 4.
 
 Bit-exactness is proven with vLLM's own ``compute_weight_checksums`` (sha256 of every parameter of
 every rank): after each step it must equal both the checksums predicted from the trainer's state
 (``engine_checks.expected_checksums``) and those of a fresh engine booted on the materialized step,
-and greedy output (tokens and logprobs) must equal the fresh engine's. A corrupted patch in the
+and greedy output (tokens and logprobs) must equal the fresh engine's. No rollout comes from KV of
+an older step: prompts sharing a prefix of three KV blocks are served before each update and again
+after it, and must be answered as a fresh engine answers them, with nothing taken from the prefix
+cache that the update left behind (deltasync's engine-core hook drops it inside ``update_weights``). A corrupted patch in the
 store makes the update raise and leaves the engine serving the previous step, bit for bit.
 
 On CPU, in-place loading needs the TEST-ONLY patch in ``tests/vllm_support/sitecustomize.py``
@@ -22,6 +27,7 @@ On CPU, in-place loading needs the TEST-ONLY patch in ``tests/vllm_support/sitec
 
 from __future__ import annotations
 
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -37,11 +43,12 @@ from vllm_harness import (
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1800)]
 
 EXTENSION = "deltasync.integrations.vllm.backend.DeltasyncWorkerExtension"
+QKV = "model.layers.0.self_attn.qkv_proj.weight"
 LAST = 4  # the step the engines are synced to and compared at
 CORRUPT_STEP = 5  # the next committed step, damaged in the store
 
-# One engine on step 0 with the "deltasync" backend (and the extension, for deltasync_status),
-# stepped through 1..LAST with the four phases. Then step CORRUPT_STEP with its data file(s) damaged
+# One engine on step 0 with the "deltasync" backend only (the README's setup: deltasync_status and
+# deltasync_metrics need no worker extension), stepped through 1..LAST with the four phases. Then step CORRUPT_STEP with its data file(s) damaged
 # in the store after commit: the update must raise and change nothing. Then the files are repaired
 # and the same step must apply.
 BACKEND_SCRIPT = """
@@ -52,6 +59,7 @@ def snapshot(llm):
     return {
         "checksums": ec.checksums(llm),
         "fp": ec.fingerprint(llm),
+        "prefix": ec.prefix_fingerprint(llm),  # the same long prompts at every step: cached after the first
         "version": llm.get_weight_version(),
         "status": llm.collective_rpc("deltasync_status"),
     }
@@ -65,7 +73,7 @@ def four_phases(llm, url, step):
 
 def check(p):
     url, tp = p["store"], p["tp"]
-    llm = ec.make_llm(p["model"], tp=tp, weight_transfer_config={"backend": "deltasync"}, worker_extension_cls=p["extension"])
+    llm = ec.make_llm(p["model"], tp=tp, weight_transfer_config={"backend": "deltasync"})
     out = {"boot": snapshot(llm), "steps": {}, "seconds": {}}
     out["expected"] = {str(s): ec.expected_checksums(path, tp=tp) for s, path in p["states"].items()}
     llm.init_weight_transfer_engine({"init_info": {"store": url}})
@@ -102,6 +110,7 @@ def check(p):
         out["repair_error"] = None
     except Exception as exc:
         out["repair_error"] = f"{type(exc).__name__}: {exc}"
+    out["metrics"] = llm.collective_rpc("deltasync_metrics")
     return out
 
 if __name__ == "__main__":
@@ -138,6 +147,7 @@ def check(p):
     out["update1_s"] = time.monotonic() - t0
     out["status1"] = llm.collective_rpc("deltasync_status")
     out["checksums1"] = ec.checksums(llm)
+    out["prefix1"] = ec.prefix_fingerprint(llm)  # step 1's KV of the long prompts is in the cache now
 
     t0 = time.monotonic()
     out["update_last"] = llm.collective_rpc("deltasync_update", kwargs={"store": url, "step": p["last"]})
@@ -145,6 +155,38 @@ def check(p):
     out["status_last"] = llm.collective_rpc("deltasync_status")
     out["checksums_last"] = ec.checksums(llm)
     out["fp_last"] = ec.fingerprint(llm)
+    out["prefix_last"] = ec.prefix_fingerprint(llm)
+    return out
+
+if __name__ == "__main__":
+    ec.main(check)
+"""
+
+
+# vLLM's own CPU path (the tests' linear-weight patch off): in fp32 it repacks every linear weight for
+# oneDNN at load time and leaves an empty layer.weight. Started as the README shows; init must refuse
+# it, and so must each update, before anything is loaded.
+REPACKED_SCRIPT = """
+import engine_checks as ec
+
+def attempt(fn):
+    try:
+        fn()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+def check(p):
+    url = p["store"]
+    llm = ec.make_llm(p["model"], dtype="float32", weight_transfer_config={"backend": "deltasync"})
+    out = {"describe": llm.collective_rpc("check_describe_param", args=(p["qkv"],)), "fp_before": ec.fingerprint(llm)}
+    out["init_error"] = attempt(lambda: llm.init_weight_transfer_engine({"init_info": {"store": url, "prefetch": True}}))
+    out["status"] = llm.collective_rpc("deltasync_status")
+    llm.start_weight_update()
+    out["update_error"] = attempt(lambda: llm.update_weights({"update_info": {"store": url, "step": 1}}))
+    out["rpc_update_error"] = attempt(lambda: llm.collective_rpc("deltasync_update", kwargs={"step": 1}))
+    out["status_after"] = llm.collective_rpc("deltasync_status")
+    out["fp_after"] = ec.fingerprint(llm)
     return out
 
 if __name__ == "__main__":
@@ -177,7 +219,6 @@ def _backend_params(run: TrainedRun, step_dirs: dict[int, Path], store: Path, tp
         "tp": tp,
         "last": LAST,
         "corrupt_step": CORRUPT_STEP,
-        "extension": EXTENSION,
         "states": {s: run.expected(s) for s in run.steps},
         "corrupt_files": corrupt,
     }
@@ -213,6 +254,14 @@ def extension_tp1(
         "states": {s: trained_run.expected(s) for s in (0, 1, LAST)},
     }
     return run_script(EXTENSION_SCRIPT, params, timeout=420)
+
+
+@pytest.fixture(scope="module")
+def repacked(
+    run_script: Callable[..., dict[str, Any]], trained_run: TrainedRun, step_dirs: dict[int, Path]
+) -> dict[str, Any]:
+    params = {"model": step_dirs[0], "store": trained_run.store_url, "qkv": QKV}
+    return run_script(REPACKED_SCRIPT, params, timeout=300, env={"DELTASYNC_TEST_NO_CPU_GEMM_PATCH": "1"})
 
 
 @pytest.fixture(scope="module")
@@ -261,6 +310,33 @@ def test_synced_engine_equals_a_fresh_engine_on_the_materialized_step(
     assert live["fp"] == ref["fp"]  # greedy tokens and logprobs
 
 
+# ------------------------------------------------------------------------------- no stale rollout
+
+
+def _cold_then_shared(prefix: dict[str, Any]) -> None:
+    """The first long prompt took nothing from the prefix cache (all of it was computed with the
+    weights now served), the next two took the shared prefix the first one had just computed (caching
+    is on: without deltasync's reset the first prompt would have hit the previous step's KV too)."""
+    blocks = prefix["prompt_len"] // prefix["block_size"]
+    assert blocks >= 3 and prefix["block_size"] >= 16, prefix  # several full KV blocks (128 tokens each on CPU)
+    shared = blocks * prefix["block_size"]
+    assert [o["cached"] for o in prefix["outputs"]] == [0, shared, shared]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_after_each_update_no_prompt_is_answered_from_kv_of_the_previous_step(
+    tp: int, request: pytest.FixtureRequest, fresh: Callable[[int], dict[str, Any]]
+) -> None:
+    # the script serves the same long prompts at step 0 and after each update, and never resets a cache
+    rep = request.getfixturevalue(f"backend_tp{tp}")
+    for step in range(1, LAST + 1):
+        _cold_then_shared(rep["steps"][str(step)]["prefix"])
+    live, ref = rep["steps"][str(LAST)]["prefix"], fresh(tp)["prefix"]
+    _cold_then_shared(ref)
+    assert live == ref  # token ids and logprobs of every prompt, bit for bit, as a fresh engine on the step
+    assert live["outputs"] != rep["steps"][str(LAST - 1)]["prefix"]["outputs"]  # the update changes them
+
+
 # ------------------------------------------------------------------------------- failures
 
 
@@ -286,6 +362,22 @@ def test_after_a_failed_update_the_repaired_step_applies(tp: int, request: pytes
     assert got["checksums"] == rep["expected"][str(CORRUPT_STEP)]
     assert got["version"] == str(CORRUPT_STEP)
     assert [s["step"] for s in got["status"]] == [CORRUPT_STEP] * tp
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_status_and_metrics_need_no_worker_extension(tp: int, request: pytest.FixtureRequest) -> None:
+    # the engine has the backend and the tests' own check extension, nothing else of deltasync's
+    rep = request.getfixturevalue(f"backend_tp{tp}")
+    assert [s["rank"] for s in rep["after_init"]] == list(range(tp))
+    assert [(s["step"], s["state"]) for s in rep["steps"][str(CORRUPT_STEP)]["status"]] == [
+        (CORRUPT_STEP, "serving")
+    ] * tp
+    assert len(rep["metrics"]) == tp
+    for rank, text in enumerate(rep["metrics"]):
+        applied = re.search(rf'^deltasync_applied_step{{rank="{rank}"}} (\S+)$', text, re.M)
+        assert applied is not None and float(applied.group(1)) == CORRUPT_STEP, text
+        failed = re.search(rf'^deltasync_sync_failures_total{{[^}}]*rank="{rank}"[^}}]*}} (\S+)$', text, re.M)
+        assert failed is not None and float(failed.group(1)) >= 1, text  # the damaged step
 
 
 # ------------------------------------------------------------------------------- worker extension
@@ -315,3 +407,41 @@ def test_extension_catches_up_from_step_1_to_the_last(
     assert [(s["step"], s["state"], s["last_error"]) for s in rep["status_last"]] == [(LAST, "serving", None)]
     assert rep["checksums_last"] == rep["expected"][str(LAST)] == fresh(1)["checksums"]
     assert rep["fp_last"] == fresh(1)["fp"]
+
+
+def test_extension_update_drops_kv_of_the_step_it_left(
+    extension_tp1: dict[str, Any], fresh: Callable[[int], dict[str, Any]]
+) -> None:
+    # the long prompts were served at step 1, then deltasync_update jumped to the last step
+    rep = extension_tp1
+    _cold_then_shared(rep["prefix_last"])
+    assert rep["prefix_last"] == fresh(1)["prefix"]
+    assert rep["prefix_last"]["outputs"] != rep["prefix1"]["outputs"]
+
+
+# ------------------------------------------------------------------------------- engines refused at init
+
+
+def test_an_engine_whose_cpu_backend_repacked_its_weights_is_refused_at_init(repacked: dict[str, Any]) -> None:
+    rep = repacked
+    assert rep["describe"] == [{"shape": [0], "dtype": "torch.float32", "patched": False}]  # vLLM's own CPU path
+    err = rep["init_error"]
+    assert err is not None and err.startswith("EngineIncompatible: deltasync cannot update this engine in place"), err
+    # named through vLLM's own mapping: q/k/v_proj land in the fused qkv_proj, gate/up_proj in gate_up_proj
+    assert (
+        "self_attn.qkv_proj.weight (0,) float32 <- model.layers.0.self_attn.k_proj.weight [64, 128] and 2 more" in err
+    )
+    assert "mlp.gate_up_proj.weight (0,) float32 <- model.layers.0.mlp.gate_proj.weight [256, 128] and 1 more" in err
+    assert "10 of the parameters" in err  # 2 layers x (qkv, o, gate_up, down), lm_head and the embedding
+    assert "dispatch_cpu_unquantized_gemm" in err and "Nothing was loaded" in err
+    assert [(s["step"], s["state"], s["rank"]) for s in rep["status"]] == [(None, "serving", 0)]
+    assert rep["status"][0]["last_error"].startswith("EngineIncompatible")
+
+
+def test_updates_of_a_refused_engine_are_refused_the_same_way_and_change_nothing(repacked: dict[str, Any]) -> None:
+    rep = repacked
+    for err in (rep["update_error"], rep["rpc_update_error"]):
+        assert err is not None and err.startswith("EngineIncompatible: deltasync cannot update this engine"), err
+        assert "Attempted to load" not in err
+    assert [s["state"] for s in rep["status_after"]] == ["serving"]  # not needs_replacement
+    assert rep["fp_after"] == rep["fp_before"]  # still serving what it loaded

@@ -41,6 +41,7 @@ BUILTIN_PARENTS: dict[str, tuple[type[BaseException], ...]] = {
     "DemoError": (ValueError,),
     "UpdateRolledBack": (Exception,),
     "WorkerNeedsReplacement": (Exception,),
+    "EngineIncompatible": (Exception,),
 }
 
 #: Each class and its deltasync parent.
@@ -69,6 +70,7 @@ TREE_PARENTS: dict[str, str | None] = {
     "DemoError": "DeltaSyncError",
     "UpdateRolledBack": "DeltaSyncError",
     "WorkerNeedsReplacement": "DeltaSyncError",
+    "EngineIncompatible": "DeltaSyncError",
 }
 
 ids = [cls.__name__ for cls in ALL_CLASSES]

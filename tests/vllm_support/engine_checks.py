@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import sys
 import time
 import traceback
@@ -34,6 +35,9 @@ PROMPTS = [
 ]
 MAX_TOKENS = 12
 LOGPROBS = 3
+MAX_MODEL_LEN = 512  # room for prompts of several KV blocks (128 tokens each on CPU)
+PREFIX_BLOCKS = 3  # the shared prefix of prefix_fingerprint's prompts, in KV blocks
+TAIL = 40  # each prompt's own tokens after it (less than a block: never cached)
 
 
 def main(check: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
@@ -62,14 +66,15 @@ def main(check: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
 
 
 def make_llm(model: str, tp: int = 1, **kw: Any) -> Any:
-    """A small CPU engine on ``model`` (a checkpoint dir): bf16, eager, 256 tokens, 64 MiB KV cache."""
+    """A small CPU engine on ``model`` (a checkpoint dir): bf16, eager, 512 tokens, 64 MiB KV cache, prefix
+    caching on (vLLM's default)."""
     from vllm import LLM
 
     args: dict[str, Any] = dict(
         model=model,
         dtype="bfloat16",
         enforce_eager=True,
-        max_model_len=256,
+        max_model_len=MAX_MODEL_LEN,
         kv_cache_memory_bytes=64 << 20,
         tensor_parallel_size=tp,
         seed=0,
@@ -93,6 +98,32 @@ def fingerprint(llm: Any, prompts: list[str] | None = None) -> list[dict[str, An
         lps = [sorted((int(t), float(lp.logprob)) for t, lp in pos.items()) for pos in (c.logprobs or [])]
         result.append({"prompt": o.prompt, "token_ids": list(c.token_ids), "text": c.text, "logprobs": lps})
     return result
+
+
+def shared_prefix_prompts(block_size: int) -> list[list[int]]:
+    """Three prompts (token ids) sharing their first ``PREFIX_BLOCKS`` KV blocks, as the samples of a
+    GRPO group share their prompt, each with ``TAIL`` tokens of its own."""
+    rng = random.Random(24)
+    prefix = [rng.randrange(3, 1024) for _ in range(PREFIX_BLOCKS * block_size)]
+    return [prefix + [rng.randrange(3, 1024) for _ in range(TAIL)] for _ in range(3)]
+
+
+def prefix_fingerprint(llm: Any) -> dict[str, Any]:
+    """Greedy completions (token ids, top-k logprobs) of ``shared_prefix_prompts``, one request after the
+    other, each with the number of its prompt tokens vLLM took from the prefix cache
+    (``num_cached_tokens``): the first request hits only KV that was in the cache before the call,
+    the next two hit the prefix the first one just computed."""
+    from vllm import SamplingParams
+
+    block_size = int(llm.llm_engine.vllm_config.cache_config.block_size)
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=LOGPROBS, seed=0, ignore_eos=True)
+    outputs = []
+    for ids in shared_prefix_prompts(block_size):
+        (o,) = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
+        c = o.outputs[0]
+        lps = [sorted((int(t), float(lp.logprob)) for t, lp in pos.items()) for pos in (c.logprobs or [])]
+        outputs.append({"token_ids": list(c.token_ids), "logprobs": lps, "cached": int(o.num_cached_tokens or 0)})
+    return {"block_size": block_size, "prompt_len": PREFIX_BLOCKS * block_size + TAIL, "outputs": outputs}
 
 
 def checksums(llm: Any) -> dict[str, str]:

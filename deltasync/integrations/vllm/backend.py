@@ -13,15 +13,19 @@ then, at each step the trainer commits, the standard four phases (HTTP twins und
     llm.update_weights({"update_info": {"store": URL, "step": N}})
     llm.finish_weight_update(weight_version=str(N))
 
+The same plugin hooks the engine core (:mod:`deltasync.integrations.vllm.engine_core`): when
+``update_weights`` returns, the engine's prefix cache no longer holds KV of the previous weights.
+
 Each worker keeps a host mirror in checkpoint names (seeded from the checkpoint dir the
 engine loaded), brings it to the step with :class:`~deltasync.DeltaFetcher` (chain
 catch-up, checksums, digests) and hands vLLM only the tensors that changed through
 the model's own ``load_weights``, so fused parameters and tensor parallelism stay
-vLLM's business. With ``prefetch`` (or :meth:`DeltasyncWorkerExtension.deltasync_prepare`)
+vLLM's business. Before the first load, :mod:`~deltasync.integrations.vllm.engine_check` makes
+sure the parameters those tensors land in are what the engine computes with. With ``prefetch`` (or :meth:`DeltasyncWorkerExtension.deltasync_prepare`)
 the download, checks and decode happen while the engine keeps generating; the
 update itself is the in-place load. See :mod:`deltasync.integrations.vllm.mirror` for the
-failure states. Unquantized weights only (bf16/fp16/fp32): a quantized engine's
-parameters are not the checkpoint's bits.
+failure states. Unquantized weights only (bf16/fp16/fp32): a quantized engine, or one
+whose CPU backend repacked its linear weights, is refused at init (:class:`EngineIncompatible`).
 
 Payloads never cross the RPC as tensors: the update names a store and a step.
 """
@@ -29,6 +33,7 @@ Payloads never cross the RPC as tensors: the update names a store and a step.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import sys
@@ -44,8 +49,11 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from deltasync.errors import DeltaSyncError
+from deltasync.errors import DeltaSyncError, EngineIncompatible
 from deltasync.fetcher._fetcher import MARKER, DeltaFetcher, Verify
+from deltasync.integrations.vllm import engine_core
+from deltasync.integrations.vllm.engine_check import check_engine
+from deltasync.integrations.vllm.engine_core import BACKEND
 from deltasync.integrations.vllm.mirror import EngineMirror
 from deltasync.integrations.vllm.prefetch import Prefetcher
 
@@ -60,16 +68,16 @@ __all__ = [
 
 log = logging.getLogger("deltasync.vllm")
 
-BACKEND = "deltasync"
-
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: make ``{"backend": "deltasync"}`` selectable.
-    vLLM runs it in every process, maybe more than once."""
+    """The ``vllm.general_plugins`` entry point: make ``{"backend": "deltasync"}`` selectable and hook
+    the engine core (see :mod:`~deltasync.integrations.vllm.engine_core`). vLLM runs it in every
+    process, maybe more than once."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     with contextlib.suppress(ValueError):  # registered already in this process
         WeightTransferEngineFactory.register_engine(BACKEND, __name__, "DeltasyncWeightTransferEngine")
+    engine_core.install(_worker_rpc)
 
 
 @dataclass
@@ -141,6 +149,7 @@ class WorkerSync:
         self.world_size = world_size
         self.options = DeltasyncInitInfo()
         self.mirror: EngineMirror | None = None
+        self._refusal: str | None = None  # why this engine cannot be updated in place (engine_check)
         self._prefetcher: Prefetcher | None = None
         self._lock = threading.Lock()
         from deltasync.fetcher.metrics import SyncMetrics
@@ -167,8 +176,11 @@ class WorkerSync:
             self._metrics_server = self.metrics.serve(port)
 
     def mirror_for(self, store: str | None) -> EngineMirror:
-        """The mirror of ``store`` (the configured one when None), created on first use."""
+        """The mirror of ``store`` (the configured one when None), created on first use; raises
+        :class:`EngineIncompatible` for an engine that cannot take the run's tensors in place."""
         with self._lock:
+            if self._refusal is not None:
+                raise EngineIncompatible(self._refusal)
             url = store or self.options.store
             if url is None:
                 if self.mirror is not None:
@@ -196,8 +208,17 @@ class WorkerSync:
                 max_bytes=2 * local * tp + (64 << 20),
                 metrics=self.metrics,
                 agree=self._agree,
+                check=self._check,
             )
             return self.mirror
+
+    def _check(self, layout: Any) -> None:
+        """Refuse (once and for all) an engine whose parameters are not what it computes with."""
+        try:
+            check_engine(self.model, layout, quantization=getattr(self.vllm_config.model_config, "quantization", None))
+        except EngineIncompatible as exc:
+            self._refusal = str(exc)
+            raise
 
     def _agree(self, mine: Any) -> list[Any]:
         if self.world_size == 1:
@@ -247,7 +268,15 @@ class WorkerSync:
 
     def status(self) -> dict[str, Any]:
         if self.mirror is None:
-            return {"step": None, "prepared": None, "state": "serving", "last_error": None, "store": self.options.store}
+            why = None if self._refusal is None else f"EngineIncompatible: {self._refusal}"
+            return {
+                "step": None,
+                "prepared": None,
+                "state": "serving",
+                "last_error": why,
+                "store": self.options.store,
+                "rank": self.rank,
+            }
         return {**self.mirror.status(), "rank": self.rank}
 
     def render_metrics(self) -> str:
@@ -343,48 +372,66 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         self.sync.close()
 
 
+def _state_of(worker: Any) -> WorkerSync:
+    """A vLLM worker's deltasync state: its ``"deltasync"`` backend's, else one kept on the worker."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    if isinstance(engine, DeltasyncWeightTransferEngine):
+        return engine.sync
+    sync: WorkerSync | None = getattr(worker, "_deltasync_sync", None)
+    if sync is None:
+        sync = _worker_sync(worker.model_runner.get_model(), worker.vllm_config)
+        worker._deltasync_sync = sync
+    return sync
+
+
 class DeltasyncWorkerExtension:
-    """Worker extension (``worker_extension_cls="deltasync.integrations.vllm.backend.DeltasyncWorkerExtension"``) for
-    vLLM versions or setups without the weight-transfer API, driven by ``llm.collective_rpc``::
+    """deltasync's worker API, driven by ``llm.collective_rpc`` (also where the weight-transfer API is
+    not used)::
 
         llm.collective_rpc("deltasync_prepare", kwargs={"store": URL, "step": N})  # returns at once
         llm.collective_rpc("deltasync_update", kwargs={"store": URL, "step": N})   # the pause
         llm.collective_rpc("deltasync_status")
+        llm.collective_rpc("deltasync_metrics")
 
-    Shares the worker's state with the ``"deltasync"`` backend when both are configured.
+    Any engine in an environment where deltasync is installed answers these: the plugin's engine-core
+    hook sends them to the workers as :func:`_worker_rpc` calls. Starting the engine with
+    ``worker_extension_cls="deltasync.integrations.vllm.backend.DeltasyncWorkerExtension"`` is needed only
+    where vLLM plugins are turned off (``VLLM_PLUGINS``). Shares the worker's state with the
+    ``"deltasync"`` backend when both are configured.
     """
-
-    def _deltasync(self) -> WorkerSync:
-        engine = getattr(self, "weight_transfer_engine", None)
-        if isinstance(engine, DeltasyncWeightTransferEngine):
-            return engine.sync
-        sync: WorkerSync | None = getattr(self, "_deltasync_sync", None)
-        if sync is None:
-            runner: Any = self.model_runner  # type: ignore[attr-defined]
-            vllm_config: Any = self.vllm_config  # type: ignore[attr-defined]
-            sync = _worker_sync(runner.get_model(), vllm_config)
-            self._deltasync_sync = sync
-        return sync
 
     def deltasync_init(self, **init_info: Any) -> dict[str, Any]:
         """Configure (same options as :class:`DeltasyncInitInfo`)."""
-        sync = self._deltasync()
+        sync = _state_of(self)
         return sync.call(lambda: sync.configure(DeltasyncInitInfo(**init_info)))
 
     def deltasync_prepare(self, store: str | None = None, step: int | None = None) -> dict[str, Any]:
         """Start bringing the mirror to ``step`` in the background; returns at once."""
-        sync = self._deltasync()
+        sync = _state_of(self)
         return sync.call(sync.prepare, store, step)
 
     def deltasync_update(self, store: str | None = None, step: int | None = None) -> dict[str, Any]:
         """Make the engine serve ``step`` (default: newest); raises UpdateRolledBack / WorkerNeedsReplacement."""
-        sync = self._deltasync()
+        sync = _state_of(self)
         return sync.call(sync.update, store, step)
 
     def deltasync_status(self) -> dict[str, Any]:
         """``{"step", "prepared", "state", "last_error", "store", "rank"}``."""
-        return self._deltasync().status()
+        return _state_of(self).status()
 
     def deltasync_metrics(self) -> str:
         """Prometheus text of this worker's sync metrics (staleness, bytes, verify/apply/pause seconds)."""
-        return self._deltasync().render_metrics()
+        return _state_of(self).render_metrics()
+
+
+def _worker_rpc(worker: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run deltasync's worker method ``name`` on a vLLM worker (what the engine-core hook sends for
+    ``collective_rpc(name)``): the engine's worker extension's where it has one, else
+    :class:`DeltasyncWorkerExtension`'s, with the worker as ``self``."""
+    if name not in engine_core.RPCS:
+        raise ValueError(f"{name!r} is not one of deltasync's worker methods ({', '.join(sorted(engine_core.RPCS))})")
+    target = getattr(worker, "worker", worker)  # vLLM calls with its WorkerWrapperBase
+    method = getattr(target, name, None)
+    if method is None:
+        method = functools.partial(getattr(DeltasyncWorkerExtension, name), target)
+    return method(*args, **kwargs)

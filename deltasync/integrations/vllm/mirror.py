@@ -10,6 +10,8 @@ that load.
 
 Failure states, for an orchestrator:
 
+- an engine that cannot take the run's tensors in place (``check`` refuses their layout) is never
+  loaded into: :class:`EngineIncompatible`, before the first load;
 - a step that fails to download or prove never touches the engine;
 - a load the engine refuses is undone: the mirror rolls back (its journals) and
   the engine reloads the same names at their previous bits, then
@@ -28,18 +30,27 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Literal, NoReturn
 
-from deltasync._tensors import allocate
+from deltasync._tensors import allocate, torch_dtype
 from deltasync._worker import SerialWorker
-from deltasync.errors import DeltaSyncError, InventoryMismatch, UpdateRolledBack, WorkerNeedsReplacement
+from deltasync.errors import (
+    DeltaSyncError,
+    EngineIncompatible,
+    InventoryMismatch,
+    UpdateRolledBack,
+    WorkerNeedsReplacement,
+)
 from deltasync.fetcher._fetcher import DeltaFetcher, Verify
 from deltasync.fetcher._journal import SyncJournal
 
-__all__ = ["CommitReport", "EngineMirror", "Loader"]
+__all__ = ["Check", "CommitReport", "EngineMirror", "Loader"]
 
 log = logging.getLogger("deltasync.mirror")
 
 #: the engine's loader: takes ``(checkpoint name, host tensor)`` pairs and copies them into the live weights
 Loader = Callable[[Iterable[tuple[str, Any]]], Any]
+#: checks, before anything is loaded, that the engine takes tensors of this layout (checkpoint name ->
+#: (torch dtype, shape)) in place; raises :class:`EngineIncompatible` when it does not
+Check = Callable[[Mapping[str, tuple[Any, tuple[int, ...]]]], None]
 State = Literal["serving", "needs_replacement"]
 
 
@@ -69,6 +80,8 @@ class EngineMirror:
     agree: for an engine split over ranks (tensor parallel), exchanges one picklable value with
         every rank and returns all of them in rank order (an all-gather); every rank calls it at
         the same points of :meth:`commit`, so the ranks commit or undo together.
+    check: see :data:`Check`; called with the seed's layout here, and with the run's inventory when
+        the mirror is allocated from it (no seed, or a seed that is not the run's layout).
     """
 
     def __init__(
@@ -81,6 +94,7 @@ class EngineMirror:
         max_bytes: int | None = None,
         metrics: Any = None,
         agree: Callable[[Any], list[Any]] | None = None,
+        check: Check | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.fetcher = fetcher
@@ -89,6 +103,9 @@ class EngineMirror:
         self.metrics = metrics
         self.clock = clock
         self.max_bytes = max_bytes
+        self._check = check
+        if seed is not None and check is not None:
+            check({n: (t.dtype, tuple(t.shape)) for n, t in seed.items()})
         self._mirror: dict[str, Any] | None = dict(seed) if seed is not None else None
         self._seed_step = seed_step
         # whether the engine holds exactly the mirror's bits at ``serving`` (False: load everything once)
@@ -134,6 +151,8 @@ class EngineMirror:
     def _ensure_mirror(self, step: int) -> dict[str, Any]:
         if self._mirror is None:
             inventory = self.fetcher.manifest(step).inventory
+            if self._check is not None:
+                self._check({t.name: (torch_dtype(t.dtype), tuple(t.shape)) for t in inventory})
             limit = self.max_bytes if self.max_bytes is not None else 1 << 62
             self._mirror = allocate(inventory, limit, option="EngineMirror(max_bytes=...)", zeroed=False)
         return self._mirror
@@ -236,6 +255,8 @@ class EngineMirror:
             if failed:
                 if self.state == "needs_replacement":
                     raise WorkerNeedsReplacement(f"this worker must be replaced: {self.last_error}") from cause
+                if isinstance(cause, EngineIncompatible):
+                    raise EngineIncompatible(str(cause)) from cause
                 raise UpdateRolledBack(
                     f"step {step} was not applied ({'; '.join(failed)}); the engine still serves step {previous}, "
                     "unchanged"
