@@ -222,12 +222,14 @@ class LiveBoard:
             self._emit_locked("trainer", self._trainer)
 
     def set_head(self, step: int) -> None:
-        """The newest committed step seen in the store (before the follower applies it)."""
+        """The newest committed step: the trainer's commit (self-contained mode), or the newest
+        step the follower found in the store. A head that moves on is a staleness sample."""
         with self._lock:
             newer = self._staleness.head is None or step > self._staleness.head
             self._staleness.committed(step, self._clock(), exact=False)
             if newer:
                 self._emit_locked("head", {"head": step})
+                self._tick_locked()
 
     def committed(self, commit: dict[str, Any]) -> None:
         """The store holds a new committed step (read from its manifest)."""
@@ -254,19 +256,23 @@ class LiveBoard:
                 self._applied_steps.append(step)
             self._staleness.hold(step, now)
             text = data.get("text")
+            staleness = self._staleness_locked()
             if text is not None and (not self._generations or self._generations[-1]["text"] != text):
                 self._generations.append({"step": step, "t": now, "text": text})
-            self._emit_locked(
-                "applied", {**self._applied, "staleness": self._staleness_locked(), "paths": dict(self._paths)}
-            )
+            self._emit_locked("applied", {**self._applied, "staleness": staleness, "paths": dict(self._paths)})
             self._tick_locked()
 
     def tick(self) -> None:
-        """Record a staleness sample (called about once a second)."""
+        """Record a staleness sample (the follower calls it about once a second while it waits)."""
         with self._lock:
             self._tick_locked()
 
     def _tick_locked(self) -> None:
+        """A staleness sample for the chart: committed head minus the step held, as now.
+
+        Staleness only changes when the head moves on (a commit) or the copy applies a step, and
+        both sample it (plus :meth:`tick`), so the chart draws its real course: it rises with
+        each commit the copy does not hold yet and drops when the copy catches up."""
         st = self._staleness_locked()
         point = {"t": self._clock(), "steps": st["steps"], "seconds": st["seconds"]}
         self._lag.append(point)

@@ -420,6 +420,8 @@ class DemoRun:
                 return
             if info.kind != "skipped":
                 ep.signal.notify(info.step)
+            # the store's head as it moves on (the follower finds it later): a staleness sample
+            self.board.set_head(info.committed_step)
             self.board.trainer_update(committed=info.committed_step, last_kind=info.kind, signals=_signals(up))
 
         with up:

@@ -127,6 +127,45 @@ def test_hub_staleness_is_committed_minus_applied() -> None:
     assert snap["applied_steps"] == [0, 1]
 
 
+def test_staleness_chart_samples_each_commit_and_each_apply() -> None:
+    clock = FakeClock()
+    hub = LiveBoard({"mode": "self-contained"}, clock=clock)
+    hub.set_head(0)
+    hub.applied(0, text="a", sync_ms=1.0)
+    for step in (1, 2, 3):  # the trainer commits three steps while the copy holds step 0
+        clock.t += 1
+        hub.set_head(step)
+    hub.set_head(3)  # the same head again: not a new sample
+    clock.t += 1
+    hub.applied(3, text="b", sync_ms=1.0)
+    lag = hub.snapshot()["lag"]
+    assert [p["steps"] for p in lag] == [1, 0, 1, 2, 3, 0]
+    assert [p["seconds"] for p in lag] == [0.0, 0.0, 0.0, 1.0, 2.0, 0.0]
+    assert hub.snapshot()["staleness"]["steps"] == lag[-1]["steps"]
+
+
+def test_staleness_chart_rises_while_the_follower_lags(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The follower is held before its first sync until the trainer has committed every step
+    (an event, no timing): the chart's series shows the lag the staleness tile shows."""
+    store = ds.MemoryStore()
+    run = DemoRun(store, DemoOptions(store_url="memory://lag", model="tiny", steps=5, step_interval=0.0))
+    sync = ds.DeltaFetcher.sync
+
+    def held_sync(self: ds.DeltaFetcher, *args: Any, **kwargs: Any) -> Any:
+        assert run.current.trainer_done.wait(RUN_TIMEOUT), "the trainer did not finish"
+        return sync(self, *args, **kwargs)
+
+    monkeypatch.setattr(ds.DeltaFetcher, "sync", held_sync)
+    _run_until_done(run)
+    snap = run.board.snapshot()
+    assert run.bit_exact is True
+    # (samples before the first commit have no head: None, which the page does not draw)
+    steps = [p["steps"] for p in snap["lag"] if p["steps"] is not None]
+    # the commits were sampled while the copy held nothing: up to all of steps 0..5 behind
+    assert max(steps) == 6 and steps[0] == 1, steps
+    assert steps[-1] == 0 == snap["staleness"]["steps"]  # caught up
+
+
 def test_hub_broadcasts_snapshot_then_events_in_order() -> None:
     async def main() -> list[dict[str, Any]]:
         hub = LiveBoard({"mode": "follower"})
