@@ -191,30 +191,32 @@ def _can_open_browser() -> bool:
 
 
 def _console(run: DemoRun, print_: Callable[[str], None], url: str | None) -> Callable[[], None]:
-    """Print one line per change of the inference copy's answer, and a summary when a run ends
+    """Print one line per change of the inference copy's answer (each entry of the page's answer
+    history, with the step the page shows, none skipped), and a summary when a run ends
     (``url``: where the page is still served, None with --exit-when-done); returns a stopper.
 
     Call it before the run starts: every run's end is queued (:meth:`DemoRun.on_run_end`), so a
-    summary is printed for each run, even one that ``--loop`` replaced between two ticks."""
+    summary is printed for each run, even one that ``--loop`` replaced between two ticks, and
+    every answer change is queued (:meth:`LiveBoard.on_answer`), however many come per tick."""
     stop = threading.Event()
     ended: queue.Queue[Episode] = queue.Queue()
+    answers: queue.Queue[dict[str, Any]] = queue.Queue()
+    run.board.on_answer(answers.put)
     if url is not None:
         run.on_run_end(ended.put)
 
     def loop() -> None:
-        last_text: str | None = None
         stopping = False
         while not stopping:
             stopping = stop.wait(0.5)  # a last round once stopped: a summary queued meanwhile is printed
+            while True:  # every answer change, in order, with the step the page's history shows
+                try:
+                    g = answers.get_nowait()
+                except queue.Empty:
+                    break
+                sync = "" if g.get("sync_ms") is None else f"  applied in {g['sync_ms']:.1f} ms"
+                print_(f"step {g['step']:>4}{sync}  (lag {g['lag']} steps)  inference copy answers {g['text']!r}")
             s = run.board.snapshot()
-            a = s["applied"]
-            if a is not None and a.get("text") != last_text:
-                last_text = a.get("text")
-                lag = s["staleness"]
-                print_(
-                    f"step {a['step']:>4}  applied in {a['sync_ms']:.1f} ms  (lag {lag['steps']} steps)  "
-                    f"inference copy answers {last_text!r}"
-                )
             while url is not None:
                 try:
                     ep = ended.get_nowait()

@@ -75,6 +75,7 @@ class LiveBoard:
         self._error: str | None = None
         self._status = "starting"
         self._seq = 0
+        self._answer_listeners: list[Callable[[dict[str, Any]], None]] = []
         self.started = clock()
 
     # ---------------------------------------------------------------- read
@@ -128,6 +129,13 @@ class LiveBoard:
             self._subs.append(sub)
         sub.put({"type": "snapshot", "data": self.snapshot()})
         return sub
+
+    def on_answer(self, fn: Callable[[dict[str, Any]], None]) -> None:
+        """Call ``fn(entry)`` for every change of the inference copy's answer, with the entry the
+        page's answer history gets (its step, text, sync time and staleness), from the applying
+        thread and under the board's lock: ``fn`` must only hand it on (e.g. ``queue.put``)."""
+        with self._lock:
+            self._answer_listeners.append(fn)
 
     def unsubscribe(self, sub: Subscription) -> None:
         """Forget a page."""
@@ -258,7 +266,18 @@ class LiveBoard:
             text = data.get("text")
             staleness = self._staleness_locked()
             if text is not None and (not self._generations or self._generations[-1]["text"] != text):
-                self._generations.append({"step": step, "t": now, "text": text})
+                # the page's answer history and the terminal's lines, one entry per answer change:
+                # the step that first answered it, its sync time and the staleness right after it
+                answer = {
+                    "step": step,
+                    "t": now,
+                    "text": text,
+                    "sync_ms": data.get("sync_ms"),
+                    "lag": staleness["steps"],
+                }
+                self._generations.append(answer)
+                for fn in self._answer_listeners:
+                    fn(dict(answer))
             self._emit_locked("applied", {**self._applied, "staleness": staleness, "paths": dict(self._paths)})
             self._tick_locked()
 

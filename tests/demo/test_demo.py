@@ -497,3 +497,34 @@ def test_app_serves_page_assets_and_state() -> None:
         state = client.get("/api/state").json()
         assert state["mode"] == "follower" and state["prompt"] == PROMPT and state["commits"] == []
         assert client.get("/healthz").json() == {"ok": True, "status": "starting"}
+
+
+def test_the_terminal_prints_every_answer_the_page_lists_with_its_step() -> None:
+    """Many answer changes (and a --loop restart) between two rounds of the terminal's loop:
+    none is skipped, and each line names the step the page's answer history shows (where the
+    answer first appeared), with the staleness right after that apply."""
+    from spaces_demo.app import _console
+
+    run = DemoRun(ds.MemoryStore(), DemoOptions(store_url="memory://c", train=False))
+    board = run.board
+    lines: list[str] = []
+    stop_console = _console(run, lines.append, None)
+    page: list[tuple[int, str]] = []
+    try:
+        board.set_head(0)
+        board.applied(0, text="a", sync_ms=1.0)
+        for step, text in [(1, "a"), (2, "b"), (3, "c"), (4, "c"), (5, "d")]:
+            board.set_head(step + 2)  # the trainer is ahead: the copy lags 2 steps after each apply
+            board.applied(step, text=text, sync_ms=2.0)
+        page = [(g["step"], g["text"]) for g in board.snapshot()["generations"]]
+        board.reset(episode=1)  # --loop: the next run starts at step 0 again
+        board.set_head(0)
+        board.applied(0, text="e", sync_ms=3.0)
+    finally:
+        stop_console()  # its last round, once stopped, prints what is queued
+    assert page == [(0, "a"), (2, "b"), (3, "c"), (5, "d")]
+    assert [(int(ln.split()[1]), ln.split("answers ")[1]) for ln in lines] == [
+        (s, repr(t)) for s, t in [*page, (0, "e")]
+    ]
+    assert lines[0] == "step    0  applied in 1.0 ms  (lag 0 steps)  inference copy answers 'a'"
+    assert lines[1] == "step    2  applied in 2.0 ms  (lag 2 steps)  inference copy answers 'b'"
