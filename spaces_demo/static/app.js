@@ -32,6 +32,12 @@ function svg(container, w, h) {
   return s;
 }
 
+// An empty chart says what it waits for instead of showing a blank panel.
+const WAITING = "waiting for the first step…";
+function waiting(s, w, h, text) {
+  s.appendChild(el("text", { x: w / 2, y: h / 2 + 4, "text-anchor": "middle", class: "waiting" }, text || WAITING));
+}
+
 // ------------------------------------------------------------------ events
 
 function apply(ev) {
@@ -249,7 +255,7 @@ function timeline(commits) {
   const W = 1200, H = 56;
   const s = svg($("timeline"), W, H);
   s.setAttribute("data-points", String(commits.length));
-  if (!commits.length) return;
+  if (!commits.length) { waiting(s, W, H); return; }
   const { bw, x } = xScale(commits, W, 4, 4);
   const applied = new Set(S.applied_steps);
   const cur = S.applied ? S.applied.step : -1;
@@ -274,7 +280,7 @@ function bytesChart(commits) {
   const W = 600, H = 220, L = 52, R = 8, T = 8, B = 18;
   const s = svg($("chart-bytes"), W, H);
   s.setAttribute("data-points", String(commits.length));
-  if (!commits.length) return;
+  if (!commits.length) { waiting(s, W, H); return; }
   const full = commits[commits.length - 1].full_bytes;
   const vals = commits.map((c) => c.nbytes).concat([full, ...commits.map((c) => 6 * c.changed)]);
   const lo = Math.pow(10, Math.floor(Math.log10(Math.max(Math.min(...vals.filter((v) => v > 0)), 1))));
@@ -305,7 +311,7 @@ function densityChart(commits) {
   const s = svg($("chart-density"), W, H);
   const pts = commits.map((c, i) => [i, c]).filter(([, c]) => c.kind === "patch" && c.total > 0);
   s.setAttribute("data-points", String(pts.length));
-  if (!pts.length) return;
+  if (!pts.length) { waiting(s, W, H, commits.length ? "waiting for the first patch…" : WAITING); return; }
   const maxD = Math.max(...pts.map(([, c]) => c.changed / c.total), 0.01);
   const top = [0.01, 0.02, 0.04, 0.1, 0.2, 0.4, 0.6, 0.8, 1].find((v) => v >= maxD) || 1;
   const y = (v) => T + (H - T - B) * (1 - v / top);
@@ -338,7 +344,7 @@ function heatmap(commits) {
   const H = T + B + rowH * Math.max(groups.length, 1);
   const s = svg($("heatmap"), W, H);
   s.setAttribute("data-points", String(commits.length));
-  if (!commits.length || !groups.length) return;
+  if (!commits.length || !groups.length) { waiting(s, W, H); return; }
   const { bw, x } = xScale(commits, W, L, R);
   groups.forEach((g, r) => s.appendChild(el("text", { x: L - 4, y: T + r * rowH + rowH / 2 + 3, "text-anchor": "end" }, g)));
   commits.forEach((c, i) => {
@@ -367,7 +373,7 @@ function lagChart() {
   const W = 600, H = 220, L = 36, R = 40, T = 8, B = 18;
   const s = svg($("chart-lag"), W, H);
   s.setAttribute("data-points", String(pts.length));
-  if (!pts.length) return;
+  if (!pts.length) { waiting(s, W, H, "waiting for the first commit…"); return; }
   const t0 = pts[0].t, t1 = Math.max(pts[pts.length - 1].t, t0 + 1);
   const maxS = Math.max(...pts.map((p) => p.steps), 2);
   const maxT = Math.max(...pts.map((p) => p.seconds), 1);

@@ -44,11 +44,14 @@ function renderCosts(fmtBytes, pct) {
     ? `anchors ${fmtBytes(c.anchorBytes)} (${c.anchors} × a full checkpoint, ${pct(share, 0)} of the bytes) + ` +
       `patches ${fmtBytes(c.patchBytes)} (${c.patches} steps, ${pct(1 - share, 0)}) = ${fmtBytes(c.shipped)} shipped, ` +
       `vs ${fmtBytes(c.full)} as ${commits.length} full checkpoints`
-    : "no step yet";
+    : "waiting for the first step…";
 
   const up = S.uploader;
   const rule = $("anchor-rule");
-  if (!up) {
+  if (!commits.length) {
+    // nothing to explain before the first commit (no "So far: 0 anchors")
+    rule.textContent = "Anchors and patches: waiting for the first step…";
+  } else if (!up) {
     rule.textContent = "Anchors: the trainer elsewhere decides when to write a full checkpoint (its uploader's anchor_every and anchor_bytes_fraction).";
   } else {
     const f = up.anchor_bytes_fraction;

@@ -228,3 +228,35 @@ def check_finished_page(page: Any) -> None:
         )
         assert cut == [], f"at {width} px the header cuts {cut} across lines"
     page.set_viewport_size({"width": WIDTH, "height": 1400})
+
+
+def test_page_says_it_waits_until_the_first_step(page: Any, tmp_path: Path) -> None:
+    """A follower on an empty store: every panel says what it waits for, nothing counts 0 anchors."""
+    store = tmp_path / "empty"
+    store.mkdir()
+    d = Demo(["--no-train", "--store", str(store), "--no-browser"], tmp_path)
+    try:
+        d.wait_until("/healthz", lambda: d.client.get("/healthz").status_code == 200, START_TIMEOUT)
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(d.base + "/")
+        page.wait_for_selector("#conn.live")
+        page.wait_for_selector("#chart-lag svg text.waiting")
+        waits = {
+            c: page.text_content(f"#{c} svg text.waiting")
+            for c in ("timeline", "chart-bytes", "chart-density", "heatmap", "chart-lag")
+        }
+        assert waits == {
+            "timeline": "waiting for the first step…",
+            "chart-bytes": "waiting for the first step…",
+            "chart-density": "waiting for the first step…",
+            "heatmap": "waiting for the first step…",
+            "chart-lag": "waiting for the first commit…",
+        }
+        assert page.text_content("#generation") == "waiting for the first step…"
+        assert page.text_content("#cost-split") == "waiting for the first step…"
+        rule = page.text_content("#anchor-rule") or ""
+        assert "waiting for the first step" in rule and "So far" not in rule
+        assert errors == []
+    finally:
+        d.stop(signal.SIGKILL)
