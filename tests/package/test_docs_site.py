@@ -8,6 +8,7 @@ that mkdocstrings renders for the API reference.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,3 +34,17 @@ def test_docs_site_builds_strict(tmp_path: Path) -> None:
         assert f'id="deltasync.{name}"' in api, name
     for page in ("storage", "signal", "errors", "vllm-driver", "trl", "transformers"):
         assert 'class="doc doc-object' in (site / "api" / page / "index.html").read_text(), page
+
+
+def test_readme_links_and_the_two_commands() -> None:
+    """The README (the landing page, outside the site) links only to files that exist, and its test
+    command is the one CI runs (``.ci/run``)."""
+    readme = (ROOT / "README.md").read_text()
+    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme):
+        if not target.startswith(("http://", "https://")):
+            assert (ROOT / target).exists(), f"README links to {target}, which does not exist"
+    blocks = re.findall(r"```bash\n(.*?)\n```", readme[readme.index("## Two commands") :], re.S)
+    demo, tests = blocks[0], blocks[1]
+    assert demo.endswith("&& deltasync demo"), demo
+    assert tests.endswith("&& python -m pytest"), tests
+    assert tests in (ROOT / ".ci" / "run").read_text().splitlines()
