@@ -1,7 +1,7 @@
 """The signal server: :func:`create_app` wires the routes to a :class:`~deltasync.server._relay.CommitRelay`.
 
 Run it with ``deltasync serve`` (uvicorn). Routes are versioned under ``/v1``; see
-the README section "Signal server". The parts live in their own modules:
+docs/signal-server.md. The parts live in their own modules:
 request/response models (``_models``), token scopes (``_auth``), strict input
 parsing (``_input``), the body limit (``_limits``), the SSE stream (``_sse``)
 and the routes (``_routes``, which read the relay and settings from ``app.state``

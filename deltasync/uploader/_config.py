@@ -43,7 +43,7 @@ class UploaderConfig:
     retry_backoff: seconds before the first retry, doubling each time (max 30 s).
     distributed: None (default) pushes sharded when torch.distributed is initialized
         with world size > 1: every rank calls push() with its own state dict
-        (DTensor shards or replicated tensors; README "Sharded trainers"). One step
+        (DTensor shards or replicated tensors; docs/sharded.md). One step
         is in flight at a time (push waits for the previous step's outcome; no
         coalescing; defer_diff applies to each rank's own shards). False forces single-process
         behaviour (e.g. only rank 0 pushes a gathered state); True requires a group.

@@ -2,7 +2,8 @@
 
 The area covers the acceptance scenario (a tiny Qwen3 trained with AdamW, every step pushed and
 fetched bit-exactly), what the fetcher does beyond the store on a local dir, what only HF Storage
-Buckets show, and the README's Python snippet.
+Buckets show, the Python API page's snippet (docs/python-api.md) and the quickstart's trainer
+(docs/quickstart.md, also in the README).
 
 Fixtures defined here: the trainings (once per session) and the backends they are pushed to.
 

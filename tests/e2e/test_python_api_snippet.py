@@ -1,4 +1,4 @@
-"""The README's "Python API" snippet runs as written (issue 15: it once lacked ``import torch`` and
+"""The "Python API" page's snippet (docs/python-api.md) runs as written (issue 15: it once lacked ``import torch`` and
 said ``sync`` returns the target). Only the names the snippet leaves to the reader are supplied:
 ``model``, ``num_steps`` and ``train_step``, and the store path is pointed at a temporary dir."""
 
@@ -12,14 +12,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "python-api.md"
 
 
 def _snippet() -> tuple[str, str]:
-    text = README.read_text()
-    section = text[text.index("## Python API") :]
+    text = PAGE.read_text()
+    section = text[text.index("# Python API") :]
     code = re.search(r"```python\n(.*?)```", section, re.S)
-    assert code is not None, "no python block under '## Python API'"
+    assert code is not None, "no python block under '# Python API' in docs/python-api.md"
     body = code.group(1)
     trainer, _, inference = body.partition("# inference side")
     assert inference, "the snippet no longer has an inference side"
@@ -48,14 +48,14 @@ def test_the_python_api_snippet_runs(tmp_path: Path) -> None:
                 p.view(-1)[idx] += 0.05
 
     trainer["train_step"] = train_step
-    exec(compile(trainer_src, "README.md (trainer side)", "exec"), trainer)
+    exec(compile(trainer_src, "docs/python-api.md (trainer side)", "exec"), trainer)
 
     # another process would build its own model: the same shapes, in the run's dtype (bf16)
     served = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 64)).to(torch.bfloat16)
     inference: dict[str, Any] = {**{k: trainer[k] for k in ("ds", "torch", "store")}, "model": served}
     src = inference_src.replace("fetcher.sync(model, step=7)", "at7 = fetcher.sync(model, step=7)")
     src = src.replace("fetcher.sync(model)  ", "latest = fetcher.sync(model)  ")
-    exec(compile(src, "README.md (inference side)", "exec"), inference)
+    exec(compile(src, "docs/python-api.md (inference side)", "exec"), inference)
 
     assert inference["latest"] == 9 and inference["at7"] == 7
     weights = inference["weights"]
