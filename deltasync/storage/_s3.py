@@ -135,7 +135,9 @@ class S3Store(Store):
         environ: Mapping[str, str] | None = None,
     ) -> None:
         if obs is None:  # pragma: no cover
-            raise StorageError("s3:// stores need obstore: pip install 'deltasync[s3]'")
+            raise StorageError(
+                "s3:// stores need obstore: pip install obstore==0.12.1 (the version deltasync's s3 extra pins)"
+            )
         if not bucket or "/" in bucket or bucket != bucket.strip():
             raise StorageError(f"invalid S3 bucket name {bucket!r}")
         prefix = prefix.strip("/")
