@@ -84,10 +84,16 @@ class CheckpointPattern:
         nums = re.findall(r"\d+", rel)
         return int(nums[-1]) if nums else None
 
-    def scan(self) -> list[Candidate]:
-        """Every checkpoint now in ``root``, by step (then path)."""
+    def scan(self, *, missing_ok: bool = False) -> list[Candidate]:
+        """Every checkpoint now in ``root``, by step (then path); ``missing_ok``: none while ``root``
+        does not exist (a trainer that has not started yet), else that is an error."""
         if not self.root.exists():
-            raise WatchError(f"{self.root}: no such directory (the training output dir to watch)")
+            if missing_ok:
+                return []
+            raise WatchError(
+                f"{self.root}: no such directory (the training output dir to watch; without --once, watch waits "
+                "for it to be created)"
+            )
         if not self.root.is_dir():
             raise WatchError(
                 f"{self.root} is a file, not a training output dir; to push one checkpoint file run "

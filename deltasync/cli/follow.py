@@ -9,7 +9,7 @@ import sys
 import time
 
 from deltasync.cli._common import CONFIG_HELP, STORE_HELP, VERIFY_HELP, signing_key_from_env
-from deltasync.storage import LocalStore, open_store
+from deltasync.storage import open_store
 
 __all__ = ["DESCRIPTION", "EPILOG", "NAME", "SUMMARY", "add_arguments", "run"]
 
@@ -18,8 +18,9 @@ SUMMARY = "keep a checkpoint dir at the newest committed step"
 DESCRIPTION = """
         Keep a checkpoint dir at the newest committed step, for engines that reload weights from
         disk: wait for each commit (SSE from --signal, else by polling the store), apply it, and swap
-        the dir in atomically. The signal server token is DELTASYNC_SUBSCRIBE_TOKEN (or, when that is
-        unset, DELTASYNC_PUBLISH_TOKEN).
+        the dir in atomically. Started before the trainer, it waits for the run's first commit. The
+        signal server token is DELTASYNC_SUBSCRIBE_TOKEN (or, when that is unset,
+        DELTASYNC_PUBLISH_TOKEN).
         """
 EPILOG: str | None = """
         example:
@@ -55,20 +56,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``deltasync follow`` until ``--until`` is reached or the process is interrupted."""
-    from deltasync.errors import RunNotFound
     from deltasync.fetcher import DeltaFetcher
     from deltasync.run import RunReader
 
     token = os.environ.get("DELTASYNC_SUBSCRIBE_TOKEN") or os.environ.get("DELTASYNC_PUBLISH_TOKEN") or None
     with open_store(args.store) as store:
-        if isinstance(store, LocalStore) and not store.root.is_dir():  # a typo, not a run yet to start
-            raise RunNotFound(
-                f"{store.url}: no such directory; check the path (to wait for a trainer that has not "
-                "started yet, create the directory first)"
-            )
-        if not RunReader(store).exists():
+        # a run that is not there yet (not even its directory) is waited for: the trainer may start after
+        # this; nothing is created in the store meanwhile (a lease only with --lease-ttl, after a step)
+        if RunReader(store).latest_step() is None:
             print(
-                f"waiting for the first commit at {store.url} (nothing committed yet; is the trainer running?)",
+                f"waiting for the first commit at {store.url} (nothing committed there yet: start the trainer, "
+                "or check the URL; Ctrl-C stops)",
                 file=sys.stderr,
                 flush=True,
             )

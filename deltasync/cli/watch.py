@@ -74,7 +74,7 @@ class _Session:
         self.resumed = self.head is None  # nothing to resume from on a new run
         self.done: set[Path] = set()
         self.pushed: list[_Pushed] = []
-        self.told_waiting = False
+        self.told_waiting: str | None = None  # what was last said while waiting: 'missing' or 'empty'
         self.failed = False
 
     # ----------------------------------------------------------- one poll
@@ -84,8 +84,8 @@ class _Session:
 
         ``final``: the last poll of ``--once``, which reports what it leaves behind.
         """
-        cands = self.pattern.scan()
-        if not cands and not self.told_waiting:
+        cands = self.pattern.scan(missing_ok=not self.opts.once)
+        if not cands and self.told_waiting != ("missing" if not self.pattern.root.exists() else "empty"):
             self._no_checkpoints()
         for c in cands:
             behind = self.head is not None and c.step <= self.head
@@ -122,6 +122,13 @@ class _Session:
 
     def _no_checkpoints(self) -> None:
         root = self.pattern.root
+        if not root.exists():
+            self.opts.warn(
+                f"waiting for {root} to be created (the training output dir; nothing there yet: start the trainer, "
+                "or check the path; Ctrl-C stops)"
+            )
+            self.told_waiting = "missing"
+            return
         if self.pattern.glob is None and (
             any(root.glob("*.safetensors")) or (root / "model.safetensors.index.json").exists()
         ):
@@ -130,7 +137,7 @@ class _Session:
                 f"training output dir instead, or push this one with `delta-upload {root} --store URL --step N`"
             )
         self.opts.warn(f"waiting for checkpoints in {root} ({self.pattern.describe()})")
-        self.told_waiting = True
+        self.told_waiting = "empty"
 
     # ---------------------------------------------------------- resume, push
 
@@ -234,7 +241,7 @@ def run_watch(pattern: CheckpointPattern, up: Any, opts: WatchOptions) -> int:
 def run(args: argparse.Namespace) -> int:
     """``delta-upload watch``: build the uploader, handle Ctrl-C / SIGTERM, run the loop."""
     pattern = CheckpointPattern(Path(args.dir), args.glob, args.step_regex)
-    pattern.scan()  # a missing dir or a file is an error before anything else
+    pattern.scan(missing_ok=not args.once)  # a file (or, with --once, a missing dir) is an error before anything else
     if args.interval <= 0:
         raise WatchError("--interval must be > 0 seconds")
     import torch

@@ -183,8 +183,35 @@ def test_watch_follows_a_writer_process_restarts_and_deletes_only_what_it_pushed
     assert_bit_exact(store, [10, 20, 30, 40, 50, 60, 70, 80, 90, 100])
 
 
+def test_watch_started_before_the_trainer_waits_for_its_output_dir(tmp_path: Path) -> None:
+    """Without --once a missing output dir is waited for (the trainer creates it at its first save)."""
+    out, store = tmp_path / "out", tmp_path / "store"
+    watch = subprocess.Popen(
+        [*_script("delta-upload"), "watch", str(out), "--store", str(store), "--interval", "0.05"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        q, errq = _lines(watch, watch.stdout), _lines(watch, watch.stderr)
+        assert read_until(errq, "waiting", watch) == (
+            f"waiting for {out} to be created (the training output dir; nothing there yet: start the trainer, "
+            "or check the path; Ctrl-C stops)\n"
+        )
+        assert sorted(os.listdir(tmp_path)) == []  # waiting creates nothing, in the store or beside it
+        run_writer(out, "10", "20")
+        assert [pushed_lines(read_until(q, f"step {s}:", watch))[0] for s in (10, 20)] == [10, 20]
+        watch.send_signal(signal.SIGINT)
+        assert watch.wait(TIMEOUT) == 0
+    finally:
+        _finish(watch)
+    assert_bit_exact(store, [10, 20])
+
+
 def test_watch_on_a_wrong_dir(tmp_path: Path) -> None:
-    """A missing dir, a file, or a checkpoint dir itself: an error. An empty dir: it waits (--once: exits)."""
+    """With --once a missing dir, and always a file or a checkpoint dir itself: an error. An empty dir: it
+    waits (--once: exits)."""
     store = str(tmp_path / "store")
     (tmp_path / "f.safetensors").write_bytes(b"x")
     ck = tmp_path / "ckpt"
