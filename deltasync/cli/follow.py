@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
 
         def on_step(step: int) -> None:
-            print(f"step {step} -> {args.out} (+{time.perf_counter() - t0:.2f} s)", flush=True)
+            print(f"step {step} -> {args.out} ({time.perf_counter() - t0:.2f} s after follow started)", flush=True)
 
         with contextlib.ExitStack() as scope:
             metrics = None

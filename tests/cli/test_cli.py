@@ -4,6 +4,7 @@ exist is an error, and ``delta-upload`` reports what really happened (committed 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -74,7 +75,8 @@ def test_follow_started_before_the_trainer_waits_and_gets_every_step_bit_exact(t
             for step in range(4):
                 state["w"].view(-1)[step * 5 : step * 5 + 3] += 1
                 up.push(state, step=step).result()
-                assert read_until(stdout, "step", proc).startswith(f"step {step} -> weights ")
+                line = read_until(stdout, "step", proc)
+                assert re.fullmatch(rf"step {step} -> weights \(\d+\.\d\d s after follow started\)\n", line), line
                 assert_state_equal(load_checkpoint(out), state, f"weights/ at step {step}")
         assert proc.wait(TIMEOUT) == 0
         assert read_until(stdout, "stopped", proc) == "stopped at step 3\n"
