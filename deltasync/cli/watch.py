@@ -10,6 +10,7 @@ on disk and proven equal to the store by digests.
 from __future__ import annotations
 
 import argparse
+import queue
 import shutil
 import signal
 import sys
@@ -247,13 +248,27 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     stop = threading.Event()
+    # A signal handler runs in the main thread between two bytecodes, which may be inside stop.wait()
+    # holding stop's lock, or inside a print: setting the event or printing there can deadlock. The
+    # handler only puts on a SimpleQueue (reentrant); a thread sets the event and says so.
+    requests: queue.SimpleQueue[int] = queue.SimpleQueue()
+    requested = False
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        if stop.is_set():
+        nonlocal requested
+        if requested:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             raise KeyboardInterrupt
-        stop.set()
+        requested = True
+        requests.put(signum)
+
+    def stop_when_asked() -> None:
+        if requests.get() < 0:
+            return  # the watch ended without a stop request
         print("stopping after the current commit (Ctrl-C again to abandon it)", file=sys.stderr, flush=True)
+        stop.set()
+
+    threading.Thread(target=stop_when_asked, name="deltasync-watch-stop", daemon=True).start()
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -267,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
                     delete_pushed=args.delete_pushed,
                     cast=getattr(torch, args.cast) if args.cast else None,
                     wait=stop.wait,
-                    stopping=stop.is_set,
+                    stopping=lambda: requested,  # set in the handler itself: no push starts after it
                 )
                 rc = run_watch(pattern, up, opts)
             except KeyboardInterrupt:
@@ -276,12 +291,13 @@ def run(args: argparse.Namespace) -> int:
             finally:
                 if not abandoned:
                     up.close()
-            if stop.is_set():
+            if requested:
                 print(f"stopped; the newest committed step is {up.last_committed_step}", file=sys.stderr, flush=True)
             return rc
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        requests.put(-1)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
