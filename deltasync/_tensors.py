@@ -51,7 +51,7 @@ def require_torch() -> Any:
     try:
         import torch
     except ImportError:  # pragma: no cover - exercised only without torch
-        raise ImportError("this part of deltasync needs PyTorch: pip install 'deltasync[torch]'") from None
+        raise ImportError("this part of deltasync needs PyTorch: pip install torch") from None
     return torch
 
 

@@ -5,6 +5,7 @@ uploader both upload commands build, byte counts and progress bars."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -96,6 +97,8 @@ def cli_uploader(store: Any, args: Any, **options: Any) -> Any:
     ``options``: more UploaderConfig fields."""
     from deltasync.uploader import DeltaUploader
 
+    # both commands print each failed commit themselves (from its future): the uploader's log line would repeat it
+    logging.getLogger("deltasync.uploader.commits").setLevel(logging.CRITICAL)
     return DeltaUploader(
         store,
         **options,

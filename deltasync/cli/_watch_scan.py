@@ -2,7 +2,9 @@
 
 No torch here: only names, sizes and safetensors headers. A checkpoint is *ready* when
 its weight files are all there (the index, when sharded, and every shard it lists),
-each is a whole safetensors file (the size its header implies), and their sizes and
+each is a whole safetensors file (the size its header implies), and it has settled:
+none of its files was modified in the last ``settle`` seconds (a checkpoint saved
+before ``delta-upload watch --once`` started is pushed at once), or their sizes and
 mtimes did not change between two polls.
 """
 
@@ -11,13 +13,15 @@ from __future__ import annotations
 import json
 import re
 import struct
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from deltasync.errors import DeltaSyncError
 from deltasync.protocol.checkpoint import INDEX_NAME
 
-__all__ = ["Candidate", "CheckpointPattern", "Readiness", "WatchError", "weight_files"]
+__all__ = ["SETTLE", "SETTLING", "Candidate", "CheckpointPattern", "Readiness", "WatchError", "weight_files"]
 
 #: HF Trainer ``checkpoint-<step>``, ``step_<n>`` / ``step-<n>``, DeepSpeed ``global_step<n>``.
 DEFAULT_NAMES = (re.compile(r"checkpoint-(\d+)"), re.compile(r"step[_-](\d+)"), re.compile(r"global_step(\d+)"))
@@ -25,6 +29,10 @@ DEFAULT_HELP = "checkpoint-<step>/, step_<n>/, step-<n>/ or global_step<n>/"
 SHARD_NAME = re.compile(r".*-\d{5}-of-\d{5}\.safetensors")
 SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")
 MAX_HEADER = 100_000_000
+#: seconds since a checkpoint's newest file was modified after which it counts as settled
+SETTLE = 2.0
+#: why a complete checkpoint is not ready yet: it may still be being written
+SETTLING = "modified in the last seconds and not yet seen unchanged over two polls"
 
 Fingerprint = tuple[tuple[str, int, int], ...]
 
@@ -84,10 +92,16 @@ class CheckpointPattern:
         nums = re.findall(r"\d+", rel)
         return int(nums[-1]) if nums else None
 
-    def scan(self) -> list[Candidate]:
-        """Every checkpoint now in ``root``, by step (then path)."""
+    def scan(self, *, missing_ok: bool = False) -> list[Candidate]:
+        """Every checkpoint now in ``root``, by step (then path); ``missing_ok``: none while ``root``
+        does not exist (a trainer that has not started yet), else that is an error."""
         if not self.root.exists():
-            raise WatchError(f"{self.root}: no such directory (the training output dir to watch)")
+            if missing_ok:
+                return []
+            raise WatchError(
+                f"{self.root}: no such directory (the training output dir to watch; without --once, watch waits "
+                "for it to be created)"
+            )
         if not self.root.is_dir():
             raise WatchError(
                 f"{self.root} is a file, not a training output dir; to push one checkpoint file run "
@@ -151,10 +165,18 @@ def whole_safetensors(f: Path) -> str | None:
 
 
 class Readiness:
-    """Remembers what each checkpoint looked like at the last poll."""
+    """Remembers what each checkpoint looked like at the last poll.
 
-    def __init__(self) -> None:
+    ``settle``: a complete checkpoint whose newest file was modified at least this many
+    seconds before ``clock()`` (file mtimes: the wall clock, ``time.time``) is ready at
+    first sight; a younger one once it is unchanged between two polls.
+    """
+
+    def __init__(self, settle: float = SETTLE, clock: Callable[[], float] = time.time) -> None:
+        self.settle = settle
+        self.clock = clock
         self._seen: dict[Path, Fingerprint] = {}
+        self._settled_at: dict[Path, float] = {}
 
     def fingerprint(self, files: list[Path]) -> Fingerprint | None:
         try:
@@ -164,7 +186,7 @@ class Readiness:
         return tuple((name, st.st_size, st.st_mtime_ns) for name, st in stats)
 
     def check(self, path: Path) -> tuple[bool, str]:
-        """(ready, why not): complete now, and unchanged since the previous poll."""
+        """(ready, why not): complete now, and settled (see the class) or unchanged since the previous poll."""
         files, why = weight_files(path)
         if why is not None:
             self._seen.pop(path, None)
@@ -178,9 +200,17 @@ class Readiness:
         for f in files:
             if f.name != INDEX_NAME and (why := whole_safetensors(f)) is not None:
                 return False, why
-        if prev != fp:
-            return False, "sizes not stable over two polls yet"
-        return True, ""
+        if prev == fp:
+            return True, ""
+        settled_at = max(mtime_ns for _, _, mtime_ns in fp) / 1e9 + self.settle
+        if self.clock() >= settled_at:
+            return True, ""
+        self._settled_at[path] = settled_at
+        return False, SETTLING
+
+    def settles_in(self, path: Path) -> float:
+        """Seconds until a checkpoint whose last check said :data:`SETTLING` is settled (0 if it is now)."""
+        return max(0.0, self._settled_at.get(path, 0.0) - self.clock())
 
     def current(self, path: Path) -> Fingerprint | None:
         """The fingerprint recorded at the last poll."""
@@ -188,3 +218,4 @@ class Readiness:
 
     def forget(self, path: Path) -> None:
         self._seen.pop(path, None)
+        self._settled_at.pop(path, None)

@@ -77,7 +77,9 @@ def run(args: argparse.Namespace) -> int:
         from spaces_demo.live import DemoOptions
     except ImportError as exc:
         raise DemoError(
-            f"the demo needs its extra dependencies ({exc.name} is missing): pip install 'deltasync[demo]'"
+            f"the demo needs its extra dependencies ({exc.name} is missing): "
+            "pip install 'fastapi>=0.115,<1' 'uvicorn>=0.30,<1' 'torch>=2.2' 'transformers>=4.51' "
+            "(or, in the deltasync clone's root: pip install -e '.[demo]')"
         ) from exc
 
     # a Space configures follower mode through its variables; flags win over them

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import time
 
 from deltasync.cli._common import CONFIG_HELP, STORE_HELP, VERIFY_HELP, progress_bar, require_run, signing_key_from_env
@@ -36,15 +37,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``deltasync fetch``."""
+    from deltasync.errors import ChainBroken, ChecksumMismatch, ProtocolError
     from deltasync.fetcher import DeltaFetcher
 
     update, close = progress_bar("fetch")
     with open_store(args.store) as store:
         require_run(store)
         fetcher = DeltaFetcher(store, verify=not args.no_verify, signing_key=signing_key_from_env(), progress=update)
+        inspect = f"`deltasync inspect --store {shlex.quote(args.store)}"
+        if args.step is not None:
+            try:
+                fetcher.reader.require_step(args.step)
+            except ChainBroken as exc:
+                raise ChainBroken(f"{exc}; {inspect}` lists the committed steps") from None
         t0 = time.perf_counter()
         try:
             out = fetcher.materialize(args.out, step=args.step, config_from=args.config_from)
+        except (ChecksumMismatch, ProtocolError) as exc:  # bad bytes in the store: the audit says which step
+            raise type(exc)(
+                f"{exc}; {inspect} --verify` checks every step and names the newest one that is intact"
+            ) from exc
         finally:
             close()
         marker = json.loads((out / ".deltasync.json").read_text())

@@ -10,7 +10,7 @@ import time
 
 from deltasync.cli._common import CONFIG_HELP, STORE_HELP, VERIFY_HELP, signing_key_from_env
 from deltasync.cli._vllm import add_vllm_arguments, run_vllm
-from deltasync.storage import LocalStore, open_store
+from deltasync.storage import open_store
 
 __all__ = ["DESCRIPTION", "EPILOG", "NAME", "SUMMARY", "add_arguments", "run"]
 
@@ -19,8 +19,9 @@ SUMMARY = "keep a checkpoint dir at the newest committed step"
 DESCRIPTION = """
         Keep a checkpoint dir at the newest committed step, for engines that reload weights from
         disk: wait for each commit (SSE from --signal, else by polling the store), apply it, and swap
-        the dir in atomically. The signal server token is DELTASYNC_SUBSCRIBE_TOKEN (or, when that is
-        unset, DELTASYNC_PUBLISH_TOKEN).
+        the dir in atomically. Started before the trainer, it waits for the run's first commit. The
+        signal server token is DELTASYNC_SUBSCRIBE_TOKEN (or, when that is unset,
+        DELTASYNC_PUBLISH_TOKEN).
         """
 EPILOG: str | None = """
         example:
@@ -66,20 +67,17 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(2)
     if args.vllm is not None:
         return run_vllm(args)
-    from deltasync.errors import RunNotFound
     from deltasync.fetcher import DeltaFetcher
     from deltasync.run import RunReader
 
     token = os.environ.get("DELTASYNC_SUBSCRIBE_TOKEN") or os.environ.get("DELTASYNC_PUBLISH_TOKEN") or None
     with open_store(args.store) as store:
-        if isinstance(store, LocalStore) and not store.root.is_dir():  # a typo, not a run yet to start
-            raise RunNotFound(
-                f"{store.url}: no such directory; check the path (to wait for a trainer that has not "
-                "started yet, create the directory first)"
-            )
-        if not RunReader(store).exists():
+        # a run that is not there yet (not even its directory) is waited for: the trainer may start after
+        # this; nothing is created in the store meanwhile (a lease only with --lease-ttl, after a step)
+        if RunReader(store).latest_step() is None:
             print(
-                f"waiting for the first commit at {store.url} (nothing committed yet; is the trainer running?)",
+                f"waiting for the first commit at {store.url} (nothing committed there yet: start the trainer, "
+                "or check the URL; Ctrl-C stops)",
                 file=sys.stderr,
                 flush=True,
             )
@@ -89,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
 
         def on_step(step: int) -> None:
-            print(f"step {step} -> {args.out} (+{time.perf_counter() - t0:.2f} s)", flush=True)
+            print(f"step {step} -> {args.out} ({time.perf_counter() - t0:.2f} s after follow started)", flush=True)
 
         with contextlib.ExitStack() as scope:
             metrics = None

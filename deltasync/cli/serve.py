@@ -42,7 +42,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``deltasync serve`` until the process is told to stop."""
-    import uvicorn
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError as exc:
+        raise DeltaSyncError(
+            f"deltasync serve needs fastapi and uvicorn ({exc.name} is missing): "
+            "pip install 'fastapi>=0.115,<1' 'uvicorn>=0.30,<1' (or, in the deltasync clone's root: "
+            "pip install -e '.[server]')"
+        ) from None
 
     from deltasync.server import Settings, create_app, is_loopback
 

@@ -78,7 +78,10 @@ def run(args: argparse.Namespace) -> int:
         try:
             latest = up.last_committed_step
             if latest is not None and args.step <= latest:
-                raise DeltaSyncError(f"step {args.step} is not after the last committed step {latest} in {store.url}")
+                raise DeltaSyncError(
+                    f"step {args.step} is not after the last committed step {latest} in {store.url}: "
+                    f"use --step {latest + 1} or more"
+                )
             if latest is not None and not args.anchor:
                 try:
                     _resume(up, store, cache, latest, state, use_cache=not args.no_cache)

@@ -10,6 +10,7 @@ on disk and proven equal to the store by digests.
 from __future__ import annotations
 
 import argparse
+import queue
 import shutil
 import signal
 import sys
@@ -22,7 +23,7 @@ from types import FrameType
 from typing import Any
 
 from deltasync.cli._common import STORE_HELP, cast_name, cli_uploader, human_bytes
-from deltasync.cli._watch_scan import Candidate, CheckpointPattern, Readiness, WatchError
+from deltasync.cli._watch_scan import SETTLE, SETTLING, Candidate, CheckpointPattern, Readiness, WatchError
 from deltasync.errors import CommitFailed, DeltaSyncError, WriterFenced
 from deltasync.storage import open_store
 
@@ -46,9 +47,17 @@ def _sleep(seconds: float) -> bool:
 
 @dataclass(slots=True)
 class WatchOptions:
-    """What ``run_watch`` does; ``wait(seconds)`` sleeps between polls and returns True to stop."""
+    """What ``run_watch`` does; ``wait(seconds)`` sleeps between polls and returns True to stop.
+
+    ``settle``: a complete checkpoint not modified for this many seconds (by ``clock``, the
+    wall clock of file mtimes) is pushed at first sight, a younger one once unchanged over two
+    polls (the next poll comes when it has settled, at most ``interval`` later). ``once``: poll,
+    push what is ready, poll again only if a complete checkpoint still had to settle, then stop.
+    """
 
     interval: float = 10.0
+    settle: float = SETTLE
+    clock: Callable[[], float] = field(default=time.time)
     once: bool = False
     delete_pushed: bool = False
     cast: Any = None  # a torch dtype
@@ -69,13 +78,15 @@ class _Session:
 
     def __init__(self, pattern: CheckpointPattern, up: Any, opts: WatchOptions) -> None:
         self.pattern, self.up, self.opts = pattern, up, opts
-        self.ready = Readiness()
+        self.ready = Readiness(opts.settle, opts.clock)
         self.head: int | None = up.last_committed_step
         self.resumed = self.head is None  # nothing to resume from on a new run
         self.done: set[Path] = set()
         self.pushed: list[_Pushed] = []
-        self.told_waiting = False
+        self.told_waiting: str | None = None  # what was last said while waiting: 'missing' or 'empty'
         self.failed = False
+        #: seconds until every complete checkpoint of the last poll has settled (0: none is settling)
+        self.settle_wait = 0.0
 
     # ----------------------------------------------------------- one poll
 
@@ -84,8 +95,8 @@ class _Session:
 
         ``final``: the last poll of ``--once``, which reports what it leaves behind.
         """
-        cands = self.pattern.scan()
-        if not cands and not self.told_waiting:
+        cands = self.pattern.scan(missing_ok=not self.opts.once)
+        if not cands and self.told_waiting != ("missing" if not self.pattern.root.exists() else "empty"):
             self._no_checkpoints()
         for c in cands:
             behind = self.head is not None and c.step <= self.head
@@ -97,6 +108,9 @@ class _Session:
         head_ckpt = [c for c in cands if c.step == self.head and not self.resumed]
         for c in head_ckpt:
             states[c.path] = self.ready.check(c.path)
+        self.settle_wait = max(
+            (self.ready.settles_in(p) for p, (_, why) in states.items() if why == SETTLING), default=0.0
+        )
         n = 0
         for i, c in enumerate(pending):
             if self.opts.stopping():
@@ -122,6 +136,13 @@ class _Session:
 
     def _no_checkpoints(self) -> None:
         root = self.pattern.root
+        if not root.exists():
+            self.opts.warn(
+                f"waiting for {root} to be created (the training output dir; nothing there yet: start the trainer, "
+                "or check the path; Ctrl-C stops)"
+            )
+            self.told_waiting = "missing"
+            return
         if self.pattern.glob is None and (
             any(root.glob("*.safetensors")) or (root / "model.safetensors.index.json").exists()
         ):
@@ -130,7 +151,7 @@ class _Session:
                 f"training output dir instead, or push this one with `delta-upload {root} --store URL --step N`"
             )
         self.opts.warn(f"waiting for checkpoints in {root} ({self.pattern.describe()})")
-        self.told_waiting = True
+        self.told_waiting = "empty"
 
     # ---------------------------------------------------------- resume, push
 
@@ -216,7 +237,7 @@ def _files_of(path: Path) -> list[Path]:
 
 
 def run_watch(pattern: CheckpointPattern, up: Any, opts: WatchOptions) -> int:
-    """Follow ``pattern.root`` and push through ``up`` until stopped (or, with ``once``, two polls)."""
+    """Follow ``pattern.root`` and push through ``up`` until stopped (or, with ``once``, one or two polls)."""
     session = _Session(pattern, up, opts)
     polls = 0
     while True:
@@ -224,7 +245,13 @@ def run_watch(pattern: CheckpointPattern, up: Any, opts: WatchOptions) -> int:
         session.poll(final=opts.once and polls >= 2)
         if opts.stopping() or (opts.once and polls >= 2):
             break
-        if opts.wait(opts.interval) or opts.stopping():
+        # a checkpoint written just now is polled again once it has settled, not a whole interval later;
+        # --once waits for nothing else
+        if session.settle_wait > 0:
+            pause = min(opts.interval, session.settle_wait)
+        else:
+            pause = 0.0 if opts.once else opts.interval
+        if (pause > 0 and opts.wait(pause)) or opts.stopping():
             break
     if opts.once and not session.pushed:
         opts.say(f"nothing new to push in {pattern.root}")
@@ -234,19 +261,35 @@ def run_watch(pattern: CheckpointPattern, up: Any, opts: WatchOptions) -> int:
 def run(args: argparse.Namespace) -> int:
     """``delta-upload watch``: build the uploader, handle Ctrl-C / SIGTERM, run the loop."""
     pattern = CheckpointPattern(Path(args.dir), args.glob, args.step_regex)
-    pattern.scan()  # a missing dir or a file is an error before anything else
+    pattern.scan(missing_ok=not args.once)  # a file (or, with --once, a missing dir) is an error before anything else
     if args.interval <= 0:
         raise WatchError("--interval must be > 0 seconds")
+    if not args.settle >= 0:
+        raise WatchError("--settle must be >= 0 seconds")
     import torch
 
     stop = threading.Event()
+    # A signal handler runs in the main thread between two bytecodes, which may be inside stop.wait()
+    # holding stop's lock, or inside a print: setting the event or printing there can deadlock. The
+    # handler only puts on a SimpleQueue (reentrant); a thread sets the event and says so.
+    requests: queue.SimpleQueue[int] = queue.SimpleQueue()
+    requested = False
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        if stop.is_set():
+        nonlocal requested
+        if requested:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             raise KeyboardInterrupt
-        stop.set()
+        requested = True
+        requests.put(signum)
+
+    def stop_when_asked() -> None:
+        if requests.get() < 0:
+            return  # the watch ended without a stop request
         print("stopping after the current commit (Ctrl-C again to abandon it)", file=sys.stderr, flush=True)
+        stop.set()
+
+    threading.Thread(target=stop_when_asked, name="deltasync-watch-stop", daemon=True).start()
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -256,11 +299,12 @@ def run(args: argparse.Namespace) -> int:
             try:
                 opts = WatchOptions(
                     interval=args.interval,
+                    settle=args.settle,
                     once=args.once,
                     delete_pushed=args.delete_pushed,
                     cast=getattr(torch, args.cast) if args.cast else None,
                     wait=stop.wait,
-                    stopping=stop.is_set,
+                    stopping=lambda: requested,  # set in the handler itself: no push starts after it
                 )
                 rc = run_watch(pattern, up, opts)
             except KeyboardInterrupt:
@@ -269,12 +313,13 @@ def run(args: argparse.Namespace) -> int:
             finally:
                 if not abandoned:
                     up.close()
-            if stop.is_set():
+            if requested:
                 print(f"stopped; the newest committed step is {up.last_committed_step}", file=sys.stderr, flush=True)
             return rc
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        requests.put(-1)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -294,7 +339,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="regex whose group 1 is the step, searched in the matched path (default: its last number)",
     )
     p.add_argument("--interval", type=float, default=10.0, metavar="SECONDS", help="seconds between polls of DIR")
-    p.add_argument("--once", action="store_true", help="push what is complete now (two polls) and exit")
+    p.add_argument(
+        "--once",
+        action="store_true",
+        help="push what is complete now and exit (waiting only for a checkpoint modified in the last --settle seconds)",
+    )
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=SETTLE,
+        metavar="SECONDS",
+        help="a complete checkpoint not modified for this long is pushed at first sight; a younger one once it is "
+        "unchanged between two polls",
+    )
     p.add_argument(
         "--delete-pushed",
         action="store_true",

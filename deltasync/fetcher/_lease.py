@@ -123,10 +123,10 @@ def run_leased(
             raise
         log.info("step %d: %s; re-planning from a fresh listing", target, exc)
         source.reader.relist()
-        target = source.target_step(step)
-        if lease is not None:
-            lease.renew(held(), target)
         try:
+            target = source.target_step(step)  # an asked step that gc collected is not committed any more
+            if lease is not None:
+                lease.renew(held(), target)
             result = once(target)
         except (PlanFilesGone, ChainBroken) as again:
             if isinstance(again, PlanFilesGone) and still_committed(source.store, again.steps):

@@ -38,8 +38,10 @@ class Source:
     progress: Callable[[int, int], None] | None = None
 
     def target_step(self, step: int | None) -> int:
-        """``step``, or the latest committed step; ChainBroken (RunNotFound) when there is none."""
+        """``step`` (ChainBroken when it is not committed), or the latest committed step;
+        ChainBroken (RunNotFound) when there is none."""
         if step is not None:
+            self.reader.require_step(step)
             return step
         latest = self.reader.latest_step()
         if latest is None:

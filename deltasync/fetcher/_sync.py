@@ -161,7 +161,10 @@ class Sync:
             log.info("step %d: %s; re-planning from a fresh listing", self.target_step, exc)
             self._relisted = True
             self.reader.relist()
-            self._resolve()
+            try:
+                self._resolve()
+            except ChainBroken as again:  # an asked step that gc collected is not committed any more
+                raise unreachable_after_gc(self.target_step, again) from again
             self._tensors, self._plan_made = None, None
             return True
         if not isinstance(exc, (PlanFilesGone, ChainBroken)):

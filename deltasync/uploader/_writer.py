@@ -76,6 +76,6 @@ class WriterIdentity:
             newer = newest_claim(self.store)
             raise WriterFenced(
                 f"another uploader (writer {newer.writer}, epoch {newer.epoch}) took over run prefix "
-                f"{self.store} after step {newer.after_step}; this uploader (epoch {self.epoch}) stops committing. "
+                f"{self.store.url} after step {newer.after_step}; this uploader (epoch {self.epoch}) stops committing. "
                 "Run one uploader per run prefix."
             )

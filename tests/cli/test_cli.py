@@ -4,6 +4,7 @@ exist is an error, and ``delta-upload`` reports what really happened (committed 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -43,19 +44,16 @@ def test_inspect_a_run_whose_trainer_has_not_committed_yet(tmp_path: Path) -> No
     assert r.stdout.strip() == f"{(tmp_path / 'run').as_uri()}: no committed steps"
 
 
-def test_follow_fails_on_a_missing_dir_and_waits_on_an_empty_run(tmp_path: Path) -> None:
-    r = run("deltasync", "follow", "--store", "typo", "--out", "out", cwd=tmp_path)
-    assert r.returncode == 1, r
-    assert (
-        r.stderr
-        == f"error: {(tmp_path / 'typo').as_uri()}: no such directory; check the path (to wait for a trainer that has not started yet, create the directory first)\n"
-    )
-    assert sorted(os.listdir(tmp_path)) == []
-    # a run dir that exists but holds nothing yet: a trainer may not have started, so wait (and say so)
-    (tmp_path / "run").mkdir()
-    ckpt = checkpoints(tmp_path, 1)[0]
+def test_follow_started_before_the_trainer_waits_and_gets_every_step_bit_exact(tmp_path: Path) -> None:
+    """The quickstart's order: follow first (its store dir does not exist yet), then the trainer."""
+    from tensors import assert_state_equal
+
+    from deltasync._checkpoint_io import load_checkpoint
+
+    store_dir, out = tmp_path / "runs" / "r1", tmp_path / "weights"
     proc = subprocess.Popen(
-        [*_script("deltasync"), "follow", "--store", "run", "--out", "out", "--until", "10", "--poll-interval", "0.05"],
+        [*_script("deltasync"), "follow", "--store", "runs/r1", "--out", "weights", "--until", "3"]
+        + ["--poll-interval", "0.05"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
@@ -63,17 +61,51 @@ def test_follow_fails_on_a_missing_dir_and_waits_on_an_empty_run(tmp_path: Path)
         cwd=tmp_path,
     )
     try:
-        line = read_until(_lines(proc, proc.stderr), "waiting", proc)
-        assert line.strip().startswith(f"waiting for the first commit at {(tmp_path / 'run').as_uri()}")
+        stdout, stderr = _lines(proc, proc.stdout), _lines(proc, proc.stderr)
+        line = read_until(stderr, "waiting", proc)
+        assert line == (
+            f"waiting for the first commit at {store_dir.as_uri()} (nothing committed there yet: start the "
+            "trainer, or check the URL; Ctrl-C stops)\n"
+        )
         assert proc.poll() is None
-        up = run("delta-upload", str(ckpt), "--store", "run", "--step", "10", "--cache", "cache", cwd=tmp_path)
-        assert up.returncode == 0, up.stderr
+        assert sorted(os.listdir(tmp_path)) == []  # waiting creates nothing: no store dir, no output dir
+        g = torch.Generator().manual_seed(0)
+        state = {"w": torch.randn(32, 32, generator=g).to(torch.bfloat16), "b": torch.randn(32, generator=g)}
+        with ds.DeltaUploader(ds.open_store(store_dir), anchor_every=10) as up:  # the trainer creates the run
+            for step in range(4):
+                state["w"].view(-1)[step * 5 : step * 5 + 3] += 1
+                up.push(state, step=step).result()
+                line = read_until(stdout, "step", proc)
+                assert re.fullmatch(rf"step {step} -> weights \(\d+\.\d\d s after follow started\)\n", line), line
+                assert_state_equal(load_checkpoint(out), state, f"weights/ at step {step}")
         assert proc.wait(TIMEOUT) == 0
-        assert proc.stdout is not None
-        out = proc.stdout.read()
+        assert read_until(stdout, "stopped", proc) == "stopped at step 3\n"
     finally:
         _finish(proc)
-    assert out.splitlines()[-1] == "stopped at step 10"
+
+
+def test_follow_waiting_for_a_run_stops_on_ctrl_c_and_leaves_nothing(tmp_path: Path) -> None:
+    """Waiting for a run is bounded by Ctrl-C: it exits 130 and leaves nothing behind."""
+    proc = subprocess.Popen(
+        [*_script("deltasync"), "follow", "--store", "typo", "--out", "out", "--poll-interval", "0.05"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        cwd=tmp_path,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a terminal's Ctrl-C finds it
+    )
+    try:
+        stderr = _lines(proc, proc.stderr)
+        assert read_until(stderr, "waiting", proc).startswith(
+            f"waiting for the first commit at {(tmp_path / 'typo').as_uri()}"
+        )
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(TIMEOUT) == 130
+        assert read_until(stderr, "interrupted", proc) == "interrupted\n"
+    finally:
+        _finish(proc)
+    assert sorted(os.listdir(tmp_path)) == []
 
 
 # ------------------------------------------------------------ delta-upload outcomes

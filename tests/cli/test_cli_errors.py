@@ -14,7 +14,7 @@ from cli_process import TIMEOUT, _finish, _lines, _script, checkpoints, read_unt
 
 import deltasync as ds
 from deltasync._checkpoint_io import load_checkpoint, save_checkpoint
-from deltasync.errors import ProtocolError
+from deltasync.errors import ChainBroken, ProtocolError
 from deltasync.protocol import manifest_key
 from deltasync.protocol.safetensors_io import parse_safetensors
 
@@ -178,6 +178,99 @@ def test_delta_upload_after_an_unreadable_newest_step_says_what_to_do(tmp_path: 
         assert r.returncode == 1, r
         assert f"step 1 ({key})" in r.stderr and "restore that object from a copy" in r.stderr, r.stderr
     assert snapshot(tmp_path / "run") == before
+
+
+# ------------------------------------------------------------ errors that say what to do next
+
+
+def test_fetch_of_a_step_that_is_not_committed_names_the_newest_and_inspect(tmp_path: Path) -> None:
+    pushed_run(tmp_path, 3)
+    (tmp_path / "run" / manifest_key(1)).unlink()  # as gc leaves a step it collected
+    before = snapshot(tmp_path / "run")
+    url = (tmp_path / "run").as_uri()
+    for step, why in (
+        (999, "not yet: the newest committed step is 2"),
+        (1, "never pushed, or deleted by gc; the newest committed step is 2"),
+    ):
+        r = run("deltasync", "fetch", "--store", "run", "--out", "out", "--step", str(step), cwd=tmp_path)
+        assert (r.returncode, r.stdout) == (1, ""), r
+        assert r.stderr == (
+            f"error: step {step} is not committed in {url} ({why}); `deltasync inspect --store run` lists the "
+            "committed steps\n"
+        )
+    r = run("deltasync", "inspect", "--store", "run", cwd=tmp_path)  # and the hint works as written
+    assert r.returncode == 0 and [line.split()[0] for line in r.stdout.splitlines()[1:]] == ["0", "2"], r
+    assert snapshot(tmp_path / "run") == before and not (tmp_path / "out").exists()
+    with ds.open_store(tmp_path / "run") as store, pytest.raises(ChainBroken) as err:  # the library says it too
+        ds.DeltaFetcher(store).materialize(tmp_path / "out", step=999)
+    assert str(err.value) == f"step 999 is not committed in {url} (not yet: the newest committed step is 2)"
+
+
+def test_delta_upload_of_a_step_not_after_the_head_says_which_step_to_use(tmp_path: Path) -> None:
+    ckpts = pushed_run(tmp_path, 2)
+    before = snapshot(tmp_path / "run")
+    for step in ("1", "0"):
+        r = run("delta-upload", str(ckpts[1]), "--store", "run", "--step", step, "--cache", "cache", cwd=tmp_path)
+        assert r.returncode == 1, r
+        assert r.stderr.splitlines()[-1] == (
+            f"error: step {step} is not after the last committed step 1 in {(tmp_path / 'run').as_uri()}: use --step "
+            "2 or more"
+        )
+    assert snapshot(tmp_path / "run") == before
+
+
+def test_a_corrupt_patch_on_fetch_points_to_inspect_verify(tmp_path: Path) -> None:
+    pushed_run(tmp_path, 3)
+    patch = tmp_path / "run" / "steps" / f"{2:012d}" / "patch-00000.safetensors"
+    data = bytearray(patch.read_bytes())
+    data[-1] ^= 0xFF  # one flipped bit in the values: the checksum catches it
+    patch.write_bytes(bytes(data))
+    before = snapshot(tmp_path / "run")
+    r = run("deltasync", "fetch", "--store", "run", "--out", "out", cwd=tmp_path)
+    assert r.returncode == 1, r
+    assert r.stderr == (
+        "error: step 2: file patch-00000.safetensors fails its xxh3-128 checksum (corrupted); `deltasync inspect "
+        "--store run --verify` checks every step and names the newest one that is intact\n"
+    )
+    assert not (tmp_path / "out").exists()
+    r = run("deltasync", "inspect", "--store", "run", "--verify", cwd=tmp_path)  # the hint, as written
+    assert r.returncode == 1 and "step 2: FAIL" in r.stdout and "`deltasync fetch --step 1` still works" in r.stdout
+    assert snapshot(tmp_path / "run") == before
+
+
+def test_an_uploader_taken_over_says_so_once_naming_the_store_url(tmp_path: Path) -> None:
+    """``delta-upload watch`` fenced by a second uploader: one error line, with the store's URL."""
+    (c0, c1, c2) = checkpoints(tmp_path, 3)
+    out = tmp_path / "out"
+    for i, ckpt in enumerate((c0, c2)):
+        (out / f"checkpoint-{2 * i}").mkdir(parents=True)
+        ckpt.rename(out / f"checkpoint-{2 * i}" / "model.safetensors")
+    (out / "checkpoint-2").rename(tmp_path / "later")  # written by the trainer once the other uploader is in
+    watch = subprocess.Popen(
+        [*_script("delta-upload"), "watch", "out", "--store", "run", "--interval", "0.05"],
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        read_until(_lines(watch, watch.stdout), "step 0:", watch)
+        r = run("delta-upload", str(c1), "--store", "run", "--step", "1", "--no-cache", cwd=tmp_path)
+        assert r.returncode == 0, r
+        (tmp_path / "later").rename(out / "checkpoint-2")
+        assert watch.wait(TIMEOUT) == 1
+        assert watch.stderr is not None
+        err = watch.stderr.read()
+    finally:
+        _finish(watch)
+    url = (tmp_path / "run").as_uri()
+    assert err.count("took over") == 1 and "LocalStore(" not in err, err
+    assert (
+        err.splitlines()[-1].startswith("error: another uploader (writer ")
+        and f"took over run prefix {url} after step 0" in err
+    )
+    assert ds.RunReader(ds.open_store(tmp_path / "run")).steps() == [0, 1]  # the fenced step 2 was not committed
 
 
 # ------------------------------------------------------------ signal server tokens

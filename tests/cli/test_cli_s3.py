@@ -113,4 +113,24 @@ def test_cli_process_reads_aws_environment(
     assert bad.stderr.startswith("error: ") and "access denied" in bad.stderr and "AWS_ACCESS_KEY_ID" in bad.stderr
     assert "Traceback" not in bad.stderr
     gone = _cli("inspect", "s3://cli/x", env={**base, **s3_server.env, "AWS_ENDPOINT_URL": "http://127.0.0.1:9"})
-    assert gone.returncode == 1 and "no answer from endpoint http://127.0.0.1:9" in gone.stderr
+    assert gone.returncode == 1 and gone.stderr.startswith(
+        "error: s3://cli/x: cannot list 'steps/': no answer from endpoint http://127.0.0.1:9 ("
+    )
+    assert gone.stderr.endswith(
+        "after retries); check that the server is up and the endpoint (AWS_ENDPOINT_URL or endpoint=; for AWS "
+        "itself, AWS_REGION)\n"
+    )
+    # a bucket that is not there: what to check, for every reading command
+    endpoint = s3_server.env["AWS_ENDPOINT_URL"]
+    for args in (
+        ["inspect", "s3://nobucket/r1"],
+        ["fetch", "--store", "s3://nobucket/r1", "--out", str(tmp_path / "o")],
+    ):
+        r = _cli(*args, env={**base, **s3_server.env})
+        assert (r.returncode, r.stdout) == (1, ""), r
+        assert r.stderr == (
+            f"error: s3://nobucket/r1: cannot list 'steps/': bucket 'nobucket' does not exist at {endpoint}; check "
+            "the bucket name in the URL and the endpoint (AWS_ENDPOINT_URL or endpoint=; for AWS itself, "
+            "AWS_REGION), or create the bucket\n"
+        )
+    assert not (tmp_path / "o").exists()

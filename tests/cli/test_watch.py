@@ -10,6 +10,7 @@ drive the same loop poll by poll through its injected ``wait`` hook.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -23,7 +24,7 @@ import pytest
 from cli_process import TIMEOUT, _finish, _lines, _script, read_until, run
 
 import deltasync as ds
-from deltasync.cli._watch_scan import CheckpointPattern, Readiness
+from deltasync.cli._watch_scan import SETTLING, CheckpointPattern, Readiness
 from deltasync.cli.watch import WatchOptions, run_watch
 from deltasync.protocol import Manifest
 
@@ -183,8 +184,35 @@ def test_watch_follows_a_writer_process_restarts_and_deletes_only_what_it_pushed
     assert_bit_exact(store, [10, 20, 30, 40, 50, 60, 70, 80, 90, 100])
 
 
+def test_watch_started_before_the_trainer_waits_for_its_output_dir(tmp_path: Path) -> None:
+    """Without --once a missing output dir is waited for (the trainer creates it at its first save)."""
+    out, store = tmp_path / "out", tmp_path / "store"
+    watch = subprocess.Popen(
+        [*_script("delta-upload"), "watch", str(out), "--store", str(store), "--interval", "0.05"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        q, errq = _lines(watch, watch.stdout), _lines(watch, watch.stderr)
+        assert read_until(errq, "waiting", watch) == (
+            f"waiting for {out} to be created (the training output dir; nothing there yet: start the trainer, "
+            "or check the path; Ctrl-C stops)\n"
+        )
+        assert sorted(os.listdir(tmp_path)) == []  # waiting creates nothing, in the store or beside it
+        run_writer(out, "10", "20")
+        assert [pushed_lines(read_until(q, f"step {s}:", watch))[0] for s in (10, 20)] == [10, 20]
+        watch.send_signal(signal.SIGINT)
+        assert watch.wait(TIMEOUT) == 0
+    finally:
+        _finish(watch)
+    assert_bit_exact(store, [10, 20])
+
+
 def test_watch_on_a_wrong_dir(tmp_path: Path) -> None:
-    """A missing dir, a file, or a checkpoint dir itself: an error. An empty dir: it waits (--once: exits)."""
+    """With --once a missing dir, and always a file or a checkpoint dir itself: an error. An empty dir: it
+    waits (--once: exits)."""
     store = str(tmp_path / "store")
     (tmp_path / "f.safetensors").write_bytes(b"x")
     ck = tmp_path / "ckpt"
@@ -241,7 +269,10 @@ def test_never_a_partial_checkpoint_poll_by_poll(tmp_path: Path) -> None:
 
     out.mkdir()
     with ds.DeltaUploader(store) as up:
-        opts = WatchOptions(interval=1.0, wait=wait, say=lambda m: log.append(f"{poll} {m}"), warn=log.append)
+        # settle=inf: only two polls that see it unchanged make a checkpoint ready, however slow the machine
+        opts = WatchOptions(
+            interval=1.0, settle=math.inf, wait=wait, say=lambda m: log.append(f"{poll} {m}"), warn=log.append
+        )
         assert run_watch(CheckpointPattern(out), up, opts) == 0
     pushes = [(int(line.split()[0]), int(line.split()[2].rstrip(":"))) for line in log if " step " in line[:8]]
     assert [s for _, s in pushes] == [1, 2, 3]
@@ -302,7 +333,7 @@ def assert_store_equals(store: ds.Store, steps: list[int]) -> None:
 def test_readiness_of_a_lying_or_changing_checkpoint(tmp_path: Path) -> None:
     d = tmp_path / "checkpoint-5"
     d.mkdir()
-    r = Readiness()
+    r = Readiness(settle=math.inf)  # two polls decide, not the files' age
     assert r.check(d) == (False, "no *.safetensors file yet")
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "../../etc/passwd"}}))
     assert "not plain file names" in r.check(d)[1]
@@ -314,11 +345,53 @@ def test_readiness_of_a_lying_or_changing_checkpoint(tmp_path: Path) -> None:
     (d / "model-00001-of-00001.safetensors").write_bytes(data + b"extra")  # longer than its header says
     assert "bytes written" in r.check(d)[1]
     (d / "model-00001-of-00001.safetensors").write_bytes(data)
-    assert r.check(d) == (False, "sizes not stable over two polls yet")
+    assert r.check(d) == (False, SETTLING)
     assert r.check(d) == (True, "")
     (d / "model-00001-of-00001.safetensors").write_bytes(data[:-1] + b"\1")  # rewritten: not stable
     os.utime(d / "model-00001-of-00001.safetensors", ns=(1, 1))
-    assert r.check(d) == (False, "sizes not stable over two polls yet")
+    assert r.check(d) == (False, SETTLING)
+
+
+def settled_checkpoints(out: Path, steps: tuple[int, ...], mtime: float) -> None:
+    """Whole checkpoints whose files were last modified at ``mtime`` (seconds, wall clock)."""
+    for step in steps:
+        for _ in write_steps(out, step, pause=lambda: None):
+            pass
+        for f in (out / f"checkpoint-{step}").iterdir():
+            os.utime(f, (mtime, mtime))
+
+
+def test_a_checkpoint_modified_long_enough_ago_is_ready_at_first_sight(tmp_path: Path) -> None:
+    settled_checkpoints(tmp_path, (5,), 1_000_000.0)
+    d = tmp_path / "checkpoint-5"
+    young = Readiness(settle=2.0, clock=lambda: 1_000_000.5)
+    assert young.check(d) == (False, SETTLING) and young.settles_in(d) == 1.5
+    assert young.check(d) == (True, "")  # unchanged over two polls: ready, however young
+    assert Readiness(settle=2.0, clock=lambda: 1_000_002.0).check(d) == (True, "")
+
+
+def test_once_waits_only_for_checkpoints_still_settling(tmp_path: Path) -> None:
+    """``watch --once``: checkpoints saved before it started are pushed in one poll, without a wait; one
+    modified just now is polled again once it has settled (not a whole --interval later)."""
+    out = tmp_path / "out"
+    settled_checkpoints(out, (1, 2, 3), 1_000_000.0)
+    waits: list[float] = []
+    said: list[str] = []
+
+    def options(now: float) -> WatchOptions:
+        return WatchOptions(
+            once=True, interval=10.0, clock=lambda: now, wait=lambda s: bool(waits.append(s)), say=said.append
+        )
+
+    store = ds.MemoryStore()
+    with ds.DeltaUploader(store) as up:
+        assert run_watch(CheckpointPattern(out), up, options(1_000_100.0)) == 0
+    assert waits == [] and pushed_lines("\n".join(said)) == [1, 2, 3]
+    settled_checkpoints(out, (4,), 1_000_100.0)
+    with ds.DeltaUploader(store) as up:
+        assert run_watch(CheckpointPattern(out), up, options(1_000_100.5)) == 0
+    assert waits == [1.5] and pushed_lines("\n".join(said)) == [1, 2, 3, 4]
+    assert_store_equals(store, [1, 2, 3, 4])
 
 
 def test_glob_and_step_regex(tmp_path: Path) -> None:

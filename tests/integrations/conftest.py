@@ -14,7 +14,7 @@ Fixtures defined here (all session scope except ``run_script``):
   test_vllm_engine).
 
 No root fixture is used. Helper modules: ``vllm_harness``, ``qwen3`` (tiny model, training steps),
-``tensors`` (bit-exact checks); ``tests/vllm_support/`` holds what runs inside the vLLM venv.
+``tensors`` (bit-exact checks), ``spy_store`` (a store whose writes a test holds); ``tests/vllm_support/`` holds what runs inside the vLLM venv.
 """
 
 from __future__ import annotations

@@ -10,12 +10,14 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import deltasync as ds
+from deltasync.errors import ChainBroken
 from deltasync.protocol import Manifest, manifest_key
 
 torch = pytest.importorskip("torch")
@@ -23,6 +25,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from qwen3 import QWEN3_KW, make_qwen3  # noqa: E402
+from spy_store import SpyStore  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
 
 from deltasync.integrations.transformers import DeltaSyncCallback  # noqa: E402
 
@@ -130,6 +134,92 @@ def test_resume_from_a_trainer_checkpoint_continues_the_chain(tmp_path: Path, ca
     assert kinds(store)[7] == ("anchor", 6) and kinds(store)[8] == ("patch", 7)
     assert_bits_equal(fetched(store, model_state(tr)), model_state(tr))
     assert Manifest.from_json(store.get(manifest_key(8))).writer.epoch == 3  # one writer epoch per train()
+
+
+class Choreography(TrainerCallback):
+    """Placed after the DeltaSyncCallback: holds the store's writes of step 1 while the next steps are
+    pushed, then opens them (``when``: after the push of that step, or when that step's job is in the
+    uploader's backlog), so the uploader is behind the trainer at exactly the same steps every run."""
+
+    def __init__(self, cb: DeltaSyncCallback, store: SpyStore, open_at: int, *, on_release: bool) -> None:
+        self.cb, self.store, self.open_at, self.on_release = cb, store, open_at, on_release
+        self.released = threading.Event()
+        store.gate = threading.Event()
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        assert self.cb.uploader is not None
+
+        def after_release(job: Any) -> None:  # the uploader's test seam, on its digest stage
+            if job.step == self.open_at:
+                self.released.set()
+                if self.on_release:
+                    assert self.store.gate is not None
+                    self.store.gate.set()
+
+        self.cb.uploader._pipeline.after_release = after_release
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        assert self.store.gate is not None
+        if state.global_step == 1:  # step 1 is being written (and held): every later step finds it busy
+            assert self.store.blocked.wait(TIMEOUT)
+        if state.global_step == self.open_at and not self.on_release:
+            assert self.released.wait(TIMEOUT)  # its job is in the backlog: only now may step 1 land
+            self.store.gate.set()
+
+
+def test_a_store_behind_folds_steps_and_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The default (on_backlog="coalesce"): training never waits; steps 3-5 go into the waiting step 2,
+    committed as step 6. The log says so, and an engine cannot be updated to exactly step 4."""
+    store = SpyStore(ds.open_store(tmp_path / "store"))
+    cb = DeltaSyncCallback(store, max_pending=1, anchor_every=100, anchor_bytes_fraction=0)
+    tr = trainer(tmp_path / "out", cb, 6)
+    tr.add_callback(Choreography(cb, store, 6, on_release=False))
+    with caplog.at_level(logging.INFO, "deltasync.integrations.transformers"):
+        tr.train()
+    assert [(i.step, i.kind, i.committed_step) for i in sorted(cb.results, key=lambda i: i.step)] == [
+        (1, "anchor", 1), (2, "skipped", 6), (3, "skipped", 6), (4, "skipped", 6), (5, "skipped", 6), (6, "patch", 6),
+    ]  # fmt: skip
+    assert [i.step for i in cb.folded] == [2, 3, 4, 5] and cb.errors == []
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if "folded" in r.getMessage()]
+    assert said[0] == (
+        "WARNING",
+        "deltasync: step 2 was folded into step 6: the store fell behind (on_backlog='coalesce'), so step 2 is not "
+        "committed on its own and no engine can be updated to exactly it. Pass DeltaSyncCallback(..., "
+        "keep_every_step=True) to commit every step (a push then waits for the store when it is behind). Further "
+        "folded steps are logged at INFO.",
+    )
+    assert said[1:] == [("INFO", f"deltasync: step {s} was folded into step 6") for s in (3, 4, 5)]
+    assert ds.RunReader(store).steps() == [1, 6]
+    with pytest.raises(ChainBroken, match="step 4 is not committed"):
+        fetched(store, model_state(tr), step=4)
+    assert_bits_equal(fetched(store, model_state(tr), step=6), model_state(tr))
+
+
+def test_keep_every_step_commits_each_step_while_the_store_is_behind(tmp_path: Path) -> None:
+    """keep_every_step=True (on_backlog="block"): the same backlog makes a push wait instead; every step
+    is committed on its own, and a fetcher reaches each one exactly."""
+    store = SpyStore(ds.open_store(tmp_path / "store"))
+    cb = DeltaSyncCallback(store, keep_every_step=True, max_pending=1, anchor_every=100, anchor_bytes_fraction=0)
+    assert cb.uploader_options["on_backlog"] == "block"
+    states: dict[int, dict[str, Any]] = {}
+
+    class Record(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            states[state.global_step] = {k: v.detach().clone() for k, v in kwargs["model"].state_dict().items()}
+
+    tr = trainer(tmp_path / "out", cb, 6)
+    # step 1 is held until step 2 waits in the backlog: the push of step 3 may find no room and wait
+    tr.add_callback(Choreography(cb, store, 2, on_release=True))
+    tr.add_callback(Record())
+    tr.train()
+    assert [(i.step, i.kind) for i in sorted(cb.results, key=lambda i: i.step)] == [
+        (1, "anchor"), (2, "patch"), (3, "patch"), (4, "patch"), (5, "patch"), (6, "patch"),
+    ]  # fmt: skip
+    assert cb.folded == [] and cb.errors == []
+    for step in range(1, 7):
+        assert_bits_equal(fetched(store, states[step], step=step), states[step])
+    with pytest.raises(ValueError, match="keep_every_step=True commits every step"):
+        DeltaSyncCallback(store, keep_every_step=True, on_backlog="coalesce")
 
 
 def test_deltasync_does_not_import_transformers_unless_asked() -> None:

@@ -326,7 +326,10 @@ def test_steps_must_increase() -> None:
     with ds.DeltaUploader(ds.MemoryStore()) as up:
         up.push(ss[0], 5)
         for bad in (5, 4, 0):
-            with pytest.raises(ProtocolError, match=f"step {bad} is not after the last step 5; steps must increase"):
+            with pytest.raises(
+                ProtocolError,
+                match=f"step {bad} is not after the last step 5; steps must increase: push step 6 or later",
+            ):
                 up.push(ss[1], bad)
         for bad in (-1, True, 1.5, "6"):
             with pytest.raises(ProtocolError, match="step must be a non-negative integer"):
