@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from deltasync.cli._common import CONFIG_HELP, STORE_HELP, VERIFY_HELP, signing_key_from_env
+from deltasync.cli._common import CONFIG_HELP, STORE_HELP, VERIFY_HELP, announce_store, signing_key_from_env
 from deltasync.storage import LocalStore, open_store
 
 __all__ = ["DESCRIPTION", "EPILOG", "NAME", "SUMMARY", "add_arguments", "run"]
@@ -61,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
 
     token = os.environ.get("DELTASYNC_SUBSCRIBE_TOKEN") or os.environ.get("DELTASYNC_PUBLISH_TOKEN") or None
     with open_store(args.store) as store:
+        announce_store(store)
         if isinstance(store, LocalStore) and not store.root.is_dir():  # a typo, not a run yet to start
             raise RunNotFound(
                 f"{store.url}: no such directory; check the path (to wait for a trainer that has not "

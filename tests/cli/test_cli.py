@@ -23,7 +23,8 @@ def test_reading_a_missing_run_is_an_error_and_writes_nothing(tmp_path: Path) ->
     for args in (["inspect", "runs/typo"], ["fetch", "--store", "runs/typo", "--out", "out"]):
         r = run("deltasync", *args, cwd=tmp_path)
         assert r.returncode == 1, r
-        assert r.stderr.startswith(f"error: {(tmp_path / 'runs' / 'typo').as_uri()}: no deltasync run here")
+        uri = (tmp_path / "runs" / "typo").as_uri()
+        assert r.stderr.startswith(f"store: {uri}\nerror: {uri}: no deltasync run here"), r.stderr
         assert "check the URL" in r.stderr and "Traceback" not in r.stderr
         assert sorted(os.listdir(tmp_path)) == []  # no store dir, no .deltasync-tmp, no output dir
     # an existing but empty directory is no run either, and stays empty
@@ -48,7 +49,7 @@ def test_follow_fails_on_a_missing_dir_and_waits_on_an_empty_run(tmp_path: Path)
     assert r.returncode == 1, r
     assert (
         r.stderr
-        == f"error: {(tmp_path / 'typo').as_uri()}: no such directory; check the path (to wait for a trainer that has not started yet, create the directory first)\n"
+        == f"store: {(tmp_path / 'typo').as_uri()}\nerror: {(tmp_path / 'typo').as_uri()}: no such directory; check the path (to wait for a trainer that has not started yet, create the directory first)\n"
     )
     assert sorted(os.listdir(tmp_path)) == []
     # a run dir that exists but holds nothing yet: a trainer may not have started, so wait (and say so)

@@ -70,7 +70,7 @@ def test_delta_upload_of_a_non_safetensors_checkpoint_says_how_to_convert(tmp_pa
     for path, needles in cases.items():
         r = run("delta-upload", path, "--store", "run", "--step", "0", "--cache", "cache", cwd=tmp_path)
         assert r.returncode == 1, r
-        assert r.stderr.startswith("error: "), r.stderr
+        assert r.stderr.startswith(f"store: {(tmp_path / 'run').as_uri()}\nerror: "), r.stderr
         assert "Traceback" not in r.stderr and "7142837043854339433" not in r.stderr
         for needle in (*needles, "deltasync reads safetensors only"):
             assert needle in r.stderr, (needle, r.stderr)
