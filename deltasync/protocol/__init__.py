@@ -23,6 +23,7 @@ from deltasync.protocol.keys import (
     parse_manifest_key,
     parse_writer_key,
     step_prefix,
+    writer_file_name,
     writer_key,
 )
 from deltasync.protocol.manifest import Manifest
@@ -92,6 +93,7 @@ __all__ = [
     "step_prefix",
     "superseded_by",
     "walk_chain",
+    "writer_file_name",
     "writer_key",
     "xxh3_128",
 ]

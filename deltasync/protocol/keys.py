@@ -14,6 +14,7 @@ __all__ = [
     "manifest_key",
     "parse_manifest_key",
     "step_prefix",
+    "writer_file_name",
     "writer_key",
     "parse_writer_key",
 ]
@@ -26,6 +27,7 @@ MAX_STEP = 10**12 - 1
 WRITERS_PREFIX = "writers/"
 _WRITER_KEY = re.compile(r"writers/([0-9]{12})\.json")
 _FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+_WRITER_TAG = re.compile(r"[A-Za-z0-9]{1,32}")
 _MANIFEST_KEY = re.compile(r"steps/([0-9]{12})/manifest\.json")
 
 
@@ -60,6 +62,19 @@ def check_file_name(name: str) -> str:
 def file_key(step: int, name: str) -> str:
     """Key of a data file of a step."""
     return step_prefix(step) + check_file_name(name)
+
+
+def writer_file_name(writer_id: str, name: str) -> str:
+    """``w{writer_id}-{name}``: the name under which writer ``writer_id`` stores its data file ``name``.
+
+    Data and span files are named per writer (SPEC.md "Commit rule"), so two writers racing for
+    one step never write the same key: on stores without create-only writes (HF buckets) neither
+    can overwrite what the other wrote. ``writer_id`` is 1 to 32 ASCII letters and digits (the
+    reference's ids are 16 hex digits).
+    """
+    if not isinstance(writer_id, str) or not _WRITER_TAG.fullmatch(writer_id):
+        raise ProtocolError(f"writer id {writer_id!r} cannot name files: expected 1 to 32 ASCII letters and digits")
+    return check_file_name(f"w{writer_id}-{name}")
 
 
 def parse_manifest_key(key: str) -> int | None:

@@ -145,7 +145,8 @@ def test_delta_upload_on_a_broken_chain_suggests_anchor_and_anchor_works(
     elif damage == "deleted manifest":
         (step2 / "manifest.json").unlink()
     else:
-        (step2 / "patch-00000.safetensors").unlink()
+        (patch,) = step2.glob("w*-patch-00000.safetensors")  # the uploader's own name for it
+        patch.unlink()
     if not cache:
         for p in (tmp_path / "cache").iterdir():
             p.unlink()

@@ -9,14 +9,16 @@ frames after an upgrade; the decode tests below must keep passing regardless.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import safetensors
 import safetensors.numpy
 
-from deltasync.errors import SignatureMismatch
+from deltasync.errors import ProtocolError, SignatureMismatch
 from deltasync.protocol import (
     ByteRange,
     FileInfo,
@@ -275,33 +277,37 @@ def test_signature_roundtrip_and_tamper() -> None:
 # ----------------------------------------------------------------- the uploader's real output
 
 WRITER_ID = "0123456789abcdef"
+# the uploader names its data files as its own (SPEC.md "Commit rule"): w<writer id>-<name>
+OWN = f"w{WRITER_ID}-"
 UPLOADER_ANCHOR_MANIFEST = (
-    b'{"anchor_step":6,"entries":[{"file":"model-00001-of-00001.safetensors","range":[160,224],"tensor":"a"},'
-    b'{"file":"model-00001-of-00001.safetensors","range":[224,352],"tensor":"b"}],'
-    b'"files":[{"path":"model-00001-of-00001.safetensors","size":352,"xxh3_128":"f736e2b2a79e4197df70e79d27ee5e2f"},'
-    b'{"path":"model.safetensors.index.json","size":157,"xxh3_128":"778e0171526a7ac3cffa8de9b97932ff"}],'
+    b'{"anchor_step":6,"entries":[{"file":"w0123456789abcdef-model-00001-of-00001.safetensors","range":[160,224],'
+    b'"tensor":"a"},{"file":"w0123456789abcdef-model-00001-of-00001.safetensors","range":[224,352],"tensor":"b"}],'
+    b'"files":[{"path":"w0123456789abcdef-model-00001-of-00001.safetensors","size":352,'
+    b'"xxh3_128":"f736e2b2a79e4197df70e79d27ee5e2f"},'
+    b'{"path":"w0123456789abcdef-model.safetensors.index.json","size":193,"xxh3_128":"2ed398e65ff1fcc836a2b202be342181"}],'
     b'"format_version":1,"inventory":[{"dtype":"BF16","name":"a","shape":[4,8]},'
     b'{"dtype":"BF16","name":"b","shape":[8,8]}],"inventory_digest":"b908d424c1b631a1056774eab2ac0122",'
     b'"kind":"anchor","parent_digest":null,"parent_step":null,"run_id":"golden-run",'
-    b'"stats":{"changed":96,"nbytes":509,"total":96},"step":6,'
+    b'"stats":{"changed":96,"nbytes":545,"total":96},"step":6,'
     b'"tensor_digests":{"a":"da6c9e4b687342c81dd7ce2ac604785c","b":"40f8621420eaf2211c7dc0e745a9b352"},'
     b'"writer":{"epoch":1,"id":"0123456789abcdef"}}'
 )
 UPLOADER_PATCH_MANIFEST = (
-    b'{"anchor_step":6,"entries":[{"count":3,"file":"patch-00000.safetensors","positions":"rice",'
+    b'{"anchor_step":6,"entries":[{"count":3,"file":"w0123456789abcdef-patch-00000.safetensors","positions":"rice",'
     b'"positions_range":[320,324],"rice_k":3,"tensor":"a","values":"raw","values_range":[324,339]},'
-    b'{"count":16,"file":"patch-00000.safetensors","positions":"rice","positions_range":[339,345],'
+    b'{"count":16,"file":"w0123456789abcdef-patch-00000.safetensors","positions":"rice","positions_range":[339,345],'
     b'"rice_k":1,"tensor":"b","values":"xor-rank","values_range":[345,376]}],'
-    b'"files":[{"path":"patch-00000.safetensors","size":376,"xxh3_128":"c44f18309ce1fd33b65f6e61d7ecbd43"}],'
+    b'"files":[{"path":"w0123456789abcdef-patch-00000.safetensors","size":376,'
+    b'"xxh3_128":"c44f18309ce1fd33b65f6e61d7ecbd43"}],'
     b'"format_version":1,"inventory":[{"dtype":"BF16","name":"a","shape":[4,8]},'
     b'{"dtype":"BF16","name":"b","shape":[8,8]}],"inventory_digest":"b908d424c1b631a1056774eab2ac0122",'
-    b'"kind":"patch","parent_digest":"cc68b65e0d50f822a2ef2651da83fd6c","parent_step":6,"run_id":"golden-run",'
+    b'"kind":"patch","parent_digest":"9b2967defde1ea61f9cbd896a07b98d5","parent_step":6,"run_id":"golden-run",'
     b'"stats":{"changed":19,"nbytes":376,"total":96},"step":7,'
     b'"tensor_digests":{"a":"8bed3924046de2eba8c8f841ddffd2b2","b":"d8cef1d4b31508383c101efb4a4bf0cb"},'
     b'"writer":{"epoch":1,"id":"0123456789abcdef"}}'
 )
 UPLOADER_HEAD = (
-    b'{"format_version":1,"manifest_digest":"3467c409a49a1a6ebdfa1d1aa7da1036","run_id":"golden-run","step":7}'
+    b'{"format_version":1,"manifest_digest":"e3df46a1d520290a3101410d16544766","run_id":"golden-run","step":7}'
 )
 
 
@@ -335,31 +341,55 @@ def test_uploader_output_is_frozen(monkeypatch: pytest.MonkeyPatch) -> None:
     assert sorted(objs) == [
         "HEAD.json",
         "steps/000000000006/manifest.json",
-        "steps/000000000006/model-00001-of-00001.safetensors",
-        "steps/000000000006/model.safetensors.index.json",
+        f"steps/000000000006/{OWN}model-00001-of-00001.safetensors",
+        f"steps/000000000006/{OWN}model.safetensors.index.json",
         "steps/000000000007/manifest.json",
-        "steps/000000000007/patch-00000.safetensors",
+        f"steps/000000000007/{OWN}patch-00000.safetensors",
         "writers/000000000001.json",
     ]
-    assert objs["steps/000000000007/patch-00000.safetensors"] == GOLDEN_FILE
+    assert objs[f"steps/000000000007/{OWN}patch-00000.safetensors"] == GOLDEN_FILE
     assert objs["steps/000000000006/manifest.json"] == UPLOADER_ANCHOR_MANIFEST
-    assert xxh3_128(UPLOADER_ANCHOR_MANIFEST) == "cc68b65e0d50f822a2ef2651da83fd6c"
+    assert xxh3_128(UPLOADER_ANCHOR_MANIFEST) == "9b2967defde1ea61f9cbd896a07b98d5"
     assert objs["steps/000000000007/manifest.json"] == UPLOADER_PATCH_MANIFEST
     assert objs["HEAD.json"] == UPLOADER_HEAD
-    assert xxh3_128(UPLOADER_PATCH_MANIFEST) == "3467c409a49a1a6ebdfa1d1aa7da1036"
+    assert xxh3_128(UPLOADER_PATCH_MANIFEST) == "e3df46a1d520290a3101410d16544766"
     assert objs["writers/000000000001.json"] == UPLOADER_CLAIM
     # the anchor is an ordinary checkpoint of the first state
-    st = parse_safetensors(objs["steps/000000000006/model-00001-of-00001.safetensors"])
+    st = parse_safetensors(objs[f"steps/000000000006/{OWN}model-00001-of-00001.safetensors"])
     a = st.entries["a"]
     assert (a.dtype, a.shape) == ("BF16", (4, 8))
-    raw = objs["steps/000000000006/model-00001-of-00001.safetensors"][a.start : a.end]
+    raw = objs[f"steps/000000000006/{OWN}model-00001-of-00001.safetensors"][a.start : a.end]
     assert np.frombuffer(raw, "<i2").tolist() == A_OLD.tolist()
+    # its index names the writer's shards: saved as model.safetensors.index.json with them, it loads as is
+    index = json.loads(objs[f"steps/000000000006/{OWN}model.safetensors.index.json"])
+    assert index["weight_map"] == dict.fromkeys(["a", "b"], f"{OWN}model-00001-of-00001.safetensors")
     # and the patch decodes through the protocol's patch-file reader
     from deltasync.protocol import decode_patch
 
     m = Manifest.from_json(UPLOADER_PATCH_MANIFEST)
-    decoded = decode_patch(m, {PATCH_FILE: GOLDEN_FILE})
+    decoded = decode_patch(m, {OWN + PATCH_FILE: GOLDEN_FILE})
     assert [(d.tensor, d.coding, d.idx.tolist()) for d in decoded] == [
         ("a", "raw", A_IDX.tolist()),
         ("b", "xor-rank", B_IDX.tolist()),
     ]
+
+
+@pytest.mark.parametrize(
+    ("writer_id", "name", "expected"),
+    [
+        ("0123456789abcdef", "patch-00000.safetensors", "w0123456789abcdef-patch-00000.safetensors"),
+        ("A1", "model.safetensors.index.json", "wA1-model.safetensors.index.json"),
+    ],
+)
+def test_writer_file_names(writer_id: str, name: str, expected: str) -> None:
+    from deltasync.protocol import writer_file_name
+
+    assert writer_file_name(writer_id, name) == expected
+
+
+@pytest.mark.parametrize("writer_id", ["", "a-b", "a/b", "../x", "é", "a" * 33, 7])
+def test_writer_ids_that_cannot_name_files_are_refused(writer_id: Any) -> None:
+    from deltasync.protocol import writer_file_name
+
+    with pytest.raises(ProtocolError, match="cannot name files"):
+        writer_file_name(writer_id, "patch-00000.safetensors")
