@@ -415,3 +415,80 @@ def run_vllm(
     result: dict[str, Any] = json.loads(result_path.read_text())
     result.setdefault("wall_s", round(elapsed, 2))
     return result
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def vllm_server(python: Path, model: Path, log_path: Path, *, tp: int = 1) -> Iterator[str]:
+    """A real ``vllm serve`` (OpenAI server) of ``model`` with deltasync's weight-transfer backend and
+    worker extension, dev routes on (``VLLM_SERVER_DEV_MODE=1``), on 127.0.0.1; yields its base URL and
+    kills its process group on exit. Waits (bounded) until ``/v1/models`` answers."""
+    import httpx
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    log = open(log_path, "wb")  # noqa: SIM115 - closed in finally
+    server = subprocess.Popen(
+        [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", "bfloat16",
+         "--enforce-eager", "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20), "--host", "127.0.0.1",
+         "--port", str(port), "--tensor-parallel-size", str(tp),
+         "--weight-transfer-config", json.dumps({"backend": "deltasync"}),
+         "--worker-extension-cls", "deltasync.integrations.vllm.backend.DeltasyncWorkerExtension"],
+        env=vllm_env(tp=tp, multiprocessing=True, extra={"VLLM_SERVER_DEV_MODE": "1"}),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        for _ in range(300):  # bounded: the server starts in tens of seconds on 2 cores
+            if server.poll() is not None:
+                raise RuntimeError(f"vllm serve exited {server.returncode}: {log_path.read_text()[-3000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{base}/v1/models", timeout=2).status_code == 200:
+                    break
+            time.sleep(1)
+        else:
+            raise RuntimeError(f"vllm serve did not start: {log_path.read_text()[-3000:]}")
+        yield base
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+        log.close()
+
+
+def publish_step(src: Path, dst: Path, step: int) -> None:
+    """Copy step ``step``'s objects from a finished run's store into a live one, manifest last (a commit).
+    The first call also copies what is not per-step (writer claims), never ``HEAD.json``."""
+    import shutil
+
+    tag = f"{step:012d}"
+    if not (dst / "writers").exists():
+        for path in src.rglob("*"):
+            rel = path.relative_to(src)
+            per_step = any(p.isdigit() and len(p) == 12 for p in rel.parts)
+            if path.is_file() and not per_step and path.name != "HEAD.json":
+                (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(path, dst / rel)
+    manifests = []
+    for path in sorted(src.rglob("*")):
+        rel = path.relative_to(src)
+        if path.is_file() and tag in rel.parts:
+            if path.name == "manifest.json":
+                manifests.append(rel)
+                continue
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, dst / rel)
+    for rel in manifests:
+        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst / rel.with_name(".manifest.tmp")
+        shutil.copy2(src / rel, tmp)
+        os.replace(tmp, dst / rel)

@@ -9,6 +9,7 @@ import sys
 import time
 
 from deltasync.cli._common import CONFIG_HELP, STORE_HELP, VERIFY_HELP, announce_store, signing_key_from_env
+from deltasync.cli._vllm import add_vllm_arguments, run_vllm
 from deltasync.storage import LocalStore, open_store
 
 __all__ = ["DESCRIPTION", "EPILOG", "NAME", "SUMMARY", "add_arguments", "run"]
@@ -31,7 +32,7 @@ EPILOG: str | None = """
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of ``deltasync follow``."""
     p.add_argument("--store", required=True, metavar="URL", help=STORE_HELP)
-    p.add_argument("--out", required=True, metavar="DIR", help="checkpoint dir, rewritten atomically at each step")
+    p.add_argument("--out", metavar="DIR", help="checkpoint dir, rewritten atomically at each step (or --vllm)")
     p.add_argument("--signal", metavar="URL", help="signal server to wait on (SSE); without it the store is polled")
     p.add_argument("--config-from", metavar="DIR", help=CONFIG_HELP)
     p.add_argument("--run", metavar="NAME", help="run name at the signal server (default: the store's run id)")
@@ -51,10 +52,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="write a lease (leases/<id>.json) valid this long after each step, so `deltasync gc` keeps what this "
         "follower needs (needs write access to the store; default: no lease)",
     )
+    add_vllm_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``deltasync follow`` until ``--until`` is reached or the process is interrupted."""
+    if (args.out is None) == (args.vllm is None):
+        print(
+            "usage: deltasync follow --store URL (--out DIR | --vllm URL [URL ...]) ...\n"
+            "deltasync follow: error: give either --out DIR (a checkpoint dir) or --vllm URL [URL ...] (vLLM servers)",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+    if args.vllm is not None:
+        return run_vllm(args)
     from deltasync.errors import RunNotFound
     from deltasync.fetcher import DeltaFetcher
     from deltasync.run import RunReader

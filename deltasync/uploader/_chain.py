@@ -112,9 +112,10 @@ class ChainState:
             self._last_committed, self._last_step = committed, last_step
 
     def skip_to(self, step: int) -> None:
-        """Steps up to ``step`` are taken (an older uploader committed them): push after it."""
+        """Steps up to ``step`` are taken (an older uploader committed them, or another rank pushed
+        it): push after it."""
         with self._cond:
-            self._last_step = step
+            self._last_step = step if self._last_step is None else max(self._last_step, step)
 
     def adopt(self, committed: Committed, pushes_since_anchor: int) -> None:
         """``committed`` is proven to be the trainer's state: the chain continues from it."""
@@ -149,10 +150,12 @@ class ChainState:
         with self._cond:
             self._pushes_since_anchor += 1
 
-    def pushed(self, step: int) -> None:
-        """``step`` was pushed: it is the newest step and in flight until resolved."""
+    def pushed(self, step: int | None) -> None:
+        """``step`` was pushed: it is the newest step and in flight until resolved (None: a refused
+        push of a sharded uploader, in flight until every rank has heard of it)."""
         with self._cond:
-            self._last_step = step
+            if step is not None:
+                self._last_step = step
             self._inflight += 1
 
     def wait_until_idle(self, timeout: float | None = None) -> bool:
@@ -179,6 +182,15 @@ class ChainState:
                 self._anchor_bytes, self._bytes_since_anchor = m.stats.nbytes, 0
             else:
                 self._bytes_since_anchor += m.stats.nbytes
+            self._inflight -= resolved
+            self._cond.notify_all()
+
+    def resumed_head(self, resolved: int) -> None:
+        """Every rank of a sharded push re-pushed the committed head: nothing was written; the next
+        push is an anchor (a sharded state cannot be proven)."""
+        with self._cond:
+            self._resumed = True
+            self._needs_anchor = True
             self._inflight -= resolved
             self._cond.notify_all()
 

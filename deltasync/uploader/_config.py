@@ -45,11 +45,14 @@ class UploaderConfig:
         with world size > 1: every rank calls push() with its own state dict
         (DTensor shards or replicated tensors; README "Sharded trainers"). One step
         is in flight at a time (push waits for the previous step's outcome; no
-        coalescing, defer_diff does not apply). False forces single-process
+        coalescing; defer_diff applies to each rank's own shards). False forces single-process
         behaviour (e.g. only rank 0 pushes a gathered state); True requires a group.
         Creating the uploader is then a collective call on every rank.
-    distributed_timeout: seconds a rank waits for the others in a sharded push
-        before the uploader gives up (its steps fail; create a new uploader).
+    distributed_timeout: seconds a rank waits for the others in each exchange of a
+        sharded push. A step during which the ranks lose contact (a straggler, a dead
+        rank) is settled from the store on every rank (committed iff rank 0 wrote its
+        manifest); the next push reassembles the group, waiting up to 4x this for late
+        ranks, and is an anchor. Keep pushing on every rank.
     span_levels: after every ``n``-th patch since an anchor, for each ``n`` here, also
         write a span squashing those ``n`` patches (SPEC.md "Spans"), so that a replica
         far behind downloads a few spans instead of every patch; written on a background

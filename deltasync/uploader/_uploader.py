@@ -192,22 +192,17 @@ class DeltaUploader:
         """
         if self._closed:
             raise RuntimeError("push() on a closed DeltaUploader")
+        if self._sharded is not None:  # every rank's push joins the step's collective, a refused one too
+            return self._sharded.push(state, step, self._pipeline.enqueue)
         chain, snaps, cfg = self._chain, self._snapshots, self.config
         chain.raise_if_fenced()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ProtocolError(f"step must be a non-negative integer, got {step!r}")
         last_step = chain.last_step
         if last_step is not None and step <= last_step:
-            if (
-                snaps.last_job is None
-                and not chain.resumed
-                and chain.last_committed is not None
-                and self._sharded is None
-            ):
+            if snaps.last_job is None and not chain.resumed and chain.last_committed is not None:
                 return self._resumer.push_committed_head(state, step)  # a restarted trainer (see resume())
             raise ProtocolError(f"step {step} is not after the last step {last_step}; steps must increase")
-        if self._sharded is not None:
-            return self._sharded.push(state, step, self._pipeline.enqueue)
         if not self._writer.epoch:
             self._writer.claim(self._reader, chain)
             last_step = chain.last_step
@@ -286,6 +281,8 @@ class DeltaUploader:
                 self.retention.close(timeout)
             if self.notifier is not None:
                 self.notifier.close()
+            if self._sharded is not None:
+                self._sharded.close()
 
     def __enter__(self) -> DeltaUploader:
         return self

@@ -1,0 +1,96 @@
+"""``deltasync follow --vllm URL [URL ...]``: a sidecar keeping vLLM servers at the newest committed step.
+
+Each new committed step (SSE from ``--signal``, else polling the store) runs
+:class:`~deltasync.integrations.vllm.driver.VLLMDriver`'s whole update sequence on every server
+(pause, the four weight-transfer phases with ``weight_version=str(step)``, prefix-cache reset,
+resume); one line per server and step; a step a server refused is retried with backoff.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+
+from deltasync.cli._common import announce_store
+
+__all__ = ["add_vllm_arguments", "run_vllm"]
+
+
+def add_vllm_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``--vllm`` options of ``deltasync follow``."""
+    g = p.add_argument_group("vLLM servers (instead of --out)")
+    g.add_argument(
+        "--vllm",
+        nargs="+",
+        metavar="URL",
+        help="base URLs of vLLM servers to keep at the newest step (started with VLLM_SERVER_DEV_MODE=1 and "
+        '--weight-transfer-config \'{"backend": "deltasync"}\')',
+    )
+    g.add_argument(
+        "--vllm-store",
+        metavar="URL",
+        help="the store URL as the servers reach it (default: --store)",
+    )
+    g.add_argument(
+        "--pause-mode",
+        choices=("wait", "abort", "keep"),
+        default="wait",
+        help="in-flight requests at each update: wait for them (default), abort them, or keep them frozen "
+        "(they then finish on the new weights: mixed samples)",
+    )
+    g.add_argument("--vllm-timeout", type=float, default=600.0, metavar="SECONDS", help="timeout of each HTTP call")
+    g.add_argument("--no-prefetch", action="store_true", help="do not prepare new steps in the background")
+
+
+def run_vllm(args: argparse.Namespace) -> int:
+    """Drive the servers until ``--until`` is served everywhere (exit 0) or Ctrl-C."""
+    from deltasync.integrations.vllm.driver import ServerUpdate, VLLMDriver
+    from deltasync.run import RunReader
+    from deltasync.signal import StepWatcher
+    from deltasync.storage import open_store
+
+    token = os.environ.get("DELTASYNC_SUBSCRIBE_TOKEN") or os.environ.get("DELTASYNC_PUBLISH_TOKEN") or None
+    api_key = os.environ.get("VLLM_API_KEY") or None
+    stop = threading.Event()
+    with open_store(args.store) as store:
+        announce_store(store)
+        reader = RunReader(store)
+        driver = VLLMDriver(
+            args.vllm,
+            args.vllm_store or store.url,
+            pause_mode=args.pause_mode,
+            timeout=args.vllm_timeout,
+            api_key=api_key,
+            prefetch=not args.no_prefetch,
+        )
+        with driver:
+            driver.init()
+            for url, step in driver.serving().items():
+                print(f"{url}: serving step {step if step is not None else '(none yet)'}", file=sys.stderr, flush=True)
+
+            def report(u: ServerUpdate) -> None:
+                if u.ok:
+                    print(f"step {u.step} -> {u.url}: serving (paused {u.pause_s * 1000:.0f} ms)", flush=True)
+                else:
+                    print(f"step {u.step} -> {u.url}: {u.state}: {u.error}", file=sys.stderr, flush=True)
+
+            watcher = StepWatcher(
+                reader.latest_step,
+                signal_url=args.signal,
+                token=token,
+                run=args.run or (reader.run_id() if args.signal else None),
+                heartbeat=min(2.0, args.poll_interval),
+                poll_interval=args.poll_interval,
+                stop=stop,
+            )
+            try:
+                serving = driver.follow((seen.step for seen in watcher.watch()), until=args.until, on_update=report)
+            finally:
+                stop.set()
+                watcher.close()
+    print("stopped; serving: " + ", ".join(f"{u} step {s}" for u, s in serving.items()))
+    if args.until is not None:
+        return 0 if all(s is not None and s >= args.until for s in serving.values()) else 1
+    return 0

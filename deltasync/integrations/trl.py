@@ -1,0 +1,206 @@
+"""TRL's ``AsyncGRPOTrainer`` on deltasync: each weight sync is a committed step, engines update from the store.
+
+``trl.experimental.async_grpo.AsyncGRPOTrainer(..., weight_transfer=...)`` takes any object with
+the methods of TRL's ``WeightTransferProtocol``; :class:`DeltaSyncWeightTransfer` is one::
+
+    from deltasync.integrations.trl import DeltaSyncWeightTransfer
+
+    transfer = DeltaSyncWeightTransfer("hf://buckets/me/run-1", servers=["http://vllm-0:8000"], model=model)
+    trainer = AsyncGRPOTrainer(model=model, ..., weight_transfer=transfer)
+
+At each sync TRL calls ``pause()``, then ``send_weights(iterator)`` on the main process with every
+trainable parameter gathered (FSDP2: ``full_tensor()``) in the trainer dtype, then ``resume()``.
+Here ``pause()`` does nothing: the servers keep generating while the step is diffed, written and
+committed. ``send_weights`` casts each tensor to ``cast_dtype`` (bf16 by default) as it arrives,
+adds the model's frozen parameters (TRL skips them, but the run's inventory must hold every
+tensor an engine loads), pushes the state as one deltasync step, waits for its commit, then drives
+every server through the update sequence of :class:`~deltasync.integrations.vllm.driver.VLLMDriver`
+(pause, four phases with ``weight_version=str(step)``, prefix-cache reset, resume). The engines
+never see NCCL: they download the step from the store. ``resume()`` then has nothing left to do.
+
+Steps are numbered by sync: the first sync (TRL's cold sync at train begin) is ``first_step``
+(default: 0 on an empty store, else the store's newest step + 1), then one more per sync.
+
+TRL hands the iterator to the main process only, so the state is gathered there: a sharded push
+(every rank pushing its own shards) is not possible through this seam. GRPOTrainer and the other
+online trainers have no such seam at all (they always build an NCCL ``VLLMGeneration``); see
+docs/trl.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from deltasync.errors import DeltaSyncError
+from deltasync.integrations.vllm.driver import PauseMode, ServerUpdate, VLLMDriver
+from deltasync.storage import Store, open_store
+
+if TYPE_CHECKING:
+    import torch
+
+    from deltasync.uploader import DeltaUploader
+
+__all__ = ["DeltaSyncWeightTransfer", "SyncRecord"]
+
+log = logging.getLogger("deltasync.trl")
+
+
+@dataclass(frozen=True, slots=True)
+class SyncRecord:
+    """One TRL weight sync: the step it became and what each server did with it."""
+
+    step: int
+    #: seconds from TRL's ``pause()`` to the step's commit in the store
+    commit_s: float
+    #: seconds from TRL's ``pause()`` to every server serving the step (the whole sync)
+    total_s: float
+    updates: tuple[ServerUpdate, ...]
+
+
+class DeltaSyncWeightTransfer:
+    """A TRL ``WeightTransferProtocol`` that ships each sync through a deltasync store (see the module doc).
+
+    ``store``: the run's store (URL or Store); ``store_url``: the URL the *servers* use to reach it
+    (default: the store's own URL). ``servers``: vLLM server base URLs to drive (none: only commit,
+    e.g. when ``deltasync follow --vllm`` runs beside the servers). ``model``: the trained model, whose
+    frozen parameters join each step. ``strict``: raise when a server does not serve a synced step
+    (its rollouts would come from older weights than TRL believes); False only logs it.
+    ``uploader_options`` go to :class:`~deltasync.DeltaUploader` (``anchor_every``, ``signal_url``...).
+    """
+
+    def __init__(
+        self,
+        store: Store | str | os.PathLike[str],
+        *,
+        servers: Sequence[str] = (),
+        model: torch.nn.Module | None = None,
+        cast_dtype: Any = "bfloat16",
+        store_url: str | None = None,
+        first_step: int | None = None,
+        pause_mode: PauseMode = "wait",
+        timeout: float = 600.0,
+        api_key: str | None = None,
+        strict: bool = True,
+        **uploader_options: Any,
+    ) -> None:
+        self.store = store if isinstance(store, Store) else open_store(store)
+        self.servers = list(servers)
+        self.model = model
+        self.cast_dtype = cast_dtype
+        self.store_url = store_url or self.store.url
+        self.first_step = first_step
+        self.pause_mode: PauseMode = pause_mode
+        self.timeout, self.api_key, self.strict = timeout, api_key, strict
+        self.uploader_options = uploader_options
+        self.uploader: DeltaUploader | None = None
+        self.driver: VLLMDriver | None = None
+        self.next_step: int | None = None
+        #: one record per sync, in order
+        self.history: list[SyncRecord] = []
+        self._t_pause: float | None = None
+
+    # ----------------------------------------------------------- the protocol
+
+    def init_weight_transfer(self) -> None:
+        """Open the uploader and point every server's deltasync backend at the store (once)."""
+        if self.uploader is not None:
+            return
+        from deltasync.uploader import DeltaUploader
+
+        opts = {"distributed": False, **self.uploader_options}  # TRL gathers onto the main process
+        self.uploader = DeltaUploader(self.store, **opts)
+        head = self.uploader.last_committed_step
+        self.next_step = self.first_step if self.first_step is not None else (0 if head is None else head + 1)
+        if self.servers:
+            self.driver = VLLMDriver(
+                self.servers, self.store_url, pause_mode=self.pause_mode, timeout=self.timeout, api_key=self.api_key
+            )
+            self.driver.init()
+
+    def pause(self) -> None:
+        """Nothing to pause yet: the servers keep generating until the step is committed."""
+        self._t_pause = time.perf_counter()
+
+    def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Commit the gathered weights as the next step, then bring every server to it."""
+        if self.uploader is None:
+            self.init_weight_transfer()
+        assert self.uploader is not None and self.next_step is not None
+        t0 = self._t_pause if self._t_pause is not None else time.perf_counter()
+        self._t_pause = None
+        state = self._state(iterator)
+        step = self.next_step
+        info = self.uploader.push(state, step).result()
+        del state
+        self.next_step = step + 1
+        t_commit = time.perf_counter()
+        updates: list[ServerUpdate] = self.driver.update(step) if self.driver is not None else []
+        record = SyncRecord(step, t_commit - t0, time.perf_counter() - t0, tuple(updates))
+        self.history.append(record)
+        log.info(
+            "TRL sync -> step %d (%s, %d bytes) committed in %.2f s; servers: %s",
+            step,
+            info.kind,
+            info.nbytes,
+            record.commit_s,
+            ", ".join(f"{u.url} {u.state} (pause {u.pause_s * 1000:.0f} ms)" for u in updates) or "none",
+        )
+        bad = [u for u in updates if not u.ok]
+        if bad:
+            msg = f"step {step} is committed but not served by " + "; ".join(
+                f"{u.url} ({u.state}: {u.error})" for u in bad
+            )
+            if self.strict:
+                raise DeltaSyncError(
+                    msg + ". Their rollouts would come from older weights than the trainer's model version. "
+                    "Fix or restart those servers (DeltaSyncWeightTransfer(strict=False) only logs this)"
+                )
+            log.warning("%s", msg)
+
+    def resume(self) -> None:
+        """Nothing left to do: each server was resumed by its update sequence."""
+
+    def destroy(self) -> None:
+        """Flush and close the uploader and the driver (train end)."""
+        if self.driver is not None:
+            self.driver.close()
+            self.driver = None
+        if self.uploader is not None:
+            self.uploader.close()
+            self.uploader = None
+
+    # ----------------------------------------------------------------- helpers
+
+    def _state(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        import torch
+
+        dtype = getattr(torch, self.cast_dtype) if isinstance(self.cast_dtype, str) else self.cast_dtype
+        state: dict[str, torch.Tensor] = {}
+        for name, t in iterator:  # TRL frees each gathered tensor when the iterator advances: copy it now
+            state[name] = t.detach().to(device="cpu", dtype=dtype, copy=True)
+        if self.model is not None:
+            for name, p in self.model.named_parameters():
+                key = checkpoint_name(name)
+                if p.requires_grad or key in state:
+                    continue
+                if hasattr(p, "full_tensor"):  # gathering is a collective, and only this process is called
+                    raise DeltaSyncError(
+                        f"frozen parameter {key} is sharded (a DTensor): TRL calls send_weights on the main process "
+                        "only, so it cannot be gathered here. Keep frozen parameters out of fully_shard, or unfreeze "
+                        "them"
+                    )
+                state[key] = p.detach().to(device="cpu", dtype=dtype, copy=True)
+        if not state:
+            raise DeltaSyncError("TRL sent no weights (an empty iterator): nothing to commit")
+        return state
+
+
+def checkpoint_name(name: str) -> str:
+    """A parameter's checkpoint name, cleaned as TRL cleans the names it sends (DDP/FSDP wrappers,
+    activation checkpointing)."""
+    return name.removeprefix("module.").replace("_checkpoint_wrapped_module.", "")
