@@ -24,6 +24,7 @@ from deltasync.protocol.keys import (
     parse_writer_key,
     step_prefix,
     writer_file_name,
+    writer_folder,
     writer_key,
 )
 from deltasync.protocol.manifest import Manifest
@@ -94,6 +95,7 @@ __all__ = [
     "superseded_by",
     "walk_chain",
     "writer_file_name",
+    "writer_folder",
     "writer_key",
     "xxh3_128",
 ]

@@ -66,14 +66,14 @@ def checkpoint_shards(
     """The layout :func:`build_checkpoint` writes, without building any file: each shard's file name
     and tensors (in file order), and the bytes of ``model.safetensors.index.json``. A shard's file
     is ``to_bytes(tensors, CHECKPOINT_METADATA)``. With ``writer_id`` the shards are that writer's
-    own (``w{writer_id}-model-...``), and the index names them so."""
+    own, in its subfolder (``w{writer_id}/model-...``); the index, which lives in that subfolder
+    too, names them by their plain names, relative to itself (as transformers expects)."""
     items = [TensorBytes(t.name, t.dtype, t.shape, arrays[t.name]) for t in inventory]
     shards = pack_shards(items, shard_bytes)
-    named = [(f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors", shard) for i, shard in enumerate(shards)]
-    if writer_id is not None:
-        named = [(writer_file_name(writer_id, fname), shard) for fname, shard in named]
-    weight_map = {t.name: fname for fname, shard in named for t in shard}
+    plain = [(f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors", shard) for i, shard in enumerate(shards)]
+    weight_map = {t.name: fname for fname, shard in plain for t in shard}
     index = {"metadata": {"total_size": sum(t.nbytes for t in items)}, "weight_map": weight_map}
+    named = plain if writer_id is None else [(writer_file_name(writer_id, fname), shard) for fname, shard in plain]
     return named, json.dumps(index, indent=2, sort_keys=True).encode()
 
 
@@ -84,9 +84,9 @@ def build_checkpoint(
 
     ``arrays`` maps each inventory name to its raw bytes (numpy array or buffer).
     transformers and the ``safetensors`` package load the result as it is. With
-    ``writer_id`` every name is that writer's own (``w{writer_id}-model-...``,
-    ``w{writer_id}-model.safetensors.index.json``): saved under the plain names (the index as
-    ``model.safetensors.index.json``), the files load the same.
+    ``writer_id`` every file is that writer's own, in its subfolder
+    (``w{writer_id}/model-00001-of-00001.safetensors``, ``w{writer_id}/model.safetensors.index.json``):
+    the subfolder is an ordinary HF checkpoint dir, the index naming the shards by their plain names.
     """
     named, index = checkpoint_shards(inventory, arrays, shard_bytes, writer_id=writer_id)
     files: dict[str, bytes] = {}

@@ -1,7 +1,8 @@
 """The layout of patch files (SPEC.md, "Patches"): entry names, metadata, building and checking them.
 
-A patch step's data files are ``patch-{i:05d}.safetensors`` (``w{writer}-patch-{i:05d}.safetensors``
-when a writer names them as its own, :func:`~deltasync.protocol.keys.writer_file_name`). Each holds, for every
+A patch step's data files are ``patch-{i:05d}.safetensors`` (``w{writer}/patch-{i:05d}.safetensors``,
+in the writer's subfolder, when a writer names them as its own:
+:func:`~deltasync.protocol.keys.writer_file_name`). Each holds, for every
 changed tensor ``T`` it carries, two ``U8`` 1-D entries ``T/positions`` and
 ``T/values`` (the coded blobs), and ``__metadata__`` ``{"format": "deltasync-patch",
 "step": "<step>"}``. The manifest's patch entries give the blobs' absolute byte
@@ -89,7 +90,7 @@ def build_patch_files(
 
     Items stay in the given order; a tensor's two blobs always share a file. Returns
     the files by name and the manifest's patch entries. With ``writer_id`` the files are
-    that writer's own: ``w{writer_id}-patch-NNNNN.safetensors``.
+    that writer's own: ``w{writer_id}/patch-NNNNN.safetensors``.
     """
     files: dict[str, bytes] = {}
     entries: list[PatchEntry] = []

@@ -102,7 +102,7 @@ def write_step(
 ) -> Committed:
     """Encode, write data files (create-only), then the manifest (create-only), then HEAD.
 
-    With ``writer`` the data files are named as that writer's own (``w{id}-...``,
+    With ``writer`` the data files are named as that writer's own (``w{id}/...``,
     :func:`~deltasync.protocol.keys.writer_file_name`): no other writer ever writes their keys,
     so a writer racing this one for the same step (one of them fenced) cannot replace them,
     even on a store without create-only writes. ``fence`` runs after the data files and before the manifest: it raises when

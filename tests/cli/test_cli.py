@@ -133,8 +133,8 @@ def test_a_refused_upload_leaves_no_writer_claim(tmp_path: Path) -> None:
     r = run("delta-upload", str(c1), "--store", "run", "--step", "10", "--cache", "cache", cwd=tmp_path)
     assert r.returncode == 1 and "is not after the last committed step 10" in r.stderr, r.stderr
     # a baseline that cannot be rebuilt: no local cache and step 10's data is gone from the store
-    for p in (store_dir / "steps" / f"{10:012d}").iterdir():
-        if p.name != "manifest.json":
+    for p in (store_dir / "steps" / f"{10:012d}").rglob("*"):  # its writer's subfolder: w<writer id>/...
+        if p.is_file() and p.name != "manifest.json":
             p.unlink()
     r = run("delta-upload", str(c1), "--store", "run", "--step", "20", "--cache", "other-cache", cwd=tmp_path)
     assert r.returncode == 1 and r.stderr.splitlines()[-1].startswith("error: "), r.stderr

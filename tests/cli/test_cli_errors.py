@@ -145,7 +145,7 @@ def test_delta_upload_on_a_broken_chain_suggests_anchor_and_anchor_works(
     elif damage == "deleted manifest":
         (step2 / "manifest.json").unlink()
     else:
-        (patch,) = step2.glob("w*-patch-00000.safetensors")  # the uploader's own name for it
+        (patch,) = step2.glob("w*/patch-00000.safetensors")  # in the uploader's own subfolder
         patch.unlink()
     if not cache:
         for p in (tmp_path / "cache").iterdir():

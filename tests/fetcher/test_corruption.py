@@ -68,18 +68,20 @@ class Run:
         return ds.LocalStore(self.root, fsync=False)
 
     def name(self, step: int, plain: str) -> str:
-        """The stored name of data file ``plain`` of ``step``: the uploader names its files as its
-        own (``w<writer id>-patch-00000.safetensors``, SPEC.md "Commit rule")."""
+        """The stored name of data file ``plain`` of ``step``: the uploader puts its files in its
+        own subfolder (``w<writer id>/patch-00000.safetensors``, SPEC.md "Commit rule")."""
         if plain == "manifest.json" or plain in self.files(step):
             return plain
-        (own,) = [n for n in self.files(step) if n.endswith("-" + plain) and n.startswith("w")]
+        (own,) = [n for n in self.files(step) if n.startswith("w") and n.endswith("/" + plain)]
         return own
 
     def path(self, step: int, name: str) -> Path:
         return self.root / "steps" / f"{step:012d}" / self.name(step, name)
 
     def files(self, step: int) -> list[str]:
-        return sorted(p.name for p in (self.root / "steps" / f"{step:012d}").iterdir())
+        """The step folder's files, by their path relative to it (``w<writer id>/...`` included)."""
+        folder = self.root / "steps" / f"{step:012d}"
+        return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
 
     def fetcher(self, key: bytes | None | str = "run") -> ds.DeltaFetcher:
         return ds.DeltaFetcher(self.store(), verify=True, signing_key=self.key if key == "run" else key)  # type: ignore[arg-type]
@@ -165,7 +167,11 @@ def test_clean_runs_sync(plain: Run, signed: Run) -> None:
     own = [plain.name(0, n) for n in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")]
     own.append(plain.name(0, "model.safetensors.index.json"))
     assert plain.files(0) == ["manifest.json", *sorted(own)]
-    assert len({n.split("-", 1)[0] for n in own}) == 1  # one writer's files
+    assert len({n.split("/", 1)[0] for n in own}) == 1  # one writer's subfolder
+    # which is an ordinary HF checkpoint dir: its index names the shards beside it
+    folder = plain.path(0, "model.safetensors.index.json").parent
+    weight_map = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    assert sorted(set(weight_map.values())) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
 
 
 # ------------------------------------------------------------ flipped bytes

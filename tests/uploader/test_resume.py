@@ -115,9 +115,9 @@ def test_the_crashed_store_holds_steps_0_to_4_and_uncommitted_files_of_5(crashed
     store = ds.open_store(crashed)
     assert ds.RunReader(store).latest_step() == KILLED_AT - 1
     assert not store.exists(manifest_key(KILLED_AT))
-    # the leftover of the killed commit, named as its writer's own (SPEC.md "Commit rule")
+    # the leftover of the killed commit, in its writer's subfolder (SPEC.md "Commit rule")
     (left,) = [o.key for o in store.list(step_prefix(KILLED_AT))]
-    assert left.startswith(step_prefix(KILLED_AT) + "w") and left.endswith("-patch-00000.safetensors")
+    assert left.startswith(step_prefix(KILLED_AT) + "w") and left.endswith("/patch-00000.safetensors")
 
 
 def test_re_pushing_the_head_proves_it_and_the_chain_goes_on_with_patches(crashed: Path, tmp_path: Path) -> None:

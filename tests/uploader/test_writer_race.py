@@ -6,10 +6,10 @@ yet told, pushes its own step 2: its data files go up, then its fence check stop
 Bucket API has no create-only writes, and the uploader used to replace "leftovers" of a step
 without a manifest, so A overwrote B's files and B's committed step 2 failed its checksums.
 
-Data files are now named per writer (``w<writer id>-patch-00000.safetensors``, SPEC.md
-"Commit rule"): the keys A writes are disjoint from B's, B's objects hold B's bytes, every step
-reads back bit-exact, ``inspect --verify`` finds nothing wrong, and gc collects the folder of a
-dropped step with the loser's files in it, and nothing else. Run on the memory and local stores
+Each writer now puts its data files in its own subfolder of the step (``w<writer id>/patch-00000.safetensors``,
+SPEC.md "Commit rule"): the keys A writes are disjoint from B's, B's objects hold B's bytes, every
+step reads back bit-exact, ``inspect --verify`` finds nothing wrong, and gc collects the folder of a
+dropped step with the loser's subfolder in it, and nothing else. Run on the memory and local stores
 and on HF buckets (the real huggingface_hub client against the fake Hub).
 """
 
@@ -126,6 +126,10 @@ def test_a_fenced_writer_never_replaces_the_winners_objects(shared: Callable[[],
     a_data = {k for k in a.written if k.startswith(step_prefix(RACED))}
     b_data = {k for k in b.written if k.startswith(step_prefix(RACED)) and k != manifest_key(RACED)}
     assert a_data and b_data
+    # each in its writer's own subfolder
+    assert all(k.startswith(step_prefix(RACED) + f"w{up_a.writer_id}/") for k in a_data)
+    assert all(k.startswith(step_prefix(RACED) + f"w{up_b.writer_id}/") for k in b_data)
+    assert up_a.writer_id != up_b.writer_id
     assert manifest_key(RACED) not in a.written
     # HEAD.json is the one object every writer rewrites (a hint, SPEC.md "Commit rule")
     assert (set(a.written) & set(b.written)) - {HEAD_KEY} == set()
@@ -175,7 +179,8 @@ def test_gc_collects_a_raced_step_with_the_losers_files_and_nothing_else(shared:
         up_b.close()
     store = shared()
     before = {o.key for o in store.list("")}
-    assert any(k.startswith(step_prefix(RACED)) for k in a.written)
+    assert any(k.startswith(step_prefix(RACED) + f"w{up_a.writer_id}/") for k in a.written)
+    assert any(k.startswith(step_prefix(RACED) + f"w{up_b.writer_id}/") for k in before)
     report = collect_garbage(store, keep_anchors=1, grace=0.0)
     after = {o.key for o in store.list("")}
     gone = before - after
