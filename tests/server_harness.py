@@ -39,6 +39,19 @@ def wait_healthy(url: str, timeout: float = STARTUP_TIMEOUT, proc: subprocess.Po
     raise TimeoutError(f"signal server at {url} did not answer within {timeout} s")
 
 
+def raw_status(port: int, request: bytes) -> int:
+    """Send one raw HTTP/1.1 request (any header bytes) to 127.0.0.1:``port``; the response's status code."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(request)
+        got = b""
+        while b"\r\n" not in got:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            got += chunk
+    return int(got.split(b" ", 2)[1])
+
+
 class ThreadServer:
     """uvicorn serving ``app`` from a daemon thread of this process."""
 

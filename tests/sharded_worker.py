@@ -51,8 +51,9 @@ class FaultyStore(WrapperStore[Store]):
         self.fail, self.truncate = set(fail_steps), set(truncate_steps)
 
     def _step_of(self, key: str) -> int | None:
+        # a data file: steps/<step>/<name>, or steps/<step>/w<writer id>/<name>
         parts = key.split("/")
-        return int(parts[1]) if len(parts) == 3 and parts[0] == "steps" and parts[2] != "manifest.json" else None
+        return int(parts[1]) if len(parts) >= 3 and parts[0] == "steps" and parts[-1] != "manifest.json" else None
 
     def put_many(self, items: Mapping[str, Data], *, mode: PutMode = "overwrite") -> None:
         steps = {self._step_of(k) for k in items}

@@ -267,8 +267,8 @@ class TrainedRun:
         return self.expected_dir / f"step-{step}.safetensors"
 
     def patch_files(self, step: int) -> list[Path]:
-        """The data files of a committed step (not its manifest)."""
-        return sorted(p for p in self.store_dir.rglob(f"{step:012d}/*") if p.is_file() and p.name != "manifest.json")
+        """The data files of a committed step (not its manifest), in its writer's subfolder or not."""
+        return sorted(p for p in self.store_dir.rglob(f"{step:012d}/**/*") if p.is_file() and p.name != "manifest.json")
 
 
 def train_and_push(model_dir: Path, store_dir: Path, expected_dir: Path, steps: int = TRAIN_STEPS) -> TrainedRun:

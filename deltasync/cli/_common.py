@@ -17,11 +17,13 @@ __all__ = [
     "VERIFY_HELP",
     "HelpFormatter",
     "add_store_args",
+    "announce_store",
     "cast_name",
     "cli_uploader",
     "human_bytes",
     "progress_bar",
     "require_run",
+    "resolved_store_url",
     "signing_key_from_env",
     "store_url",
 ]
@@ -57,6 +59,21 @@ def add_store_args(p: argparse.ArgumentParser) -> None:
     """The store as a positional ``STORE`` or as ``--store URL`` (like every other command)."""
     p.add_argument("url", nargs="?", metavar="STORE", help=f"{STORE_HELP} (or --store URL)")
     p.add_argument("--store", dest="store_opt", metavar="URL", help="the store, as the other commands take it")
+
+
+def announce_store(store: Any) -> None:
+    """``store: URL`` on stderr: the store a command resolved its URL to (stdout stays machine-readable)."""
+    print(f"store: {store.url}", file=sys.stderr, flush=True)
+
+
+def resolved_store_url(url: str) -> str:
+    """The URL ``url`` resolves to (a path as ``file:///abs/path``, ``S3://`` as ``s3://``), a
+    ``{run}`` placeholder kept; StorageError for a malformed or unsupported one. Nothing is written."""
+    from deltasync.storage import open_store
+
+    placeholder = "deltasync-run-placeholder-4f1c"  # a valid key segment, unchanged by any backend's URL
+    with open_store(url.replace("{run}", placeholder)) as store:
+        return store.url.replace(placeholder, "{run}")
 
 
 def store_url(args: argparse.Namespace, prog: str) -> str:

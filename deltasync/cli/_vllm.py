@@ -13,6 +13,8 @@ import os
 import sys
 import threading
 
+from deltasync.cli._common import announce_store
+
 __all__ = ["add_vllm_arguments", "run_vllm"]
 
 
@@ -53,6 +55,7 @@ def run_vllm(args: argparse.Namespace) -> int:
     api_key = os.environ.get("VLLM_API_KEY") or None
     stop = threading.Event()
     with open_store(args.store) as store:
+        announce_store(store)
         reader = RunReader(store)
         driver = VLLMDriver(
             args.vllm,

@@ -7,7 +7,15 @@ import json
 import shlex
 import time
 
-from deltasync.cli._common import CONFIG_HELP, STORE_HELP, VERIFY_HELP, progress_bar, require_run, signing_key_from_env
+from deltasync.cli._common import (
+    CONFIG_HELP,
+    STORE_HELP,
+    VERIFY_HELP,
+    announce_store,
+    progress_bar,
+    require_run,
+    signing_key_from_env,
+)
 from deltasync.storage import open_store
 
 __all__ = ["DESCRIPTION", "EPILOG", "NAME", "SUMMARY", "add_arguments", "run"]
@@ -42,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
 
     update, close = progress_bar("fetch")
     with open_store(args.store) as store:
+        announce_store(store)
         require_run(store)
         fetcher = DeltaFetcher(store, verify=not args.no_verify, signing_key=signing_key_from_env(), progress=update)
         inspect = f"`deltasync inspect --store {shlex.quote(args.store)}"

@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from deltasync.cli._common import CONFIG_HELP, STORE_HELP, VERIFY_HELP, signing_key_from_env
+from deltasync.cli._common import CONFIG_HELP, STORE_HELP, VERIFY_HELP, announce_store, signing_key_from_env
 from deltasync.cli._vllm import add_vllm_arguments, run_vllm
 from deltasync.storage import open_store
 
@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
 
     token = os.environ.get("DELTASYNC_SUBSCRIBE_TOKEN") or os.environ.get("DELTASYNC_PUBLISH_TOKEN") or None
     with open_store(args.store) as store:
+        announce_store(store)
         # a run that is not there yet (not even its directory) is waited for: the trainer may start after
         # this; nothing is created in the store meanwhile (a lease only with --lease-ttl, after a step)
         if RunReader(store).latest_step() is None:

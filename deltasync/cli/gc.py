@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from deltasync.cli._common import add_store_args, human_bytes, require_run, signing_key_from_env, store_url
+from deltasync.cli._common import (
+    add_store_args,
+    announce_store,
+    human_bytes,
+    require_run,
+    signing_key_from_env,
+    store_url,
+)
 from deltasync.protocol.retention import describe_kept, step_ranges
 from deltasync.run.gc import GcReport, collect_garbage
 from deltasync.storage import open_store
@@ -93,6 +100,7 @@ def report_lines(report: GcReport, url: str) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     """Run ``deltasync gc``."""
     with open_store(store_url(args, "deltasync gc")) as store:
+        announce_store(store)
         require_run(store)  # not a run: nothing is read further, nothing deleted
         report = collect_garbage(
             store,

@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from deltasync.cli._common import add_store_args, human_bytes, require_run, signing_key_from_env, store_url
+from deltasync.cli._common import (
+    add_store_args,
+    announce_store,
+    human_bytes,
+    require_run,
+    signing_key_from_env,
+    store_url,
+)
 from deltasync.errors import DeltaSyncError
 from deltasync.storage import Store, open_store
 
@@ -46,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
     args.url = store_url(args, "deltasync inspect")
 
     with open_store(args.url) as store:
+        announce_store(store)
         require_run(store)
         if args.verify:
             return _verify(store, args.last)

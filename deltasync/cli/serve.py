@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Any
 
+from deltasync.cli._common import resolved_store_url
 from deltasync.errors import DeltaSyncError
 
 __all__ = ["DESCRIPTION", "EPILOG", "NAME", "SUMMARY", "add_arguments", "run"]
@@ -54,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
 
     from deltasync.server import Settings, create_app, is_loopback
 
+    if args.store is not None:  # a mistyped URL fails now, not at the first publish
+        print(f"store: {resolved_store_url(args.store)}", file=sys.stderr, flush=True)
     settings = Settings.from_env(db_path=args.db, store_url=args.store)
     if not settings.secured and not is_loopback(args.host) and not args.insecure:
         raise DeltaSyncError(
@@ -66,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     )
     print(
         f"deltasync signal server on http://{args.host}:{args.port} ({scopes}; db {settings.db_path}"
-        + (f"; store {settings.store_url}" if settings.store_url else "")
+        + ("" if settings.store_url else "; no store: published steps are not checked")
         + ")",
         file=sys.stderr,
         flush=True,

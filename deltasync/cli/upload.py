@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from deltasync.cli._common import STORE_HELP, cast_name, cli_uploader, human_bytes, signing_key_from_env
+from deltasync.cli._common import STORE_HELP, announce_store, cast_name, cli_uploader, human_bytes, signing_key_from_env
 from deltasync.cli._upload_cache import (
     cache_dir,
     cache_size,
@@ -60,10 +60,11 @@ def run(args: argparse.Namespace) -> int:
     from deltasync.errors import ChainBroken, ObjectNotFound, ProtocolError
 
     cast = getattr(torch, args.cast) if args.cast else None
-    state = load_checkpoint(args.path, mmap=True)  # pages are read as the diff touches them
-    if cast is not None:
-        state = {k: v.to(cast) if v.is_floating_point() and v.dtype != cast else v for k, v in state.items()}
-    with open_store(args.store) as store:
+    with open_store(args.store) as store:  # first: a mistyped URL fails before the checkpoint is read
+        announce_store(store)
+        state = load_checkpoint(args.path, mmap=True)  # pages are read as the diff touches them
+        if cast is not None:
+            state = {k: v.to(cast) if v.is_floating_point() and v.dtype != cast else v for k, v in state.items()}
         cache = cache_dir(store.url, args.cache)
         try:
             up = cli_uploader(store, args, defer_diff=False)  # one step: diff in push(), no staging copy

@@ -22,7 +22,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from deltasync.cli._common import STORE_HELP, cast_name, cli_uploader, human_bytes
+from deltasync.cli._common import STORE_HELP, announce_store, cast_name, cli_uploader, human_bytes
 from deltasync.cli._watch_scan import SETTLE, SETTLING, Candidate, CheckpointPattern, Readiness, WatchError
 from deltasync.errors import CommitFailed, DeltaSyncError, WriterFenced
 from deltasync.storage import open_store
@@ -294,6 +294,7 @@ def run(args: argparse.Namespace) -> int:
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         with open_store(args.store) as store:
+            announce_store(store)
             up = cli_uploader(store, args)
             abandoned = False
             try:

@@ -23,6 +23,8 @@ from deltasync.protocol.keys import (
     parse_manifest_key,
     parse_writer_key,
     step_prefix,
+    writer_file_name,
+    writer_folder,
     writer_key,
 )
 from deltasync.protocol.manifest import Manifest
@@ -92,6 +94,8 @@ __all__ = [
     "step_prefix",
     "superseded_by",
     "walk_chain",
+    "writer_file_name",
+    "writer_folder",
     "writer_key",
     "xxh3_128",
 ]

@@ -11,6 +11,7 @@ import numpy as np
 from deltasync.errors import ProtocolError
 from deltasync.protocol.dtypes import dtype_info
 from deltasync.protocol.entries import AnchorEntry, ByteRange, TensorInfo
+from deltasync.protocol.keys import writer_file_name
 from deltasync.protocol.manifest import Manifest
 from deltasync.protocol.safetensors_io import StFile, TensorBytes, encode_header, parse_safetensors, to_bytes
 
@@ -60,35 +61,41 @@ CHECKPOINT_METADATA: Mapping[str, str] = {"format": "pt"}
 
 
 def checkpoint_shards(
-    inventory: Sequence[TensorInfo], arrays: Mapping[str, Any], shard_bytes: int
+    inventory: Sequence[TensorInfo], arrays: Mapping[str, Any], shard_bytes: int, *, writer_id: str | None = None
 ) -> tuple[list[tuple[str, list[TensorBytes]]], bytes]:
     """The layout :func:`build_checkpoint` writes, without building any file: each shard's file name
     and tensors (in file order), and the bytes of ``model.safetensors.index.json``. A shard's file
-    is ``to_bytes(tensors, CHECKPOINT_METADATA)``."""
+    is ``to_bytes(tensors, CHECKPOINT_METADATA)``. With ``writer_id`` the shards are that writer's
+    own, in its subfolder (``w{writer_id}/model-...``); the index, which lives in that subfolder
+    too, names them by their plain names, relative to itself (as transformers expects)."""
     items = [TensorBytes(t.name, t.dtype, t.shape, arrays[t.name]) for t in inventory]
     shards = pack_shards(items, shard_bytes)
-    named = [(f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors", shard) for i, shard in enumerate(shards)]
-    weight_map = {t.name: fname for fname, shard in named for t in shard}
+    plain = [(f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors", shard) for i, shard in enumerate(shards)]
+    weight_map = {t.name: fname for fname, shard in plain for t in shard}
     index = {"metadata": {"total_size": sum(t.nbytes for t in items)}, "weight_map": weight_map}
+    named = plain if writer_id is None else [(writer_file_name(writer_id, fname), shard) for fname, shard in plain]
     return named, json.dumps(index, indent=2, sort_keys=True).encode()
 
 
 def build_checkpoint(
-    inventory: Sequence[TensorInfo], arrays: Mapping[str, Any], shard_bytes: int
+    inventory: Sequence[TensorInfo], arrays: Mapping[str, Any], shard_bytes: int, *, writer_id: str | None = None
 ) -> tuple[dict[str, bytes], list[AnchorEntry]]:
     """``model-0000i-of-0000n.safetensors`` files plus ``model.safetensors.index.json``.
 
     ``arrays`` maps each inventory name to its raw bytes (numpy array or buffer).
-    transformers and the ``safetensors`` package load the result as it is.
+    transformers and the ``safetensors`` package load the result as it is. With
+    ``writer_id`` every file is that writer's own, in its subfolder
+    (``w{writer_id}/model-00001-of-00001.safetensors``, ``w{writer_id}/model.safetensors.index.json``):
+    the subfolder is an ordinary HF checkpoint dir, the index naming the shards by their plain names.
     """
-    named, index = checkpoint_shards(inventory, arrays, shard_bytes)
+    named, index = checkpoint_shards(inventory, arrays, shard_bytes, writer_id=writer_id)
     files: dict[str, bytes] = {}
     entries: list[AnchorEntry] = []
     for fname, shard in named:
         ranges = shard_layout(shard, CHECKPOINT_METADATA)
         files[fname] = to_bytes(shard, CHECKPOINT_METADATA)
         entries.extend(AnchorEntry(t.name, fname, ranges[t.name]) for t in shard)
-    files[INDEX_NAME] = index
+    files[INDEX_NAME if writer_id is None else writer_file_name(writer_id, INDEX_NAME)] = index
     return files, entries
 
 

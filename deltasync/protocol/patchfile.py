@@ -1,6 +1,8 @@
 """The layout of patch files (SPEC.md, "Patches"): entry names, metadata, building and checking them.
 
-A patch step's data files are ``patch-{i:05d}.safetensors``. Each holds, for every
+A patch step's data files are ``patch-{i:05d}.safetensors`` (``w{writer}/patch-{i:05d}.safetensors``,
+in the writer's subfolder, when a writer names them as its own:
+:func:`~deltasync.protocol.keys.writer_file_name`). Each holds, for every
 changed tensor ``T`` it carries, two ``U8`` 1-D entries ``T/positions`` and
 ``T/values`` (the coded blobs), and ``__metadata__`` ``{"format": "deltasync-patch",
 "step": "<step>"}``. The manifest's patch entries give the blobs' absolute byte
@@ -25,6 +27,7 @@ from deltasync.protocol.checkpoint import group_by_size, shard_layout
 from deltasync.protocol.dtypes import dtype_info
 from deltasync.protocol.encoding import EncodedTensor, decode_positions, decode_values
 from deltasync.protocol.entries import PatchEntry, TensorInfo
+from deltasync.protocol.keys import writer_file_name
 from deltasync.protocol.manifest import Manifest
 from deltasync.protocol.safetensors_io import StFile, TensorBytes, parse_safetensors, to_bytes
 
@@ -81,18 +84,19 @@ def build_patch_file(
 
 
 def build_patch_files(
-    step: int, items: Sequence[tuple[str, EncodedTensor]], shard_bytes: int
+    step: int, items: Sequence[tuple[str, EncodedTensor]], shard_bytes: int, *, writer_id: str | None = None
 ) -> tuple[dict[str, bytes], list[PatchEntry]]:
     """Pack coded changes into ``patch-NNNNN.safetensors`` files of about ``shard_bytes`` each.
 
     Items stay in the given order; a tensor's two blobs always share a file. Returns
-    the files by name and the manifest's patch entries.
+    the files by name and the manifest's patch entries. With ``writer_id`` the files are
+    that writer's own: ``w{writer_id}/patch-NNNNN.safetensors``.
     """
     files: dict[str, bytes] = {}
     entries: list[PatchEntry] = []
     # no items still makes one (empty) file: a patch step has at least one file
     for i, group in enumerate(group_by_size([e.nbytes for _, e in items], shard_bytes)):
-        fname = patch_file_name(i)
+        fname = patch_file_name(i) if writer_id is None else writer_file_name(writer_id, patch_file_name(i))
         files[fname], ents = build_patch_file(step, fname, [items[j] for j in group])
         entries.extend(ents)
     return files, entries

@@ -36,8 +36,10 @@ LEASES_PREFIX = "leases/"
 SPANS_PREFIX = "spans/"
 _ID = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
 _LEASE_KEY = re.compile(rf"leases/({_ID})\.json")
-_STEP_KEY = re.compile(r"steps/([0-9]{12})/([^/]+)")
-_SPAN_KEY = re.compile(r"spans/([0-9]{12})-([0-9]{12})/([^/]+)")
+# the name after the folder is checked by check_file_name: plain, or in a writer's subfolder
+_STEP_KEY = re.compile(r"steps/([0-9]{12})/(.+)")
+_SPAN_KEY = re.compile(r"spans/([0-9]{12})-([0-9]{12})/(.+)")
+_MANIFEST = re.compile(rf"(steps/[0-9]{{12}}|spans/[0-9]{{12}}-[0-9]{{12}})/{re.escape(MANIFEST_NAME)}")
 MAX_TIME = 2**53
 
 
@@ -168,6 +170,11 @@ class RetentionPlan:
         )
 
 
+def _is_manifest(key: str) -> bool:
+    """Whether ``key`` is a step's or span's own manifest (not a file of that name in a subfolder)."""
+    return _MANIFEST.fullmatch(key) is not None
+
+
 def _valid_name(name: str) -> bool:
     try:
         check_file_name(name)
@@ -246,7 +253,7 @@ def plan_retention(
         notes.append(f"{unknown} key(s) outside the run's layout: left alone")
 
     def has_manifest(objs: list[Listed]) -> bool:
-        return any(o.key.rsplit("/", 1)[1] == MANIFEST_NAME for o in objs)
+        return any(_is_manifest(o.key) for o in objs)
 
     listed = {s for s, objs in steps.items() if has_manifest(objs)}
     parsed = {s: c for s, c in committed.items() if s in listed}
@@ -334,7 +341,7 @@ def plan_retention(
     sizes: dict[str, int] = {}
     for objs in [steps[s] for s in deleted_steps] + [spans[sp] for sp in sorted(deleted_spans)]:
         for o in objs:
-            (first if o.key.endswith("/" + MANIFEST_NAME) else then).append(o.key)
+            (first if _is_manifest(o.key) else then).append(o.key)
             sizes[o.key] = o.size
     for objs in [steps[s] for s in sorted(orphans)] + [spans[sp] for sp in sorted(orphan_spans)]:
         for o in objs:

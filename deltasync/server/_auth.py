@@ -31,7 +31,8 @@ def _auth_error(status: int, detail: str) -> HTTPException:
 def require(scope: Literal["publish", "subscribe"]) -> Callable[..., Awaitable[None]]:
     """A dependency that refuses requests without a token of ``scope`` (401 none, 403 wrong).
 
-    It also refuses query parameters the route does not declare (422).
+    It authenticates first, and only then refuses query parameters the route does
+    not declare (422): a request without a valid token learns nothing about its input.
     """
 
     async def check(
@@ -40,11 +41,9 @@ def require(scope: Literal["publish", "subscribe"]) -> Callable[..., Awaitable[N
         metrics: MetricsDep,
         cred: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
     ) -> None:
-        no_unknown_query(request)
         wanted = [settings.publish_token] if scope == "publish" else [settings.subscribe_token, settings.publish_token]
-        if scope == "subscribe" and settings.subscribe_token is None:
-            return  # reading is open
-        if wanted[0] is None:
+        if wanted[0] is None:  # the scope is open
+            no_unknown_query(request)
             return
         if cred is None:
             metrics.inc("deltasync_auth_failures_total", reason="missing")
@@ -56,6 +55,7 @@ def require(scope: Literal["publish", "subscribe"]) -> Callable[..., Awaitable[N
         if not ok:
             metrics.inc("deltasync_auth_failures_total", reason="wrong")
             raise _auth_error(403, f"the bearer token does not grant scope {scope!r}")
+        no_unknown_query(request)
 
     return check
 

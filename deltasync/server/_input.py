@@ -4,12 +4,13 @@
   (:func:`strict_json_loads`): UTF-8 only, no duplicate keys, no ``NaN`` /
   ``Infinity`` / ``-Infinity``, no number that overflows to infinity, no integer
   longer than 19 digits, no lone surrogate (``"\\ud800"``) in any string or key.
-  A refusal is a ``json.JSONDecodeError``, which FastAPI answers with its usual
-  422 ``json_invalid`` error.
+  A refusal is FastAPI's usual 422 ``json_invalid`` error, raised only after the
+  route's auth dependency passed (:class:`StrictRoute`): authentication comes first.
 - Numbers in queries and headers are ASCII digits only (:data:`ASCII_INT`,
   :data:`ASCII_FLOAT`, :func:`parse_last_event_id`): ``"²"``, ``"１２"``, ``"1_0"``,
   ``" 1"`` and ``"+1"`` are refused; every one is range-checked by its field.
-- Query parameters a route does not declare are refused (:func:`no_unknown_query`).
+- Query parameters a route does not declare are refused (:func:`no_unknown_query`, called by
+  the auth dependency once the token is accepted).
 - 422 replies echo the offending input made JSON-safe (:func:`validation_error_reply`),
   so that a reply can always be encoded whatever the request held.
 """
@@ -22,7 +23,7 @@ import re
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from fastapi import Request, Response
+from fastapi import Depends, HTTPException, Request, Response
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -31,6 +32,7 @@ from pydantic import BeforeValidator
 from pydantic_core import PydanticCustomError
 
 from deltasync.protocol.keys import MAX_STEP
+from deltasync.server._limits import body_cut
 
 __all__ = [
     "ASCII_FLOAT",
@@ -129,18 +131,62 @@ def strict_json_loads(raw: bytes | str) -> Any:
 # ----------------------------------------------------------- the route class
 
 
+class _Unparsed:
+    """What :meth:`_StrictJSONRequest.json` hands FastAPI for a body it refused (never validated)."""
+
+    def __init__(self, error: json.JSONDecodeError) -> None:
+        self.error = error
+
+
 class _StrictJSONRequest(Request):
-    """A Request whose ``json()`` is :func:`strict_json_loads` (FastAPI parses bodies through it)."""
+    """A Request whose ``json()`` is :func:`strict_json_loads` (FastAPI parses bodies through it).
+
+    FastAPI reads the body before it solves any dependency, so a refused body is
+    not raised here: ``json()`` returns an :class:`_Unparsed` that
+    :func:`_body_accepted` raises once the route's auth dependency has passed.
+    """
 
     async def json(self) -> Any:
         # docstring inherited
         if not hasattr(self, "_json"):
-            self._json = strict_json_loads(await self.body())
+            try:
+                self._json: Any = strict_json_loads(await self.body())
+            except json.JSONDecodeError as exc:
+                self._json = _Unparsed(exc)
         return self._json
 
 
+def _body_accepted(request: Request) -> None:
+    """413 for a body :func:`~deltasync.server._limits.limit_body` cut short; 422 ``json_invalid``
+    (FastAPI's own shape) for one :func:`strict_json_loads` refused."""
+    limit = body_cut(request.scope)
+    if limit is not None:
+        raise HTTPException(413, f"request body exceeds {limit} bytes")
+    parsed = getattr(request, "_json", None)
+    if isinstance(parsed, _Unparsed):
+        e = parsed.error
+        raise RequestValidationError(
+            [
+                {
+                    "type": "json_invalid",
+                    "loc": ("body", e.pos),
+                    "msg": "JSON decode error",
+                    "input": {},
+                    "ctx": {"error": e.msg},
+                }
+            ],
+            body=e.doc,
+        )
+
+
 class StrictRoute(APIRoute):
-    """An APIRoute whose JSON bodies are parsed by :func:`strict_json_loads` (use as ``route_class``)."""
+    """An APIRoute whose JSON bodies are parsed by :func:`strict_json_loads` (use as ``route_class``).
+
+    Authentication comes first: a refused body, like every other invalid input,
+    is reported (422, or 413 for one over the size limit) only after the route's own dependencies (its auth
+    requirement) have passed, so a request without a valid token always gets
+    401/403 whatever its body holds.
+    """
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         # docstring inherited
@@ -152,6 +198,8 @@ class StrictRoute(APIRoute):
         return strict
 
     def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
+        # after the route's dependencies (auth), before its parameters and body are validated
+        kwargs["dependencies"] = [*(kwargs.get("dependencies") or []), Depends(_body_accepted)]
         super().__init__(path, endpoint, **kwargs)
         names: set[str] = set()
         todo = [self.dependant]

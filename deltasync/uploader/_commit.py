@@ -67,9 +67,11 @@ class StepJob:
     futures: list[tuple[int, Future[Any]]] = field(default_factory=list)
 
 
-def build_patch(job: StepJob, shard_bytes: int, pool: Executor | None) -> tuple[dict[str, bytes], list[PatchEntry]]:
+def build_patch(
+    job: StepJob, shard_bytes: int, pool: Executor | None, *, writer_id: str | None = None
+) -> tuple[dict[str, bytes], list[PatchEntry]]:
     """Encode every changed tensor and pack the blobs into ``patch-NNNNN.safetensors`` files
-    (layout: :func:`deltasync.protocol.patchfile.build_patch_files`)."""
+    (layout: :func:`deltasync.protocol.patchfile.build_patch_files`), named as ``writer_id``'s own."""
     numel = {t.name: t.numel for t in job.inventory}
     names = sorted(job.changes)
 
@@ -79,7 +81,7 @@ def build_patch(job: StepJob, shard_bytes: int, pool: Executor | None) -> tuple[
 
     encoded = list(pool.map(enc, names)) if pool is not None and len(names) > 1 else [enc(n) for n in names]
     # the layout (entry names, metadata, one file per group of tensors) is the protocol's
-    return build_patch_files(job.step, list(zip(names, encoded, strict=True)), shard_bytes)
+    return build_patch_files(job.step, list(zip(names, encoded, strict=True)), shard_bytes, writer_id=writer_id)
 
 
 def write_step(
@@ -100,18 +102,22 @@ def write_step(
 ) -> Committed:
     """Encode, write data files (create-only), then the manifest (create-only), then HEAD.
 
-    ``fence`` runs after the data files and before the manifest: it raises when
+    With ``writer`` the data files are named as that writer's own (``w{id}/...``,
+    :func:`~deltasync.protocol.keys.writer_file_name`): no other writer ever writes their keys,
+    so a writer racing this one for the same step (one of them fenced) cannot replace them,
+    even on a store without create-only writes. ``fence`` runs after the data files and before the manifest: it raises when
     another uploader has taken over the run, so this one commits nothing more.
     Each write is retried on TransientStorageError under ``retry``; a repeated
     create-only write that finds its own bytes already stored is harmless. The
     manifest is only written once every data file is. Setting ``stop`` (the uploader is
     closing) cuts a retry's backoff short: the step then fails with CommitFailed.
     """
+    own = writer.id if writer is not None else None
     if job.kind == "patch":
-        files, entries_p = build_patch(job, shard_bytes, pool)
+        files, entries_p = build_patch(job, shard_bytes, pool, writer_id=own)
         entries: tuple[PatchEntry, ...] | tuple[AnchorEntry, ...] = tuple(entries_p)
     else:
-        files, entries_a = build_checkpoint(job.inventory, job.snapshot, shard_bytes)
+        files, entries_a = build_checkpoint(job.inventory, job.snapshot, shard_bytes, writer_id=own)
         entries = tuple(entries_a)
     infos = tuple(FileInfo(name, len(data), xxh3_128(data)) for name, data in sorted(files.items()))
     manifest = make_manifest(
@@ -158,7 +164,11 @@ def make_manifest(
 def put_step_files(
     store: Store, step: int, files: Mapping[str, Data], policy: RetryPolicy, *, stop: threading.Event | None = None
 ) -> None:
-    """Write a step's data files (create-only, retried until ``stop``); returns once they are durable."""
+    """Write a step's data files (create-only, retried until ``stop``); returns once they are durable.
+
+    Objects already there with other bytes and no manifest for the step are replaced: with
+    names of the writer's own (:func:`~deltasync.protocol.keys.writer_file_name`) they can only
+    be this writer's leftovers (a retry after a lost reply, a step number it pushes again)."""
     data = {file_key(step, n): d for n, d in files.items()}
     mkey = manifest_key(step)
 
@@ -166,8 +176,8 @@ def put_step_files(
         try:
             put_idempotent(store, data)
         except AlreadyExists:
-            # Leftovers of a commit that never got its manifest (a crash, or a writer fenced
-            # off at this step): no manifest refers to them, so they may be replaced.
+            # Leftovers of a commit of this writer that never got its manifest: no manifest
+            # refers to them, so they may be replaced. Another writer's files have other names.
             if store.exists(mkey):
                 raise
             store.put_many(data, mode="overwrite")

@@ -189,7 +189,9 @@ class SpanWriter:
         m = end.manifest
         try:
             job = StepJob(m.step, "patch", m.inventory, changes=changes)
-            files, entries = build_patch(job, self.shard_bytes, self.pool)
+            # the span's files are the writer's own, as the step's are (SPEC.md "Commit rule")
+            own = m.writer.id if m.writer is not None else None
+            files, entries = build_patch(job, self.shard_bytes, self.pool, writer_id=own)
             infos = tuple(FileInfo(name, len(data), xxh3_128(data)) for name, data in sorted(files.items()))
             span = Manifest(
                 run_id=m.run_id,
@@ -220,7 +222,7 @@ class SpanWriter:
                 except AlreadyExists:
                     if self.store.exists(mkey):
                         raise
-                    self.store.put_many(data, mode="overwrite")  # leftovers of a span never committed
+                    self.store.put_many(data, mode="overwrite")  # this writer's leftovers of a span never committed
 
             stop = self._worker.stop
             with_retries(put_files, self.retry, f"{what}: writing {len(data)} data files", stop=stop)

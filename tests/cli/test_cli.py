@@ -24,7 +24,8 @@ def test_reading_a_missing_run_is_an_error_and_writes_nothing(tmp_path: Path) ->
     for args in (["inspect", "runs/typo"], ["fetch", "--store", "runs/typo", "--out", "out"]):
         r = run("deltasync", *args, cwd=tmp_path)
         assert r.returncode == 1, r
-        assert r.stderr.startswith(f"error: {(tmp_path / 'runs' / 'typo').as_uri()}: no deltasync run here")
+        uri = (tmp_path / "runs" / "typo").as_uri()
+        assert r.stderr.startswith(f"store: {uri}\nerror: {uri}: no deltasync run here"), r.stderr
         assert "check the URL" in r.stderr and "Traceback" not in r.stderr
         assert sorted(os.listdir(tmp_path)) == []  # no store dir, no .deltasync-tmp, no output dir
     # an existing but empty directory is no run either, and stays empty
@@ -164,8 +165,8 @@ def test_a_refused_upload_leaves_no_writer_claim(tmp_path: Path) -> None:
     r = run("delta-upload", str(c1), "--store", "run", "--step", "10", "--cache", "cache", cwd=tmp_path)
     assert r.returncode == 1 and "is not after the last committed step 10" in r.stderr, r.stderr
     # a baseline that cannot be rebuilt: no local cache and step 10's data is gone from the store
-    for p in (store_dir / "steps" / f"{10:012d}").iterdir():
-        if p.name != "manifest.json":
+    for p in (store_dir / "steps" / f"{10:012d}").rglob("*"):  # its writer's subfolder: w<writer id>/...
+        if p.is_file() and p.name != "manifest.json":
             p.unlink()
     r = run("delta-upload", str(c1), "--store", "run", "--step", "20", "--cache", "other-cache", cwd=tmp_path)
     assert r.returncode == 1 and r.stderr.splitlines()[-1].startswith("error: "), r.stderr

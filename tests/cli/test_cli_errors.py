@@ -70,7 +70,7 @@ def test_delta_upload_of_a_non_safetensors_checkpoint_says_how_to_convert(tmp_pa
     for path, needles in cases.items():
         r = run("delta-upload", path, "--store", "run", "--step", "0", "--cache", "cache", cwd=tmp_path)
         assert r.returncode == 1, r
-        assert r.stderr.startswith("error: "), r.stderr
+        assert r.stderr.startswith(f"store: {(tmp_path / 'run').as_uri()}\nerror: "), r.stderr
         assert "Traceback" not in r.stderr and "7142837043854339433" not in r.stderr
         for needle in (*needles, "deltasync reads safetensors only"):
             assert needle in r.stderr, (needle, r.stderr)
@@ -145,7 +145,8 @@ def test_delta_upload_on_a_broken_chain_suggests_anchor_and_anchor_works(
     elif damage == "deleted manifest":
         (step2 / "manifest.json").unlink()
     else:
-        (step2 / "patch-00000.safetensors").unlink()
+        (patch,) = step2.glob("w*/patch-00000.safetensors")  # in the uploader's own subfolder
+        patch.unlink()
     if not cache:
         for p in (tmp_path / "cache").iterdir():
             p.unlink()

@@ -110,7 +110,11 @@ def test_cli_process_reads_aws_environment(
     assert ok.stdout.splitlines()[1].split()[:2] == ["3", "anchor"]
     bad = _cli("inspect", url, env={**base, **s3_server.env, "AWS_SECRET_ACCESS_KEY": "wrong"})
     assert bad.returncode == 1
-    assert bad.stderr.startswith("error: ") and "access denied" in bad.stderr and "AWS_ACCESS_KEY_ID" in bad.stderr
+    assert (
+        bad.stderr.startswith(f"store: {url}\nerror: ")
+        and "access denied" in bad.stderr
+        and "AWS_ACCESS_KEY_ID" in bad.stderr
+    )
     assert "Traceback" not in bad.stderr
     gone = _cli("inspect", "s3://cli/x", env={**base, **s3_server.env, "AWS_ENDPOINT_URL": "http://127.0.0.1:9"})
     assert gone.returncode == 1 and gone.stderr.startswith(

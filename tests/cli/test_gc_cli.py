@@ -99,7 +99,7 @@ def test_a_directory_that_is_not_a_run_is_refused_and_untouched(tmp_path: Path) 
     before = files(root)
     out = gc(str(root), "--keep-anchors", "1", "--grace", "0")
     assert out.returncode == 1
-    assert out.stderr.startswith("error: ") and "no deltasync run here" in out.stderr
+    assert out.stderr.startswith(f"store: {root.as_uri()}\nerror: ") and "no deltasync run here" in out.stderr
     assert "Traceback" not in out.stderr
     assert files(root) == before
     missing = gc(str(tmp_path / "nowhere"), "--keep-anchors", "1")

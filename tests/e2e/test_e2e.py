@@ -10,12 +10,17 @@ trainer's bf16 view pushed; ``lr1e-6``: RL-like sparse patches, the fp32 module 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Any
+
 import pytest
-from e2e_runs import STEPS, Backend, Run, Training, assert_no_torn_manifest, expected_downloads, manifests
+from e2e_runs import STEPS, WAIT, Backend, Run, Training, assert_no_torn_manifest, expected_downloads, manifests
 from spy_store import SpyStore, step_of_key
 from tensors import assert_state_equal, snapshot
 
 import deltasync as ds
+from deltasync.protocol import Manifest, manifest_key, step_prefix
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.slow
@@ -165,3 +170,57 @@ def test_resume_from_7_to_18_over_a_long_chain(backend: Backend, trainings: dict
         ds.DeltaFetcher(spy, **options).sync(target3, step=18, have_step=7)
         assert_state_equal(target3, run.pushed[18])
         assert 0 in {step_of_key(k) for k in spy.data_gets()}
+
+
+def test_an_anchor_folder_in_the_store_is_an_hf_checkpoint_dir(
+    backend: Backend, trainings: dict[str, Training], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SPEC.md "Anchors": ``steps/<step>/w<writer id>/`` holds the shards and the index that names
+    them; downloaded as it is (plus a config.json), transformers' from_pretrained loads it, and
+    safetensors loads every shard the index names. Several shards (``shard_bytes=64 KiB``)."""
+    from qwen3 import qwen3_config
+    from transformers import Qwen3ForCausalLM
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    training = trainings["lr1e-3"]
+    states = training.pushed[:3]
+    with backend.open(backend.new_prefix("anchor-dir")) as store:
+        with ds.DeltaUploader(store, anchor_every=2, shard_bytes=64 << 10, on_backlog="block") as up:
+            kinds = [up.push(s, step).result(WAIT).kind for step, s in enumerate(states)]
+        assert kinds == ["anchor", "patch", "anchor"]
+        for step in (0, 2):
+            m = Manifest.from_json(store.get(manifest_key(step)))
+            assert m.writer is not None
+            own = f"w{m.writer.id}/"
+            assert all(f.path.startswith(own) for f in m.files)  # all in the writer's subfolder
+            names = sorted(f.path[len(own) :] for f in m.files)
+            assert "model.safetensors.index.json" in names and len(names) > 2, names  # index + several shards
+            # download the folder as it is
+            prefix = step_prefix(step) + own
+            objs = store.get_many([o.key for o in store.list(prefix)])
+            assert sorted(k[len(prefix) :] for k in objs) == names  # nothing else in it
+            folder = tmp_path / f"dl-{step}"
+            folder.mkdir()
+            for key, data in objs.items():
+                (folder / key[len(prefix) :]).write_bytes(data)
+            assert_state_equal(safetensors_dir(folder), states[step], f"safetensors step {step}")
+            qwen3_config().save_pretrained(folder)
+            model = Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+            assert_state_equal(model, states[step], f"from_pretrained step {step}")
+            if isinstance(store, ds.LocalStore):  # the store's own folder, in place
+                assert_state_equal(safetensors_dir(store.root / prefix), states[step], f"in place, step {step}")
+
+
+def safetensors_dir(folder: Path) -> dict[str, Any]:
+    """Every tensor of an HF sharded checkpoint dir, read with safetensors through its index."""
+    from safetensors.torch import load_file
+
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    out: dict[str, Any] = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        assert "/" not in shard, shard  # names relative to the index's folder
+        part = load_file(folder / shard)
+        assert {index["weight_map"][k] for k in part} == {shard}
+        out.update(part)
+    assert sorted(out) == sorted(index["weight_map"])
+    return out

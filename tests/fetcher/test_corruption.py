@@ -67,11 +67,21 @@ class Run:
     def store(self) -> ds.LocalStore:
         return ds.LocalStore(self.root, fsync=False)
 
+    def name(self, step: int, plain: str) -> str:
+        """The stored name of data file ``plain`` of ``step``: the uploader puts its files in its
+        own subfolder (``w<writer id>/patch-00000.safetensors``, SPEC.md "Commit rule")."""
+        if plain == "manifest.json" or plain in self.files(step):
+            return plain
+        (own,) = [n for n in self.files(step) if n.startswith("w") and n.endswith("/" + plain)]
+        return own
+
     def path(self, step: int, name: str) -> Path:
-        return self.root / "steps" / f"{step:012d}" / name
+        return self.root / "steps" / f"{step:012d}" / self.name(step, name)
 
     def files(self, step: int) -> list[str]:
-        return sorted(p.name for p in (self.root / "steps" / f"{step:012d}").iterdir())
+        """The step folder's files, by their path relative to it (``w<writer id>/...`` included)."""
+        folder = self.root / "steps" / f"{step:012d}"
+        return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
 
     def fetcher(self, key: bytes | None | str = "run") -> ds.DeltaFetcher:
         return ds.DeltaFetcher(self.store(), verify=True, signing_key=self.key if key == "run" else key)  # type: ignore[arg-type]
@@ -154,12 +164,14 @@ def test_clean_runs_sync(plain: Run, signed: Run) -> None:
             target, kwargs = start_state(run, step)
             run.fetcher().sync(target, **kwargs)
             assert_state_equal(target, run.states[step], f"step {step}")
-    assert plain.files(0) == [
-        "manifest.json",
-        "model-00001-of-00002.safetensors",
-        "model-00002-of-00002.safetensors",
-        "model.safetensors.index.json",
-    ]
+    own = [plain.name(0, n) for n in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")]
+    own.append(plain.name(0, "model.safetensors.index.json"))
+    assert plain.files(0) == ["manifest.json", *sorted(own)]
+    assert len({n.split("/", 1)[0] for n in own}) == 1  # one writer's subfolder
+    # which is an ordinary HF checkpoint dir: its index names the shards beside it
+    folder = plain.path(0, "model.safetensors.index.json").parent
+    weight_map = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    assert sorted(set(weight_map.values())) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
 
 
 # ------------------------------------------------------------ flipped bytes
@@ -192,7 +204,8 @@ def test_flipped_data_byte_in_a_multi_step_plan_touches_nothing(plain: Run) -> N
             target = snapshot(plain.states[4])
             before = snapshot(target)
             f = plain.fetcher()
-            with pytest.raises(ChecksumMismatch, match=f"step {step}: file patch-00000.safetensors fails"):
+            name = plain.name(step, "patch-00000.safetensors")
+            with pytest.raises(ChecksumMismatch, match=f"step {step}: file {name} fails"):
                 f.sync(target, step=2)  # anchor 0, patch 1, patch 2
             assert_state_equal(target, before)
             assert f.current_step(target) is None
@@ -259,6 +272,7 @@ def test_flipped_byte_in_an_unsigned_top_manifest_never_yields_wrong_weights(pla
 @pytest.mark.parametrize("name", ["patch-00000.safetensors", "manifest.json"])
 def test_truncated_file(plain: Run, name: str) -> None:
     path = plain.path(2, name)
+    name = plain.name(2, name)
     orig = path.read_bytes()
     with rewritten(path, orig[: len(orig) // 2]):
         err = expect_failed_sync(plain, 2, (ChecksumMismatch, ProtocolError))
@@ -289,7 +303,7 @@ def test_missing_data_file(plain: Run) -> None:
         with removed(plain.path(step, name)):
             err = expect_failed_sync(plain, step, (ObjectNotFound,))
         assert isinstance(err, StorageError) and isinstance(err, FileNotFoundError)
-        assert f"steps/{step:012d}/{name}" in str(err)
+        assert f"steps/{step:012d}/{plain.name(step, name)}" in str(err)
 
 
 def test_missing_parent_manifest_breaks_the_chain(plain: Run) -> None:
@@ -505,14 +519,14 @@ def test_patch_file_of_another_step_with_its_checksum_fixed_up(plain: Run) -> No
     other = plain.path(1, "patch-00000.safetensors").read_bytes()
 
     def point_at_it(o: dict[str, Any]) -> None:
-        f = next(f for f in o["files"] if f["path"] == "patch-00000.safetensors")
+        f = next(f for f in o["files"] if f["path"] == plain.name(2, "patch-00000.safetensors"))
         f["size"], f["xxh3_128"] = len(other), xxh3_128(other)
         o["stats"]["nbytes"] = sum(f["size"] for f in o["files"])
 
     body = edited_manifest(plain, 2, point_at_it)
     with rewritten(plain.path(2, "patch-00000.safetensors"), other), rewritten(plain.path(2, "manifest.json"), body):
         err = expect_failed_sync(plain, 2, (ProtocolError,))
-    assert "step 2 patch-00000.safetensors" in str(err)
+    assert f"step 2 {plain.name(2, 'patch-00000.safetensors')}" in str(err)
 
 
 @pytest.mark.parametrize("shape", [[2**40], [2**24, 2**24], [300, 2]])

@@ -211,7 +211,8 @@ def _store_copy(run: TrainedRun, dest: Path) -> Path:
 
 
 def _backend_params(run: TrainedRun, step_dirs: dict[int, Path], store: Path, tp: int) -> dict[str, Any]:
-    corrupt = sorted(p for p in store.rglob(f"{CORRUPT_STEP:012d}/*") if p.is_file() and p.name != "manifest.json")
+    # the step folder's files, those in its writer's subfolder (w<writer id>/...) included
+    corrupt = sorted(p for p in store.rglob(f"{CORRUPT_STEP:012d}/**/*") if p.is_file() and p.name != "manifest.json")
     assert corrupt, f"no data files of step {CORRUPT_STEP} under {store}"
     return {
         "model": step_dirs[0],

@@ -32,8 +32,10 @@ from deltasync.protocol import (
     decode_positions,
     decode_values,
     encode_changes,
+    file_key,
     inventory_digest,
     positions,
+    span_file_key,
     xxh3_128,
 )
 from deltasync.protocol.dtypes import DTYPES
@@ -469,7 +471,38 @@ def _doc(base: bytes = MANIFESTS[0]) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(
-    "name", ["../x", "/etc/passwd", "a/b", ".hidden", "..", "", "a\\b", "x\n", "manifest.json", "é.bin", "a" * 200]
+    "name",
+    [
+        "../x",
+        "/etc/passwd",
+        "a/b",
+        ".hidden",
+        "..",
+        "",
+        "a\\b",
+        "x\n",
+        "manifest.json",
+        "é.bin",
+        "a" * 200,
+        # a writer's subfolder is the one nesting allowed, exactly w<1-32 letters/digits>/<plain name>
+        "wab12/../x",
+        "wab12/..",
+        "w/x",
+        "wab12/c/x",
+        "x/wab12/y",
+        "wab12/.x",
+        "/wab12/x",
+        "wab12//x",
+        "wab12/",
+        "Wab12/x",
+        "w-ab/x",
+        "wa.b/x",
+        "wé/x",
+        "w" + "a" * 33 + "/x",
+        "wab12\\x",
+        "wab12/manifest.json",
+        "wab12/" + "a" * 200,
+    ],
 )
 def test_hostile_file_names(name: str) -> None:
     doc = _doc()
@@ -480,6 +513,19 @@ def test_hostile_file_names(name: str) -> None:
     doc["entries"][0]["file"] = name
     with pytest.raises(ProtocolError):
         Manifest.from_json(_dumps(doc))
+
+
+@pytest.mark.parametrize(
+    "name", ["patch-00000.safetensors", "wab12/patch-00000.safetensors", "w" + "Z9" * 16 + "/" + "p" * 128]
+)
+def test_plain_and_writer_subfolder_file_names_parse(name: str) -> None:
+    """Plain names (runs written before the writer subfolders) and ``w<writer id>/<plain name>``."""
+    doc = _doc()
+    doc["files"][0]["path"] = doc["entries"][0]["file"] = name
+    m = Manifest.from_json(_dumps(doc))
+    assert m.files[0].path == name and m.entries[0].file == name
+    assert file_key(3, name) == f"steps/000000000003/{name}"
+    assert span_file_key(1, 3, name) == f"spans/000000000001-000000000003/{name}"
 
 
 @pytest.mark.parametrize("version", [2, 0, -1, "1", None, True, 1.0, [1], "missing"])

@@ -9,14 +9,16 @@ frames after an upgrade; the decode tests below must keep passing regardless.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import safetensors
 import safetensors.numpy
 
-from deltasync.errors import SignatureMismatch
+from deltasync.errors import ProtocolError, SignatureMismatch
 from deltasync.protocol import (
     ByteRange,
     FileInfo,
@@ -275,11 +277,14 @@ def test_signature_roundtrip_and_tamper() -> None:
 # ----------------------------------------------------------------- the uploader's real output
 
 WRITER_ID = "0123456789abcdef"
+# the uploader puts its data files in its own subfolder (SPEC.md "Commit rule"): w<writer id>/<name>
+OWN = f"w{WRITER_ID}/"
 UPLOADER_ANCHOR_MANIFEST = (
-    b'{"anchor_step":6,"entries":[{"file":"model-00001-of-00001.safetensors","range":[160,224],"tensor":"a"},'
-    b'{"file":"model-00001-of-00001.safetensors","range":[224,352],"tensor":"b"}],'
-    b'"files":[{"path":"model-00001-of-00001.safetensors","size":352,"xxh3_128":"f736e2b2a79e4197df70e79d27ee5e2f"},'
-    b'{"path":"model.safetensors.index.json","size":157,"xxh3_128":"778e0171526a7ac3cffa8de9b97932ff"}],'
+    b'{"anchor_step":6,"entries":[{"file":"w0123456789abcdef/model-00001-of-00001.safetensors","range":[160,224],'
+    b'"tensor":"a"},{"file":"w0123456789abcdef/model-00001-of-00001.safetensors","range":[224,352],"tensor":"b"}],'
+    b'"files":[{"path":"w0123456789abcdef/model-00001-of-00001.safetensors","size":352,'
+    b'"xxh3_128":"f736e2b2a79e4197df70e79d27ee5e2f"},'
+    b'{"path":"w0123456789abcdef/model.safetensors.index.json","size":157,"xxh3_128":"778e0171526a7ac3cffa8de9b97932ff"}],'
     b'"format_version":1,"inventory":[{"dtype":"BF16","name":"a","shape":[4,8]},'
     b'{"dtype":"BF16","name":"b","shape":[8,8]}],"inventory_digest":"b908d424c1b631a1056774eab2ac0122",'
     b'"kind":"anchor","parent_digest":null,"parent_step":null,"run_id":"golden-run",'
@@ -288,20 +293,21 @@ UPLOADER_ANCHOR_MANIFEST = (
     b'"writer":{"epoch":1,"id":"0123456789abcdef"}}'
 )
 UPLOADER_PATCH_MANIFEST = (
-    b'{"anchor_step":6,"entries":[{"count":3,"file":"patch-00000.safetensors","positions":"rice",'
+    b'{"anchor_step":6,"entries":[{"count":3,"file":"w0123456789abcdef/patch-00000.safetensors","positions":"rice",'
     b'"positions_range":[320,324],"rice_k":3,"tensor":"a","values":"raw","values_range":[324,339]},'
-    b'{"count":16,"file":"patch-00000.safetensors","positions":"rice","positions_range":[339,345],'
+    b'{"count":16,"file":"w0123456789abcdef/patch-00000.safetensors","positions":"rice","positions_range":[339,345],'
     b'"rice_k":1,"tensor":"b","values":"xor-rank","values_range":[345,376]}],'
-    b'"files":[{"path":"patch-00000.safetensors","size":376,"xxh3_128":"c44f18309ce1fd33b65f6e61d7ecbd43"}],'
+    b'"files":[{"path":"w0123456789abcdef/patch-00000.safetensors","size":376,'
+    b'"xxh3_128":"c44f18309ce1fd33b65f6e61d7ecbd43"}],'
     b'"format_version":1,"inventory":[{"dtype":"BF16","name":"a","shape":[4,8]},'
     b'{"dtype":"BF16","name":"b","shape":[8,8]}],"inventory_digest":"b908d424c1b631a1056774eab2ac0122",'
-    b'"kind":"patch","parent_digest":"cc68b65e0d50f822a2ef2651da83fd6c","parent_step":6,"run_id":"golden-run",'
+    b'"kind":"patch","parent_digest":"31f4ae9b5e668ff1ef65a224a1cc0a9f","parent_step":6,"run_id":"golden-run",'
     b'"stats":{"changed":19,"nbytes":376,"total":96},"step":7,'
     b'"tensor_digests":{"a":"8bed3924046de2eba8c8f841ddffd2b2","b":"d8cef1d4b31508383c101efb4a4bf0cb"},'
     b'"writer":{"epoch":1,"id":"0123456789abcdef"}}'
 )
 UPLOADER_HEAD = (
-    b'{"format_version":1,"manifest_digest":"3467c409a49a1a6ebdfa1d1aa7da1036","run_id":"golden-run","step":7}'
+    b'{"format_version":1,"manifest_digest":"05e80d8213ddccd7250e30083d282f30","run_id":"golden-run","step":7}'
 )
 
 
@@ -335,31 +341,122 @@ def test_uploader_output_is_frozen(monkeypatch: pytest.MonkeyPatch) -> None:
     assert sorted(objs) == [
         "HEAD.json",
         "steps/000000000006/manifest.json",
-        "steps/000000000006/model-00001-of-00001.safetensors",
-        "steps/000000000006/model.safetensors.index.json",
+        f"steps/000000000006/{OWN}model-00001-of-00001.safetensors",
+        f"steps/000000000006/{OWN}model.safetensors.index.json",
         "steps/000000000007/manifest.json",
-        "steps/000000000007/patch-00000.safetensors",
+        f"steps/000000000007/{OWN}patch-00000.safetensors",
         "writers/000000000001.json",
     ]
-    assert objs["steps/000000000007/patch-00000.safetensors"] == GOLDEN_FILE
+    assert objs[f"steps/000000000007/{OWN}patch-00000.safetensors"] == GOLDEN_FILE
     assert objs["steps/000000000006/manifest.json"] == UPLOADER_ANCHOR_MANIFEST
-    assert xxh3_128(UPLOADER_ANCHOR_MANIFEST) == "cc68b65e0d50f822a2ef2651da83fd6c"
+    assert xxh3_128(UPLOADER_ANCHOR_MANIFEST) == "31f4ae9b5e668ff1ef65a224a1cc0a9f"
     assert objs["steps/000000000007/manifest.json"] == UPLOADER_PATCH_MANIFEST
     assert objs["HEAD.json"] == UPLOADER_HEAD
-    assert xxh3_128(UPLOADER_PATCH_MANIFEST) == "3467c409a49a1a6ebdfa1d1aa7da1036"
+    assert xxh3_128(UPLOADER_PATCH_MANIFEST) == "05e80d8213ddccd7250e30083d282f30"
     assert objs["writers/000000000001.json"] == UPLOADER_CLAIM
     # the anchor is an ordinary checkpoint of the first state
-    st = parse_safetensors(objs["steps/000000000006/model-00001-of-00001.safetensors"])
+    st = parse_safetensors(objs[f"steps/000000000006/{OWN}model-00001-of-00001.safetensors"])
     a = st.entries["a"]
     assert (a.dtype, a.shape) == ("BF16", (4, 8))
-    raw = objs["steps/000000000006/model-00001-of-00001.safetensors"][a.start : a.end]
+    raw = objs[f"steps/000000000006/{OWN}model-00001-of-00001.safetensors"][a.start : a.end]
     assert np.frombuffer(raw, "<i2").tolist() == A_OLD.tolist()
+    # the writer's subfolder is an HF checkpoint dir: its index names the shards relative to itself,
+    # and is byte for byte the index of the plain-named layout (older runs)
+    index_bytes = objs[f"steps/000000000006/{OWN}model.safetensors.index.json"]
+    assert json.loads(index_bytes)["weight_map"] == dict.fromkeys(["a", "b"], "model-00001-of-00001.safetensors")
+    assert (len(index_bytes), xxh3_128(index_bytes)) == (157, "778e0171526a7ac3cffa8de9b97932ff")
     # and the patch decodes through the protocol's patch-file reader
     from deltasync.protocol import decode_patch
 
     m = Manifest.from_json(UPLOADER_PATCH_MANIFEST)
-    decoded = decode_patch(m, {PATCH_FILE: GOLDEN_FILE})
+    decoded = decode_patch(m, {OWN + PATCH_FILE: GOLDEN_FILE})
     assert [(d.tensor, d.coding, d.idx.tolist()) for d in decoded] == [
         ("a", "raw", A_IDX.tolist()),
         ("b", "xor-rank", B_IDX.tolist()),
     ]
+
+
+# The same two pushes as written before the writers' subfolders (plain names in the step's folder):
+# frozen, so that runs of that layout keep reading (SPEC.md "Layout").
+PLAIN_ANCHOR_MANIFEST = (
+    b'{"anchor_step":6,"entries":[{"file":"model-00001-of-00001.safetensors","range":[160,224],"tensor":"a"},'
+    b'{"file":"model-00001-of-00001.safetensors","range":[224,352],"tensor":"b"}],'
+    b'"files":[{"path":"model-00001-of-00001.safetensors","size":352,"xxh3_128":"f736e2b2a79e4197df70e79d27ee5e2f"},'
+    b'{"path":"model.safetensors.index.json","size":157,"xxh3_128":"778e0171526a7ac3cffa8de9b97932ff"}],'
+    b'"format_version":1,"inventory":[{"dtype":"BF16","name":"a","shape":[4,8]},'
+    b'{"dtype":"BF16","name":"b","shape":[8,8]}],"inventory_digest":"b908d424c1b631a1056774eab2ac0122",'
+    b'"kind":"anchor","parent_digest":null,"parent_step":null,"run_id":"golden-run",'
+    b'"stats":{"changed":96,"nbytes":509,"total":96},"step":6,'
+    b'"tensor_digests":{"a":"da6c9e4b687342c81dd7ce2ac604785c","b":"40f8621420eaf2211c7dc0e745a9b352"},'
+    b'"writer":{"epoch":1,"id":"0123456789abcdef"}}'
+)
+PLAIN_PATCH_MANIFEST = (
+    b'{"anchor_step":6,"entries":[{"count":3,"file":"patch-00000.safetensors","positions":"rice",'
+    b'"positions_range":[320,324],"rice_k":3,"tensor":"a","values":"raw","values_range":[324,339]},'
+    b'{"count":16,"file":"patch-00000.safetensors","positions":"rice","positions_range":[339,345],'
+    b'"rice_k":1,"tensor":"b","values":"xor-rank","values_range":[345,376]}],'
+    b'"files":[{"path":"patch-00000.safetensors","size":376,"xxh3_128":"c44f18309ce1fd33b65f6e61d7ecbd43"}],'
+    b'"format_version":1,"inventory":[{"dtype":"BF16","name":"a","shape":[4,8]},'
+    b'{"dtype":"BF16","name":"b","shape":[8,8]}],"inventory_digest":"b908d424c1b631a1056774eab2ac0122",'
+    b'"kind":"patch","parent_digest":"cc68b65e0d50f822a2ef2651da83fd6c","parent_step":6,"run_id":"golden-run",'
+    b'"stats":{"changed":19,"nbytes":376,"total":96},"step":7,'
+    b'"tensor_digests":{"a":"8bed3924046de2eba8c8f841ddffd2b2","b":"d8cef1d4b31508383c101efb4a4bf0cb"},'
+    b'"writer":{"epoch":1,"id":"0123456789abcdef"}}'
+)
+
+
+def test_a_run_with_plain_names_reads_as_before(tmp_path: Path) -> None:
+    """A run of the plain-name layout (frozen manifests; the data files are those bytes, as their
+    checksums prove) syncs and materializes bit-exact with full verification, and verifies."""
+    torch = pytest.importorskip("torch")
+    import deltasync as ds
+    from deltasync.protocol import Head, TensorInfo
+    from deltasync.protocol.checkpoint import build_checkpoint
+    from deltasync.run.audit import verify_run
+
+    inventory = (TensorInfo("a", "BF16", (4, 8)), TensorInfo("b", "BF16", (8, 8)))
+    files, _ = build_checkpoint(inventory, {"a": A_OLD, "b": B_OLD}, 2 << 30)
+    assert sorted(files) == ["model-00001-of-00001.safetensors", "model.safetensors.index.json"]
+    store = ds.MemoryStore("plain")
+    store.put_many({f"steps/000000000006/{n}": d for n, d in files.items()})
+    store.put("steps/000000000007/patch-00000.safetensors", GOLDEN_FILE)
+    store.put("steps/000000000006/manifest.json", PLAIN_ANCHOR_MANIFEST)
+    store.put("steps/000000000007/manifest.json", PLAIN_PATCH_MANIFEST)
+    store.put("HEAD.json", Head(7, xxh3_128(PLAIN_PATCH_MANIFEST), "golden-run").to_json())
+    fetcher = ds.DeltaFetcher(store, verify="full")
+    target = {"a": torch.zeros(4, 8, dtype=torch.bfloat16), "b": torch.zeros(8, 8, dtype=torch.bfloat16)}
+    for step, (a, b) in ((6, (A_OLD, B_OLD)), (7, (A_NEW, B_NEW))):
+        assert fetcher.sync(target, step=step) == step
+        assert target["a"].view(torch.int16).flatten().tolist() == a.tolist()
+        assert target["b"].view(torch.int16).flatten().tolist() == b.tolist()
+    out = fetcher.materialize(tmp_path / "ckpt")
+    from safetensors.torch import load_file
+
+    loaded = load_file(str(out / "model-00001-of-00001.safetensors"))
+    assert loaded["a"].view(torch.int16).flatten().tolist() == A_NEW.tolist()
+    assert json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]["b"] == (
+        "model-00001-of-00001.safetensors"
+    )
+    assert [c.line() for c in verify_run(store)] == ["step 6: OK", "step 7: OK"]
+
+
+@pytest.mark.parametrize(
+    ("writer_id", "name", "expected"),
+    [
+        ("0123456789abcdef", "patch-00000.safetensors", "w0123456789abcdef/patch-00000.safetensors"),
+        ("A1", "model.safetensors.index.json", "wA1/model.safetensors.index.json"),
+        ("Z" * 32, "model-00001-of-00002.safetensors", f"w{'Z' * 32}/model-00001-of-00002.safetensors"),
+    ],
+)
+def test_writer_file_names(writer_id: str, name: str, expected: str) -> None:
+    from deltasync.protocol import writer_file_name
+
+    assert writer_file_name(writer_id, name) == expected
+
+
+@pytest.mark.parametrize("writer_id", ["", "a-b", "a/b", "../x", "é", "a" * 33, 7])
+def test_writer_ids_that_cannot_name_files_are_refused(writer_id: Any) -> None:
+    from deltasync.protocol import writer_file_name
+
+    with pytest.raises(ProtocolError, match="cannot name files"):
+        writer_file_name(writer_id, "patch-00000.safetensors")

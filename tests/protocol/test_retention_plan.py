@@ -243,6 +243,44 @@ def test_keys_outside_the_layout_are_never_deleted() -> None:
     assert any("outside the run's layout" in n for n in plan.notes)
 
 
+def test_writer_subfolders_go_with_their_step_or_span_folder() -> None:
+    """Data files in writers' subfolders (``w<writer id>/<name>``, SPEC.md "Commit rule") belong to
+    their step's (or span's) folder: a collected step loses them all, the winner's and a fenced
+    writer's leftovers alike, manifest first; an orphan folder loses them after the grace."""
+    run = Run().chain(0, 9, 10).chain(20, 29, 10)  # nothing committed at 10-19
+    nested = {
+        "steps/000000000003/wab12/patch-00000.safetensors",  # the committed step's own files
+        "steps/000000000003/wab12/patch-00001.safetensors",
+        "steps/000000000003/wcd34/patch-00000.safetensors",  # a fenced writer's leftover
+        "steps/000000000000/wab12/model-00001-of-00001.safetensors",
+        "steps/000000000000/wab12/model.safetensors.index.json",
+        "spans/000000000000-000000000005/wab12/patch-00000.safetensors",
+    }
+    orphan = "steps/000000000015/wcd34/patch-00000.safetensors"  # no manifest, below the newest anchor 20
+    kept = {"steps/000000000022/wab12/patch-00000.safetensors", "spans/000000000020-000000000025/wab12/p.bin"}
+    run.listing += [Obj(k, 5) for k in [*sorted(nested), orphan, *sorted(kept)]]
+    run.span(0, 5).span(20, 25)
+    plan = run.plan(1)
+    assert plan.deleted_steps == tuple(range(10)) and plan.deleted_spans == ((0, 5),)
+    assert nested <= set(plan.then) and plan.orphans == (orphan,)
+    assert not kept & plan.keys
+    assert set(plan.first) == {f"steps/{s:012d}/manifest.json" for s in range(10)} | {
+        "spans/000000000000-000000000005/manifest.json"
+    }
+    assert all(plan.sizes[k] == 5 for k in nested)
+
+
+def test_a_manifest_in_a_writer_subfolder_commits_nothing() -> None:
+    """``steps/N/w<id>/manifest.json`` is no step manifest (nor a valid data file name): the folder
+    holding only it is not committed, and the key is left alone as outside the layout."""
+    run = Run().chain(0, 19, 10)
+    odd = ["steps/000000000005/wab12/manifest.json", "steps/000000000030/wab12/manifest.json"]
+    run.listing += [Obj(k, 1) for k in odd]
+    plan = run.plan(1, now=NOW + 100 * HOUR)
+    assert 30 not in plan.kept and not set(odd) & plan.keys
+    assert any("2 key(s) outside the run's layout" in n for n in plan.notes)
+
+
 def test_an_unreadable_manifest_keeps_its_step() -> None:
     run = Run().chain(0, 19, 10)
     del run.committed[3]  # listed, but it did not parse (or a bad signature)

@@ -350,6 +350,10 @@ def _stress(make_store: Callable[[], Store], steps: int, anchor_every: int) -> N
         final = collect_garbage(store, keep_anchors=1)
         last_anchor = (steps - 1) // anchor_every * anchor_every
         assert committed(store) == list(range(last_anchor, steps))
+        # nothing is left of a collected step, its writer's subfolder (w<writer id>/...) included
+        data = [o.key for o in store.list("steps/") if not o.key.endswith("/manifest.json")]
+        assert data and all(k.split("/")[2].startswith("w") and k.count("/") == 3 for k in data)
+        assert {int(k.split("/")[1]) for k in data} == set(range(last_anchor, steps))
         assert not store.exists(lease_key("expired"))
         assert progress["deleted"] + final.deleted > 0
         model = zeros_like(states[0])

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import socket
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlencode
@@ -19,7 +18,7 @@ import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from server_harness import ThreadServer
+from server_harness import ThreadServer, raw_status
 
 from deltasync.protocol.keys import MAX_STEP
 from deltasync.server import Settings, create_app
@@ -332,19 +331,6 @@ class _Errors(logging.Handler):
         self.records.append(record)
 
 
-def _raw(port: int, request: bytes) -> int:
-    """Send one raw HTTP/1.1 request; the response's status code."""
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-        s.sendall(request)
-        got = b""
-        while b"\r\n" not in got:
-            chunk = s.recv(4096)
-            if not chunk:
-                break
-            got += chunk
-    return int(got.split(b" ", 2)[1])
-
-
 class Live:
     """A uvicorn on 127.0.0.1 serving the app, spoken to in raw HTTP/1.1 (any header bytes)."""
 
@@ -358,7 +344,7 @@ class Live:
         lines += [b"Connection: close", *headers]
         if body is not None:
             lines += [b"Content-Type: application/json", b"Content-Length: %d" % len(body)]
-        return _raw(self.port, b"\r\n".join(lines) + b"\r\n\r\n" + (body or b""))
+        return raw_status(self.port, b"\r\n".join(lines) + b"\r\n\r\n" + (body or b""))
 
     def still_serving(self) -> None:
         """The server answers, logged no error, and still has its head."""

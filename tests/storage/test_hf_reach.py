@@ -91,5 +91,7 @@ def test_cli_with_no_hub_fails_at_once_naming_the_endpoint(tmp_path: Path) -> No
         stdin=subprocess.DEVNULL,
     )
     assert r.returncode == 1, r
-    assert r.stderr.startswith(f"error: hf://buckets/ns/b/run: cannot reach {endpoint}"), r.stderr
+    assert r.stderr.startswith(
+        f"store: hf://buckets/ns/b/run\nerror: hf://buckets/ns/b/run: cannot reach {endpoint}"
+    ), r.stderr
     assert "HF_ENDPOINT" in r.stderr and "Retrying in" not in r.stderr, r.stderr  # no huggingface_hub retries

@@ -71,7 +71,7 @@ def test_open_store_relative_path_is_made_absolute(tmp_path: Path, monkeypatch: 
     assert store.root.is_absolute()
 
 
-@pytest.mark.parametrize("name", ["plain", "with space", "per%20cent", "ünï"])
+@pytest.mark.parametrize("name", ["plain", "with space", "per%20cent", "ünï", "a:b", "q?x#y"])
 def test_open_store_file_url_roundtrips(tmp_path: Path, name: str) -> None:
     root = tmp_path / name
     store = open_store(root.as_uri())
@@ -117,6 +117,79 @@ def test_open_store_unsupported_scheme(url: str) -> None:
     assert repr(scheme) in message
     assert url in message
     assert "file://" in message and "memory://" in message  # says what is supported
+
+
+@pytest.mark.parametrize(
+    ("url", "meant"),
+    [
+        ("s3:/mybucket/r1", "s3://mybucket/r1"),
+        ("s3:mybucket/r1", "s3://mybucket/r1"),
+        ("hf:/buckets/ns/b/r1", "hf://buckets/ns/b/r1"),
+        ("hf:buckets/ns/b", "hf://buckets/ns/b"),
+        ("HF:/buckets/ns/b", "hf://buckets/ns/b"),
+        ("memory:x", "memory://x"),
+        ("file:/abs/run", "file:///abs/run"),
+        ("S3:/b", "s3://b"),
+    ],
+)
+def test_open_store_refuses_a_malformed_scheme_and_creates_nothing(
+    url: str, meant: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # these used to open a local folder named after the scheme (./s3:/mybucket/r1), written by the first push
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(StorageError, match="malformed store URL") as info:
+        open_store(url)
+    assert str(info.value).startswith(f"{url}: ") and f"did you mean {meant}?" in str(info.value)
+    assert "s3://<bucket>" in str(info.value) and "./x:y" in str(info.value)  # the supported forms
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("url", ["x:y", "runs:r1/a", "c:run", "2024:01", "runs/r1://x", "://x", " s3://b"])
+def test_open_store_refuses_other_url_like_strings(url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(StorageError, match="this build supports") as info:
+        open_store(url)
+    assert str(info.value).startswith(f"{url}: ") and "./x:y for a name with a colon" in str(info.value)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("url", "canonical"),
+    [
+        ("S3://bucket/r1", "s3://bucket/r1"),
+        ("Hf://buckets/ns/b/r1", "hf://buckets/ns/b/r1"),
+        ("MEMORY://m", "memory://m"),
+    ],
+)
+def test_open_store_scheme_is_case_insensitive(url: str, canonical: str) -> None:
+    # RFC 3986: schemes are case-insensitive; the store's URL is written in lower case
+    with open_store(url) as store:
+        assert store.url == canonical
+
+
+def test_open_store_file_scheme_is_case_insensitive(tmp_path: Path) -> None:
+    with open_store("FILE://" + (tmp_path / "r").as_posix()) as store:
+        assert isinstance(store, LocalStore) and store.root == tmp_path / "r"
+
+
+def test_open_store_paths_with_a_colon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a colon after the first "/" is a plain path; before it, ./ makes it one; a Path is always one
+    monkeypatch.chdir(tmp_path)
+    for url, root in [
+        ("./x:y", tmp_path / "x:y"),
+        ("runs/r1:a", tmp_path / "runs" / "r1:a"),
+        (str(tmp_path / "a:b"), tmp_path / "a:b"),
+        (Path("s3:") / "b", tmp_path / "s3:" / "b"),
+    ]:
+        with open_store(url) as store:
+            assert isinstance(store, LocalStore) and store.root == root, url
+    assert os.listdir(tmp_path) == []  # opening creates nothing
+
+
+def test_open_store_file_url_with_query_or_fragment_is_refused() -> None:
+    for url in ("file:///data/run?x=1", "file:///data/run#frag"):
+        with pytest.raises(StorageError, match="local path"):
+            open_store(url)
 
 
 @pytest.mark.parametrize("url", ["", None, 42])

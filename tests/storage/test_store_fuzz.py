@@ -388,7 +388,8 @@ def _data_key(rng: random.Random, case: Case, kind: str | None = None) -> tuple[
     if kind is not None:
         keys = [k for k in keys if kind in k]
     key = rng.choice(sorted(keys))
-    return int(key.split("/")[1]), key.split("/")[2]
+    _, step, name = key.split("/", 2)  # the name may be in the writer's subfolder: w<writer id>/<name>
+    return int(step), name
 
 
 def _byte_edit(rng: random.Random, data: bytes) -> tuple[bytes, str]:
@@ -443,7 +444,8 @@ def m_delete(rng: random.Random, case: Case, run: Run) -> None:
 def m_swap_steps(rng: random.Random, case: Case, run: Run) -> None:
     """An object of one step stored under another step (same name), optionally fixed up in the manifest."""
     key = rng.choice(sorted(k for k in case.objects if k.startswith("steps/")))
-    step, name = int(key.split("/")[1]), key.split("/")[2]
+    _, folder, name = key.split("/", 2)
+    step = int(folder)
     others = [s for s in STEPS if s != step and _key(s, name) in case.objects]
     if not others:
         raise NotApplicable
@@ -582,14 +584,16 @@ Items = list[tuple[str, EncodedTensor]]
 
 
 def _rebuild_patch(run: Run, step: int, edit: Callable[[Items], Items]) -> tuple[dict[str, bytes], list[Any]]:
-    """Re-encode patch ``step`` from the exact states, ``edit`` the coded items, pack the files."""
+    """Re-encode patch ``step`` from the exact states, ``edit`` the coded items, pack the files
+    (named as the uploader names them: in the step's writer's subfolder, SPEC.md "Commit rule")."""
     parent, cur = run.states[run.parent(step)], run.states[step]
     items: Items = []
     for name in sorted(cur):
         idx = np.flatnonzero(parent[name] != cur[name]).astype(np.int64)
         if idx.size:
             items.append((name, encode_changes(cur[name].size, idx, parent[name][idx], cur[name][idx])))
-    return build_patch_files(step, edit(items), SHARD_BYTES)
+    writer = json.loads(run.objects[manifest_key(step)])["writer"]["id"]
+    return build_patch_files(step, edit(items), SHARD_BYTES, writer_id=writer)
 
 
 def _replace_patch(case: Case, step: int, files: dict[str, bytes], entries: list[Any]) -> None:

@@ -20,7 +20,7 @@ import pytest
 
 import deltasync as ds
 from deltasync.errors import ChecksumMismatch, ProtocolError, WriterFenced
-from deltasync.protocol import Manifest, file_key, manifest_key
+from deltasync.protocol import Manifest, file_key, manifest_key, step_prefix
 from deltasync.storage.base import Data, PutMode
 from deltasync.storage.wrapper import WrapperStore
 
@@ -115,19 +115,26 @@ def test_the_crashed_store_holds_steps_0_to_4_and_uncommitted_files_of_5(crashed
     store = ds.open_store(crashed)
     assert ds.RunReader(store).latest_step() == KILLED_AT - 1
     assert not store.exists(manifest_key(KILLED_AT))
-    assert store.exists(file_key(KILLED_AT, "patch-00000.safetensors"))  # the leftover of the killed commit
+    # the leftover of the killed commit, in its writer's subfolder (SPEC.md "Commit rule")
+    (left,) = [o.key for o in store.list(step_prefix(KILLED_AT))]
+    assert left.startswith(step_prefix(KILLED_AT) + "w") and left.endswith("/patch-00000.safetensors")
 
 
 def test_re_pushing_the_head_proves_it_and_the_chain_goes_on_with_patches(crashed: Path, tmp_path: Path) -> None:
     store = copy_of(crashed, tmp_path)
     head = KILLED_AT - 1
+    leftovers = store.get_many([o.key for o in store.list(step_prefix(KILLED_AT))])
     with ds.DeltaUploader(store, anchor_every=100) as up:
         info = up.push(state_at(head), head).result(WAIT)  # the checkpoint the trainer restarted from
         assert (info.kind, info.committed_step, info.nbytes) == ("skipped", head, 0)
         assert up.epoch == 2  # claimed at once: the old process, were it alive, is fenced off
         for step in (KILLED_AT, KILLED_AT + 1):
             assert up.push(state_at(step), step).result(WAIT).kind == "patch"
-    assert kind_of(store, KILLED_AT) == ("patch", head)  # the leftover files of step 5 were replaced
+    assert kind_of(store, KILLED_AT) == ("patch", head)
+    # step 5 is the new writer's files; the killed writer's leftovers are untouched, and unlisted
+    assert store.get_many(list(leftovers)) == leftovers
+    listed = {file_key(KILLED_AT, f.path) for f in Manifest.from_json(store.get(manifest_key(KILLED_AT))).files}
+    assert listed and not listed & set(leftovers)
     assert_reaches(store, range(KILLED_AT + 2))
 
 

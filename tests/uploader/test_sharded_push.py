@@ -30,15 +30,18 @@ def _run(world: int, scenario: str, run_dir: Path) -> list[dict[str, Any]]:
 
 
 def _check_anchor_files(store_dir: Path, step: int) -> None:
-    """The anchor written by several ranks is an ordinary HF sharded checkpoint matching its manifest."""
+    """The anchor written by several ranks is an ordinary HF sharded checkpoint matching its manifest:
+    rank 0's writer subfolder of the step holds it, and only it (every rank wrote there)."""
     from safetensors.torch import load_file
 
     from deltasync._tensors import flat_bits
     from deltasync.protocol import Manifest
     from deltasync.protocol.digests import xxh3_128_array
 
-    folder = store_dir / "steps" / f"{step:012d}"
-    m = Manifest.from_json((folder / "manifest.json").read_bytes())
+    m = Manifest.from_json((store_dir / "steps" / f"{step:012d}" / "manifest.json").read_bytes())
+    assert m.writer is not None
+    folder = store_dir / "steps" / f"{step:012d}" / f"w{m.writer.id}"
+    assert sorted(f"w{m.writer.id}/{p.name}" for p in folder.iterdir()) == sorted(f.path for f in m.files)
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     n = len(shards)
@@ -83,7 +86,8 @@ def test_a_failing_rank_fails_the_step_everywhere_and_the_next_push_recovers(tmp
         ev = {e["step"]: e for e in r["events"]}
         assert [s for s, e in ev.items() if not e["ok"]] == [3, 5, 7, 11]
         assert "rank 1: StorageError: injected write failure" in ev[3]["error"]
-        assert "rank 1 reported patch-" in ev[5]["error"] and "the store holds" in ev[5]["error"]
+        assert "rank 1 reported w" in ev[5]["error"] and "/patch-" in ev[5]["error"]
+        assert "the store holds" in ev[5]["error"]
         assert "the ranks pushed different steps (rank 0: 7, rank 1: 8)" in ev[7]["error"]
         assert "Partial" in ev[11]["error"] and "not supported by a sharded push" in ev[11]["error"]
         # after each failure the next push is an anchor, on every rank
@@ -125,11 +129,21 @@ def test_anchor_plan_numbers_shards_in_rank_order_and_index_lists_every_tensor()
     index = json.loads(plan.index)
     assert index["metadata"]["total_size"] == sum(t.nbytes for t in inv)
     assert set(index["weight_map"]) == {t.name for t in inv}
+    # rank 0's writer id puts every rank's shards in its subfolder; the index (beside them) names
+    # them relative to itself, so it is the same bytes
+    own = anchor_plan(inv, owners, 3, shard_bytes=250, writer_id="ab12")
+    assert [[(f, ts) for f, ts in own.shards[r]] for r in range(3)] == [
+        [(f"wab12/{f}", ts) for f, ts in plan.shards[r]] for r in range(3)
+    ]
+    assert own.index == plan.index
+    assert anchor_plan((), {}, 2, 250, writer_id="ab12").shards[0] == [("wab12/model-00001-of-00001.safetensors", [])]
 
 
 def test_patch_file_names_are_disjoint_across_ranks() -> None:
     names = [n for r in range(4) for n in patch_file_names(r, 4, 3)]
     assert len(set(names)) == 12 and "patch-00000.safetensors" in names
+    own = [n for r in range(4) for n in patch_file_names(r, 4, 3, writer_id="ab12")]
+    assert own == [f"wab12/{n}" for n in names]
 
 
 @pytest.mark.parametrize(

@@ -99,6 +99,9 @@ def test_spans_at_power_boundaries_never_across_anchors(tmp_path: Path) -> None:
             m.extra[SPAN_OF] == end.digest and m.anchor_step == end.manifest.anchor_step == start.manifest.anchor_step
         )
         assert m.tensor_digests == end.manifest.tensor_digests and m.inventory == end.manifest.inventory
+        # a span's files are in its writer's subfolder, like the steps' (SPEC.md "Commit rule")
+        assert m.writer is not None and m.writer == end.manifest.writer
+        assert m.files and all(f.path.startswith(f"w{m.writer.id}/patch-") for f in m.files)
 
 
 def test_span_levels_option() -> None:

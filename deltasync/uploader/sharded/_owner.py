@@ -24,7 +24,7 @@ from deltasync.protocol import AnchorEntry, Committed, FileInfo, PatchEntry, Ten
 from deltasync.protocol.checkpoint import CHECKPOINT_METADATA, INDEX_NAME, group_by_size, shard_layout
 from deltasync.protocol.digests import xxh3_128_array
 from deltasync.protocol.dtypes import dtype_info
-from deltasync.protocol.keys import file_key, step_prefix
+from deltasync.protocol.keys import file_key, step_prefix, writer_file_name, writer_folder
 from deltasync.protocol.manifest import Writer
 from deltasync.protocol.patchfile import build_patch_file, patch_file_name
 from deltasync.protocol.safetensors_io import TensorBytes, to_bytes
@@ -118,6 +118,7 @@ def _patch_files(
     numel: dict[str, int],
     shard_bytes: int,
     pool: Executor | None,
+    writer_id: str,
 ) -> tuple[dict[str, bytes], list[PatchEntry]]:
     names = sorted(changes)
 
@@ -130,18 +131,20 @@ def _patch_files(
     groups = group_by_size([e.nbytes for _, e in items], shard_bytes) if items else []
     files: dict[str, bytes] = {}
     entries: list[PatchEntry] = []
-    for fname, group in zip(patch_file_names(rank, world, len(groups)), groups, strict=True):
+    for fname, group in zip(patch_file_names(rank, world, len(groups), writer_id=writer_id), groups, strict=True):
         files[fname], ents = build_patch_file(step, fname, [items[j] for j in group])
         entries.extend(ents)
     if rank == 0 and not files:  # a patch step has at least one file (SPEC "Patches")
-        fname = patch_file_name(0)
+        fname = writer_file_name(writer_id, patch_file_name(0))
         files[fname], _ = build_patch_file(step, fname, [])
     return files, entries
 
 
 def _anchor_files(
-    rank: int, plan: AnchorPlan, infos: dict[str, TensorInfo], copies: OwnerCopies
+    rank: int, plan: AnchorPlan, infos: dict[str, TensorInfo], copies: OwnerCopies, writer_id: str
 ) -> tuple[dict[str, bytes], list[AnchorEntry]]:
+    """This rank's shards of ``plan`` (named by the plan, in ``writer_id``'s subfolder) and, on
+    rank 0, the index beside them: ``w{writer_id}/`` is an ordinary HF checkpoint dir."""
     files: dict[str, bytes] = {}
     entries: list[AnchorEntry] = []
     for fname, names in plan.shards.get(rank, []):
@@ -150,7 +153,7 @@ def _anchor_files(
         files[fname] = to_bytes(shard, CHECKPOINT_METADATA)
         entries.extend(AnchorEntry(n, fname, ranges[n]) for n in names)
     if rank == 0:
-        files[INDEX_NAME] = plan.index
+        files[writer_file_name(writer_id, INDEX_NAME)] = plan.index
     return files, entries
 
 
@@ -167,19 +170,25 @@ def write_rank_files(
     pool: Executor | None,
     policy: RetryPolicy,
     tensor_digests: bool,
+    writer_id: str,
     stop: threading.Event | None = None,
 ) -> RankReport:
-    """Encode this rank's part of ``job`` (its owned tensors), write it durably, and report it."""
+    """Encode this rank's part of ``job`` (its owned tensors), write it durably, and report it.
+
+    Every rank names its files as those of ``writer_id``, rank 0's (the group writes as one
+    writer, SPEC "Sharded writers"): ``w{writer_id}/...``, disjoint by rank, and disjoint from
+    any other writer's racing for the step (SPEC "Commit rule"). ``plan`` is in that subfolder too.
+    """
     infos = {t.name: t for t in job.inventory}
     entries: list[PatchEntry] | list[AnchorEntry]
     if job.kind == "patch":
         files, entries = _patch_files(
-            job.step, rank, world, changes, {n: t.numel for n, t in infos.items()}, shard_bytes, pool
+            job.step, rank, world, changes, {n: t.numel for n, t in infos.items()}, shard_bytes, pool, writer_id
         )
         changed = sum(int(c.idx.size) for c in changes.values())
     else:
         assert plan is not None
-        files, entries = _anchor_files(rank, plan, infos, copies)
+        files, entries = _anchor_files(rank, plan, infos, copies, writer_id)
         changed = sum(int(a.size) for a in copies.arrays.values())
     digests = copies.digest_all() if tensor_digests else {}
     put_step_files(store, job.step, files, policy, stop=stop)
@@ -206,8 +215,11 @@ def commit_on_rank0(
         raise CommitFailed(f"step {job.step} failed on {len(failed)} rank(s): " + "; ".join(failed))
     listed = {o.key: o.size for o in store.list(step_prefix(job.step))}
     files: dict[str, FileInfo] = {}
+    own = writer_folder(writer.id)  # every rank writes in rank 0's writer's folder
     for r, rep in enumerate(reports):
         for f in rep.files:
+            if not f.path.startswith(own):
+                raise CommitFailed(f"step {job.step}: rank {r} wrote {f.path}, outside writer {writer.id}'s {own}")
             if f.path in files:
                 raise CommitFailed(f"step {job.step}: rank {r} wrote {f.path}, which another rank wrote too")
             got = listed.get(file_key(job.step, f.path))

@@ -338,7 +338,10 @@ class ShardedPush:
         try:
             changes = self._to_owners(job, any(h.rebuild for h in headers))
             if job.kind == "anchor" and self.plan is None:
-                self.plan = anchor_plan(job.inventory, self.owners, self.world, cfg.shard_bytes)
+                # every rank names the files as rank 0's writer's own (ctx.writer is rank 0's only after a commit)
+                self.plan = anchor_plan(
+                    job.inventory, self.owners, self.world, cfg.shard_bytes, writer_id=self.rank0_writer
+                )
             report = write_rank_files(
                 self.ctx.store,
                 job,
@@ -351,6 +354,7 @@ class ShardedPush:
                 pool=self.ctx.pool,
                 policy=self._policy,
                 tensor_digests=cfg.tensor_digests,
+                writer_id=self.rank0_writer,
                 stop=self.ctx.stop,
             )
         except ChannelError:

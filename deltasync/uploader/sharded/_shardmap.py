@@ -15,6 +15,7 @@ import numpy as np
 
 from deltasync.protocol import TensorInfo
 from deltasync.protocol.checkpoint import group_by_size
+from deltasync.protocol.keys import writer_file_name
 from deltasync.protocol.patchfile import patch_file_name
 
 __all__ = [
@@ -62,13 +63,23 @@ class AnchorPlan:
         return sum(len(v) for v in self.shards.values())
 
 
-def anchor_plan(inventory: Sequence[TensorInfo], owners: dict[str, int], world: int, shard_bytes: int) -> AnchorPlan:
+def anchor_plan(
+    inventory: Sequence[TensorInfo],
+    owners: dict[str, int],
+    world: int,
+    shard_bytes: int,
+    *,
+    writer_id: str | None = None,
+) -> AnchorPlan:
     """Shard files of an anchor written by ``world`` owners: ``model-{i:05d}-of-{n:05d}.safetensors``.
 
     Each rank packs the tensors it owns, in inventory order, into shards of at most
     ``shard_bytes``; the shards are numbered in rank order, so the whole checkpoint
     is still packed in inventory order (SPEC "Anchors"). The index is the bytes of
-    ``model.safetensors.index.json`` as the single-process writer makes it.
+    ``model.safetensors.index.json`` as the single-process writer makes it. With ``writer_id``
+    (every rank passes rank 0's: the group writes as one writer) the shards are that writer's
+    own, in its subfolder (``w{writer_id}/model-...``, SPEC "Commit rule"); the index, which
+    goes in the same subfolder, names them by their plain names.
     """
     infos = sorted(inventory, key=lambda t: t.name)
     per_rank: list[list[list[str]]] = []
@@ -77,6 +88,10 @@ def anchor_plan(inventory: Sequence[TensorInfo], owners: dict[str, int], world: 
         groups = group_by_size([t.nbytes for t in mine], shard_bytes) if mine else []
         per_rank.append([[mine[i].name for i in g] for g in groups])
     n = sum(len(g) for g in per_rank) or 1
+
+    def own(fname: str) -> str:
+        return fname if writer_id is None else writer_file_name(writer_id, fname)
+
     shards: dict[int, list[tuple[str, list[str]]]] = {}
     i = 0
     weight_map: dict[str, str] = {}
@@ -85,21 +100,23 @@ def anchor_plan(inventory: Sequence[TensorInfo], owners: dict[str, int], world: 
         for names in rank_groups:
             i += 1
             fname = f"model-{i:05d}-of-{n:05d}.safetensors"
-            shards[r].append((fname, names))
+            shards[r].append((own(fname), names))
             weight_map.update(dict.fromkeys(names, fname))
     if not infos:  # an empty model still gets one (empty) shard, written by rank 0
-        shards[0] = [("model-00001-of-00001.safetensors", [])]
+        shards[0] = [(own("model-00001-of-00001.safetensors"), [])]
     index = {"metadata": {"total_size": sum(t.nbytes for t in infos)}, "weight_map": weight_map}
     return AnchorPlan(shards, json.dumps(index, indent=2, sort_keys=True).encode())
 
 
-def patch_file_names(rank: int, world: int, count: int) -> list[str]:
-    """Names of ``rank``'s ``count`` patch files of a step: ``patch-{j * world + rank:05d}``.
+def patch_file_names(rank: int, world: int, count: int, *, writer_id: str | None = None) -> list[str]:
+    """Names of ``rank``'s ``count`` patch files of a step: ``patch-{j * world + rank:05d}``
+    (in ``w{writer_id}/``, with ``writer_id``: rank 0's, on every rank).
 
     Indices are disjoint across ranks without any coordination; they need not be
     contiguous (SPEC "Patches").
     """
-    return [patch_file_name(j * world + rank) for j in range(count)]
+    names = [patch_file_name(j * world + rank) for j in range(count)]
+    return names if writer_id is None else [writer_file_name(writer_id, n) for n in names]
 
 
 @dataclass(frozen=True, slots=True)
