@@ -63,7 +63,7 @@ def test_follow_started_before_the_trainer_waits_and_gets_every_step_bit_exact(t
     )
     try:
         stdout, stderr = _lines(proc, proc.stdout), _lines(proc, proc.stderr)
-        line = read_until(stderr, "waiting", proc)
+        line = read_until(stderr, "waiting for the first commit", proc)
         assert line == (
             f"waiting for the first commit at {store_dir.as_uri()} (nothing committed there yet: start the "
             "trainer, or check the URL; Ctrl-C stops)\n"
@@ -98,7 +98,7 @@ def test_follow_waiting_for_a_run_stops_on_ctrl_c_and_leaves_nothing(tmp_path: P
     )
     try:
         stderr = _lines(proc, proc.stderr)
-        assert read_until(stderr, "waiting", proc).startswith(
+        assert read_until(stderr, "waiting for the first commit", proc).startswith(
             f"waiting for the first commit at {(tmp_path / 'typo').as_uri()}"
         )
         proc.send_signal(signal.SIGINT)

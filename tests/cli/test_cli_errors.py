@@ -196,8 +196,8 @@ def test_fetch_of_a_step_that_is_not_committed_names_the_newest_and_inspect(tmp_
         r = run("deltasync", "fetch", "--store", "run", "--out", "out", "--step", str(step), cwd=tmp_path)
         assert (r.returncode, r.stdout) == (1, ""), r
         assert r.stderr == (
-            f"error: step {step} is not committed in {url} ({why}); `deltasync inspect --store run` lists the "
-            "committed steps\n"
+            f"store: {url}\nerror: step {step} is not committed in {url} ({why}); `deltasync inspect --store run` "
+            "lists the committed steps\n"
         )
     r = run("deltasync", "inspect", "--store", "run", cwd=tmp_path)  # and the hint works as written
     assert r.returncode == 0 and [line.split()[0] for line in r.stdout.splitlines()[1:]] == ["0", "2"], r
@@ -222,7 +222,8 @@ def test_delta_upload_of_a_step_not_after_the_head_says_which_step_to_use(tmp_pa
 
 def test_a_corrupt_patch_on_fetch_points_to_inspect_verify(tmp_path: Path) -> None:
     pushed_run(tmp_path, 3)
-    patch = tmp_path / "run" / "steps" / f"{2:012d}" / "patch-00000.safetensors"
+    (patch,) = (tmp_path / "run" / "steps" / f"{2:012d}").rglob("patch-00000.safetensors")  # in its writer's folder
+    name = patch.relative_to(tmp_path / "run" / "steps" / f"{2:012d}").as_posix()
     data = bytearray(patch.read_bytes())
     data[-1] ^= 0xFF  # one flipped bit in the values: the checksum catches it
     patch.write_bytes(bytes(data))
@@ -230,7 +231,8 @@ def test_a_corrupt_patch_on_fetch_points_to_inspect_verify(tmp_path: Path) -> No
     r = run("deltasync", "fetch", "--store", "run", "--out", "out", cwd=tmp_path)
     assert r.returncode == 1, r
     assert r.stderr == (
-        "error: step 2: file patch-00000.safetensors fails its xxh3-128 checksum (corrupted); `deltasync inspect "
+        f"store: {(tmp_path / 'run').as_uri()}\n"
+        f"error: step 2: file {name} fails its xxh3-128 checksum (corrupted); `deltasync inspect "
         "--store run --verify` checks every step and names the newest one that is intact\n"
     )
     assert not (tmp_path / "out").exists()

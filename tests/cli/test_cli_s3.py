@@ -118,7 +118,7 @@ def test_cli_process_reads_aws_environment(
     assert "Traceback" not in bad.stderr
     gone = _cli("inspect", "s3://cli/x", env={**base, **s3_server.env, "AWS_ENDPOINT_URL": "http://127.0.0.1:9"})
     assert gone.returncode == 1 and gone.stderr.startswith(
-        "error: s3://cli/x: cannot list 'steps/': no answer from endpoint http://127.0.0.1:9 ("
+        "store: s3://cli/x\nerror: s3://cli/x: cannot list 'steps/': no answer from endpoint http://127.0.0.1:9 ("
     )
     assert gone.stderr.endswith(
         "after retries); check that the server is up and the endpoint (AWS_ENDPOINT_URL or endpoint=; for AWS "
