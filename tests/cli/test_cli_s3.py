@@ -133,6 +133,7 @@ def test_cli_process_reads_aws_environment(
         r = _cli(*args, env={**base, **s3_server.env})
         assert (r.returncode, r.stdout) == (1, ""), r
         assert r.stderr == (
+            "store: s3://nobucket/r1\n"
             f"error: s3://nobucket/r1: cannot list 'steps/': bucket 'nobucket' does not exist at {endpoint}; check "
             "the bucket name in the URL and the endpoint (AWS_ENDPOINT_URL or endpoint=; for AWS itself, "
             "AWS_REGION), or create the bucket\n"
