@@ -11,7 +11,8 @@ How the tests share code (one way each):
   ``materialize_support``, ``kernel_streams``, ``vllm_harness``. Helper modules define no
   fixtures. Store wrappers subclass :class:`deltasync.storage.wrapper.WrapperStore`.
 * **Fixtures** live in ``conftest.py`` files only: here the ones more than one area uses
-  (``s3_server``, ``fake_hub``, ``hf_bucket``, ``hf_env``), in ``tests/<area>/conftest.py``
+  (``s3_server``, ``fake_hub``, ``hf_bucket``, ``hf_env``; and, for every test, ``node_dir``: the
+  vLLM node mirrors go to a session temp dir, not the machine's ``/dev/shm``), in ``tests/<area>/conftest.py``
   the ones more than one module of that area uses; a fixture of one module stays in that
   module. Every area has a conftest, whose docstring says what the area tests, the fixtures
   it defines, and the root fixtures and helper modules its tests use. Test modules never
@@ -20,7 +21,9 @@ How the tests share code (one way each):
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from fakehub import TOKEN, FakeHub, new_bucket
@@ -30,6 +33,23 @@ from deltasync.testing.seaweedfs import SeaweedFS, find_weed
 
 #: buckets the S3 server creates at startup; tests keep apart by unique prefixes
 S3_BUCKETS = ["test", "cli"]
+
+
+# ------------------------------------------------------------------ node mirrors
+
+
+@pytest.fixture(scope="session", autouse=True)
+def node_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Where vLLM node mirrors go (``DELTASYNC_NODE_DIR``, inherited by engine processes): a session
+    temp dir, so tests never leave versions in the machine's shared memory."""
+    path = tmp_path_factory.mktemp("node-mirrors")
+    old = os.environ.get("DELTASYNC_NODE_DIR")
+    os.environ["DELTASYNC_NODE_DIR"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("DELTASYNC_NODE_DIR", None)
+    else:
+        os.environ["DELTASYNC_NODE_DIR"] = old
 
 
 # ------------------------------------------------------------------ S3 (SeaweedFS on loopback)

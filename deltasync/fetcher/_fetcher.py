@@ -91,6 +91,11 @@ class DeltaFetcher:
         #: timings and bytes of the last :meth:`sync` (None before the first)
         self.last_stats: SyncStats | None = None
 
+    @property
+    def signing_key(self) -> bytes | None:
+        """The HMAC key every manifest must be signed with (None: unsigned manifests are accepted)."""
+        return self.reader.signing_key
+
     # ----------------------------------------------------------- discovery
 
     def steps(self) -> list[int]:

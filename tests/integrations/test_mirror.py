@@ -100,7 +100,9 @@ def test_prepare_leaves_the_engine_alone_and_commit_loads_only_what_changed(run:
         m.prepare(s).result()
         assert m.commit(s).tensors == 2
         assert _equal(engine.weights, _state(s))
-    assert m.status() == {"step": STEPS - 1, "prepared": None, "state": "serving", "last_error": None, "store": run.url}
+    status = m.status()
+    assert status.pop("node_dir") == str(m.node.dir)
+    assert status == {"step": STEPS - 1, "prepared": None, "state": "serving", "last_error": None, "store": run.url}
 
 
 def test_catch_up_after_missed_steps_without_prepare(run: ds.MemoryStore) -> None:

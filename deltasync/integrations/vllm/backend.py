@@ -90,6 +90,8 @@ class DeltasyncInitInfo(WeightTransferInitInfo):  # type: ignore[misc]
     prefetch: prepare each new committed step in the background as soon as it lands.
     poll_interval: seconds between store polls while prefetching.
     metrics_port: serve Prometheus metrics on 127.0.0.1 at this port plus the worker's rank.
+    node_dir: where the node's shared mirror lives (default ``$DELTASYNC_NODE_DIR``, else ``/dev/shm``);
+        every engine on the node that names the same dir and run shares one copy and one download.
     """
 
     store: str | None = None
@@ -98,6 +100,7 @@ class DeltasyncInitInfo(WeightTransferInitInfo):  # type: ignore[misc]
     prefetch: bool = False
     poll_interval: float = 2.0
     metrics_port: int | None = None
+    node_dir: str | None = None
 
 
 @dataclass
@@ -115,22 +118,37 @@ def _model_dir(vllm_config: Any) -> Path | None:
     return path if path.is_dir() else None
 
 
-def _seed(model_dir: Path | None) -> tuple[dict[str, Any] | None, int | None]:
-    """The tensors of the checkpoint dir the engine loaded, and its deltasync step when it says so."""
+@dataclass(frozen=True)
+class _Seed:
+    """The checkpoint dir the engine loaded: read only when the node has no version of it yet."""
+
+    dir: Path
+    step: int | None
+    id: str
+
+    def load(self) -> dict[str, Any]:
+        from deltasync._checkpoint_io import load_checkpoint
+
+        return load_checkpoint(self.dir, mmap=True)  # page cache, no private copy
+
+
+def _seed(model_dir: Path | None) -> _Seed | None:
+    """The checkpoint dir the engine loaded (its deltasync step when it says so), if it can be read."""
     if model_dir is None:
-        return None, None
-    from deltasync._checkpoint_io import load_checkpoint
+        return None
+    from deltasync._checkpoint_io import checkpoint_files
 
     try:
-        seed = load_checkpoint(model_dir)
+        files = checkpoint_files(model_dir)
+        ident = ";".join(f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
     except (OSError, ValueError, DeltaSyncError) as exc:
         log.warning("cannot read %s to seed the mirror (%s): the first update loads every tensor", model_dir, exc)
-        return None, None
+        return None
     try:
         step: int | None = int(json.loads((model_dir / MARKER).read_text())["step"])
     except (OSError, ValueError, KeyError, TypeError):
         step = None
-    return seed, step
+    return _Seed(model_dir, step, ident)
 
 
 class WorkerSync:
@@ -197,19 +215,30 @@ class WorkerSync:
             verify: Verify = self.options.verify  # type: ignore[assignment]
             key = self.options.signing_key.encode() if self.options.signing_key else None
             fetcher = DeltaFetcher(open_store(url), verify=verify, signing_key=key)
-            seed, seed_step = _seed(_model_dir(self.vllm_config))
+            seed = _seed(_model_dir(self.vllm_config))
             local = sum(p.numel() * p.element_size() for p in self.model.parameters())
             tp = int(getattr(self.vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
-            self.mirror = EngineMirror(
-                fetcher,
-                self._load,
-                seed=seed,
-                seed_step=seed_step,
+            options: dict[str, Any] = dict(
                 max_bytes=2 * local * tp + (64 << 20),
                 metrics=self.metrics,
                 agree=self._agree,
                 check=self._check,
+                node_dir=self.options.node_dir,
             )
+            try:
+                self.mirror = EngineMirror(
+                    fetcher,
+                    self._load,
+                    seed=None if seed is None else seed.load,
+                    seed_step=None if seed is None else seed.step,
+                    seed_id=None if seed is None else seed.id,
+                    **options,
+                )
+            except (OSError, ValueError, DeltaSyncError) as exc:
+                if seed is None or isinstance(exc, EngineIncompatible):
+                    raise
+                log.warning("cannot seed the mirror from %s (%s): the first update loads every tensor", seed.dir, exc)
+                self.mirror = EngineMirror(fetcher, self._load, **options)
             return self.mirror
 
     def _check(self, layout: Any) -> None:

@@ -1,20 +1,20 @@
 """A serving engine's weights, mirrored on the host in checkpoint coordinates.
 
 The engine owns its parameters in its own layout (fused ``qkv_proj``, tensor-parallel
-shards, repacked kernels); deltasync knows checkpoint names. :class:`EngineMirror`
-keeps one host copy per checkpoint name, brings it to a new step in the background
-with :class:`DeltaFetcher` (chain catch-up, checksums, digests) while the engine
-keeps serving, and commits by handing the engine only the tensors that changed
-through its own loader (vLLM's ``model.load_weights``). The engine pauses only for
-that load.
+shards, repacked kernels); deltasync knows checkpoint names. The node's one host mirror
+(:mod:`~deltasync.integrations.vllm.node`: a version of the run per step, in shared memory,
+built once per node with :class:`DeltaFetcher`: chain catch-up, checksums, digests) is
+brought to a new step in the background while the engine keeps serving; :class:`EngineMirror`
+commits it by handing the engine only the tensors that changed through its own loader (vLLM's
+``model.load_weights``). The engine pauses only for that load.
 
 Failure states, for an orchestrator:
 
 - an engine that cannot take the run's tensors in place (``check`` refuses their layout) is never
   loaded into: :class:`EngineIncompatible`, before the first load;
 - a step that fails to download or prove never touches the engine;
-- a load the engine refuses is undone: the mirror rolls back (its journals) and
-  the engine reloads the same names at their previous bits, then
+- a load the engine refuses is undone: the engine reloads the same names from the version it
+  served (kept mapped for this), then
   :class:`UpdateRolledBack` is raised and the engine serves its previous step;
 - when that reload fails too, the worker is marked ``needs_replacement`` and every
   later call raises :class:`WorkerNeedsReplacement`.
@@ -28,19 +28,19 @@ import time
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, NoReturn
 
-from deltasync._tensors import allocate, torch_dtype
 from deltasync._worker import SerialWorker
 from deltasync.errors import (
     DeltaSyncError,
     EngineIncompatible,
-    InventoryMismatch,
     UpdateRolledBack,
     WorkerNeedsReplacement,
 )
 from deltasync.fetcher._fetcher import DeltaFetcher, Verify
-from deltasync.fetcher._journal import SyncJournal
+from deltasync.fetcher._stats import SyncStats
+from deltasync.integrations.vllm.node import KEEP, NodeMirror, Version
 
 __all__ = ["Check", "CommitReport", "EngineMirror", "Loader"]
 
@@ -67,21 +67,28 @@ class CommitReport:
 
 
 class EngineMirror:
-    """Host mirror of one engine worker's weights, kept at a deltasync step.
+    """One engine worker's view of the run, kept at a deltasync step through the node's mirror.
+
+    The tensors themselves live in the node's shared :class:`~deltasync.integrations.vllm.node.NodeMirror`
+    (one copy and one download per node and step, whatever the number of workers); this object knows
+    which version the engine serves, prepares the next one and commits it.
 
     fetcher: reads the run (its ``verify`` decides what is proven).
     load: the engine's loader (see :data:`Loader`); called in the pause only.
-    seed: the tensors the engine loaded at start, by checkpoint name (read from its
-        checkpoint dir), and ``seed_step`` the step they are, when known (a dir written by
-        ``materialize`` says so). Without a seed the mirror is allocated from the run's
-        inventory, bounded by ``max_bytes``, and the first commit loads every tensor.
+    seed: the tensors the engine loaded at start, by checkpoint name (or a callable returning them,
+        called only when the node does not have that step yet), and ``seed_step`` the step they are,
+        when known (a dir written by ``materialize`` says so). ``seed_id`` names the seed's source so
+        that the workers of one engine share its version (default: one version per mirror). Without a
+        seed the first commit loads every tensor.
+    max_bytes: the most a version allocated from the run's inventory may take.
     metrics: a :class:`deltasync.fetcher.metrics.SyncMetrics`-like recorder (``observe_sync``,
         ``observe_pause``, ``observe_failure``), optional.
     agree: for an engine split over ranks (tensor parallel), exchanges one picklable value with
         every rank and returns all of them in rank order (an all-gather); every rank calls it at
         the same points of :meth:`commit`, so the ranks commit or undo together.
-    check: see :data:`Check`; called with the seed's layout here, and with the run's inventory when
-        the mirror is allocated from it (no seed, or a seed that is not the run's layout).
+    check: see :data:`Check`; called with the seed's layout, and with each version's layout when it
+        differs from the one checked last.
+    node_dir, spawn, keep: where the node mirror lives and how it builds (see ``NodeMirror``).
     """
 
     def __init__(
@@ -89,29 +96,37 @@ class EngineMirror:
         fetcher: DeltaFetcher,
         load: Loader,
         *,
-        seed: Mapping[str, Any] | None = None,
+        seed: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None,
         seed_step: int | None = None,
+        seed_id: str | None = None,
         max_bytes: int | None = None,
         metrics: Any = None,
         agree: Callable[[Any], list[Any]] | None = None,
         check: Check | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        node_dir: str | Path | None = None,
+        spawn: bool | None = None,
+        keep: int = KEEP,
     ) -> None:
         self.fetcher = fetcher
         self.agree: Callable[[Any], list[Any]] = agree or (lambda mine: [mine])
         self._load = load
         self.metrics = metrics
         self.clock = clock
-        self.max_bytes = max_bytes
         self._check = check
-        if seed is not None and check is not None:
-            check({n: (t.dtype, tuple(t.shape)) for n, t in seed.items()})
-        self._mirror: dict[str, Any] | None = dict(seed) if seed is not None else None
-        self._seed_step = seed_step
-        # whether the engine holds exactly the mirror's bits at ``serving`` (False: load everything once)
-        self._engine_known = seed is not None
-        self.serving: int | None = seed_step
-        self._pending: list[SyncJournal] = []
+        self._checked: Any = None  # the layout last checked
+        self.node = NodeMirror(fetcher, root=node_dir, spawn=spawn, max_bytes=max_bytes, keep=keep)
+        #: the version the engine holds exactly (None: unknown, the first commit loads every tensor)
+        self._served: Version | None = None
+        self._served_view: dict[str, Any] = {}  # its tensors, mapped: keeps them alive for an undo
+        if seed is not None:
+            self._served, self._served_view = self.node.mapped(
+                lambda: self.node.seed(seed, seed_step, seed_id=seed_id, check=self._check_layout)
+            )
+        self.serving: int | None = seed_step if self._served is not None else None
+        self._prepared: Version | None = None
+        self._prepared_view: dict[str, Any] = {}
+        self._prepared_stats: SyncStats | None = None
         self.state: State = "serving"
         self.last_error: str | None = None
         self._lock = threading.RLock()
@@ -121,19 +136,19 @@ class EngineMirror:
 
     @property
     def prepared(self) -> int | None:
-        """The step the mirror holds, ready to commit (None when nothing is ahead of ``serving``)."""
-        pending = list(self._pending)
-        return pending[-1].step if pending else None
+        """The step prepared ahead of ``serving``, ready to commit (None when nothing is)."""
+        v = self._prepared
+        return v.step if v is not None and v.step != self.serving else None
 
     def status(self) -> dict[str, Any]:
         """What an orchestrator wants to know, JSON-safe (never waits for a running prepare)."""
-        pending = list(self._pending)
         return {
             "step": self.serving,
-            "prepared": pending[-1].step if pending else None,
+            "prepared": self.prepared,
             "state": self.state,
             "last_error": self.last_error,
             "store": self.fetcher.store.url,
+            "node_dir": str(self.node.dir),
         }
 
     def _require_usable(self) -> None:
@@ -143,55 +158,37 @@ class EngineMirror:
                 "restart or replace it"
             )
 
-    def _mirror_step(self) -> int | None:
-        return self._pending[-1].step if self._pending else self.serving
+    def _check_layout(self, layout: Mapping[str, tuple[Any, tuple[int, ...]]]) -> None:
+        if self._check is not None and layout != self._checked:
+            self._check(layout)
+            self._checked = dict(layout)
 
     # -------------------------------------------------------------- prepare
 
-    def _ensure_mirror(self, step: int) -> dict[str, Any]:
-        if self._mirror is None:
-            inventory = self.fetcher.manifest(step).inventory
-            if self._check is not None:
-                self._check({t.name: (torch_dtype(t.dtype), tuple(t.shape)) for t in inventory})
-            limit = self.max_bytes if self.max_bytes is not None else 1 << 62
-            self._mirror = allocate(inventory, limit, option="EngineMirror(max_bytes=...)", zeroed=False)
-        return self._mirror
-
-    def _advance(self, step: int | None) -> int | None:
-        """Bring the mirror (not the engine) to ``step`` (default: the newest); under the lock."""
+    def _advance(self, step: int | None) -> Version | None:
+        """The node's version of ``step`` (default: the newest), built if the node has none; under the lock."""
         self._require_usable()
         target = step if step is not None else self.fetcher.latest_step()
         if target is None:
             return None
-        current = self._mirror_step()
-        if current is not None and target == current and self._engine_known:
-            return current
-        mirror = self._ensure_mirror(target)
-        journal = SyncJournal()
-        try:
-            have = current if current is not None else self._seed_step
-            self.fetcher.sync(mirror, target, have_step=have, journal=journal)
-        except InventoryMismatch:
-            if self._mirror is None or not self._engine_known or self._pending:
-                raise
-            # the engine's own files are not this run's layout (another dtype, extra tensors): start
-            # from the run's inventory, and load every tensor once
-            log.warning("the engine's checkpoint does not match the run's tensors: loading every tensor once")
-            self._mirror, self._engine_known, self._seed_step = None, False, None
-            mirror = self._ensure_mirror(target)
-            journal = SyncJournal()
-            self.fetcher.sync(mirror, target, journal=journal)
-        self._seed_step = None
-        self._pending.append(journal)
-        return target
+        if self._prepared is not None and self._prepared.step == target:
+            return self._prepared
+        version, view = self.node.mapped(lambda: self.node.ensure(target))
+        built = next((b for b in self.node.built if b.id == version.id), None)
+        if built is not None:  # this worker's leader read the store for it: its sync is this worker's to report
+            self.node.built.remove(built)
+        self._prepared_stats = _stats(built) if built is not None else None
+        self._check_layout(version.layout())
+        self._prepared, self._prepared_view = version, view
+        return version
 
     def latest_step(self) -> int | None:
         """The run's newest committed step (None for an empty run)."""
         return self.fetcher.latest_step()
 
     def prepare(self, step: int | None = None, *, coalesce: Hashable | None = None) -> Future[int | None]:
-        """Start bringing the mirror to ``step`` (default: the newest) in the background; the engine keeps
-        serving. Returns a future of the step prepared. Errors are kept for the commit.
+        """Start bringing the node's mirror to ``step`` (default: the newest) in the background; the
+        engine keeps serving. Returns a future of the step prepared. Errors are kept for the commit.
 
         ``coalesce``: a prepare queued with the same key and not started yet is superseded (its
         future cancelled), as the prefetcher does with each newer step."""
@@ -201,7 +198,8 @@ class EngineMirror:
         def run() -> int | None:
             with self._lock:
                 try:
-                    return self._advance(step)
+                    v = self._advance(step)
+                    return None if v is None else v.step
                 except DeltaSyncError as exc:
                     self.last_error = f"{type(exc).__name__}: {exc}"
                     if self.metrics is not None:
@@ -226,22 +224,19 @@ class EngineMirror:
         """
         with self._lock:
             previous = self.serving
-            # phase 1: every rank brings its mirror to the step (the engine is untouched)
+            # phase 1: every rank has the node's version of the step (the engine is untouched)
             err: str | None = None
             cause: DeltaSyncError | None = None
-            names: list[str] = []
+            version: Version | None = None
             was_prepared = False
             try:
                 self._require_usable()
                 if step is None:
-                    step = self._mirror_step() if self._pending else self.fetcher.latest_step()
+                    step = self.prepared if self.prepared is not None else self.fetcher.latest_step()
                     if step is None:
                         raise UpdateRolledBack(f"{self.fetcher.store.url} has no committed step to update to")
-                # a mirror prepared past the asked step goes back to it (newest journals first)
-                while self._pending and self._pending[-1].step is not None and self._pending[-1].step > step:
-                    self._pending.pop().rollback()
-                was_prepared = bool(self._pending) and self._pending[-1].step == step
-                self._advance(step)
+                was_prepared = self._prepared is not None and self._prepared.step == step
+                version = self._advance(step)
             except DeltaSyncError as exc:
                 err, cause = f"{type(exc).__name__}: {exc}", exc
                 if not isinstance(exc, WorkerNeedsReplacement):
@@ -261,17 +256,16 @@ class EngineMirror:
                     f"step {step} was not applied ({'; '.join(failed)}); the engine still serves step {previous}, "
                     "unchanged"
                 ) from cause
-            assert step is not None
-            mirror = self._mirror
-            assert mirror is not None
-            names = sorted({n for j in self._pending for n in j.names}) if self._engine_known else sorted(mirror)
-            nbytes = sum(mirror[n].numel() * mirror[n].element_size() for n in names)
+            assert step is not None and version is not None
+            names = version.changed_from(self._served)
+            view = self._prepared_view
+            nbytes = version.nbytes(names)
             # phase 2: the pause, every rank loads what changed
             t0 = self.clock()
             load_err: BaseException | None = None
             try:
                 if names:
-                    self._load([(n, mirror[n]) for n in names])
+                    self._load([(n, view[n]) for n in names])
             except Exception as exc:  # noqa: BLE001 - any engine failure is undone below
                 load_err = exc
             pause = self.clock() - t0
@@ -279,34 +273,32 @@ class EngineMirror:
             if refused:
                 self._undo(names, load_err, "; ".join(refused), step, previous)
             if self.metrics is not None:
-                done = [j.stats for j in self._pending if j.stats is not None]
-                for i, stats in enumerate(done):
-                    self.metrics.observe_sync(stats, pause_s=pause if i == len(done) - 1 else None)
-                if not done:
+                if self._prepared_stats is not None:
+                    self.metrics.observe_sync(self._prepared_stats, pause_s=pause)
+                else:
                     self.metrics.observe_applied(step)
                     self.metrics.observe_pause(pause)
-            self._pending.clear()
-            self.serving, self._engine_known, self.last_error = step, True, None
+            self._prepared_stats = None
+            self._served, self._served_view = version, view
+            self._prepared, self._prepared_view = None, {}
+            self.serving, self.last_error = step, None
             log.info(
                 "engine serves step %d (%d tensors, %.1f MiB loaded in %.3f s)", step, len(names), nbytes / 2**20, pause
             )
             return CommitReport(step, previous, len(names), nbytes, pause, was_prepared)
 
     def _undo(self, names: list[str], exc: BaseException | None, why: str, step: int, previous: int | None) -> NoReturn:
-        """A rank's engine refused part of a step: every rank puts its mirror back and reloads the same names."""
+        """A rank's engine refused part of a step: every rank reloads the same names from the version it served."""
         if self.metrics is not None:
             self.metrics.observe_failure("load")
-        mirror = self._mirror
-        assert mirror is not None
         again: str | None = None
-        if not self._engine_known:
+        served = self._served
+        if served is None:
             again = "its previous weights are not known to deltasync (the engine's own checkpoint was not read)"
         else:
-            for journal in reversed(self._pending):
-                journal.rollback()
-            self._pending.clear()
+            self._prepared, self._prepared_view = None, {}
             try:
-                self._load([(n, mirror[n]) for n in names])
+                self._load([(n, self._served_view[n]) for n in names if n in served.files])
             except Exception as second:  # noqa: BLE001
                 again = f"{type(second).__name__}: {second}"
         lost = [f"rank {r}: {e}" for r, e in enumerate(self.agree(again)) if e is not None]
@@ -325,7 +317,15 @@ class EngineMirror:
 
     def close(self) -> None:
         """Stop the background preparer (waits for a running prepare)."""
+        self.node.close()
         self._preparer.close(cancel_pending=True)
+
+
+def _stats(version: Version) -> SyncStats:
+    """The :class:`SyncStats` of the sync that built a version (this process's leader's)."""
+    fields = dict(version.stats.get("sync") or {})
+    fields.setdefault("step", version.step if version.step is not None else -1)
+    return SyncStats(**fields)
 
 
 def _why(exc: BaseException | None) -> str | None:

@@ -1,0 +1,615 @@
+"""One host mirror per node: each step of a run decoded once, in shared memory, mapped by every worker.
+
+Every worker of every engine on a node that follows the same run (same store, same checks) shares
+one directory, by default under ``/dev/shm``::
+
+    <root>/deltasync-<uid>/<run key>/
+        lock                  the leader lock (flock): held while a version is built or collected
+        versions/<id>.json    a complete version: step and, per checkpoint name, its data file,
+                              dtype and shape (written last, by rename: the commit point)
+        data/<file>           one tensor's raw bytes; immutable once written, shared by every
+                              version in which the tensor did not change
+
+A version is built once per node, by whichever worker first asks for a step the node does not
+have: it takes the lock and starts a **leader**, a short-lived child process
+(``python -m deltasync.integrations.vllm.node``) that maps the newest version copy-on-write
+(``MAP_PRIVATE``: the shared files are never written), brings that view to the step with
+:class:`~deltasync.DeltaFetcher` (download, checksums, digests, decode), writes each tensor the
+step changed to a new data file, then the version's index. Workers that ask for the same step
+wait for the lock and find the version built. So the store is read once per node and step
+whatever the tensor-parallel degree, and the leader's download and decode buffers die with it:
+engine workers only map files.
+
+Crash safety: a version exists only once its index is renamed into place, after every data file
+it names. A leader killed half-way leaves files no index names; the next holder of the lock
+deletes them (:meth:`NodeMirror.collect`). Workers load from versions only, so no engine ever
+sees half a step.
+
+Memory: the node holds one copy of the newest version, plus, for the tensors a step changed, the
+version an engine may still need (the one it serves, for an undo), dropped as soon as no
+collection keeps it (the newest ``keep`` versions stay). Workers keep their served version
+mapped, so its pages stay alive while it is in use even once its files are collected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from deltasync import errors
+from deltasync.errors import DeltaSyncError, InventoryMismatch, ObjectNotFound
+
+__all__ = ["NodeMirror", "Version", "default_root"]
+
+log = logging.getLogger("deltasync.node")
+
+#: versions kept by a collection (besides those it cannot see are in use): the newest and its parent
+KEEP = 2
+#: how long a worker waits for another's leader before giving up
+LOCK_TIMEOUT = 1800.0
+_FORMAT = 1
+#: the :class:`~deltasync.fetcher._stats.SyncStats` fields a leader reports
+SYNC_FIELDS = (
+    "step",
+    "base_step",
+    "steps",
+    "spans",
+    "span_fallbacks",
+    "nbytes",
+    "download_s",
+    "decode_s",
+    "verify_s",
+    "apply_s",
+    "total_s",
+)
+
+
+def default_root() -> Path:
+    """Where node mirrors live: ``$DELTASYNC_NODE_DIR``, else ``/dev/shm`` (RAM, shared by the node's
+    processes), else the temp dir; in a per-user folder."""
+    env = os.environ.get("DELTASYNC_NODE_DIR")
+    if env:
+        return Path(env).expanduser().absolute()
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    return base / f"deltasync-{os.getuid()}"
+
+
+def run_key(url: str, verify: object, signing_key: bytes | None) -> str:
+    """The folder name of a run's node mirror: engines share it when they read the same run the same way."""
+    h = hashlib.sha256()
+    h.update(url.encode())
+    h.update(b"\0" + repr(verify).encode())
+    h.update(b"\0" + hashlib.sha256(signing_key or b"").digest())
+    return h.hexdigest()[:24]
+
+
+@dataclass(frozen=True)
+class Version:
+    """One complete version of a run's tensors in a node mirror (immutable).
+
+    ``step``: the deltasync step (None for an engine's own checkpoint of unknown step);
+    ``files``: checkpoint name -> (data file name, dtype name, shape); ``stats``: what building it cost.
+    """
+
+    id: str
+    step: int | None
+    files: Mapping[str, tuple[str, str, tuple[int, ...]]]
+    data: Path
+    stats: Mapping[str, Any] = field(default_factory=dict)
+    #: the digest of the step's manifest when built (a run re-created at the same URL does not match)
+    digest: str | None = None
+
+    def changed_from(self, other: Version | None) -> list[str]:
+        """The names whose bits may differ from ``other`` (all of them when ``other`` is None)."""
+        if other is None:
+            return sorted(self.files)
+        return sorted(n for n, f in self.files.items() if other.files.get(n) != f)
+
+    def tensors(self, names: Iterable[str] | None = None) -> dict[str, Any]:
+        """The tensors, mapped read-only from the node's files (copy-on-write: writes stay private)."""
+        import torch
+
+        out: dict[str, Any] = {}
+        for name in self.files if names is None else names:
+            file, dtype, shape = self.files[name]
+            out[name] = _map(torch, self.data / file, getattr(torch, dtype), shape)
+        return out
+
+    def layout(self) -> dict[str, tuple[Any, tuple[int, ...]]]:
+        """checkpoint name -> (torch dtype, shape)."""
+        import torch
+
+        return {n: (getattr(torch, d), s) for n, (_, d, s) in self.files.items()}
+
+    def nbytes(self, names: Iterable[str] | None = None) -> int:
+        import torch
+
+        total = 0
+        for n in self.files if names is None else names:
+            _, dtype, shape = self.files[n]
+            numel = 1
+            for d in shape:
+                numel *= d
+            total += numel * getattr(torch, dtype).itemsize
+        return total
+
+
+def _map(torch: Any, path: Path, dtype: Any, shape: tuple[int, ...]) -> Any:
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    try:
+        return torch.from_file(str(path), shared=False, size=numel, dtype=dtype).view(shape)
+    except RuntimeError:
+        if not path.exists():  # collected since the version was read: the caller reads it again
+            raise FileNotFoundError(path) from None
+        raise
+
+
+def _write(path: Path, tensor: Any) -> None:
+    """A tensor's raw bytes, to a new file (never over an existing one)."""
+    flat = tensor.detach().to("cpu").contiguous().view(-1)
+    with open(path, "xb") as fh:
+        if flat.numel():
+            import torch
+
+            fh.write(memoryview(flat.view(torch.uint8).numpy()))
+
+
+def _same_bits(a: Any, b: Any) -> bool:
+    import torch
+
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.numel() == 0:
+        return True
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return bool(torch.equal(a.contiguous().view(bits), b.contiguous().view(bits)))
+
+
+def trim_heap() -> None:
+    """Give freed heap memory back to the OS (glibc keeps it otherwise); a no-op elsewhere."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+class NodeLock:
+    """The node mirror's leader lock (``flock``): released by the kernel when its holder dies."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd: int | None = None
+
+    def acquire(self, timeout: float = LOCK_TIMEOUT, stop: threading.Event | None = None) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        deadline = time.monotonic() + timeout
+        wait = 0.01
+        waiter = stop or threading.Event()
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError as exc:
+                    if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                        raise
+                if time.monotonic() >= deadline or waiter.wait(wait):
+                    raise DeltaSyncError(
+                        f"another process has held the node mirror's lock {self.path} for over {timeout:.0f} s "
+                        "(a leader that hangs?); find it with `fuser` and stop it, then retry the update"
+                    )
+                wait = min(wait * 2, 0.2)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the last descriptor drops the lock
+            self.fd = None
+
+
+class NodeMirror:
+    """A run's versions in one node-shared folder (see the module docstring).
+
+    fetcher: reads the run (its ``verify`` and signing key decide what is proven); its store's URL
+        names the folder. root: the parent folder (default :func:`default_root`).
+    spawn: build versions in a leader child process (default: when the store can be opened from its
+        URL in another process, i.e. not ``memory://``); False builds in the calling thread.
+    max_bytes: the most a version allocated from the run's inventory may take.
+    keep: versions a collection keeps (newest first).
+    """
+
+    def __init__(
+        self,
+        fetcher: Any,
+        *,
+        root: Path | str | None = None,
+        spawn: bool | None = None,
+        max_bytes: int | None = None,
+        keep: int = KEEP,
+        lock_timeout: float = LOCK_TIMEOUT,
+    ) -> None:
+        self.fetcher = fetcher
+        url = fetcher.store.url
+        in_process = url.startswith("memory://")  # another process cannot open it
+        self.spawn = spawn if spawn is not None else not in_process
+        self._private: Path | None = None
+        if root is None and in_process:  # a memory store's name is not a run's identity: never shared
+            root = self._private = Path(tempfile.mkdtemp(prefix="deltasync-node-"))
+        self.root = Path(root) if root is not None else default_root()
+        self.dir = self.root / run_key(url, fetcher.verify, fetcher.signing_key)
+        self.data = self.dir / "data"
+        self.versions = self.dir / "versions"
+        self.users = self.dir / "users"
+        for d in (self.root, self.dir, self.data, self.versions, self.users):
+            d.mkdir(mode=0o700, exist_ok=True)
+        self._user = self._register()
+        self.max_bytes = max_bytes
+        self.keep = keep
+        self.lock_timeout = lock_timeout
+        self._stop = threading.Event()
+        #: versions this process built (its leaders included), for tests and metrics
+        self.built: list[Version] = []
+
+    # ------------------------------------------------------------------ reading
+
+    def _read(self, path: Path) -> Version | None:
+        try:
+            doc = json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            raise DeltaSyncError(f"the node mirror's index {path} is unreadable ({exc}); delete {self.dir}") from exc
+        files = {n: (str(f), str(d), tuple(int(x) for x in s)) for n, (f, d, s) in doc["files"].items()}
+        return Version(doc["id"], doc["step"], files, self.data, doc.get("stats", {}), doc.get("digest"))
+
+    def all_versions(self) -> list[Version]:
+        """Every complete version, oldest first (unknown steps first)."""
+        out = [v for p in self.versions.glob("*.json") if (v := self._read(p)) is not None]
+        return sorted(out, key=lambda v: (-1 if v.step is None else v.step, v.id))
+
+    def _digest(self, step: int) -> str | None:
+        try:
+            return str(self.fetcher.reader.committed(step).digest)
+        except ObjectNotFound:
+            return None  # not committed (an engine checkpoint marked with a step of another run)
+
+    def current(self, version: Version | None) -> bool:
+        """Whether ``version`` is the run's step as committed now (not a step of an older run that was
+        deleted and re-created at the same URL); versions of an unknown step are not."""
+        return (
+            version is not None
+            and version.step is not None
+            and version.digest is not None
+            and version.digest == self._digest(version.step)
+        )
+
+    def version(self, step: int) -> Version | None:
+        """The complete version of ``step``, if the node has it (for the run as committed now)."""
+        have = self._read(self.versions / f"{_step_id(step)}.json")
+        return have if self.current(have) else None
+
+    # ------------------------------------------------------------------ writing
+
+    def _publish(
+        self,
+        vid: str,
+        step: int | None,
+        files: Mapping[str, tuple[str, str, tuple[int, ...]]],
+        stats: Mapping[str, Any],
+    ) -> Version:
+        digest = None if step is None else self._digest(step)
+        doc = {
+            "format": _FORMAT,
+            "id": vid,
+            "step": step,
+            "digest": digest,
+            "files": {n: list(f) for n, f in files.items()},
+            "stats": dict(stats),
+        }
+        tmp = self.versions / f".{vid}.{secrets.token_hex(4)}.tmp"
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, self.versions / f"{vid}.json")
+        return Version(vid, step, dict(files), self.data, dict(stats), digest)
+
+    def _new_file(self, tensor: Any) -> tuple[str, str, tuple[int, ...]]:
+        name = secrets.token_hex(12) + ".bin"
+        _write(self.data / name, tensor)
+        return name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)
+
+    def seed(
+        self,
+        tensors: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
+        step: int | None,
+        *,
+        seed_id: str | None = None,
+        check: Callable[[Mapping[str, tuple[Any, tuple[int, ...]]]], None] | None = None,
+    ) -> Version:
+        """The version of an engine's own checkpoint: the node's version of ``step`` when it has one of
+        the same layout, else the one seeded from the same source (``seed_id``), else a new version
+        written from ``tensors`` (a callable is called only then). ``check`` sees the layout first."""
+        vid = _step_id(step) if step is not None else f"seed-{_safe_id(seed_id)}"
+
+        def found() -> Version | None:
+            have = self._read(self.versions / f"{vid}.json")
+            if have is None or (step is not None and not self.current(have)):
+                return None
+            return have
+
+        if (have := found()) is not None:
+            if check is not None:
+                check(have.layout())
+            return have
+        lock = NodeLock(self.dir / "lock")
+        lock.acquire(self.lock_timeout, self._stop)
+        try:
+            if (have := found()) is not None:
+                if check is not None:
+                    check(have.layout())
+                return have
+            state = tensors() if callable(tensors) else tensors
+            if check is not None:
+                check({n: (t.dtype, tuple(t.shape)) for n, t in state.items()})
+            self.collect()
+            files = {n: self._new_file(t) for n, t in state.items()}
+            del state
+            trim_heap()
+            return self._publish(vid, step, files, {"seeded": True, "seed_id": seed_id})
+        finally:
+            lock.release()
+
+    def mapped(self, get: Callable[[], Version]) -> tuple[Version, dict[str, Any]]:
+        """``get()``'s version and its tensors, mapped: once mapped, a version's data outlives its
+        collection. A version collected between the two is asked for again."""
+        for _ in range(3):
+            version = get()
+            try:
+                return version, version.tensors()
+            except FileNotFoundError:
+                log.info("node mirror: version %s was collected before it was mapped; asking again", version.id)
+        raise DeltaSyncError(f"the node mirror {self.dir} keeps collecting the version asked for; retry the update")
+
+    def ensure(self, step: int) -> Version:
+        """The node's version of ``step``, built now (once per node) when it has none."""
+        have = self.version(step)
+        if have is not None:
+            return have
+        lock = NodeLock(self.dir / "lock")
+        lock.acquire(self.lock_timeout, self._stop)
+        try:
+            have = self.version(step)  # another worker's leader built it while this one waited
+            if have is not None:
+                return have
+            self.collect()
+            stats = self._lead(lock, step) if self.spawn else build(self, step)
+            have = self.version(step)
+            if have is None:
+                raise DeltaSyncError(f"the node mirror's leader ended without publishing step {step}")
+            log.info("node mirror: step %d built (%s)", step, stats)
+            self.built.append(have)
+            return have
+        finally:
+            try:
+                self.collect()
+            finally:
+                lock.release()
+
+    def _lead(self, lock: NodeLock, step: int) -> dict[str, Any]:
+        """Build ``step`` in a leader child process that shares this lock (see the module docstring)."""
+        assert lock.fd is not None
+        job = {
+            "dir": str(self.dir),
+            "store": self.fetcher.store.url,
+            "verify": self.fetcher.verify,
+            "signing_key": None if self.fetcher.signing_key is None else self.fetcher.signing_key.hex(),
+            "step": step,
+            "max_bytes": self.max_bytes,
+        }
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "deltasync.integrations.vllm.node"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            pass_fds=(lock.fd,),
+            text=True,
+        )
+        out, err = proc.communicate(json.dumps(job))
+        reply: dict[str, Any] = {}
+        for line in out.splitlines()[::-1]:
+            with contextlib.suppress(ValueError):
+                reply = json.loads(line)
+                break
+        if proc.returncode == 0 and "stats" in reply:
+            stats: dict[str, Any] = reply["stats"]
+            return stats
+        if "error" in reply:
+            cls = getattr(errors, str(reply["error"]), None)
+            if not (isinstance(cls, type) and issubclass(cls, DeltaSyncError)):
+                cls = DeltaSyncError
+            raise cls(str(reply["message"]))
+        how = f"was killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exited {proc.returncode}"
+        tail = err.strip().splitlines()[-5:]
+        raise DeltaSyncError(
+            f"the node mirror's leader building step {step} {how}; nothing of that step was published and the "
+            f"next update tries again{': ' + ' | '.join(tail) if tail else ''}"
+        )
+
+    # --------------------------------------------------------------- collection
+
+    def collect(self) -> None:
+        """Under the lock: drop versions beyond the newest ``keep`` and the data files no version names
+        (a dead leader's leftovers included)."""
+        versions = self.all_versions()
+        keep = versions[-self.keep :] if self.keep else []
+        for v in versions:
+            if v not in keep:
+                (self.versions / f"{v.id}.json").unlink(missing_ok=True)
+        live = {f for v in keep for f, _, _ in v.files.values()}
+        for p in self.data.iterdir():
+            if p.name not in live:
+                p.unlink(missing_ok=True)
+        for p in self.versions.glob(".*.tmp"):
+            p.unlink(missing_ok=True)
+
+    def nbytes_on_disk(self) -> int:
+        """Bytes of the node's data files (what the mirror holds in shared memory)."""
+        return sum(p.stat().st_size for p in self.data.iterdir() if p.is_file())
+
+    def _register(self) -> tuple[int, Path]:
+        """Announce this user of the node mirror: a file it holds locked while it lives."""
+        tmp = self.users / f".{os.getpid()}-{secrets.token_hex(6)}.tmp"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        path = tmp.with_name(tmp.name[1:].removesuffix(".tmp") + ".lock")
+        os.replace(tmp, path)
+        return fd, path
+
+    def _others_alive(self) -> bool:
+        for p in self.users.glob("*.lock"):
+            if p == self._user[1]:
+                continue
+            try:
+                fd = os.open(p, os.O_RDWR)
+            except FileNotFoundError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                return True  # held: a live user
+            else:
+                p.unlink(missing_ok=True)  # its user died without closing
+            finally:
+                os.close(fd)
+        return False
+
+    def close(self) -> None:
+        """Stop using the node mirror; the last user to close deletes its versions (nobody needs them)."""
+        self._stop.set()
+        fd, path = self._user
+        if fd < 0:
+            return
+        self._user = (-1, path)
+        path.unlink(missing_ok=True)
+        os.close(fd)
+        lock = NodeLock(self.dir / "lock")
+        try:
+            lock.acquire(timeout=0.0)
+        except DeltaSyncError:
+            return  # a leader is building: a user is alive
+        try:
+            if not self._others_alive():
+                self.keep = 0
+                self.collect()
+        finally:
+            lock.release()
+        if self._private is not None:
+            shutil.rmtree(self._private, ignore_errors=True)
+
+
+def _step_id(step: int) -> str:
+    return f"{step:012d}"
+
+
+def _safe_id(seed_id: str | None) -> str:
+    """A file-name-safe id of a seed's source (a random one when it has none: not shared)."""
+    if seed_id is None:
+        return secrets.token_hex(8)
+    return hashlib.sha256(seed_id.encode()).hexdigest()[:16]
+
+
+def build(node: NodeMirror, step: int) -> dict[str, Any]:
+    """Build the node's version of ``step`` from its newest version (the leader's work; the caller holds
+    the lock). Only the tensors the step changed get new data files."""
+    from deltasync.fetcher._journal import SyncJournal
+
+    t0 = time.perf_counter()
+    candidates = [v for v in node.all_versions() if v.step is None or (v.step <= step and node.current(v))]
+    base = max(candidates, key=lambda v: (v.step is not None, v.step or 0), default=None)
+    view: dict[str, Any] = base.tensors() if base is not None else {}
+    journal = SyncJournal()
+    fetcher = node.fetcher
+    if node.max_bytes is not None:
+        fetcher.max_alloc_bytes = node.max_bytes
+    try:
+        fetcher.sync(view, step, have_step=base.step if base is not None else None, journal=journal)
+    except InventoryMismatch:
+        if base is None:
+            raise
+        # the newest version is an engine checkpoint of another layout: start from the run's inventory
+        log.warning("the node's newest version is not this run's layout: building step %d from its anchor", step)
+        base, view, journal = None, {}, SyncJournal()
+        fetcher.sync(view, step, journal=journal)
+    files = dict(base.files) if base is not None else {}
+    written = set(journal.names) if base is not None else set(view)
+    new = 0
+    for name in sorted(written):
+        tensor = view[name]
+        if base is not None and name in base.files:
+            old = base.tensors([name])[name]
+            if _same_bits(old, tensor):
+                continue  # rewritten with the same bits (an anchor over a version that has them)
+        files[name] = node._new_file(tensor)
+        new += 1
+    for name in [n for n in files if n not in view]:
+        del files[name]
+    stats = fetcher.last_stats
+    info = {
+        "base": None if base is None else base.id,
+        "tensors_written": new,
+        "bytes_written": sum(node.data.joinpath(files[n][0]).stat().st_size for n in written if n in files),
+        "store_bytes": 0 if stats is None else stats.nbytes,
+        "sync": {} if stats is None else {f: getattr(stats, f) for f in SYNC_FIELDS},
+        "seconds": round(time.perf_counter() - t0, 4),
+        "pid": os.getpid(),
+    }
+    node._publish(_step_id(step), step, files, info)
+    del view, journal
+    trim_heap()
+    return info
+
+
+def _leader_main() -> int:
+    """The leader child: build one version, print its stats (or the error) as one JSON line."""
+    job = json.loads(sys.stdin.read())
+    try:
+        from deltasync.fetcher._fetcher import DeltaFetcher
+        from deltasync.storage import open_store
+
+        key = bytes.fromhex(job["signing_key"]) if job["signing_key"] else None
+        fetcher = DeltaFetcher(open_store(job["store"]), verify=job["verify"], signing_key=key)
+        directory = Path(job["dir"])
+        node = NodeMirror(fetcher, root=directory.parent, spawn=False, max_bytes=job["max_bytes"])
+        if node.dir != directory:
+            raise DeltaSyncError(f"the leader was started for {directory} but would build into {node.dir}")
+        stats = build(node, int(job["step"]))
+    except DeltaSyncError as exc:
+        print(json.dumps({"error": type(exc).__name__, "message": str(exc)}), flush=True)
+        return 1
+    print(json.dumps({"stats": stats}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_leader_main())
