@@ -272,6 +272,10 @@ class NodeMirror:
         self._stop = threading.Event()
         #: versions this process built (its leaders included), for tests and metrics
         self.built: list[Version] = []
+        #: sees each phase a leader child reports, with its process (see :meth:`_lead`)
+        self.on_phase: Callable[[subprocess.Popen[str], str], None] | None = None
+        #: the leader waits for a go-ahead after each phase (tests)
+        self.pace = False
 
     # ------------------------------------------------------------------ reading
 
@@ -417,7 +421,12 @@ class NodeMirror:
                 lock.release()
 
     def _lead(self, lock: NodeLock, step: int) -> dict[str, Any]:
-        """Build ``step`` in a leader child process that shares this lock (see the module docstring)."""
+        """Build ``step`` in a leader child process that shares this lock (see the module docstring).
+
+        The leader reports each phase on its stdout (``start``, ``synced``: downloaded, checked and
+        decoded, nothing written; ``wrote``: one data file written; ``publish``); :attr:`on_phase`, when
+        set, sees each with the process. With :attr:`pace` the leader waits for a go-ahead after each
+        phase (tests stop it at an exact point)."""
         assert lock.fd is not None
         job = {
             "dir": str(self.dir),
@@ -426,21 +435,44 @@ class NodeMirror:
             "signing_key": None if self.fetcher.signing_key is None else self.fetcher.signing_key.hex(),
             "step": step,
             "max_bytes": self.max_bytes,
+            "pace": self.pace,
         }
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "deltasync.integrations.vllm.node"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            pass_fds=(lock.fd,),
-            text=True,
-        )
-        out, err = proc.communicate(json.dumps(job))
-        reply: dict[str, Any] = {}
-        for line in out.splitlines()[::-1]:
-            with contextlib.suppress(ValueError):
-                reply = json.loads(line)
-                break
+        with (
+            tempfile.TemporaryFile("w+") as err,
+            subprocess.Popen(
+                [sys.executable, "-m", "deltasync.integrations.vllm.node"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                pass_fds=(lock.fd,),
+                text=True,
+            ) as proc,
+        ):
+            assert proc.stdin is not None and proc.stdout is not None
+            reply: dict[str, Any] = {}
+            try:
+                proc.stdin.write(json.dumps(job) + "\n")
+                proc.stdin.flush()
+                for line in proc.stdout:
+                    try:
+                        msg = json.loads(line)
+                    except ValueError:
+                        continue
+                    if "phase" in msg:
+                        if self.on_phase is not None:
+                            self.on_phase(proc, str(msg["phase"]))
+                        if self.pace and proc.poll() is None:
+                            with contextlib.suppress(OSError):
+                                proc.stdin.write("\n")
+                                proc.stdin.flush()
+                    else:
+                        reply = msg
+            finally:
+                with contextlib.suppress(OSError):
+                    proc.stdin.close()
+                proc.wait()
+            err.seek(0)
+            tail = err.read().strip().splitlines()[-5:]
         if proc.returncode == 0 and "stats" in reply:
             stats: dict[str, Any] = reply["stats"]
             return stats
@@ -450,7 +482,6 @@ class NodeMirror:
                 cls = DeltaSyncError
             raise cls(str(reply["message"]))
         how = f"was killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exited {proc.returncode}"
-        tail = err.strip().splitlines()[-5:]
         raise DeltaSyncError(
             f"the node mirror's leader building step {step} {how}; nothing of that step was published and the "
             f"next update tries again{': ' + ' | '.join(tail) if tail else ''}"
@@ -539,14 +570,15 @@ def _safe_id(seed_id: str | None) -> str:
     return hashlib.sha256(seed_id.encode()).hexdigest()[:16]
 
 
-def build(node: NodeMirror, step: int) -> dict[str, Any]:
+def build(node: NodeMirror, step: int, phase: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Build the node's version of ``step`` from its newest version (the leader's work; the caller holds
-    the lock). Only the tensors the step changed get new data files."""
+    the lock). Only the tensors the step changed get new data files. ``phase`` hears of each phase."""
     from deltasync.fetcher._journal import SyncJournal
 
     t0 = time.perf_counter()
     candidates = [v for v in node.all_versions() if v.step is None or (v.step <= step and node.current(v))]
     base = max(candidates, key=lambda v: (v.step is not None, v.step or 0), default=None)
+    phase("start")
     view: dict[str, Any] = base.tensors() if base is not None else {}
     journal = SyncJournal()
     fetcher = node.fetcher
@@ -561,6 +593,7 @@ def build(node: NodeMirror, step: int) -> dict[str, Any]:
         log.warning("the node's newest version is not this run's layout: building step %d from its anchor", step)
         base, view, journal = None, {}, SyncJournal()
         fetcher.sync(view, step, journal=journal)
+    phase("synced")
     files = dict(base.files) if base is not None else {}
     written = set(journal.names) if base is not None else set(view)
     new = 0
@@ -572,6 +605,7 @@ def build(node: NodeMirror, step: int) -> dict[str, Any]:
                 continue  # rewritten with the same bits (an anchor over a version that has them)
         files[name] = node._new_file(tensor)
         new += 1
+        phase("wrote")
     for name in [n for n in files if n not in view]:
         del files[name]
     stats = fetcher.last_stats
@@ -584,6 +618,7 @@ def build(node: NodeMirror, step: int) -> dict[str, Any]:
         "seconds": round(time.perf_counter() - t0, 4),
         "pid": os.getpid(),
     }
+    phase("publish")
     node._publish(_step_id(step), step, files, info)
     del view, journal
     trim_heap()
@@ -592,7 +627,13 @@ def build(node: NodeMirror, step: int) -> dict[str, Any]:
 
 def _leader_main() -> int:
     """The leader child: build one version, print its stats (or the error) as one JSON line."""
-    job = json.loads(sys.stdin.read())
+    job = json.loads(sys.stdin.readline())
+
+    def phase(name: str) -> None:
+        print(json.dumps({"phase": name}), flush=True)
+        if job.get("pace"):
+            sys.stdin.readline()  # the parent's go-ahead
+
     try:
         from deltasync.fetcher._fetcher import DeltaFetcher
         from deltasync.storage import open_store
@@ -603,7 +644,7 @@ def _leader_main() -> int:
         node = NodeMirror(fetcher, root=directory.parent, spawn=False, max_bytes=job["max_bytes"])
         if node.dir != directory:
             raise DeltaSyncError(f"the leader was started for {directory} but would build into {node.dir}")
-        stats = build(node, int(job["step"]))
+        stats = build(node, int(job["step"]), phase)
     except DeltaSyncError as exc:
         print(json.dumps({"error": type(exc).__name__, "message": str(exc)}), flush=True)
         return 1

@@ -1,0 +1,177 @@
+"""The node mirror: one version of each step per node, built once by a leader child process.
+
+Workers here are :class:`EngineMirror` objects over plain dict "engines" sharing one node dir, as
+the TP ranks of an engine (or several engines) on one node do; the leaders are real child
+processes reading a real local store. tests/integrations/test_vllm_node.py runs real vLLM engines.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tensors import bits_equal  # noqa: E402
+
+import deltasync as ds  # noqa: E402
+from deltasync.errors import UpdateRolledBack  # noqa: E402
+from deltasync.integrations.vllm.mirror import EngineMirror  # noqa: E402
+from deltasync.integrations.vllm.node import NodeMirror  # noqa: E402
+
+NAMES = [f"layers.{i}.w" for i in range(8)]
+SHAPE = (128, 64)
+MODEL_BYTES = len(NAMES) * SHAPE[0] * SHAPE[1] * 2
+
+
+def _state(step: int, seed: int = 5) -> dict[str, Any]:
+    """Every step changes ~17% of the elements of every tensor (as AdamW at lr 1e-5 does)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {n: torch.randn(SHAPE, generator=g).to(torch.bfloat16) for n in NAMES}
+    for s in range(1, step + 1):
+        g2 = torch.Generator().manual_seed(1000 + s)
+        for n in NAMES:
+            mask = torch.rand(SHAPE, generator=g2) < 0.17
+            out[n] = torch.where(mask, (out[n].float() * 1.01 + 1e-3).to(torch.bfloat16), out[n])
+    return out
+
+
+def _equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return sorted(a) == sorted(b) and all(bits_equal(a[k], b[k]) for k in a)
+
+
+def _push(path: Path, steps: Iterable[int], seed: int = 5) -> str:
+    with ds.DeltaUploader(str(path), anchor_every=1000, anchor_bytes_fraction=0) as up:
+        for s in steps:
+            up.push(_state(s, seed), s).result()
+    return path.as_uri()
+
+
+class Engine:
+    """Live weights behind a loader that copies into them (vLLM's load_weights for unfused names)."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self.weights = {k: v.clone() for k, v in state.items()}
+        self.loaded: list[list[str]] = []
+
+    def load(self, pairs: Iterable[tuple[str, Any]]) -> None:
+        names = []
+        for name, t in pairs:
+            self.weights[name].copy_(t)
+            names.append(name)
+        self.loaded.append(names)
+
+
+def _worker(url: str, node_dir: Path, engine: Engine, **kw: Any) -> EngineMirror:
+    return EngineMirror(
+        ds.DeltaFetcher(url), engine.load, seed=dict(engine.weights), seed_step=0, node_dir=node_dir, **kw
+    )
+
+
+def _data_files(node: NodeMirror) -> set[str]:
+    return {p.name for p in node.data.iterdir()}
+
+
+def _named_files(node: NodeMirror) -> set[str]:
+    return {f for v in node.all_versions() for f, _, _ in v.files.values()}
+
+
+def test_workers_share_one_version_and_one_store_read_per_step(tmp_path: Path) -> None:
+    steps = 8
+    url = _push(tmp_path / "run", range(steps + 1))
+    engines = [Engine(_state(0)), Engine(_state(0))]
+    workers = [_worker(url, tmp_path / "node", e) for e in engines]
+    leaders: list[str] = []
+    for w in workers:
+        w.node.on_phase = lambda proc, phase: leaders.append(phase) if phase == "start" else None
+    assert workers[0].node.dir == workers[1].node.dir
+    assert len(workers[0].node.all_versions()) == 1  # the seed, written once for both
+    store = ds.open_store(url)
+    on_disk = []
+    for s in range(1, steps + 1):
+        leaders.clear()
+        reports = [w.commit(s) for w in workers]
+        assert leaders == ["start"], f"step {s}: {len(leaders)} leaders"  # one build, whichever worker asked first
+        version = workers[0].node.version(s)
+        assert version is not None
+        patch = sum(o.size for o in store.list(f"steps/{s:012d}/") if not o.key.endswith("manifest.json"))
+        assert version.stats["store_bytes"] == patch  # the step's files, read once for the node
+        for e in engines:
+            assert _equal(e.weights, _state(s))
+        assert all(r.tensors == len(NAMES) for r in reports)
+        on_disk.append(workers[0].node.nbytes_on_disk())
+    # memory stays flat: the newest version and its parent, whatever the number of steps
+    assert max(on_disk[2:]) <= 2 * MODEL_BYTES and on_disk[-1] == on_disk[2]
+    assert _data_files(workers[0].node) == _named_files(workers[0].node)
+    for w in workers:
+        w.close()
+    assert not list(workers[0].node.versions.glob("*.json"))  # the last user out removes the versions
+
+
+@pytest.mark.parametrize("phase", ["start", "synced", "wrote", "publish"])
+def test_a_leader_killed_at_any_phase_publishes_nothing(tmp_path: Path, phase: str) -> None:
+    url = _push(tmp_path / "run", range(3))
+    engine = Engine(_state(0))
+    worker = _worker(url, tmp_path / "node", engine)
+    worker.commit(1)
+    node = worker.node
+    node.pace = True
+    killed: list[int] = []
+
+    def kill(proc: Any, seen: str) -> None:
+        if seen == phase and not killed:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            killed.append(proc.pid)
+
+    node.on_phase = kill
+    with pytest.raises(UpdateRolledBack, match="killed by signal 9.*nothing of that step was published"):
+        worker.commit(2)
+    assert killed
+    assert node.version(2) is None and worker.serving == 1
+    assert _equal(engine.weights, _state(1))  # the engine still serves step 1, whole
+    assert _data_files(node) == _named_files(node)  # the dead leader's files are gone
+    node.on_phase = None
+    assert worker.commit(2).step == 2
+    assert _equal(engine.weights, _state(2))
+    worker.close()
+
+
+def test_a_run_recreated_at_the_same_url_is_never_served_from_the_old_versions(tmp_path: Path) -> None:
+    url = _push(tmp_path / "run", range(2), seed=5)
+    first = _worker(url, tmp_path / "node", Engine(_state(0, 5)))
+    first.commit(1)
+    shutil.rmtree(tmp_path / "run")
+    _push(tmp_path / "run", range(2), seed=9)  # another run, same URL, same step numbers
+    engine = Engine(_state(0, 9))
+    second = EngineMirror(
+        ds.DeltaFetcher(url), engine.load, seed=dict(engine.weights), seed_id="other", node_dir=tmp_path / "node"
+    )
+    assert second.node.dir == first.node.dir
+    second.commit(1)
+    assert _equal(engine.weights, _state(1, 9))
+    first.close()
+    second.close()
+
+
+def test_memory_stores_never_share_a_node_dir(tmp_path: Path) -> None:
+    a, b = ds.MemoryStore("same"), ds.MemoryStore("same")
+    for store, seed in ((a, 5), (b, 9)):
+        with ds.DeltaUploader(store, anchor_bytes_fraction=0) as up:
+            up.push(_state(0, seed), 0).result()
+    engines = [Engine({k: torch.zeros_like(v) for k, v in _state(0).items()}) for _ in range(2)]
+    mirrors = [EngineMirror(ds.DeltaFetcher(s), e.load) for s, e in zip((a, b), engines, strict=True)]
+    assert mirrors[0].node.dir != mirrors[1].node.dir and not mirrors[0].node.spawn
+    for m in mirrors:
+        m.commit(0)
+    assert _equal(engines[0].weights, _state(0, 5)) and _equal(engines[1].weights, _state(0, 9))
+    private = mirrors[0].node.root
+    for m in mirrors:
+        m.close()
+    assert not private.exists()
