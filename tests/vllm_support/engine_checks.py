@@ -189,7 +189,7 @@ def sha256_of(t: Any) -> str:
     return hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
 
 
-def expected_checksums(path: str, tp: int = 1) -> dict[str, str]:
+def expected_checksums(path: str | dict[str, Any], tp: int = 1) -> dict[str, str]:
     """What ``compute_weight_checksums`` must report for a Qwen3 checkpoint file on ``tp`` ranks.
 
     Keys as vLLM makes them (``dp0:pp0:pcp0:tp<r>:<param>``). vLLM fuses ``q/k/v_proj`` into
@@ -202,7 +202,7 @@ def expected_checksums(path: str, tp: int = 1) -> dict[str, str]:
     import torch
     from safetensors.torch import load_file
 
-    state = load_file(path)
+    state = load_file(path) if isinstance(path, str) else path
     fused = {
         "q_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
         "gate_proj": ("gate_up_proj", ("gate_proj", "up_proj")),

@@ -445,7 +445,7 @@ class DeltasyncWorkerExtension:
         return sync.call(sync.update, store, step)
 
     def deltasync_status(self) -> dict[str, Any]:
-        """``{"step", "prepared", "state", "last_error", "store", "rank"}``."""
+        """``{"step", "prepared", "state", "last_error", "store", "node_dir", "rank"}``."""
         return _state_of(self).status()
 
     def deltasync_metrics(self) -> str:

@@ -10,15 +10,14 @@ one directory, by default under ``/dev/shm``::
         data/<file>           one tensor's raw bytes; immutable once written, shared by every
                               version in which the tensor did not change
 
-A version is built once per node, by whichever worker first asks for a step the node does not
-have: it takes the lock and starts a **leader**, a short-lived child process
-(``python -m deltasync.integrations.vllm.node``) that maps the newest version copy-on-write
-(``MAP_PRIVATE``: the shared files are never written), brings that view to the step with
-:class:`~deltasync.DeltaFetcher` (download, checksums, digests, decode), writes each tensor the
-step changed to a new data file, then the version's index. Workers that ask for the same step
-wait for the lock and find the version built. So the store is read once per node and step
-whatever the tensor-parallel degree, and the leader's download and decode buffers die with it:
-engine workers only map files.
+A version is built once per node, by the node's **leader** (:mod:`~deltasync.integrations.vllm.leader`:
+one process per mirror, started by the first worker that needs it): under the lock it maps the
+newest version copy-on-write (``MAP_PRIVATE``: the shared files are never written), brings that
+view to the step with :class:`~deltasync.DeltaFetcher` (download, checksums, digests, decode),
+writes each tensor the step changed to a new data file, then the version's index. A worker that
+asks for a step already built gets it at once. So the store is read once per node and step
+whatever the tensor-parallel degree, and download and decode buffers live in the leader (given
+back after each build): engine workers only map files.
 
 Crash safety: a version exists only once its index is renamed into place, after every data file
 it names. A leader killed half-way leaves files no index names; the next holder of the lock
@@ -43,8 +42,6 @@ import logging
 import os
 import secrets
 import shutil
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -53,7 +50,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deltasync import errors
 from deltasync.errors import DeltaSyncError, InventoryMismatch, ObjectNotFound
 
 __all__ = ["NodeMirror", "Version", "default_root"]
@@ -235,8 +231,9 @@ class NodeMirror:
 
     fetcher: reads the run (its ``verify`` and signing key decide what is proven); its store's URL
         names the folder. root: the parent folder (default :func:`default_root`).
-    spawn: build versions in a leader child process (default: when the store can be opened from its
-        URL in another process, i.e. not ``memory://``); False builds in the calling thread.
+    spawn: build versions in the node's leader process (default: when the store can be opened from
+        its URL in another process, i.e. not ``memory://``); False builds in the calling thread.
+    register: count this object among the mirror's users (the leader itself does not).
     max_bytes: the most a version allocated from the run's inventory may take.
     keep: versions a collection keeps (newest first).
     """
@@ -250,6 +247,7 @@ class NodeMirror:
         max_bytes: int | None = None,
         keep: int = KEEP,
         lock_timeout: float = LOCK_TIMEOUT,
+        register: bool = True,
     ) -> None:
         self.fetcher = fetcher
         url = fetcher.store.url
@@ -265,15 +263,15 @@ class NodeMirror:
         self.users = self.dir / "users"
         for d in (self.root, self.dir, self.data, self.versions, self.users):
             d.mkdir(mode=0o700, exist_ok=True)
-        self._user = self._register()
+        self._user = self._register() if register else (-1, self.users / "-")
         self.max_bytes = max_bytes
         self.keep = keep
         self.lock_timeout = lock_timeout
         self._stop = threading.Event()
         #: versions this process built (its leaders included), for tests and metrics
         self.built: list[Version] = []
-        #: sees each phase a leader child reports, with its process (see :meth:`_lead`)
-        self.on_phase: Callable[[subprocess.Popen[str], str], None] | None = None
+        #: sees each phase the leader reports, with its pid (see :mod:`~deltasync.integrations.vllm.leader`)
+        self.on_phase: Callable[[int, str], None] | None = None
         #: the leader waits for a go-ahead after each phase (tests)
         self.pace = False
 
@@ -400,92 +398,56 @@ class NodeMirror:
         have = self.version(step)
         if have is not None:
             return have
+        if self.spawn:
+            from deltasync.integrations.vllm import leader
+
+            try:
+                stats = leader.request(self, step, on_phase=self.on_phase, pace=self.pace, timeout=self.lock_timeout)
+            except DeltaSyncError:
+                self._tidy()  # a leader that died leaves files no version names
+                raise
+        else:
+            stats = self.build_locked(step, lambda: build(self, step))
+        have = self.version(step)
+        if have is None:
+            raise DeltaSyncError(f"the node mirror's leader answered without publishing step {step}; retry the update")
+        if stats:  # built for this request (empty: another worker's request built it)
+            log.info("node mirror: step %d built (%s)", step, stats)
+            self.built.append(have)
+        return have
+
+    def _tidy(self) -> None:
+        """Collect now if nobody holds the lock (else its holder collects)."""
+        lock = NodeLock(self.dir / "lock")
+        try:
+            lock.acquire(timeout=0.0)
+        except DeltaSyncError:
+            return
+        try:
+            self.collect()
+        finally:
+            lock.release()
+
+    def build_locked(self, step: int, build_it: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """Under the node lock: ``build_it()`` unless the version of ``step`` exists by then (``{}``);
+        collects before and after, and says who builds in ``building.json`` meanwhile."""
         lock = NodeLock(self.dir / "lock")
         lock.acquire(self.lock_timeout, self._stop)
         try:
-            have = self.version(step)  # another worker's leader built it while this one waited
-            if have is not None:
-                return have
+            if self.version(step) is not None:  # built while this one waited for the lock
+                return {}
             self.collect()
-            stats = self._lead(lock, step) if self.spawn else build(self, step)
-            have = self.version(step)
-            if have is None:
-                raise DeltaSyncError(f"the node mirror's leader ended without publishing step {step}")
-            log.info("node mirror: step %d built (%s)", step, stats)
-            self.built.append(have)
-            return have
+            marker = self.dir / "building.json"
+            marker.write_text(json.dumps({"pid": os.getpid(), "step": step}))
+            try:
+                return build_it()
+            finally:
+                marker.unlink(missing_ok=True)
         finally:
             try:
                 self.collect()
             finally:
                 lock.release()
-
-    def _lead(self, lock: NodeLock, step: int) -> dict[str, Any]:
-        """Build ``step`` in a leader child process that shares this lock (see the module docstring).
-
-        The leader reports each phase on its stdout (``start``, ``synced``: downloaded, checked and
-        decoded, nothing written; ``wrote``: one data file written; ``publish``); :attr:`on_phase`, when
-        set, sees each with the process. With :attr:`pace` the leader waits for a go-ahead after each
-        phase (tests stop it at an exact point)."""
-        assert lock.fd is not None
-        job = {
-            "dir": str(self.dir),
-            "store": self.fetcher.store.url,
-            "verify": self.fetcher.verify,
-            "signing_key": None if self.fetcher.signing_key is None else self.fetcher.signing_key.hex(),
-            "step": step,
-            "max_bytes": self.max_bytes,
-            "pace": self.pace,
-        }
-        with (
-            tempfile.TemporaryFile("w+") as err,
-            subprocess.Popen(
-                [sys.executable, "-m", "deltasync.integrations.vllm.node"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=err,
-                pass_fds=(lock.fd,),
-                text=True,
-            ) as proc,
-        ):
-            assert proc.stdin is not None and proc.stdout is not None
-            reply: dict[str, Any] = {}
-            try:
-                proc.stdin.write(json.dumps(job) + "\n")
-                proc.stdin.flush()
-                for line in proc.stdout:
-                    try:
-                        msg = json.loads(line)
-                    except ValueError:
-                        continue
-                    if "phase" in msg:
-                        if self.on_phase is not None:
-                            self.on_phase(proc, str(msg["phase"]))
-                        if self.pace and proc.poll() is None:
-                            with contextlib.suppress(OSError):
-                                proc.stdin.write("\n")
-                                proc.stdin.flush()
-                    else:
-                        reply = msg
-            finally:
-                with contextlib.suppress(OSError):
-                    proc.stdin.close()
-                proc.wait()
-            err.seek(0)
-            tail = err.read().strip().splitlines()[-5:]
-        if proc.returncode == 0 and "stats" in reply:
-            stats: dict[str, Any] = reply["stats"]
-            return stats
-        if "error" in reply:
-            cls = getattr(errors, str(reply["error"]), None)
-            if not (isinstance(cls, type) and issubclass(cls, DeltaSyncError)):
-                cls = DeltaSyncError
-            raise cls(str(reply["message"]))
-        how = f"was killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exited {proc.returncode}"
-        raise DeltaSyncError(
-            f"the node mirror's leader building step {step} {how}; nothing of that step was published and the "
-            f"next update tries again{': ' + ' | '.join(tail) if tail else ''}"
-        )
 
     # --------------------------------------------------------------- collection
 
@@ -517,7 +479,8 @@ class NodeMirror:
         os.replace(tmp, path)
         return fd, path
 
-    def _others_alive(self) -> bool:
+    def users_alive(self) -> bool:
+        """Whether another live process uses this mirror (the files of dead ones are removed)."""
         for p in self.users.glob("*.lock"):
             if p == self._user[1]:
                 continue
@@ -544,17 +507,9 @@ class NodeMirror:
         self._user = (-1, path)
         path.unlink(missing_ok=True)
         os.close(fd)
-        lock = NodeLock(self.dir / "lock")
-        try:
-            lock.acquire(timeout=0.0)
-        except DeltaSyncError:
-            return  # a leader is building: a user is alive
-        try:
-            if not self._others_alive():
-                self.keep = 0
-                self.collect()
-        finally:
-            lock.release()
+        if not self.users_alive():
+            self.keep = 0
+            self._tidy()  # unless a leader is building: then someone still uses it
         if self._private is not None:
             shutil.rmtree(self._private, ignore_errors=True)
 
@@ -623,34 +578,3 @@ def build(node: NodeMirror, step: int, phase: Callable[[str], None] = lambda _: 
     del view, journal
     trim_heap()
     return info
-
-
-def _leader_main() -> int:
-    """The leader child: build one version, print its stats (or the error) as one JSON line."""
-    job = json.loads(sys.stdin.readline())
-
-    def phase(name: str) -> None:
-        print(json.dumps({"phase": name}), flush=True)
-        if job.get("pace"):
-            sys.stdin.readline()  # the parent's go-ahead
-
-    try:
-        from deltasync.fetcher._fetcher import DeltaFetcher
-        from deltasync.storage import open_store
-
-        key = bytes.fromhex(job["signing_key"]) if job["signing_key"] else None
-        fetcher = DeltaFetcher(open_store(job["store"]), verify=job["verify"], signing_key=key)
-        directory = Path(job["dir"])
-        node = NodeMirror(fetcher, root=directory.parent, spawn=False, max_bytes=job["max_bytes"])
-        if node.dir != directory:
-            raise DeltaSyncError(f"the leader was started for {directory} but would build into {node.dir}")
-        stats = build(node, int(job["step"]), phase)
-    except DeltaSyncError as exc:
-        print(json.dumps({"error": type(exc).__name__, "message": str(exc)}), flush=True)
-        return 1
-    print(json.dumps({"stats": stats}), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_leader_main())
