@@ -44,28 +44,36 @@ WIDE = dict(
 )
 
 SCRIPT = """
-import os, threading, time
+import glob, json, os, threading, time
 from pathlib import Path
 import psutil
 import engine_checks as ec
 
-LEADER = "deltasync.integrations.vllm.node"
-
 def engine_procs():
     me = psutil.Process()
-    return [me] + [c for c in me.children(recursive=True) if LEADER not in " ".join(c.cmdline())]
+    return [me] + me.children(recursive=True)  # the node's leader included
 
 def memory(node_dir):
-    out = {"rss": 0, "pss": 0, "private": 0}
+    out = {"rss": 0, "pss": 0, "node_mapped": 0, "procs": 0}
     for proc in engine_procs():
         try:
-            text = open(f"/proc/{proc.pid}/smaps_rollup").read()
+            text = open(f"/proc/{proc.pid}/smaps").read()
         except OSError:
             continue
-        kb = {l.split(":")[0]: int(l.split()[1]) for l in text.splitlines()[1:] if l.split()[-1] == "kB"}
-        out["rss"] += kb["Rss"] << 10
-        out["pss"] += kb["Pss"] << 10
-        out["private"] += (kb.get("Pss_Anon", 0) + kb.get("Pss_File", 0)) << 10
+        out["procs"] += 1
+        in_node = False
+        for line in text.splitlines():
+            head = line.split()
+            if not head:
+                continue
+            if not head[0].endswith(":"):  # a mapping's header: address range ... [path]
+                in_node = len(head) >= 6 and head[5].startswith(node_dir)
+            elif head[0] == "Rss:":
+                out["rss"] += int(head[1]) << 10
+            elif head[0] == "Pss:":
+                out["pss"] += int(head[1]) << 10
+                if in_node:
+                    out["node_mapped"] += int(head[1]) << 10
     out["node"] = sum(f.stat().st_size for f in Path(node_dir).glob("*/data/*"))
     return out
 
@@ -91,18 +99,19 @@ def check(p):
     if p["kill_leader"]:
         step = p["updates"] + 1
         killed = []
-        def hunt():
-            deadline = time.monotonic() + 120
+        def hunt():  # the leader, once it has started on the step (whatever it has reached by then)
+            deadline = time.monotonic() + 300
             while not killed and time.monotonic() < deadline:
-                for c in psutil.Process().children(recursive=True):
+                for marker in glob.glob(os.path.join(node_dir, "*", "building.json")):
                     try:
-                        if LEADER in " ".join(c.cmdline()):
-                            c.kill()
-                            killed.append(c.pid)
-                            return
-                    except psutil.Error:
-                        pass
-                time.sleep(0.005)
+                        job = json.loads(open(marker).read())
+                    except (OSError, ValueError):
+                        continue
+                    if job["step"] == step:
+                        os.kill(job["pid"], 9)
+                        killed.append(job["pid"])
+                        return
+                time.sleep(0.002)
         hunter = threading.Thread(target=hunt)
         hunter.start()
         try:
@@ -114,6 +123,10 @@ def check(p):
         out["killed"] = bool(killed)
         out["after_kill_ok"] = ec.checksums(llm) == p["expected"][str(p["updates"])]
         out["after_kill_status"] = llm.collective_rpc("deltasync_status")
+        out["after_kill_orphans"] = [
+            f for d in glob.glob(os.path.join(node_dir, "*")) for f in os.listdir(os.path.join(d, "data"))
+            if not any(f in open(v).read() for v in glob.glob(os.path.join(d, "versions", "*.json")))
+        ]
         update(llm, url, step)
         out["retry_ok"] = ec.checksums(llm) == p["expected"][str(step)]
     out["metrics"] = llm.collective_rpc("deltasync_metrics")
@@ -183,7 +196,9 @@ def measured(
 
 
 def _added(m: dict[str, Any], before: dict[str, Any]) -> int:
-    return int(m["private"] - before["private"] + m["node"])
+    """Host memory deltasync added: the engine processes' PSS (its leader's included) outside the node
+    mirror's files, plus those files once (mapped or not)."""
+    return int((m["pss"] - m["node_mapped"]) - (before["pss"] - before["node_mapped"]) + m["node"])
 
 
 def test_every_update_is_bit_exact(measured: dict[int, dict[str, Any]]) -> None:

@@ -56,6 +56,9 @@ __all__ = ["NodeMirror", "Version", "default_root"]
 
 log = logging.getLogger("deltasync.node")
 
+#: a tensor whose changed elements are at most this fraction of it gets a positions file (the engine
+#: may then write only those elements); beyond it, copying the whole tensor is as cheap
+POSITIONS_DENSITY = 0.3
 #: versions kept by a collection (besides those it cannot see are in use): the newest and its parent
 KEEP = 2
 #: how long a worker waits for another's leader before giving up
@@ -112,6 +115,24 @@ class Version:
     stats: Mapping[str, Any] = field(default_factory=dict)
     #: the digest of the step's manifest when built (a run re-created at the same URL does not match)
     digest: str | None = None
+    #: the version this one was built from, and for each tensor that changed sparsely since, the file
+    #: of its changed flat positions (sorted; int32 or int64)
+    base: str | None = None
+    positions: Mapping[str, str] = field(default_factory=dict)
+
+    def changed_positions(self, served: Version | None) -> dict[str, Any]:
+        """Flat positions of the elements that changed, by name, for the tensors changed sparsely
+        since ``served`` (only when this version was built straight from it; else ``{}``)."""
+        import torch
+
+        if served is None or self.base != served.id:
+            return {}
+        out: dict[str, Any] = {}
+        for name, file in self.positions.items():
+            size = (self.data / file).stat().st_size
+            dtype = torch.int32 if file.endswith(".i32") else torch.int64
+            out[name] = _map(torch, self.data / file, dtype, (size // dtype.itemsize,))
+        return out
 
     def changed_from(self, other: Version | None) -> list[str]:
         """The names whose bits may differ from ``other`` (all of them when ``other`` is None)."""
@@ -172,15 +193,15 @@ def _write(path: Path, tensor: Any) -> None:
             fh.write(memoryview(flat.view(torch.uint8).numpy()))
 
 
-def _same_bits(a: Any, b: Any) -> bool:
+def _changed(old: Any, new: Any) -> Any:
+    """Flat positions (int64, sorted) where ``new``'s bits differ from ``old``'s (same dtype and shape)."""
     import torch
 
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.numel() == 0:
-        return True
-    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return bool(torch.equal(a.contiguous().view(bits), b.contiguous().view(bits)))
+    if new.numel() == 0:
+        return torch.empty(0, dtype=torch.int64)
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[new.element_size()]
+    diff = old.contiguous().view(-1).view(bits) != new.contiguous().view(-1).view(bits)
+    return torch.nonzero(diff).view(-1)
 
 
 def trim_heap() -> None:
@@ -285,7 +306,16 @@ class NodeMirror:
         except (OSError, ValueError) as exc:
             raise DeltaSyncError(f"the node mirror's index {path} is unreadable ({exc}); delete {self.dir}") from exc
         files = {n: (str(f), str(d), tuple(int(x) for x in s)) for n, (f, d, s) in doc["files"].items()}
-        return Version(doc["id"], doc["step"], files, self.data, doc.get("stats", {}), doc.get("digest"))
+        return Version(
+            doc["id"],
+            doc["step"],
+            files,
+            self.data,
+            doc.get("stats", {}),
+            doc.get("digest"),
+            doc.get("base"),
+            doc.get("positions", {}),
+        )
 
     def all_versions(self) -> list[Version]:
         """Every complete version, oldest first (unknown steps first)."""
@@ -321,8 +351,11 @@ class NodeMirror:
         step: int | None,
         files: Mapping[str, tuple[str, str, tuple[int, ...]]],
         stats: Mapping[str, Any],
+        base: str | None = None,
+        positions: Mapping[str, str] | None = None,
     ) -> Version:
         digest = None if step is None else self._digest(step)
+        positions = dict(positions or {})
         doc = {
             "format": _FORMAT,
             "id": vid,
@@ -330,16 +363,26 @@ class NodeMirror:
             "digest": digest,
             "files": {n: list(f) for n, f in files.items()},
             "stats": dict(stats),
+            "base": base,
+            "positions": positions,
         }
         tmp = self.versions / f".{vid}.{secrets.token_hex(4)}.tmp"
         tmp.write_text(json.dumps(doc))
         os.replace(tmp, self.versions / f"{vid}.json")
-        return Version(vid, step, dict(files), self.data, dict(stats), digest)
+        return Version(vid, step, dict(files), self.data, dict(stats), digest, base, positions)
 
     def _new_file(self, tensor: Any) -> tuple[str, str, tuple[int, ...]]:
         name = secrets.token_hex(12) + ".bin"
         _write(self.data / name, tensor)
         return name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)
+
+    def _new_positions(self, positions: Any, numel: int) -> str:
+        import torch
+
+        small = numel < 2**31
+        name = secrets.token_hex(12) + (".i32" if small else ".i64")
+        _write(self.data / name, positions.to(torch.int32) if small else positions)
+        return name
 
     def seed(
         self,
@@ -459,7 +502,7 @@ class NodeMirror:
         for v in versions:
             if v not in keep:
                 (self.versions / f"{v.id}.json").unlink(missing_ok=True)
-        live = {f for v in keep for f, _, _ in v.files.values()}
+        live = {f for v in keep for f, _, _ in v.files.values()} | {f for v in keep for f in v.positions.values()}
         for p in self.data.iterdir():
             if p.name not in live:
                 p.unlink(missing_ok=True)
@@ -552,12 +595,16 @@ def build(node: NodeMirror, step: int, phase: Callable[[str], None] = lambda _: 
     files = dict(base.files) if base is not None else {}
     written = set(journal.names) if base is not None else set(view)
     new = 0
+    positions: dict[str, str] = {}
     for name in sorted(written):
         tensor = view[name]
-        if base is not None and name in base.files:
-            old = base.tensors([name])[name]
-            if _same_bits(old, tensor):
+        layout = (str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
+        if base is not None and name in base.files and base.files[name][1:] == layout:
+            changed = _changed(base.tensors([name])[name], tensor)
+            if changed.numel() == 0:
                 continue  # rewritten with the same bits (an anchor over a version that has them)
+            if changed.numel() <= POSITIONS_DENSITY * tensor.numel():
+                positions[name] = node._new_positions(changed, tensor.numel())
         files[name] = node._new_file(tensor)
         new += 1
         phase("wrote")
@@ -574,7 +621,7 @@ def build(node: NodeMirror, step: int, phase: Callable[[str], None] = lambda _: 
         "pid": os.getpid(),
     }
     phase("publish")
-    node._publish(_step_id(step), step, files, info)
+    node._publish(_step_id(step), step, files, info, None if base is None else base.id, positions)
     del view, journal
     trim_heap()
     return info
