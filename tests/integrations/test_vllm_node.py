@@ -23,7 +23,8 @@ On CPU, in-place loading needs the TEST-ONLY patch in ``tests/vllm_support/sitec
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+import statistics
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,114 +45,28 @@ WIDE = dict(
 )
 
 SCRIPT = """
-import glob, json, os, threading, time
-from pathlib import Path
-import psutil
 import engine_checks as ec
-
-def engine_procs():
-    me = psutil.Process()
-    return [me] + me.children(recursive=True)  # the node's leader included
-
-def memory(node_dir):
-    out = {"rss": 0, "pss": 0, "node_mapped": 0, "procs": 0}
-    for proc in engine_procs():
-        try:
-            text = open(f"/proc/{proc.pid}/smaps").read()
-        except OSError:
-            continue
-        out["procs"] += 1
-        in_node = False
-        for line in text.splitlines():
-            head = line.split()
-            if not head:
-                continue
-            if not head[0].endswith(":"):  # a mapping's header: address range ... [path]
-                in_node = len(head) >= 6 and head[5].startswith(node_dir)
-            elif head[0] == "Rss:":
-                out["rss"] += int(head[1]) << 10
-            elif head[0] == "Pss:":
-                out["pss"] += int(head[1]) << 10
-                if in_node:
-                    out["node_mapped"] += int(head[1]) << 10
-    out["node"] = sum(f.stat().st_size for f in Path(node_dir).glob("*/data/*"))
-    return out
-
-def update(llm, url, step):
-    t0 = time.monotonic()
-    llm.start_weight_update()
-    try:
-        llm.update_weights({"update_info": {"store": url, "step": step}})
-    finally:
-        llm.finish_weight_update(weight_version=str(step))
-    return time.monotonic() - t0
-
-def check(p):
-    url, tp, node_dir = p["store"], p["tp"], p["node_dir"]
-    llm = ec.make_llm(p["model"], tp=tp, weight_transfer_config={"backend": "deltasync"})
-    out = {"before": memory(node_dir), "steps": [], "ok": [], "pause": []}
-    llm.init_weight_transfer_engine({"init_info": {"store": url, "node_dir": node_dir}})
-    out["after_init"] = memory(node_dir)
-    for step in range(1, p["updates"] + 1):
-        out["pause"].append(update(llm, url, step))
-        out["ok"].append(ec.checksums(llm) == p["expected"][str(step)])
-        out["steps"].append(memory(node_dir))
-    if p["kill_leader"]:
-        step = p["updates"] + 1
-        killed = []
-        def hunt():  # the leader, once it has started on the step (whatever it has reached by then)
-            deadline = time.monotonic() + 300
-            while not killed and time.monotonic() < deadline:
-                for marker in glob.glob(os.path.join(node_dir, "*", "building.json")):
-                    try:
-                        job = json.loads(open(marker).read())
-                    except (OSError, ValueError):
-                        continue
-                    if job["step"] == step:
-                        os.kill(job["pid"], 9)
-                        killed.append(job["pid"])
-                        return
-                time.sleep(0.002)
-        hunter = threading.Thread(target=hunt)
-        hunter.start()
-        try:
-            update(llm, url, step)
-            out["kill_error"] = None
-        except Exception as exc:
-            out["kill_error"] = f"{type(exc).__name__}: {exc}"
-        hunter.join()
-        out["killed"] = bool(killed)
-        out["after_kill_ok"] = ec.checksums(llm) == p["expected"][str(p["updates"])]
-        out["after_kill_status"] = llm.collective_rpc("deltasync_status")
-        out["after_kill_orphans"] = [
-            f for d in glob.glob(os.path.join(node_dir, "*")) for f in os.listdir(os.path.join(d, "data"))
-            if not any(f in open(v).read() for v in glob.glob(os.path.join(d, "versions", "*.json")))
-        ]
-        update(llm, url, step)
-        out["retry_ok"] = ec.checksums(llm) == p["expected"][str(step)]
-    out["metrics"] = llm.collective_rpc("deltasync_metrics")
-    return out
+import node_checks
 
 if __name__ == "__main__":
-    ec.main(check)
+    ec.main(node_checks.check)
 """
 
 
-def _states(model: Path, steps: int) -> list[dict[str, Any]]:
+def _steps(model: Path, steps: int) -> Iterator[dict[str, Any]]:
+    """The model's weights, then ``steps`` updates that each change ~DENSITY of every tensor."""
     import torch
 
     from deltasync._checkpoint_io import load_checkpoint
 
     state = {k: v.clone() for k, v in load_checkpoint(model).items()}
-    out = [state]
+    yield state
     for s in range(1, steps + 1):
         g = torch.Generator().manual_seed(s)
-        nxt = {}
-        for name, t in out[-1].items():
+        for name, t in state.items():
             mask = torch.rand(t.shape, generator=g) < DENSITY
-            nxt[name] = torch.where(mask, (t.float() * 1.001 + 1e-4).to(t.dtype), t)
-        out.append(nxt)
-    return out
+            state[name] = torch.where(mask, (t.float() * 1.001 + 1e-4).to(t.dtype), t)
+        yield state
 
 
 @pytest.fixture(scope="module")
@@ -166,13 +81,14 @@ def node_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
     root = tmp_path_factory.mktemp("vllm-node")
     model = build_tiny_model(root / "model", **WIDE)
-    states = _states(model, UPDATES + 1)
     patch_bytes = []
+    expected: dict[int, dict[str, Any]] = {1: {}, 2: {}}
     with ds.DeltaUploader(root / "store", anchor_every=1000, anchor_bytes_fraction=0) as up:
-        for s, state in enumerate(states):
-            info = up.push(state, s).result()
-            patch_bytes.append(info.nbytes)
-    expected = {tp: {str(s): ec.expected_checksums(st, tp) for s, st in enumerate(states) if s} for tp in (1, 2)}
+        for s, state in enumerate(_steps(model, UPDATES + 1)):
+            patch_bytes.append(up.push(state, s).result().nbytes)
+            if s:
+                for tp in (1, 2):
+                    expected[tp][str(s)] = ec.expected_checksums(state, tp)
     return {"model": model, "store": (root / "store").as_uri(), "patch_bytes": patch_bytes, "expected": expected}
 
 
@@ -216,10 +132,12 @@ def test_tp2_holds_one_host_copy(measured: dict[int, dict[str, Any]]) -> None:
 
 
 def test_memory_is_flat_over_the_updates(measured: dict[int, dict[str, Any]]) -> None:
+    """No growth after the first updates: the median of the last five within 3% (+16 MiB of noise:
+    the engine's own allocations move by ~30 MiB between updates) of the median of updates 3-7."""
     for tp, rep in measured.items():
         added = [_added(m, rep["before"]) for m in rep["steps"]]
-        settled = max(added[2:6])
-        assert max(added[6:]) <= settled * 1.05 + (8 << 20), f"TP={tp}: {[a >> 20 for a in added]} MiB"
+        early, late = statistics.median(added[2:7]), statistics.median(added[-5:])
+        assert late <= early * 1.03 + (16 << 20), f"TP={tp}: {[a >> 20 for a in added]} MiB"
 
 
 def test_the_store_is_read_once_per_update(node_run: dict[str, Any], measured: dict[int, dict[str, Any]]) -> None:

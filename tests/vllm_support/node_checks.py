@@ -1,0 +1,147 @@
+"""The node-mirror measurements that tests/integrations/test_vllm_node.py and
+benchmarks/bench_vllm_node.py run inside the vLLM venv (test support, not deltasync).
+
+``check(p)`` starts one engine with the ``"deltasync"`` backend and reads every engine process's
+memory (``/proc/<pid>/smaps``: RSS, PSS, and the PSS of the node mirror's files; the node's leader
+is a child of a worker and counted too) before deltasync is set up, after, and after each update.
+Each update is prepared in the background first (``deltasync_prepare``, waited for) unless
+``p["prefetch"]`` is false, so its time is the engine's pause. Optional: the weights after each
+update against ``p["expected"]`` (vLLM checksums by step), the node's leader killed mid-build
+(``p["kill_leader"]``), and vLLM's own ``reload_weights`` of ``p["reload_dir"]`` timed.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import engine_checks as ec
+import psutil
+
+
+def engine_procs() -> list[Any]:
+    me = psutil.Process()
+    return [me, *me.children(recursive=True)]
+
+
+def memory(node_dir: str) -> dict[str, int]:
+    out = {"rss": 0, "pss": 0, "node_mapped": 0, "procs": 0}
+    for proc in engine_procs():
+        try:
+            text = Path(f"/proc/{proc.pid}/smaps").read_text()
+        except OSError:
+            continue
+        out["procs"] += 1
+        in_node = False
+        for line in text.splitlines():
+            head = line.split()
+            if not head:
+                continue
+            if not head[0].endswith(":"):  # a mapping's header: address range, perms, ..., [path]
+                in_node = len(head) >= 6 and head[5].startswith(node_dir)
+            elif head[0] == "Rss:":
+                out["rss"] += int(head[1]) << 10
+            elif head[0] == "Pss:":
+                out["pss"] += int(head[1]) << 10
+                if in_node:
+                    out["node_mapped"] += int(head[1]) << 10
+    out["node"] = sum(f.stat().st_size for f in Path(node_dir).glob("*/data/*"))
+    return out
+
+
+def prepare(llm: Any, url: str, step: int, timeout: float = 600.0) -> float:
+    t0 = time.monotonic()
+    llm.collective_rpc("deltasync_prepare", kwargs={"store": url, "step": step})
+    while time.monotonic() - t0 < timeout:
+        status = llm.collective_rpc("deltasync_status")
+        if all(s["prepared"] == step for s in status):
+            return time.monotonic() - t0
+        if any(s["last_error"] for s in status):
+            break  # the update reports it
+        time.sleep(0.01)
+    return time.monotonic() - t0
+
+
+def update(llm: Any, url: str, step: int) -> float:
+    t0 = time.monotonic()
+    llm.start_weight_update()
+    try:
+        llm.update_weights({"update_info": {"store": url, "step": step}})
+    finally:
+        llm.finish_weight_update(weight_version=str(step))
+    return time.monotonic() - t0
+
+
+def _kill_leader_at(node_dir: str, step: int, killed: list[int]) -> None:
+    """Kill the node's leader once it has started on ``step`` (at whatever point it has reached)."""
+    deadline = time.monotonic() + 300
+    while not killed and time.monotonic() < deadline:
+        for marker in glob.glob(os.path.join(node_dir, "*", "building.json")):
+            try:
+                job = json.loads(Path(marker).read_text())
+            except (OSError, ValueError):
+                continue
+            if job["step"] == step:
+                os.kill(job["pid"], 9)
+                killed.append(job["pid"])
+                return
+        time.sleep(0.002)
+
+
+def _orphans(node_dir: str) -> list[str]:
+    """Data files no version names."""
+    out = []
+    for d in glob.glob(os.path.join(node_dir, "*")):
+        named = "".join(Path(v).read_text() for v in glob.glob(os.path.join(d, "versions", "*.json")))
+        out += [f for f in os.listdir(os.path.join(d, "data")) if f not in named]
+    return out
+
+
+def check(p: dict[str, Any]) -> dict[str, Any]:
+    url, tp, node_dir = p["store"], p["tp"], p["node_dir"]
+    expected = p.get("expected")
+    llm = ec.make_llm(p["model"], tp=tp, weight_transfer_config={"backend": "deltasync"})
+    out: dict[str, Any] = {"before": memory(node_dir), "steps": [], "ok": [], "pause": [], "prepare": []}
+    llm.init_weight_transfer_engine({"init_info": {"store": url, "node_dir": node_dir}})
+    out["after_init"] = memory(node_dir)
+    for step in range(1, p["updates"] + 1):
+        if p.get("prefetch", True):
+            out["prepare"].append(prepare(llm, url, step))
+        out["pause"].append(update(llm, url, step))
+        if expected is not None:
+            out["ok"].append(ec.checksums(llm) == expected[str(step)])
+        out["steps"].append(memory(node_dir))
+    if p.get("kill_leader"):
+        step = p["updates"] + 1
+        killed: list[int] = []
+        hunter = threading.Thread(target=_kill_leader_at, args=(node_dir, step, killed))
+        hunter.start()
+        try:
+            update(llm, url, step)
+            out["kill_error"] = None
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out["kill_error"] = f"{type(exc).__name__}: {exc}"
+        hunter.join()
+        out["killed"] = bool(killed)
+        if expected is not None:
+            out["after_kill_ok"] = ec.checksums(llm) == expected[str(p["updates"])]
+        out["after_kill_status"] = llm.collective_rpc("deltasync_status")
+        out["after_kill_orphans"] = _orphans(node_dir)
+        update(llm, url, step)
+        if expected is not None:
+            out["retry_ok"] = ec.checksums(llm) == expected[str(step)]
+    if p.get("reload_dir"):
+        times = []
+        for _ in range(3):
+            t0 = time.monotonic()
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": p["reload_dir"]})
+            times.append(time.monotonic() - t0)
+        out["reload"] = statistics.median(times)
+    out["metrics"] = llm.collective_rpc("deltasync_metrics")
+    return out
