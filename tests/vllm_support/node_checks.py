@@ -79,7 +79,8 @@ def update(llm: Any, url: str, step: int) -> float:
 
 
 def _kill_leader_at(node_dir: str, step: int, killed: list[int]) -> None:
-    """Kill the node's leader once it has started on ``step`` (at whatever point it has reached)."""
+    """Kill the node's leader once it has started on ``step`` (downloading, checking or decoding it, or
+    writing its files: whatever it has reached by then)."""
     deadline = time.monotonic() + 300
     while not killed and time.monotonic() < deadline:
         for marker in glob.glob(os.path.join(node_dir, "*", "building.json")):
@@ -87,7 +88,7 @@ def _kill_leader_at(node_dir: str, step: int, killed: list[int]) -> None:
                 job = json.loads(Path(marker).read_text())
             except (OSError, ValueError):
                 continue
-            if job["step"] == step:
+            if job["step"] == step and job["phase"] != "waiting":  # it told the worker it started
                 os.kill(job["pid"], 9)
                 killed.append(job["pid"])
                 return

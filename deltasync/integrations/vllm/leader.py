@@ -212,6 +212,8 @@ def _serve_one(node: NodeMirror, conn: socket.socket, fetcher: Callable[[], Any]
 
         def phase(name: str) -> None:
             conn.sendall(json.dumps({"phase": name}).encode() + b"\n")
+            # after the worker was told: what an operator (or a test) reads is never ahead of it
+            node.mark_building(step, name)
             if pace:
                 lines.readline()
 

@@ -471,6 +471,12 @@ class NodeMirror:
         finally:
             lock.release()
 
+    def mark_building(self, step: int, phase: str) -> None:
+        """Say who builds which step, and how far it got, in ``building.json`` (for operators)."""
+        tmp = self.dir / f".building.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps({"pid": os.getpid(), "step": step, "phase": phase}))
+        os.replace(tmp, self.dir / "building.json")
+
     def build_locked(self, step: int, build_it: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """Under the node lock: ``build_it()`` unless the version of ``step`` exists by then (``{}``);
         collects before and after, and says who builds in ``building.json`` meanwhile."""
@@ -480,12 +486,11 @@ class NodeMirror:
             if self.version(step) is not None:  # built while this one waited for the lock
                 return {}
             self.collect()
-            marker = self.dir / "building.json"
-            marker.write_text(json.dumps({"pid": os.getpid(), "step": step}))
+            self.mark_building(step, "waiting")
             try:
                 return build_it()
             finally:
-                marker.unlink(missing_ok=True)
+                (self.dir / "building.json").unlink(missing_ok=True)
         finally:
             try:
                 self.collect()
@@ -506,7 +511,7 @@ class NodeMirror:
         for p in self.data.iterdir():
             if p.name not in live:
                 p.unlink(missing_ok=True)
-        for p in self.versions.glob(".*.tmp"):
+        for p in [*self.versions.glob(".*.tmp"), *self.dir.glob(".building.*.tmp")]:
             p.unlink(missing_ok=True)
 
     def nbytes_on_disk(self) -> int:
