@@ -66,6 +66,8 @@ class SyncMetrics:
         self._duration = Histogram(DURATION_BUCKETS)
         self._pause = Histogram(DURATION_BUCKETS)
         self._last_pause: float | None = None
+        self._engine: dict[str, int] | None = None  # a live engine's loads (observe_load)
+        self._node: dict[str, int] | None = None  # a node mirror's size and builds (observe_node)
 
     # ------------------------------------------------------------ observe
 
@@ -106,6 +108,24 @@ class SyncMetrics:
         """One failure of ``kind`` (e.g. ``apply``, ``signal``, ``store``, ``refused``)."""
         with self._lock:
             self._failures[kind] = self._failures.get(kind, 0) + 1
+
+    def observe_load(self, *, loaded: int, scattered: int = 0, elements: int = 0) -> None:
+        """A live engine's update: ``loaded`` tensors went through its loader (whole), ``scattered`` had
+        only their ``elements`` changed elements written."""
+        with self._lock:
+            e = self._engine or {"loaded": 0, "scattered": 0, "elements": 0}
+            e["loaded"] += loaded
+            e["scattered"] += scattered
+            e["elements"] += elements
+            self._engine = e
+
+    def observe_node(self, *, nbytes: int, built: bool) -> None:
+        """The node mirror holds ``nbytes`` in shared memory; ``built``: this worker's request built a version."""
+        with self._lock:
+            n = self._node or {"bytes": 0, "built": 0}
+            n["bytes"] = nbytes
+            n["built"] += int(built)
+            self._node = n
 
     def observe_pause(self, seconds: float) -> None:
         """A live engine paused serving ``seconds`` to load new weights."""
@@ -212,6 +232,32 @@ class SyncMetrics:
         yield family("deltasync_last_pause_seconds", "gauge", "Seconds of the last pause of a live engine.")
         if self._last_pause is not None:
             yield one("deltasync_last_pause_seconds", self._last_pause)
+        if self._engine is not None:
+            e = self._engine
+            yield family(
+                "deltasync_engine_tensors_total",
+                "counter",
+                "Tensors a live engine updated, by how: whole or scattered.",
+            )
+            yield one("deltasync_engine_tensors_total", e["loaded"], how="whole")
+            yield one("deltasync_engine_tensors_total", e["scattered"], how="scattered")
+            yield family(
+                "deltasync_engine_scattered_elements_total",
+                "counter",
+                "Changed elements written straight into parameters.",
+            )
+            yield one("deltasync_engine_scattered_elements_total", e["elements"])
+        if self._node is not None:
+            yield family(
+                "deltasync_node_mirror_bytes", "gauge", "Bytes the node's shared mirror holds (all its versions)."
+            )
+            yield one("deltasync_node_mirror_bytes", self._node["bytes"])
+            yield family(
+                "deltasync_node_versions_built_total",
+                "counter",
+                "Versions the node's leader built for this worker's requests.",
+            )
+            yield one("deltasync_node_versions_built_total", self._node["built"])
 
     # ------------------------------------------------------------ serve
 

@@ -177,6 +177,8 @@ class EngineMirror:
         built = next((b for b in self.node.built if b.id == version.id), None)
         if built is not None:  # this worker's leader read the store for it: its sync is this worker's to report
             self.node.built.remove(built)
+        if self.metrics is not None and hasattr(self.metrics, "observe_node"):
+            self.metrics.observe_node(nbytes=self.node.nbytes_on_disk(), built=built is not None)
         self._prepared_stats = _stats(built) if built is not None else None
         self._check_layout(version.layout())
         self._prepared, self._prepared_view = version, view

@@ -516,7 +516,11 @@ class NodeMirror:
 
     def nbytes_on_disk(self) -> int:
         """Bytes of the node's data files (what the mirror holds in shared memory)."""
-        return sum(p.stat().st_size for p in self.data.iterdir() if p.is_file())
+        total = 0
+        for p in self.data.iterdir():
+            with contextlib.suppress(FileNotFoundError):  # collected meanwhile
+                total += p.stat().st_size
+        return total
 
     def _register(self) -> tuple[int, Path]:
         """Announce this user of the node mirror: a file it holds locked while it lives."""
