@@ -93,7 +93,10 @@ class ReplicaIn(BaseModel):
     """Body of ``PUT /v1/runs/{run}/replicas/{replica}``: what the replica serves now."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    step: StepNo | None = Field(default=None, ge=0, le=MAX_STEP, description="the step it serves (null: none yet)")
+    # the range before the validator: after it, the JSON Schema of the union member says "ge"/"le"
+    step: Annotated[int, Field(ge=0, le=MAX_STEP), BeforeValidator(_json_integer)] | None = Field(
+        default=None, description="the step it serves (null: none yet)"
+    )
     digest: str | None = Field(
         default=None, pattern=DIGEST_PATTERN, description="xxh3-128 of the served step's manifest.json, when known"
     )
