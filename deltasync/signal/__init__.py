@@ -12,7 +12,14 @@ from __future__ import annotations
 from deltasync.signal._client import CommitEvent, Notifier, SignalClient
 from deltasync.signal._fleet import REPLICA_STATES, FleetView, ReplicaStatus
 from deltasync.signal._gate import fleet_ready, wait_for_fleet
-from deltasync.signal._names import REPLICA_PATTERN, RUN_PATTERN, check_replica, check_run, default_replica
+from deltasync.signal._names import (
+    REPLICA_PATTERN,
+    RUN_PATTERN,
+    check_replica,
+    check_run,
+    default_replica,
+    replica_name,
+)
 from deltasync.signal._reporter import FleetReporter, Served
 from deltasync.signal._staleness import Staleness, StalenessTracker
 from deltasync.signal._watcher import StepSeen, StepWatcher, StorePoller
@@ -37,5 +44,6 @@ __all__ = [
     "check_run",
     "default_replica",
     "fleet_ready",
+    "replica_name",
     "wait_for_fleet",
 ]
