@@ -54,6 +54,7 @@ from deltasync.fetcher._fetcher import MARKER, DeltaFetcher, Verify
 from deltasync.integrations.vllm import engine_core
 from deltasync.integrations.vllm.engine_check import check_engine
 from deltasync.integrations.vllm.engine_core import BACKEND
+from deltasync.integrations.vllm.fleet import EngineReporter
 from deltasync.integrations.vllm.mirror import EngineMirror
 from deltasync.integrations.vllm.prefetch import Prefetcher
 
@@ -90,6 +91,11 @@ class DeltasyncInitInfo(WeightTransferInitInfo):  # type: ignore[misc]
     prefetch: prepare each new committed step in the background as soon as it lands.
     poll_interval: seconds between store polls while prefetching.
     metrics_port: serve Prometheus metrics on 127.0.0.1 at this port plus the worker's rank.
+    signal: a signal server URL: rank 0 reports the engine to its fleet view (step, state digest, state,
+        last error) at init, after each update and every ``report_heartbeat`` seconds (docs/fleet.md).
+    signal_token: the token of the reports (a report, subscribe or publish token).
+    signal_run: the run's name at the signal server (default: the run id the store records).
+    replica: this engine's replica id in the fleet view (default: ``<hostname>-<pid>`` of rank 0).
     """
 
     store: str | None = None
@@ -98,6 +104,11 @@ class DeltasyncInitInfo(WeightTransferInitInfo):  # type: ignore[misc]
     prefetch: bool = False
     poll_interval: float = 2.0
     metrics_port: int | None = None
+    signal: str | None = None
+    signal_token: str | None = None
+    signal_run: str | None = None
+    replica: str | None = None
+    report_heartbeat: float = 10.0
 
 
 @dataclass
@@ -156,6 +167,7 @@ class WorkerSync:
 
         self.metrics = SyncMetrics(labels={"rank": str(rank)})
         self._metrics_server: Any = None
+        self._reporter: EngineReporter | None = None  # rank 0 with the ``signal`` option
 
     # ------------------------------------------------------------ options
 
@@ -169,7 +181,21 @@ class WorkerSync:
             self._serve_metrics(info.metrics_port + self.rank)
         if info.prefetch:
             self._start_prefetch()
+        if info.signal is not None and self.rank == 0 and self._reporter is None:
+            self._reporter = EngineReporter(
+                info.signal,
+                info.signal_token,
+                run=info.signal_run,
+                replica=info.replica,
+                heartbeat=info.report_heartbeat,
+            )
+        self._report()
         return self.status()
+
+    def _report(self) -> None:
+        """Tell the fleet view what this engine serves now (rank 0 with ``signal``; never raises)."""
+        if self._reporter is not None:
+            self._reporter.report(self.status())
 
     def _serve_metrics(self, port: int) -> None:
         if self._metrics_server is None:
@@ -263,7 +289,10 @@ class WorkerSync:
     def update(self, store: str | None, step: int | None) -> dict[str, Any]:
         if step is not None:
             self.metrics.observe_head(step)
-        report = self.mirror_for(store).commit(step)
+        try:
+            report = self.mirror_for(store).commit(step)
+        finally:
+            self._report()
         return {**self.status(), "report": asdict(report)}
 
     def status(self) -> dict[str, Any]:
@@ -283,6 +312,9 @@ class WorkerSync:
         return self.metrics.render()
 
     def close(self) -> None:
+        if self._reporter is not None:
+            self._reporter.close()
+            self._reporter = None
         if self._prefetcher is not None:
             self._prefetcher.close(timeout=30)
             self._prefetcher = None
