@@ -4,8 +4,10 @@ Rank 0 of an engine reports for the whole engine (its ranks commit or undo toget
 engine's status (:meth:`WorkerSync.status`: ``step``, ``state``, ``last_error``) becomes the
 replica's step and state, with the step's manifest digest read from the run. The run's name at
 the signal server is ``signal_run``, else the run id the store records (looked up until a step
-is committed). Reporting never fails or blocks an update: :class:`~deltasync.signal.FleetReporter`
-sends in the background and retries.
+is committed). Reporting never fails or blocks an update: :meth:`EngineReporter.report` takes the
+status and returns; the store look-ups (run name, digest) run on a
+:class:`~deltasync._worker.SerialWorker` (a newer status replaces one not yet handled) and the
+:class:`~deltasync.signal.FleetReporter` sends in the background and retries.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import contextlib
 import logging
 from typing import Any
 
+from deltasync._worker import SerialWorker, WorkerClosed
 from deltasync.errors import DeltaSyncError, SignalRejected
 from deltasync.signal import FleetReporter, default_replica
 
@@ -55,6 +58,7 @@ class EngineReporter:
         self._reader: Any = None
         self._store_url: str | None = None
         self._off = False
+        self._worker = SerialWorker("deltasync-engine-report")
 
     def _reader_for(self, store_url: str | None) -> Any:
         if store_url is None:
@@ -67,7 +71,22 @@ class EngineReporter:
         return self._reader
 
     def report(self, status: dict[str, Any]) -> None:
-        """Report the engine's ``status`` (never raises)."""
+        """Report the engine's ``status`` (returns at once, never raises)."""
+        if self._off:
+            return
+        snapshot = dict(status)
+        with contextlib.suppress(WorkerClosed):
+            self._worker.submit(lambda: self._send(snapshot), coalesce="report")
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the statuses given so far are handed to the reporter (tests, shutdown)."""
+        return self._worker.flush(timeout)
+
+    def delivered(self, timeout: float | None = None) -> bool:
+        """Wait until the last status reached the signal server (False while none could be sent)."""
+        return self.flush(timeout) and self._reporter is not None and self._reporter.wait_reported(timeout)
+
+    def _send(self, status: dict[str, Any]) -> None:
         if self._off:
             return
         try:
@@ -93,6 +112,8 @@ class EngineReporter:
 
     def close(self) -> None:
         """Stop reporting; the engine leaves the fleet."""
+        self._worker.flush(10.0)
+        self._worker.close(timeout=10.0)
         if self._reporter is not None:
             self._reporter.close()
             self._reporter = None
