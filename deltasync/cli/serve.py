@@ -17,7 +17,8 @@ DESCRIPTION = """
         Run the signal server (FastAPI + uvicorn): trainers POST "step N committed", fetchers wait by
         SSE, long-poll or signed webhooks. Tokens come from the environment:
         DELTASYNC_PUBLISH_TOKEN (needed to publish; required off loopback) and
-        DELTASYNC_SUBSCRIBE_TOKEN (needed to subscribe, when set).
+        DELTASYNC_SUBSCRIBE_TOKEN (needed to subscribe, when set) and DELTASYNC_REPORT_TOKEN
+        (needed to report to the fleet view, when set; else the subscribe token reports).
         """
 EPILOG: str | None = None
 
@@ -67,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
         f"{name}: {'token' if tok else 'open'}"
         for name, tok in (("publish", settings.publish_token), ("subscribe", settings.subscribe_token))
     )
+    if settings.report_token:
+        scopes += ", report: token"
     print(
         f"deltasync signal server on http://{args.host}:{args.port} ({scopes}; db {settings.db_path}"
         + ("" if settings.store_url else "; no store: published steps are not checked")
