@@ -2,8 +2,8 @@
 
 :func:`wait_for_fleet` reads the run's fleet from the signal server (``GET /v1/runs/{run}/fleet``)
 until enough live replicas serve ``step - max_lag`` or newer: every one (default), at least
-``quorum`` of them (an integer), or that fraction of them (a float in (0, 1]); and never fewer
-than ``min_replicas`` (a fleet nobody reports to is not "all caught up"). A replica serves a step
+``quorum`` of them (an integer), or that fraction of them (a float in (0, 1]); and only while at
+least ``min_replicas`` replicas report (a fleet nobody reports to is not "all caught up"). A replica serves a step
 when it reported that step or a newer one and its weights are intact (``serving``, or ``failed``:
 its last update failed and it still serves its step, bit-exact). On timeout it raises
 :class:`~deltasync.errors.StalenessTimeout` with who is behind and what to do.
@@ -23,14 +23,13 @@ from deltasync.signal._fleet import FleetView
 __all__ = ["fleet_ready", "wait_for_fleet"]
 
 
-def _needed(live: int, quorum: int | float | None, min_replicas: int) -> int:
+def _needed(live: int, quorum: int | float | None) -> int:
+    """How many of ``live`` replicas must serve the step."""
     if quorum is None:
-        need = live
-    elif isinstance(quorum, float):
-        need = math.ceil(quorum * live - 1e-9)
-    else:
-        need = quorum
-    return max(need, min_replicas)
+        return live
+    if isinstance(quorum, float):
+        return math.ceil(quorum * live - 1e-9)
+    return quorum
 
 
 def _check_quorum(quorum: int | float | None, min_replicas: int, max_lag: int) -> None:
@@ -51,7 +50,8 @@ def fleet_ready(
     _check_quorum(quorum, min_replicas, max_lag)
     floor = step - max_lag
     ready = sum(r.serves_at_least(floor) for r in view.replicas)
-    return ready >= _needed(len(view.replicas), quorum, min_replicas)
+    live = len(view.replicas)
+    return live >= min_replicas and ready >= _needed(live, quorum)
 
 
 def _report(
@@ -66,11 +66,11 @@ def _report(
 ) -> str:
     floor = step - max_lag
     live = len(view.replicas) if view is not None else 0
-    need = _needed(live, quorum, min_replicas)
+    need = _needed(live, quorum)
     who = "every live replica" if quorum is None else f"a quorum of {quorum}"
     lines = [
         f"timed out after {timeout:g} s waiting for run {run!r} to be served at step {floor} or newer "
-        f"(step {step}, max lag {max_lag}; {who}, at least {min_replicas}):"
+        f"(step {step}, max lag {max_lag}; {who}, with at least {min_replicas} reporting):"
     ]
     if view is None:
         lines.append(f"  the fleet could not be read from the signal server: {error}")

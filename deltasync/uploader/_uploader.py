@@ -268,7 +268,7 @@ class DeltaUploader:
         """The staleness gate: wait until the run's live replicas serve ``step - max_lag`` or newer.
 
         ``step`` defaults to the newest committed step. Every live replica must (default), or
-        ``quorum`` of them (an int, or a fraction in (0, 1]), and at least ``min_replicas``. The
+        ``quorum`` of them (an int, or a fraction in (0, 1]), with at least ``min_replicas`` reporting. The
         replicas report to the signal server of ``signal_url`` under ``signal_run`` (default: the
         run id); reading the fleet takes ``signal_token``. Returns the fleet that passed; raises
         :class:`~deltasync.errors.StalenessTimeout` after ``timeout`` seconds, naming who is behind.

@@ -328,3 +328,19 @@ def test_a_refused_read_raises_at_once(server: ThreadServer, run: str) -> None:
 def test_the_gate_refuses_bad_arguments(trainer: SignalClient, kw: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         wait_for_fleet(trainer, "r", 1, **kw)  # type: ignore[arg-type]
+
+
+def test_readiness_counts_ready_replicas_against_the_quorum_among_those_reporting() -> None:
+    from deltasync.signal import ReplicaStatus
+
+    def view(*replicas: tuple[int | None, str]) -> FleetView:
+        return FleetView("r", 9, 0.0, tuple(ReplicaStatus(f"e{i}", s, None, st) for i, (s, st) in enumerate(replicas)))
+
+    fleet = view((9, "serving"), (8, "failed"), (7, "serving"), (9, "needs_replacement"), (None, "starting"))
+    assert fleet_ready(fleet, 9, quorum=1)
+    assert not fleet_ready(fleet, 9, quorum=2)  # needs_replacement does not count, whatever its step
+    assert fleet_ready(fleet, 9, max_lag=1, quorum=2)  # failed still serves its step
+    assert fleet_ready(fleet, 9, max_lag=2, quorum=0.6) and not fleet_ready(fleet, 9, max_lag=2, quorum=0.61)
+    assert not fleet_ready(fleet, 9, max_lag=9)  # every live one: the starting one serves nothing
+    assert fleet_ready(fleet, 9, quorum=1, min_replicas=5) and not fleet_ready(fleet, 9, quorum=1, min_replicas=6)
+    assert not fleet_ready(view(), 0) and fleet_ready(view(), 0, min_replicas=0)
