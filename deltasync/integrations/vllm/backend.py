@@ -175,12 +175,6 @@ class WorkerSync:
         if info.verify not in (True, False, "full"):
             raise ValueError(f"verify must be true, false or 'full', got {info.verify!r}")
         self.options = info
-        if info.store is not None:
-            self.mirror_for(info.store)
-        if info.metrics_port is not None:
-            self._serve_metrics(info.metrics_port + self.rank)
-        if info.prefetch:
-            self._start_prefetch()
         if info.signal is not None and self.rank == 0 and self._reporter is None:
             self._reporter = EngineReporter(
                 info.signal,
@@ -189,7 +183,15 @@ class WorkerSync:
                 replica=info.replica,
                 heartbeat=info.report_heartbeat,
             )
-        self._report()
+        try:
+            if info.store is not None:
+                self.mirror_for(info.store)
+            if info.metrics_port is not None:
+                self._serve_metrics(info.metrics_port + self.rank)
+            if info.prefetch:
+                self._start_prefetch()
+        finally:
+            self._report()  # a refused engine reports its refusal too
         return self.status()
 
     def _report(self) -> None:
