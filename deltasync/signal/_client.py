@@ -61,9 +61,9 @@ class CommitEvent:
 
 def _token_hint(method: str, path: str, status: int, sent: bool) -> str:
     """What to set after a 401/403: the subscribe token for reads, the publish token for writes."""
-    if "/replicas/" in path:
-        scope, env = "report", "DELTASYNC_REPORT_TOKEN"
-        who = "receivers read it (else DELTASYNC_SUBSCRIBE_TOKEN); or pass token= / signal_token="
+    if "/replicas/" in path:  # a receiver's report: its subscribe token, unless the server has a report token
+        scope, env = "subscribe", "DELTASYNC_SUBSCRIBE_TOKEN"
+        who = "or DELTASYNC_REPORT_TOKEN to its report token, where it has one; or pass token= / signal_token="
     elif method == "GET" and not path.rstrip("/").endswith("/webhooks"):
         scope, env = "subscribe", "DELTASYNC_SUBSCRIBE_TOKEN"
         who = "`deltasync fetch`/`follow` read it; or pass token= (the publish token works too)"
