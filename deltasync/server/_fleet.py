@@ -71,16 +71,21 @@ class FleetBook:
         self._lock = threading.Lock()
         self._runs: dict[str, dict[str, Replica]] = {}
 
-    def _prune(self, now: float) -> None:
-        expired = 0
-        for run in list(self._runs):
-            book = self._runs[run]
-            dead = [k for k, r in book.items() if not r.alive(now)]
-            for k in dead:
-                del book[k]
-            expired += len(dead)
-            if not book:
-                del self._runs[run]
+    def _prune_run(self, run: str, now: float) -> int:
+        book = self._runs.get(run)
+        if book is None:
+            return 0
+        dead = [k for k, r in book.items() if not r.alive(now)]
+        for k in dead:
+            del book[k]
+        if not book:
+            del self._runs[run]
+        return len(dead)
+
+    def _prune(self, now: float, run: str | None = None) -> None:
+        """Drop the replicas past their time to live: of ``run`` only (a request's), or of every run."""
+        runs = [run] if run is not None else list(self._runs)
+        expired = sum(self._prune_run(r, now) for r in runs)
         if expired:
             self._on_expire(expired)
 
@@ -101,8 +106,10 @@ class FleetBook:
         """
         with self._lock:
             now = self.clock()
-            self._prune(now)
+            self._prune(now, run)
             book = self._runs.get(run)
+            if book is None and len(self._runs) >= self.max_runs:
+                self._prune(now)  # other runs' fleets may have aged out entirely
             if book is None:
                 if len(self._runs) >= self.max_runs:
                     raise FleetFull(f"the server tracks the fleets of {self.max_runs} runs already; retry later")
@@ -130,7 +137,7 @@ class FleetBook:
     def leave(self, run: str, replica: str) -> bool:
         """Remove a replica (it shut down cleanly); whether it was there."""
         with self._lock:
-            self._prune(self.clock())
+            self._prune(self.clock(), run)
             book = self._runs.get(run)
             if book is None or replica not in book:
                 return False
@@ -143,7 +150,7 @@ class FleetBook:
         """The clock's now and the live replicas of ``run``, sorted by id."""
         with self._lock:
             now = self.clock()
-            self._prune(now)
+            self._prune(now, run)
             return now, sorted(self._runs.get(run, {}).values(), key=lambda r: r.replica)
 
     def runs(self) -> tuple[float, dict[str, list[Replica]]]:
