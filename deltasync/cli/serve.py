@@ -33,6 +33,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="store URL to check commits against before announcing them ({run} is replaced by the run name)",
     )
+    p.add_argument(
+        "--fleet-ttl",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="a replica silent this long leaves the fleet view (a report may name its own)",
+    )
     p.add_argument("--insecure", action="store_true", help="allow a non-loopback host without a publish token")
     p.add_argument(
         "--log-level",
@@ -58,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.store is not None:  # a mistyped URL fails now, not at the first publish
         print(f"store: {resolved_store_url(args.store)}", file=sys.stderr, flush=True)
-    settings = Settings.from_env(db_path=args.db, store_url=args.store)
+    settings = Settings.from_env(db_path=args.db, store_url=args.store, fleet_ttl_s=args.fleet_ttl)
     if not settings.secured and not is_loopback(args.host) and not args.insecure:
         raise DeltaSyncError(
             f"refusing to serve on {args.host} without DELTASYNC_PUBLISH_TOKEN: anyone could publish; "
