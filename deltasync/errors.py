@@ -28,6 +28,7 @@ builtin exception means the same thing, the class also subclasses it, so
     ├── UpdateRolledBack                  a live engine refused a step; it still serves its previous step, bit-exact
     ├── WorkerNeedsReplacement            a live engine's weights could not be restored: replace the worker
     ├── EngineIncompatible                a live engine's parameters are not the checkpoint's tensors: refused before any load
+    ├── StalenessTimeout                  (also TimeoutError) the fleet's replicas did not reach a step in time
     └── DemoError                         (also ValueError) `deltasync demo` cannot start as asked
 
 Every class pickles (it carries only its message), so errors cross process
@@ -55,6 +56,7 @@ __all__ = [
     "SignalRejected",
     "SignalUnavailable",
     "SignatureMismatch",
+    "StalenessTimeout",
     "StorageError",
     "TransientStorageError",
     "UnsupportedVersion",
@@ -138,6 +140,11 @@ class CommitFailed(DeltaSyncError):
 
 class WriterFenced(CommitFailed):
     """A newer uploader claimed this run prefix (a higher writer epoch); this one may not commit."""
+
+
+class StalenessTimeout(DeltaSyncError, TimeoutError):
+    """Not enough live replicas of a run served the step asked for within the timeout; the message
+    lists who is behind (step, lag, state, last error, last report) and what to do."""
 
 
 class SignalError(DeltaSyncError):

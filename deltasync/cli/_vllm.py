@@ -3,7 +3,8 @@
 Each new committed step (SSE from ``--signal``, else polling the store) runs
 :class:`~deltasync.integrations.vllm.driver.VLLMDriver`'s whole update sequence on every server
 (pause, the four weight-transfer phases with ``weight_version=str(step)``, prefix-cache reset,
-resume); one line per server and step; a step a server refused is retried with backoff.
+resume); one line per server and step; a step a server refused is retried with backoff. With
+``--signal``, each server is reported to the signal server's fleet view as one replica.
 """
 
 from __future__ import annotations
@@ -57,6 +58,16 @@ def run_vllm(args: argparse.Namespace) -> int:
     with open_store(args.store) as store:
         announce_store(store)
         reader = RunReader(store)
+        run = args.run or (reader.run_id() if args.signal else None)
+        reporting = bool(args.signal) and not args.no_report
+        if reporting and run is None:
+            print(
+                "not reporting to the fleet view: the run's name is not known yet (nothing committed); pass --run",
+                file=sys.stderr,
+                flush=True,
+            )
+            reporting = False
+        replicas = [f"{args.replica}-{i}" for i in range(len(args.vllm))] if args.replica else None
         driver = VLLMDriver(
             args.vllm,
             args.vllm_store or store.url,
@@ -64,6 +75,10 @@ def run_vllm(args: argparse.Namespace) -> int:
             timeout=args.vllm_timeout,
             api_key=api_key,
             prefetch=not args.no_prefetch,
+            signal=args.signal if reporting else None,
+            signal_token=os.environ.get("DELTASYNC_REPORT_TOKEN") or token,
+            run=run if reporting else None,
+            replicas=replicas,
         )
         with driver:
             driver.init()
@@ -80,7 +95,7 @@ def run_vllm(args: argparse.Namespace) -> int:
                 reader.latest_step,
                 signal_url=args.signal,
                 token=token,
-                run=args.run or (reader.run_id() if args.signal else None),
+                run=run,
                 heartbeat=min(2.0, args.poll_interval),
                 poll_interval=args.poll_interval,
                 stop=stop,

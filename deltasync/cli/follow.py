@@ -21,7 +21,8 @@ DESCRIPTION = """
         disk: wait for each commit (SSE from --signal, else by polling the store), apply it, and swap
         the dir in atomically. Started before the trainer, it waits for the run's first commit. The
         signal server token is DELTASYNC_SUBSCRIBE_TOKEN (or, when that is unset,
-        DELTASYNC_PUBLISH_TOKEN).
+        DELTASYNC_PUBLISH_TOKEN). With --signal, what the target serves is reported to the server's
+        fleet view (`deltasync fleet`), with DELTASYNC_REPORT_TOKEN when set.
         """
 EPILOG: str | None = """
         example:
@@ -53,6 +54,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="write a lease (leases/<id>.json) valid this long after each step, so `deltasync gc` keeps what this "
         "follower needs (needs write access to the store; default: no lease)",
     )
+    p.add_argument(
+        "--replica",
+        metavar="ID",
+        help="replica id in the signal server's fleet view (default: <hostname>-<pid>; with --vllm, each server's "
+        "host:port, or ID-<i>)",
+    )
+    p.add_argument("--no-report", action="store_true", help="do not report to the signal server's fleet view")
     add_vllm_arguments(p)
 
 
@@ -69,8 +77,10 @@ def run(args: argparse.Namespace) -> int:
         return run_vllm(args)
     from deltasync.fetcher import DeltaFetcher
     from deltasync.run import RunReader
+    from deltasync.signal import check_replica, default_replica
 
     token = os.environ.get("DELTASYNC_SUBSCRIBE_TOKEN") or os.environ.get("DELTASYNC_PUBLISH_TOKEN") or None
+    replica = None if args.no_report or not args.signal else check_replica(args.replica or default_replica())
     with open_store(args.store) as store:
         announce_store(store)
         # a run that is not there yet (not even its directory) is waited for: the trainer may start after
@@ -108,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
                 on_step=on_step,
                 config_from=args.config_from,
                 metrics=metrics,
+                replica=replica,
+                report_token=os.environ.get("DELTASYNC_REPORT_TOKEN") or None,
             )
     print(f"stopped at step {step}")
     return 0

@@ -1,4 +1,4 @@
-"""Command line: ``deltasync {fetch,inspect,gc,upload,serve,follow,demo}`` and ``delta-upload``.
+"""Command line: ``deltasync {fetch,inspect,gc,upload,serve,follow,fleet,demo}`` and ``delta-upload``.
 
 The entry points and the error mapping; each command is one module of this package
 (``NAME``, ``SUMMARY``, ``DESCRIPTION``, ``EPILOG``, ``add_arguments(p)``, ``run(args)``),
@@ -29,7 +29,7 @@ import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from deltasync.cli import demo, fetch, follow, gc, inspect, serve, upload
+from deltasync.cli import demo, fetch, fleet, follow, gc, inspect, serve, upload
 from deltasync.cli._common import HelpFormatter
 from deltasync.errors import DeltaSyncError
 
@@ -51,7 +51,7 @@ class Command(Protocol):
         """Do the command; the exit status."""
 
 
-COMMANDS: tuple[Command, ...] = (fetch, inspect, gc, upload, serve, follow, demo)
+COMMANDS: tuple[Command, ...] = (fetch, inspect, gc, upload, serve, follow, fleet, demo)
 
 
 def _run(fn: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:

@@ -17,7 +17,8 @@ DESCRIPTION = """
         Run the signal server (FastAPI + uvicorn): trainers POST "step N committed", fetchers wait by
         SSE, long-poll or signed webhooks. Tokens come from the environment:
         DELTASYNC_PUBLISH_TOKEN (needed to publish; required off loopback) and
-        DELTASYNC_SUBSCRIBE_TOKEN (needed to subscribe, when set).
+        DELTASYNC_SUBSCRIBE_TOKEN (needed to subscribe, when set) and DELTASYNC_REPORT_TOKEN
+        (needed to report to the fleet view, when set; else the subscribe token reports).
         """
 EPILOG: str | None = None
 
@@ -31,6 +32,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--store",
         metavar="URL",
         help="store URL to check commits against before announcing them ({run} is replaced by the run name)",
+    )
+    p.add_argument(
+        "--fleet-ttl",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="a replica silent this long leaves the fleet view (a report may name its own)",
     )
     p.add_argument("--insecure", action="store_true", help="allow a non-loopback host without a publish token")
     p.add_argument(
@@ -57,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.store is not None:  # a mistyped URL fails now, not at the first publish
         print(f"store: {resolved_store_url(args.store)}", file=sys.stderr, flush=True)
-    settings = Settings.from_env(db_path=args.db, store_url=args.store)
+    settings = Settings.from_env(db_path=args.db, store_url=args.store, fleet_ttl_s=args.fleet_ttl)
     if not settings.secured and not is_loopback(args.host) and not args.insecure:
         raise DeltaSyncError(
             f"refusing to serve on {args.host} without DELTASYNC_PUBLISH_TOKEN: anyone could publish; "
@@ -67,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
         f"{name}: {'token' if tok else 'open'}"
         for name, tok in (("publish", settings.publish_token), ("subscribe", settings.subscribe_token))
     )
+    if settings.report_token:
+        scopes += ", report: token"
     print(
         f"deltasync signal server on http://{args.host}:{args.port} ({scopes}; db {settings.db_path}"
         + ("" if settings.store_url else "; no store: published steps are not checked")

@@ -4,11 +4,13 @@ The signal server (SSE) is a fast hint; the store is the truth. Waiting for the 
 :class:`deltasync.signal.StepWatcher`'s job: when the server is unreachable it polls the store's
 ``HEAD.json`` (and now and then the manifest listing) every ``poll_interval`` seconds and keeps
 reconnecting with backoff; a resumed stream replays the commits it missed (``Last-Event-ID``).
-This module decides what to do with each step seen: apply it, count it, record metrics.
+This module decides what to do with each step seen: apply it, count it, record metrics, and
+(with ``replica``) report what the target serves to the signal server's fleet view.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -24,7 +26,7 @@ from deltasync.errors import DeltaSyncError, InventoryMismatch, SignalRejected, 
 from deltasync.fetcher._materialize import config_files
 from deltasync.protocol import Head
 from deltasync.protocol.keys import HEAD_KEY
-from deltasync.signal import StepWatcher, StorePoller
+from deltasync.signal import FleetReporter, StepWatcher, StorePoller
 
 if TYPE_CHECKING:
     import httpx
@@ -102,6 +104,9 @@ def follow(
     stats: FollowStats | None = None,
     config_from: str | os.PathLike[str] | None = None,
     metrics: SyncMetrics | None = None,
+    replica: str | None = None,
+    report_token: str | None = None,
+    report_heartbeat: float = 10.0,
 ) -> int | None:
     """Keep ``target`` at the newest committed step until ``until_step`` is reached or ``stop`` is set.
 
@@ -122,6 +127,10 @@ def follow(
     metrics: a :class:`~deltasync.fetcher.metrics.SyncMetrics` to record the head seen, each step reached
         (with :attr:`DeltaFetcher.last_stats` for tensor targets; step and seconds for a dir) and
         failures (``apply``, ``signal``, ``store``).
+    replica: with ``signal_url``, report the target to the signal server's fleet view as this
+        replica (:class:`~deltasync.signal.FleetReporter`): its step and manifest digest, ``failed``
+        with the error after a failed apply, every ``report_heartbeat`` seconds; it leaves the
+        fleet when ``follow`` returns. ``report_token``: the token of the reports (default ``token``).
 
     Returns the step the target is at (None if the run never had a step).
     Errors of one apply are logged and retried; an :class:`InventoryMismatch`
@@ -141,6 +150,36 @@ def follow(
     wanted = current
     if metrics is not None and current is not None:
         metrics.observe_applied(current)
+
+    reporter: FleetReporter | None = None
+    reporting = replica is not None and signal_url is not None
+
+    def report(step: int | None, state: str, error: str | None = None) -> None:
+        nonlocal reporter, reporting
+        if not reporting or replica is None or signal_url is None:
+            return
+        if reporter is None:
+            name = run_name()
+            if name is None:
+                return  # nothing committed yet: the run's name is not known
+            try:
+                reporter = FleetReporter(
+                    signal_url,
+                    name,
+                    report_token or token,
+                    replica=replica,
+                    heartbeat=report_heartbeat,
+                    transport=transport,
+                )
+            except SignalRejected as exc:
+                reporting = False
+                log.warning("not reporting to the fleet view: %s", exc)
+                return
+        digest = None
+        if step is not None:
+            with contextlib.suppress(DeltaSyncError):  # the digest is a nicety: the step is what counts
+                digest = fetcher.reader.committed(step).digest
+        reporter.update(step, state, digest=digest, last_error=error)
 
     def done() -> bool:
         return stop.is_set() or (until_step is not None and current is not None and current >= until_step)
@@ -162,6 +201,7 @@ def follow(
             if metrics is not None:
                 metrics.observe_failure("apply")
             log.warning("cannot apply step %d yet (will retry): %s", step, exc)
+            report(current, "failed", f"step {step}: {type(exc).__name__}: {exc}")
             return
         current = step
         st.applied += 1
@@ -171,6 +211,7 @@ def follow(
                 metrics.observe_sync(reached)
             else:  # a dir: materialize leaves no stats
                 metrics.observe_applied(step, seconds=time.perf_counter() - t0)
+        report(step, "serving")
         if on_step is not None:
             on_step(step)
 
@@ -214,6 +255,7 @@ def follow(
         stop=stop,
         clock=time.monotonic,
     )
+    report(current, "starting" if current is None else "serving")
     try:
         for seen in watcher.watch(resume=lambda: current):
             if seen.kind == "lost":
@@ -247,7 +289,11 @@ def follow(
                     apply(wanted)  # a signalled step the store did not show yet
             if done():
                 break
+            if reporter is None and reporting:
+                report(current, "starting" if current is None else "serving")  # the run's name may be known now
     finally:
         st.connected = False
         watcher.close()
+        if reporter is not None:
+            reporter.close()
     return current

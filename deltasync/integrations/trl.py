@@ -18,6 +18,15 @@ every server through the update sequence of :class:`~deltasync.integrations.vllm
 (pause, four phases with ``weight_version=str(step)``, prefix-cache reset, resume). The engines
 never see NCCL: they download the step from the store. ``resume()`` then has nothing left to do.
 
+Bounded staleness: with ``max_staleness=k`` (and ``signal_url=`` among the uploader options),
+``send_weights`` returns only once every live replica reporting to the signal server's fleet view
+(``deltasync follow``, ``deltasync follow --vllm``, engines with the backend's ``signal`` option,
+and the servers this transfer drives) serves step N - k or newer, so the rollouts TRL collects
+after a sync come from weights at most ``k`` syncs older than its model version (TRL's own
+``max_staleness`` bounds how old the samples it trains on may be; this bounds the engines).
+After ``staleness_timeout`` seconds it raises :class:`~deltasync.errors.StalenessTimeout` naming
+who is behind.
+
 Steps are numbered by sync: the first sync (TRL's cold sync at train begin) is ``first_step``
 (default: 0 on an empty store, else the store's newest step + 1), then one more per sync.
 
@@ -70,7 +79,10 @@ class DeltaSyncWeightTransfer:
     e.g. when ``deltasync follow --vllm`` runs beside the servers). ``model``: the trained model, whose
     frozen parameters join each step. ``strict``: raise when a server does not serve a synced step
     (its rollouts would come from older weights than TRL believes); False only logs it.
-    ``uploader_options`` go to :class:`~deltasync.DeltaUploader` (``anchor_every``, ``signal_url``...).
+    ``uploader_options`` go to :class:`~deltasync.DeltaUploader` (``anchor_every``, ``signal_url``...);
+    with ``signal_url`` the driven servers also report to its fleet view. ``max_staleness``,
+    ``staleness_quorum``, ``staleness_timeout``: the staleness gate after each sync (see the module doc;
+    :meth:`DeltaUploader.wait_for_replicas`).
     """
 
     def __init__(
@@ -86,8 +98,21 @@ class DeltaSyncWeightTransfer:
         timeout: float = 600.0,
         api_key: str | None = None,
         strict: bool = True,
+        max_staleness: int | None = None,
+        staleness_quorum: int | float | None = None,
+        staleness_timeout: float = 600.0,
         **uploader_options: Any,
     ) -> None:
+        if max_staleness is not None:
+            if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
+                raise ValueError(f"max_staleness must be None or an int >= 0, got {max_staleness!r}")
+            if not uploader_options.get("signal_url"):
+                raise ValueError(
+                    "max_staleness needs signal_url=: the signal server the replicas report to (docs/fleet.md)"
+                )
+        self.max_staleness = max_staleness
+        self.staleness_quorum = staleness_quorum
+        self.staleness_timeout = staleness_timeout
         self.store = store if isinstance(store, Store) else open_store(store)
         self.servers = list(servers)
         self.model = model
@@ -117,8 +142,16 @@ class DeltaSyncWeightTransfer:
         head = self.uploader.last_committed_step
         self.next_step = self.first_step if self.first_step is not None else (0 if head is None else head + 1)
         if self.servers:
+            signal = self.uploader_options.get("signal_url")
             self.driver = VLLMDriver(
-                self.servers, self.store_url, pause_mode=self.pause_mode, timeout=self.timeout, api_key=self.api_key
+                self.servers,
+                self.store_url,
+                pause_mode=self.pause_mode,
+                timeout=self.timeout,
+                api_key=self.api_key,
+                signal=signal,
+                signal_token=self.uploader_options.get("signal_token"),
+                run=(self.uploader_options.get("signal_run") or self.uploader.run_id) if signal else None,
             )
             self.driver.init()
 
@@ -161,6 +194,11 @@ class DeltaSyncWeightTransfer:
                     "Fix or restart those servers (DeltaSyncWeightTransfer(strict=False) only logs this)"
                 )
             log.warning("%s", msg)
+        if self.max_staleness is not None:
+            view = self.uploader.wait_for_replicas(
+                step, max_lag=self.max_staleness, quorum=self.staleness_quorum, timeout=self.staleness_timeout
+            )
+            log.info("step %d: %d replicas serve step %d or newer", step, len(view.replicas), step - self.max_staleness)
 
     def resume(self) -> None:
         """Nothing left to do: each server was resumed by its update sequence."""

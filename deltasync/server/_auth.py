@@ -1,4 +1,10 @@
-"""Bearer-token scopes: ``publish`` (write; also grants subscribe) and ``subscribe`` (read)."""
+"""Bearer-token scopes: ``publish`` (write; grants every scope), ``subscribe`` (read) and ``report``
+(a receiver reporting to the fleet view).
+
+``report`` takes the ``report_token`` when the server has one, else the ``subscribe`` scope's
+tokens: a receiver holds a subscribe token already, and a report changes nothing but the fleet
+view. Set a report token where readers must not be able to speak for replicas.
+"""
 
 from __future__ import annotations
 
@@ -13,10 +19,11 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from deltasync.server._deps import MetricsDep, SettingsDep
 from deltasync.server._input import no_unknown_query
 from deltasync.server._models import Problem
+from deltasync.server._settings import Settings
 
-__all__ = ["AUTH_RESPONSES", "Publish", "Subscribe", "require"]
+__all__ = ["AUTH_RESPONSES", "Publish", "Report", "Subscribe", "require"]
 
-_bearer = HTTPBearer(auto_error=False, description="publish or subscribe token")
+_bearer = HTTPBearer(auto_error=False, description="publish, subscribe or report token")
 
 
 def _same(given: str, expected: str) -> bool:
@@ -28,7 +35,16 @@ def _auth_error(status: int, detail: str) -> HTTPException:
     return HTTPException(status, detail, headers={"WWW-Authenticate": 'Bearer realm="deltasync"'})
 
 
-def require(scope: Literal["publish", "subscribe"]) -> Callable[..., Awaitable[None]]:
+def _wanted(settings: Settings, scope: str) -> list[str | None]:
+    """The tokens that grant ``scope``; the first one None means the scope is open."""
+    if scope == "publish":
+        return [settings.publish_token]
+    if scope == "report" and settings.report_token is not None:
+        return [settings.report_token, settings.publish_token]
+    return [settings.subscribe_token, settings.publish_token]
+
+
+def require(scope: Literal["publish", "subscribe", "report"]) -> Callable[..., Awaitable[None]]:
     """A dependency that refuses requests without a token of ``scope`` (401 none, 403 wrong).
 
     It authenticates first, and only then refuses query parameters the route does
@@ -41,7 +57,7 @@ def require(scope: Literal["publish", "subscribe"]) -> Callable[..., Awaitable[N
         metrics: MetricsDep,
         cred: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
     ) -> None:
-        wanted = [settings.publish_token] if scope == "publish" else [settings.subscribe_token, settings.publish_token]
+        wanted = _wanted(settings, scope)
         if wanted[0] is None:  # the scope is open
             no_unknown_query(request)
             return
@@ -62,6 +78,7 @@ def require(scope: Literal["publish", "subscribe"]) -> Callable[..., Awaitable[N
 
 Publish = Depends(require("publish"))
 Subscribe = Depends(require("subscribe"))
+Report = Depends(require("report"))
 
 AUTH_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {"model": Problem, "description": "the body is not parseable JSON"},

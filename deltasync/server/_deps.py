@@ -11,11 +11,21 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from deltasync.server._fleet import FleetBook
 from deltasync.server._metrics import Metrics
 from deltasync.server._relay import CommitRelay
 from deltasync.server._settings import Settings
 
-__all__ = ["MetricsDep", "RelayDep", "SettingsDep", "get_metrics", "get_relay", "get_settings"]
+__all__ = [
+    "FleetDep",
+    "MetricsDep",
+    "RelayDep",
+    "SettingsDep",
+    "get_fleet",
+    "get_metrics",
+    "get_relay",
+    "get_settings",
+]
 
 
 def get_settings(request: Request) -> Settings:
@@ -36,6 +46,13 @@ def get_metrics(request: Request) -> Metrics:
     return metrics
 
 
+def get_fleet(request: Request) -> FleetBook:
+    """The app's :class:`~deltasync.server._fleet.FleetBook` (what each replica reported)."""
+    fleet: FleetBook = request.app.state.fleet
+    return fleet
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 RelayDep = Annotated[CommitRelay, Depends(get_relay)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
+FleetDep = Annotated[FleetBook, Depends(get_fleet)]

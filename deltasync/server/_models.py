@@ -11,7 +11,19 @@ from deltasync.protocol.keys import MAX_STEP
 from deltasync.server._db import Commit, Webhook
 from deltasync.server._settings import DIGEST_PATTERN
 
-__all__ = ["CommitIn", "CommitOut", "Problem", "StepNo", "WebhookIn", "WebhookOut", "commit_out", "webhook_out"]
+__all__ = [
+    "CommitIn",
+    "CommitOut",
+    "FleetOut",
+    "Problem",
+    "ReplicaIn",
+    "ReplicaOut",
+    "StepNo",
+    "WebhookIn",
+    "WebhookOut",
+    "commit_out",
+    "webhook_out",
+]
 
 
 def _json_integer(v: Any) -> Any:
@@ -75,6 +87,52 @@ class WebhookOut(BaseModel):
     run: str
     url: str
     created: float
+
+
+class ReplicaIn(BaseModel):
+    """Body of ``PUT /v1/runs/{run}/replicas/{replica}``: what the replica serves now."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    # the range before the validator: after it, the JSON Schema of the union member says "ge"/"le"
+    step: Annotated[int, Field(ge=0, le=MAX_STEP), BeforeValidator(_json_integer)] | None = Field(
+        default=None, description="the step it serves (null: none yet)"
+    )
+    digest: str | None = Field(
+        default=None, pattern=DIGEST_PATTERN, description="xxh3-128 of the served step's manifest.json, when known"
+    )
+    state: Literal["starting", "serving", "failed", "needs_replacement"]
+    last_error: str | None = Field(default=None, max_length=2000, description="the error of its last failed update")
+    ttl_s: float | None = Field(
+        default=None, ge=1, le=86400, description="seconds it stays in the fleet without a report (default: server's)"
+    )
+
+
+class ReplicaOut(BaseModel):
+    """One live replica in a run's fleet."""
+
+    replica: str
+    step: int | None
+    #: ``head - step`` (null when the head or the step is unknown)
+    lag: int | None
+    state: str
+    digest: str | None
+    #: whether ``digest`` is the digest the server recorded for ``step`` (null when either is unknown)
+    digest_ok: bool | None
+    last_error: str | None
+    since: float
+    last_seen: float
+    #: seconds since its last report, by the server's clock
+    age_s: float
+    ttl_s: float
+
+
+class FleetOut(BaseModel):
+    """Reply of ``GET /v1/runs/{run}/fleet``: the run's head and its live replicas, sorted by id."""
+
+    run: str
+    head: int | None
+    time: float
+    replicas: list[ReplicaOut]
 
 
 class Problem(BaseModel):

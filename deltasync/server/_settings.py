@@ -33,7 +33,10 @@ class Settings:
         rederive); it also grants ``subscribe``. None leaves publishing open,
         which :func:`deltasync.server.serve` allows on loopback addresses only.
     subscribe_token: bearer token of the ``subscribe`` scope (head, events,
-        wait). None leaves reading open.
+        wait, the fleet view). None leaves reading open.
+    report_token: bearer token of the ``report`` scope (receivers reporting what
+        they serve to the fleet view). None: reporting takes the ``subscribe``
+        scope's tokens (a receiver's token); the publish token always works.
     db_path: SQLite file that keeps heads, commit history and webhooks across
         restarts (``":memory:"`` keeps nothing).
     store_url: optional store URL; ``{run}`` in it is replaced by the run name.
@@ -45,10 +48,15 @@ class Settings:
     history: commits kept per run for SSE replay (older ones are pruned).
     webhook_attempts / webhook_backoff_s / webhook_timeout_s: delivery retries
         (exponential backoff starting at ``webhook_backoff_s``).
+    fleet_ttl_s: a replica that has not reported for this long leaves the fleet
+        view (a report may name its own ``ttl_s``).
+    max_replicas: live replicas per run in the fleet view (a new one past it: 429).
+    max_fleet_runs: runs with a fleet at once (a new one past it: 429).
     """
 
     publish_token: str | None = None
     subscribe_token: str | None = None
+    report_token: str | None = None
     db_path: str = ":memory:"
     store_url: str | None = None
     max_body_bytes: int = 16 * 1024
@@ -58,9 +66,12 @@ class Settings:
     webhook_attempts: int = 6
     webhook_backoff_s: float = 0.5
     webhook_timeout_s: float = 5.0
+    fleet_ttl_s: float = 30.0
+    max_replicas: int = 256
+    max_fleet_runs: int = 1024
 
     def __post_init__(self) -> None:
-        for name in ("publish_token", "subscribe_token"):
+        for name in ("publish_token", "subscribe_token", "report_token"):
             tok = getattr(self, name)
             if tok is not None and (not isinstance(tok, str) or len(tok) < 8 or not tok.isprintable() or " " in tok):
                 raise ValueError(f"{name} must be at least 8 printable characters without spaces")
@@ -70,14 +81,20 @@ class Settings:
             raise ValueError("heartbeat_s and max_wait_s must be positive")
         if self.history < 1 or self.webhook_attempts < 1:
             raise ValueError("history and webhook_attempts must be >= 1")
+        if not 0 < self.fleet_ttl_s <= 86400:
+            raise ValueError("fleet_ttl_s must be in (0, 86400]")
+        if self.max_replicas < 1 or self.max_fleet_runs < 1:
+            raise ValueError("max_replicas and max_fleet_runs must be >= 1")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Settings:
-        """Settings with tokens from ``DELTASYNC_PUBLISH_TOKEN`` / ``DELTASYNC_SUBSCRIBE_TOKEN``."""
+        """Settings with tokens from ``DELTASYNC_PUBLISH_TOKEN`` / ``DELTASYNC_SUBSCRIBE_TOKEN`` /
+        ``DELTASYNC_REPORT_TOKEN``."""
         env = os.environ if env is None else env
         values: dict[str, object] = {
             "publish_token": env.get("DELTASYNC_PUBLISH_TOKEN") or None,
             "subscribe_token": env.get("DELTASYNC_SUBSCRIBE_TOKEN") or None,
+            "report_token": env.get("DELTASYNC_REPORT_TOKEN") or None,
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]

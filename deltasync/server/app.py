@@ -11,6 +11,7 @@ through the dependencies in ``_deps``).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -23,6 +24,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 
 from deltasync.server._db import Database
+from deltasync.server._fleet import REPLICA_STATES, FleetBook
+from deltasync.server._fleet_routes import fleet_router
 from deltasync.server._input import validation_error_reply
 from deltasync.server._limits import BodyLimit, limit_body
 from deltasync.server._metrics import Metrics
@@ -68,7 +71,36 @@ def _metrics() -> Metrics:
     metrics.declare("deltasync_sse_events_sent_total", "counter", "Commit events written to SSE streams.")
     metrics.declare("deltasync_webhook_deliveries_total", "counter", "Webhook deliveries by final outcome.")
     metrics.declare("deltasync_webhook_attempts_failed_total", "counter", "Failed webhook attempts (incl. retried).")
+    metrics.declare("deltasync_fleet_reports_total", "counter", "Replica reports recorded (changes and heartbeats).")
+    metrics.declare("deltasync_fleet_reports_refused_total", "counter", "Replica reports refused: the fleet is full.")
+    metrics.declare("deltasync_fleet_joined_total", "counter", "Replicas that joined a run's fleet.")
+    metrics.declare("deltasync_fleet_expired_total", "counter", "Replicas dropped after their time to live.")
     return metrics
+
+
+def _fleet_gauges(metrics: Metrics, fleet: FleetBook, relay: CommitRelay) -> None:
+    """``deltasync_fleet_replicas{run,state}`` and ``deltasync_fleet_max_lag{run}``, computed when scraped."""
+
+    def by_state() -> dict[tuple[tuple[str, str], ...], float]:
+        out: dict[tuple[tuple[str, str], ...], float] = {}
+        for run, replicas in fleet.runs()[1].items():
+            for state in REPLICA_STATES:
+                out[(("run", run), ("state", state))] = sum(r.state == state for r in replicas)
+        return out
+
+    def max_lag() -> dict[tuple[tuple[str, str], ...], float]:
+        out: dict[tuple[tuple[str, str], ...], float] = {}
+        for run, replicas in fleet.runs()[1].items():
+            head = relay.head(run)
+            lags = [head.step - r.step for r in replicas if head is not None and r.step is not None]
+            if lags:
+                out[(("run", run),)] = max(lags)
+        return out
+
+    metrics.gauge_callback("deltasync_fleet_replicas", "Live replicas per run and state.", by_state)
+    metrics.gauge_callback(
+        "deltasync_fleet_max_lag", "Steps the most stale live replica of a run is behind its head.", max_lag
+    )
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -105,12 +137,14 @@ def create_app(
     store: Store | None = None,
     *,
     webhook_transport: httpx.AsyncBaseTransport | None = None,
+    clock: Callable[[], float] = time.time,
 ) -> FastAPI:
     """The signal server as a FastAPI app.
 
     ``store`` (or ``settings.store_url``) makes the server check every published
     step against the store and derive unknown runs' heads from it.
-    ``webhook_transport`` replaces the network for webhook deliveries (tests).
+    ``webhook_transport`` replaces the network for webhook deliveries (tests); ``clock`` is the
+    wall clock of the fleet view (its ``last_seen`` and ageing; tests inject one).
     The relay, settings and metrics are in ``app.state``; routes reach them through
     :func:`~deltasync.server._deps.get_relay` & co, which ``app.dependency_overrides`` can replace.
     """
@@ -129,6 +163,15 @@ def create_app(
         lambda: {(("run", r),): n for r, n in relay.subscribers.items()},
     )
 
+    fleet = FleetBook(
+        ttl_s=settings.fleet_ttl_s,
+        max_replicas=settings.max_replicas,
+        max_runs=settings.max_fleet_runs,
+        clock=clock,
+        on_expire=lambda n: metrics.inc("deltasync_fleet_expired_total", n),
+    )
+    _fleet_gauges(metrics, fleet, relay)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
@@ -146,11 +189,13 @@ def create_app(
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.relay = relay
+    app.state.fleet = fleet
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, validation_error_reply)
     app.add_exception_handler(Conflict, _conflict)
     app.add_exception_handler(StoreUnavailable, _store_down)
     app.add_exception_handler(NotInStore, _not_in_store)
     app.include_router(router)
+    app.include_router(fleet_router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     return app

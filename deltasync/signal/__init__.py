@@ -1,5 +1,6 @@
 """The signal side of a run: the signal server's client, the uploader's :class:`Notifier`, the one
-:class:`StepWatcher` (SSE, falling back to polling the store) and the one staleness definition.
+:class:`StepWatcher` (SSE, falling back to polling the store), the one staleness definition, and
+the fleet: receivers' :class:`FleetReporter` and the trainer's staleness gate :func:`wait_for_fleet`.
 
 Needs only httpx and the standard library, never FastAPI: the uploader and the
 fetcher import this package, and nothing of :mod:`deltasync.server` (which
@@ -9,19 +10,40 @@ re-exports the client names for compatibility).
 from __future__ import annotations
 
 from deltasync.signal._client import CommitEvent, Notifier, SignalClient
-from deltasync.signal._names import RUN_PATTERN, check_run
+from deltasync.signal._fleet import REPLICA_STATES, FleetView, ReplicaStatus
+from deltasync.signal._gate import fleet_ready, wait_for_fleet
+from deltasync.signal._names import (
+    REPLICA_PATTERN,
+    RUN_PATTERN,
+    check_replica,
+    check_run,
+    default_replica,
+    replica_name,
+)
+from deltasync.signal._reporter import FleetReporter, Served
 from deltasync.signal._staleness import Staleness, StalenessTracker
 from deltasync.signal._watcher import StepSeen, StepWatcher, StorePoller
 
 __all__ = [
+    "REPLICA_PATTERN",
+    "REPLICA_STATES",
     "RUN_PATTERN",
     "CommitEvent",
+    "FleetReporter",
+    "FleetView",
     "Notifier",
+    "ReplicaStatus",
+    "Served",
     "SignalClient",
     "Staleness",
     "StalenessTracker",
     "StepSeen",
     "StepWatcher",
     "StorePoller",
+    "check_replica",
     "check_run",
+    "default_replica",
+    "fleet_ready",
+    "replica_name",
+    "wait_for_fleet",
 ]

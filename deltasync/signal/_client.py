@@ -21,7 +21,8 @@ import httpx
 from deltasync._retry import RetryPolicy
 from deltasync._worker import SerialWorker, WorkerClosed
 from deltasync.errors import SignalConflict, SignalError, SignalRejected, SignalUnavailable
-from deltasync.signal._names import check_run
+from deltasync.signal._fleet import FleetView, ReplicaStatus
+from deltasync.signal._names import check_replica, check_run
 
 __all__ = ["CommitEvent", "Notifier", "SignalClient"]
 
@@ -60,7 +61,10 @@ class CommitEvent:
 
 def _token_hint(method: str, path: str, status: int, sent: bool) -> str:
     """What to set after a 401/403: the subscribe token for reads, the publish token for writes."""
-    if method == "GET" and not path.rstrip("/").endswith("/webhooks"):
+    if "/replicas/" in path:  # a receiver's report: its subscribe token, unless the server has a report token
+        scope, env = "subscribe", "DELTASYNC_SUBSCRIBE_TOKEN"
+        who = "or DELTASYNC_REPORT_TOKEN to its report token, where it has one; or pass token= / signal_token="
+    elif method == "GET" and not path.rstrip("/").endswith("/webhooks"):
         scope, env = "subscribe", "DELTASYNC_SUBSCRIBE_TOKEN"
         who = "`deltasync fetch`/`follow` read it; or pass token= (the publish token works too)"
     else:
@@ -197,6 +201,41 @@ class SignalClient:
         r = self._request("POST", f"/v1/runs/{check_run(run)}/webhooks", json={"url": url, "secret": secret})
         out: dict[str, Any] = r.json()
         return out
+
+    def report(
+        self,
+        run: str,
+        replica: str,
+        *,
+        step: int | None,
+        state: str,
+        digest: str | None = None,
+        last_error: str | None = None,
+        ttl_s: float | None = None,
+    ) -> ReplicaStatus:
+        """Tell the server what ``replica`` of ``run`` serves now (scope ``report``); returns its entry."""
+        body: dict[str, Any] = {"step": step, "state": state, "digest": digest, "last_error": last_error}
+        if ttl_s is not None:
+            body["ttl_s"] = ttl_s
+        r = self._request("PUT", f"/v1/runs/{check_run(run)}/replicas/{check_replica(replica)}", json=body)
+        try:
+            return ReplicaStatus.from_json(r.json())
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise SignalUnavailable(f"malformed replica from the signal server: {r.text[:200]}") from exc
+
+    def leave(self, run: str, replica: str) -> bool:
+        """Remove ``replica`` from the run's fleet; whether it was there."""
+        try:
+            self._request("DELETE", f"/v1/runs/{check_run(run)}/replicas/{check_replica(replica)}")
+        except SignalRejected as exc:
+            if "HTTP 404" in str(exc):
+                return False
+            raise
+        return True
+
+    def fleet(self, run: str) -> FleetView:
+        """The run's live replicas, each with its step, lag behind the head, state and last error."""
+        return FleetView.from_json(self._request("GET", f"/v1/runs/{check_run(run)}/fleet").json())
 
     def close(self) -> None:
         """Close the connection pool."""

@@ -37,7 +37,7 @@ from deltasync.uploader._writer import WriterIdentity
 from deltasync.uploader.sharded import ShardedPush, sharded_wanted
 
 if TYPE_CHECKING:
-    from deltasync.signal import Notifier
+    from deltasync.signal import FleetView, Notifier
 
 __all__ = ["CommitInfo", "DeltaUploader", "UploaderConfig"]
 
@@ -254,6 +254,51 @@ class DeltaUploader:
         """The newest step this uploader (or the store, at start) has committed."""
         last = self._chain.last_committed
         return last.manifest.step if last else None
+
+    def wait_for_replicas(
+        self,
+        step: int | None = None,
+        *,
+        max_lag: int = 0,
+        quorum: int | float | None = None,
+        min_replicas: int = 1,
+        timeout: float = 600.0,
+        poll: float = 0.5,
+    ) -> FleetView:
+        """The staleness gate: wait until the run's live replicas serve ``step - max_lag`` or newer.
+
+        ``step`` defaults to the newest committed step. Every live replica must (default), or
+        ``quorum`` of them (an int, or a fraction in (0, 1]), with at least ``min_replicas`` reporting. The
+        replicas report to the signal server of ``signal_url`` under ``signal_run`` (default: the
+        run id); reading the fleet takes ``signal_token``. Returns the fleet that passed; raises
+        :class:`~deltasync.errors.StalenessTimeout` after ``timeout`` seconds, naming who is behind.
+        See :func:`deltasync.signal.wait_for_fleet`.
+        """
+        cfg = self.config
+        if not cfg.signal_url:
+            raise ValueError(
+                "wait_for_replicas needs a signal server: DeltaUploader(..., signal_url=URL) where the replicas "
+                "report (docs/fleet.md)"
+            )
+        if step is None:
+            step = self.last_committed_step
+            if step is None:
+                raise ValueError("wait_for_replicas: nothing is committed yet; push a step first or name one")
+        if self.notifier is not None:
+            self.notifier.flush(min(timeout, 10.0))  # the server knows the head, so lags are right
+        from deltasync.signal import SignalClient, wait_for_fleet
+
+        with SignalClient(cfg.signal_url, cfg.signal_token) as client:
+            return wait_for_fleet(
+                client,
+                cfg.signal_run or self.run_id,
+                step,
+                max_lag=max_lag,
+                quorum=quorum,
+                min_replicas=min_replicas,
+                timeout=timeout,
+                poll=poll,
+            )
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every pushed step is committed, skipped or failed (and its spans written)."""

@@ -35,7 +35,7 @@ def _all_parsers() -> Iterator[tuple[str, argparse.ArgumentParser]]:
 
 
 PARSERS = dict(_all_parsers())
-COMMANDS = ["fetch", "inspect", "gc", "upload", "serve", "follow", "demo"]
+COMMANDS = ["fetch", "inspect", "gc", "upload", "serve", "follow", "fleet", "demo"]
 
 
 def test_every_command_is_listed_with_a_summary() -> None:

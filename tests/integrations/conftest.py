@@ -14,7 +14,9 @@ Fixtures defined here (all session scope except ``run_script``):
   test_vllm_engine).
 
 No root fixture is used. Helper modules: ``vllm_harness``, ``qwen3`` (tiny model, training steps),
-``tensors`` (bit-exact checks), ``spy_store`` (a store whose writes a test holds); ``tests/vllm_support/`` holds what runs inside the vLLM venv.
+``tensors`` (bit-exact checks), ``spy_store`` (a store whose writes a test holds), ``server_harness`` (a
+real signal server on loopback: the fleet tests test_vllm_fleet, test_engine_reporter, test_trl_staleness
+and the driver's reports); ``tests/vllm_support/`` holds what runs inside the vLLM venv.
 """
 
 from __future__ import annotations

@@ -200,3 +200,35 @@ def test_a_server_without_the_deltasync_backend_is_a_clear_error_at_init() -> No
     with pytest.raises(DeltaSyncError, match="VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config"):
         d.init()
     d.close()
+
+
+def test_each_server_reports_to_the_fleet_view_as_one_replica() -> None:
+    from server_harness import ThreadServer
+
+    from deltasync.server import Settings, create_app
+    from deltasync.signal import SignalClient
+
+    ok, refusing, broken = ScriptedVLLM(), ScriptedVLLM(), ScriptedVLLM()
+    refusing.rolled_back, broken.broken = {2}, {2}
+    tok = "publish-token-driver"
+    with ThreadServer(create_app(Settings(publish_token=tok))) as signal, SignalClient(signal.url, tok) as trainer:
+        for step in (0, 1, 2):
+            trainer.publish("run-d", step, f"{step:032x}")
+        with _driver(ok, refusing, broken, signal=signal.url, signal_token=tok, run="run-d") as d:
+            d.init()
+            assert d.reports_delivered(30)
+            assert {r.replica: (r.step, r.state) for r in trainer.fleet("run-d").replicas} == {
+                "vllm-0": (0, "serving"),
+                "vllm-1": (0, "serving"),
+                "vllm-2": (0, "serving"),
+            }
+            d.update(2)
+            assert d.reports_delivered(30)
+            rows = {r.replica: r for r in trainer.fleet("run-d").replicas}
+            assert (rows["vllm-0"].step, rows["vllm-0"].lag, rows["vllm-0"].state) == (2, 0, "serving")
+            assert (rows["vllm-1"].step, rows["vllm-1"].lag, rows["vllm-1"].state) == (0, 2, "failed")
+            assert "UpdateRolledBack: step 2: corrupt patch" in (rows["vllm-1"].last_error or "")
+            assert (rows["vllm-2"].state, rows["vllm-2"].step) == ("needs_replacement", 0)
+        assert trainer.fleet("run-d").replicas == ()  # closing the driver left the fleet
+    with pytest.raises(ValueError, match="needs run="):
+        _driver(ScriptedVLLM(), signal="http://127.0.0.1:9")

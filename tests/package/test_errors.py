@@ -42,6 +42,7 @@ BUILTIN_PARENTS: dict[str, tuple[type[BaseException], ...]] = {
     "UpdateRolledBack": (Exception,),
     "WorkerNeedsReplacement": (Exception,),
     "EngineIncompatible": (Exception,),
+    "StalenessTimeout": (TimeoutError, OSError),
 }
 
 #: Each class and its deltasync parent.
@@ -71,6 +72,7 @@ TREE_PARENTS: dict[str, str | None] = {
     "UpdateRolledBack": "DeltaSyncError",
     "WorkerNeedsReplacement": "DeltaSyncError",
     "EngineIncompatible": "DeltaSyncError",
+    "StalenessTimeout": "DeltaSyncError",
 }
 
 ids = [cls.__name__ for cls in ALL_CLASSES]

@@ -56,6 +56,8 @@ def test_schema_documents_every_route() -> None:
         "/v1/runs/{run}/webhooks",
         "/v1/runs/{run}/webhooks/{hook_id}",
         "/v1/runs/{run}/rederive",
+        "/v1/runs/{run}/fleet",
+        "/v1/runs/{run}/replicas/{replica}",
     } <= paths
     assert app.openapi()["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
 

@@ -1,6 +1,7 @@
 """The signal tests: ``deltasync.signal`` (StepWatcher: store polling, the SSE stream, reconnect backoff).
 
-No fixture is defined here, and no root fixture or helper module is used.
+The fleet tests (test_fleet) start a real signal server with the `server_harness` helper module; no
+fixture is defined here and no root fixture is used.
 """
 
 from __future__ import annotations

@@ -54,6 +54,7 @@ from deltasync.fetcher._fetcher import MARKER, DeltaFetcher, Verify
 from deltasync.integrations.vllm import engine_core
 from deltasync.integrations.vllm.engine_check import check_engine
 from deltasync.integrations.vllm.engine_core import BACKEND
+from deltasync.integrations.vllm.fleet import EngineReporter
 from deltasync.integrations.vllm.mirror import EngineMirror
 from deltasync.integrations.vllm.prefetch import Prefetcher
 
@@ -92,6 +93,11 @@ class DeltasyncInitInfo(WeightTransferInitInfo):  # type: ignore[misc]
     metrics_port: serve Prometheus metrics on 127.0.0.1 at this port plus the worker's rank.
     node_dir: where the node's shared mirror lives (default ``$DELTASYNC_NODE_DIR``, else ``/dev/shm``);
         every engine on the node that names the same dir and run shares one copy and one download.
+    signal: a signal server URL: rank 0 reports the engine to its fleet view (step, state digest, state,
+        last error) at init, after each update and every ``report_heartbeat`` seconds (docs/fleet.md).
+    signal_token: the token of the reports (a report, subscribe or publish token).
+    signal_run: the run's name at the signal server (default: the run id the store records).
+    replica: this engine's replica id in the fleet view (default: ``<hostname>-<pid>`` of rank 0).
     """
 
     store: str | None = None
@@ -101,6 +107,11 @@ class DeltasyncInitInfo(WeightTransferInitInfo):  # type: ignore[misc]
     poll_interval: float = 2.0
     metrics_port: int | None = None
     node_dir: str | None = None
+    signal: str | None = None
+    signal_token: str | None = None
+    signal_run: str | None = None
+    replica: str | None = None
+    report_heartbeat: float = 10.0
 
 
 @dataclass
@@ -174,6 +185,7 @@ class WorkerSync:
 
         self.metrics = SyncMetrics(labels={"rank": str(rank)})
         self._metrics_server: Any = None
+        self._reporter: EngineReporter | None = None  # rank 0 with the ``signal`` option
 
     # ------------------------------------------------------------ options
 
@@ -181,13 +193,29 @@ class WorkerSync:
         if info.verify not in (True, False, "full"):
             raise ValueError(f"verify must be true, false or 'full', got {info.verify!r}")
         self.options = info
-        if info.store is not None:
-            self.mirror_for(info.store)
-        if info.metrics_port is not None:
-            self._serve_metrics(info.metrics_port + self.rank)
-        if info.prefetch:
-            self._start_prefetch()
+        if info.signal is not None and self.rank == 0 and self._reporter is None:
+            self._reporter = EngineReporter(
+                info.signal,
+                info.signal_token,
+                run=info.signal_run,
+                replica=info.replica,
+                heartbeat=info.report_heartbeat,
+            )
+        try:
+            if info.store is not None:
+                self.mirror_for(info.store)
+            if info.metrics_port is not None:
+                self._serve_metrics(info.metrics_port + self.rank)
+            if info.prefetch:
+                self._start_prefetch()
+        finally:
+            self._report()  # a refused engine reports its refusal too
         return self.status()
+
+    def _report(self) -> None:
+        """Tell the fleet view what this engine serves now (rank 0 with ``signal``; never raises)."""
+        if self._reporter is not None:
+            self._reporter.report(self.status())
 
     def _serve_metrics(self, port: int) -> None:
         if self._metrics_server is None:
@@ -292,7 +320,10 @@ class WorkerSync:
     def update(self, store: str | None, step: int | None) -> dict[str, Any]:
         if step is not None:
             self.metrics.observe_head(step)
-        report = self.mirror_for(store).commit(step)
+        try:
+            report = self.mirror_for(store).commit(step)
+        finally:
+            self._report()
         return {**self.status(), "report": asdict(report)}
 
     def status(self) -> dict[str, Any]:
@@ -312,6 +343,9 @@ class WorkerSync:
         return self.metrics.render()
 
     def close(self) -> None:
+        if self._reporter is not None:
+            self._reporter.close()
+            self._reporter = None
         if self._prefetcher is not None:
             self._prefetcher.close(timeout=30)
             self._prefetcher = None

@@ -18,7 +18,10 @@ it returns depends on the previous weights:
 A failed update leaves the server at its previous step (``rolled_back``: it is resumed) or, when
 the backend could not restore it either, ``needs_replacement`` (it stays paused: its weights are
 neither step). :class:`VLLMDriver` runs the sequence on several servers at once, follows a run (the
-signal server or the store) and backs off before retrying a step a server refused.
+signal server or the store) and backs off before retrying a step a server refused. With ``signal=``
+it reports each server to the signal server's fleet view as one replica (a
+:class:`~deltasync.signal.FleetReporter` per server: after init, after each update, and as a
+heartbeat), so that a trainer can wait for the fleet (docs/fleet.md).
 
 This module talks HTTP only: it imports neither vLLM nor torch.
 """
@@ -37,6 +40,7 @@ import httpx
 
 from deltasync._retry import Backoff, RetryPolicy
 from deltasync.errors import DeltaSyncError
+from deltasync.signal import FleetReporter, replica_name
 
 __all__ = ["PauseMode", "ServerUpdate", "VLLMDriver", "VLLMServer"]
 
@@ -206,6 +210,17 @@ class _Tracked:
     retry_at: float = 0.0
     backoff: Backoff = field(default_factory=lambda: Backoff(RetryPolicy(retries=0, backoff=2.0, max_backoff=60.0)))
     replace: bool = False  # needs replacement: never updated again
+    reporter: FleetReporter | None = None
+
+    def report(self, u: ServerUpdate | None = None) -> None:
+        """Tell the fleet view what this server serves now (after init, or after update ``u``)."""
+        if self.reporter is None:
+            return
+        if u is None or u.ok:
+            self.reporter.update(self.serving, "serving" if self.serving is not None else "starting")
+        else:
+            state = "needs_replacement" if u.state == "needs_replacement" else "failed"
+            self.reporter.update(self.serving, state, last_error=f"step {u.step}: {u.state}: {u.error}")
 
 
 class VLLMDriver:
@@ -213,6 +228,9 @@ class VLLMDriver:
 
     ``store``: the run's store URL as the servers reach it (they download the steps themselves;
     updates carry only a step number). ``clock``: for the retry backoff (tests inject one).
+    ``signal`` / ``signal_token`` / ``run``: report each server to this signal server's fleet view of
+    ``run`` (a report, subscribe or publish token), as replica ``replicas[i]`` (default: the server
+    URL's ``host:port``), every ``heartbeat`` seconds and at each change.
     """
 
     def __init__(
@@ -225,9 +243,18 @@ class VLLMDriver:
         api_key: str | None = None,
         prefetch: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        signal: str | None = None,
+        signal_token: str | None = None,
+        run: str | None = None,
+        replicas: Sequence[str] | None = None,
+        heartbeat: float = 10.0,
     ) -> None:
         if not servers:
             raise ValueError("VLLMDriver needs at least one server URL")
+        if signal is not None and run is None:
+            raise ValueError("VLLMDriver(signal=...) needs run=: the run's name at the signal server")
+        if replicas is not None and len(replicas) != len(servers):
+            raise ValueError(f"replicas names {len(replicas)} replicas for {len(servers)} servers")
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
         self.store, self.pause_mode, self.prefetch = store, pause_mode, prefetch
@@ -236,6 +263,10 @@ class VLLMDriver:
             _Tracked(s if isinstance(s, VLLMServer) else VLLMServer(s, timeout=timeout, api_key=api_key))
             for s in servers
         ]
+        if signal is not None and run is not None:
+            for i, t in enumerate(self._servers):
+                name = replicas[i] if replicas is not None else replica_name(httpx.URL(t.server.url).netloc.decode())
+                t.reporter = FleetReporter(signal, run, signal_token, replica=name, heartbeat=heartbeat)
         self._pool = ThreadPoolExecutor(len(self._servers), thread_name_prefix="deltasync-vllm")
         #: every update run, in order
         self.history: list[ServerUpdate] = []
@@ -245,11 +276,17 @@ class VLLMDriver:
         """The servers driven."""
         return [t.server for t in self._servers]
 
+    def reports_delivered(self, timeout: float | None = None) -> bool:
+        """Wait until every server's current state reached the signal server (True without ``signal``)."""
+        return all(t.reporter.wait_reported(timeout) for t in self._servers if t.reporter is not None)
+
     def close(self) -> None:
-        """Close the HTTP connections (the servers keep running)."""
+        """Close the HTTP connections (the servers keep running) and leave the fleet view."""
         self._pool.shutdown(wait=True)
         for t in self._servers:
             t.server.close()
+            if t.reporter is not None:
+                t.reporter.close()
 
     def __enter__(self) -> VLLMDriver:
         return self
@@ -266,7 +303,10 @@ class VLLMDriver:
                 v = t.server.weight_version()
                 t.serving = int(v) if v is not None and v.isdigit() else None
             except (httpx.HTTPError, DeltaSyncError) as exc:
+                if t.reporter is not None:
+                    t.reporter.update(None, "failed", last_error=f"init: {_text(exc)}")
                 return f"{t.server.url}: {_text(exc)}"
+            t.report()
             return None
 
         errors = [e for e in self._pool.map(one, self._servers) if e]
@@ -294,6 +334,7 @@ class VLLMDriver:
             t.retry_at = self._clock() + t.backoff.next_delay()
             t.replace = u.state == "needs_replacement"
             log.warning("%s: step %d not served (%s): %s", t.server.url, step, u.state, u.error)
+        t.report(u)
         return u
 
     def catch_up(self, newest: int) -> list[ServerUpdate]:

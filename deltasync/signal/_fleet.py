@@ -1,0 +1,115 @@
+"""A run's fleet as the signal server reports it (``GET /v1/runs/{run}/fleet``), parsed and typed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from deltasync.errors import SignalUnavailable
+
+__all__ = ["REPLICA_STATES", "FleetView", "ReplicaStatus"]
+
+#: ``starting``: serves no step yet; ``serving``: serves ``step``; ``failed``: its last update failed and it
+#: still serves ``step``, bit-exact; ``needs_replacement``: its weights are neither step: replace it.
+REPLICA_STATES: tuple[str, ...] = ("starting", "serving", "failed", "needs_replacement")
+
+
+def _opt_int(v: Any) -> int | None:
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"not an integer: {v!r}")
+    return v
+
+
+def _opt_str(v: Any) -> str | None:
+    return None if v is None else str(v)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStatus:
+    """One live replica of a run: what it last reported, and its lag behind the run's head."""
+
+    replica: str
+    step: int | None
+    lag: int | None
+    state: str
+    digest: str | None = None
+    #: whether ``digest`` is the digest the server recorded for ``step`` (None when either is unknown)
+    digest_ok: bool | None = None
+    last_error: str | None = None
+    since: float = 0.0
+    last_seen: float = 0.0
+    #: seconds since its last report, by the server's clock
+    age_s: float = 0.0
+    ttl_s: float = 0.0
+
+    @classmethod
+    def from_json(cls, raw: Any) -> ReplicaStatus:
+        """Parse one replica of a fleet reply (a KeyError / TypeError / ValueError when malformed)."""
+        ok = raw.get("digest_ok")
+        return cls(
+            str(raw["replica"]),
+            _opt_int(raw.get("step")),
+            _opt_int(raw.get("lag")),
+            str(raw["state"]),
+            _opt_str(raw.get("digest")),
+            None if ok is None else bool(ok),
+            _opt_str(raw.get("last_error")),
+            float(raw.get("since") or 0.0),
+            float(raw.get("last_seen") or 0.0),
+            float(raw.get("age_s") or 0.0),
+            float(raw.get("ttl_s") or 0.0),
+        )
+
+    def serves_at_least(self, step: int) -> bool:
+        """Whether this replica serves ``step`` or newer: a known step, weights not lost (a ``failed``
+        replica still serves its step, bit-exact)."""
+        return self.step is not None and self.step >= step and self.state in ("serving", "failed")
+
+
+@dataclass(frozen=True, slots=True)
+class FleetView:
+    """A run's live replicas (sorted by id) and its head, as the signal server sees them at ``time``."""
+
+    run: str
+    head: int | None
+    time: float
+    replicas: tuple[ReplicaStatus, ...]
+
+    @classmethod
+    def from_json(cls, raw: Any) -> FleetView:
+        """Parse a fleet reply; anything malformed is a SignalUnavailable (a broken server)."""
+        try:
+            return cls(
+                str(raw["run"]),
+                _opt_int(raw.get("head")),
+                float(raw.get("time") or 0.0),
+                tuple(ReplicaStatus.from_json(r) for r in raw["replicas"]),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise SignalUnavailable(f"malformed fleet from the signal server: {str(raw)[:200]}") from exc
+
+    def behind(self, step: int) -> list[ReplicaStatus]:
+        """The replicas that do not serve ``step`` or newer."""
+        return [r for r in self.replicas if not r.serves_at_least(step)]
+
+    def table(self) -> str:
+        """The fleet as a fixed-width text table (one line per replica)."""
+        rows = [("replica", "step", "lag", "state", "last seen", "last error")]
+        for r in self.replicas:
+            rows.append(
+                (
+                    r.replica,
+                    "-" if r.step is None else str(r.step),
+                    "-" if r.lag is None else str(r.lag),
+                    r.state,
+                    f"{r.age_s:.1f} s ago",
+                    (r.last_error or "").replace("\n", " ")[:120],
+                )
+            )
+        widths = [max(len(row[i]) for row in rows) for i in range(5)]
+        return "\n".join(
+            "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:5])) + ("  " + row[5] if row[5] else "")
+            for row in rows
+        )

@@ -1,0 +1,199 @@
+"""A receiver's reports to the fleet view: :class:`FleetReporter`.
+
+Every receiver (``deltasync follow``, the vLLM driver, the vLLM backend) owns one reporter per
+replica it runs. :meth:`FleetReporter.update` only records the replica's new state and returns;
+the reporter's own :class:`~deltasync._worker.SerialWorker` sends it at once, then again every
+``heartbeat`` seconds, so that the server keeps the replica in the fleet (it drops replicas
+silent for longer than ``ttl_s``). A failed report is logged once (then at debug level until
+reports go through again) and retried with :class:`~deltasync._retry.Backoff`; nothing ever
+reaches the caller. :meth:`FleetReporter.close` says goodbye (the replica leaves the fleet).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from types import TracebackType
+
+import httpx
+
+from deltasync._retry import RetryPolicy
+from deltasync._worker import SerialWorker
+from deltasync.errors import SignalError
+from deltasync.signal._client import SignalClient
+from deltasync.signal._fleet import REPLICA_STATES
+from deltasync.signal._names import check_replica, check_run, default_replica
+
+__all__ = ["FleetReporter", "Served"]
+
+log = logging.getLogger("deltasync.signal.fleet")
+_MAX_ERROR = 2000
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """What a replica serves: its step (None: none yet), state, the step's manifest digest and last error."""
+
+    step: int | None
+    state: str = "serving"
+    digest: str | None = None
+    last_error: str | None = None
+
+
+class FleetReporter:
+    """Reports one replica's state to a signal server, at each change and every ``heartbeat`` seconds.
+
+    ``replica``: this replica's id (default ``<hostname>-<pid>``). ``ttl_s``: how long the server
+    keeps it without a report (default three heartbeats). ``retry``: the backoff after a failed
+    report (capped by the heartbeat). ``transport`` replaces the network (tests). Starts reporting
+    ``starting`` (no step) at once; :meth:`update` with what the replica serves.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        run: str,
+        token: str | None = None,
+        *,
+        replica: str | None = None,
+        heartbeat: float = 10.0,
+        ttl_s: float | None = None,
+        timeout: float = 2.0,
+        retry: RetryPolicy | None = None,
+        transport: httpx.BaseTransport | None = None,
+        initial: Served | None = None,
+    ) -> None:
+        if not heartbeat > 0:
+            raise ValueError(f"heartbeat must be > 0 seconds, got {heartbeat!r}")
+        self.run = check_run(run)
+        self.replica = check_replica(replica if replica is not None else default_replica())
+        self.heartbeat = float(heartbeat)
+        self.ttl_s = min(86400.0, max(1.0, 3 * self.heartbeat if ttl_s is None else float(ttl_s)))
+        self.retry = retry or RetryPolicy(retries=0, backoff=0.5, max_backoff=30.0)
+        #: reports delivered / failed (each attempt counts)
+        self.sent = 0
+        self.failed = 0
+        self._client = SignalClient(url, token, timeout=timeout, transport=transport)
+        self._cond = threading.Condition()
+        self._served = initial if initial is not None else Served(None, "starting")
+        self._check(self._served)
+        self._delivered: Served | None = None
+        self._dirty = True
+        self._closing = False
+        self._failing = False
+        self._worker = SerialWorker(f"deltasync-fleet-{self.replica}")
+        self._worker.submit(self._loop)
+
+    @property
+    def served(self) -> Served:
+        """The state this replica reports now."""
+        with self._cond:
+            return self._served
+
+    @staticmethod
+    def _check(served: Served) -> None:
+        if served.state not in REPLICA_STATES:
+            raise ValueError(f"state must be one of {REPLICA_STATES}, got {served.state!r}")
+        if served.step is not None and (isinstance(served.step, bool) or served.step < 0):
+            raise ValueError(f"step must be None or >= 0, got {served.step!r}")
+
+    def update(
+        self, step: int | None, state: str = "serving", *, digest: str | None = None, last_error: str | None = None
+    ) -> None:
+        """Record what the replica serves now; it is reported in the background (returns at once)."""
+        if last_error is not None and len(last_error) > _MAX_ERROR:
+            last_error = last_error[: _MAX_ERROR - 3] + "..."
+        served = Served(step, state, digest, last_error)
+        self._check(served)
+        with self._cond:
+            if self._closing or served == self._served:
+                return
+            self._served = served
+            self._dirty = True
+            self._cond.notify_all()
+
+    def wait_reported(self, timeout: float | None = None) -> bool:
+        """Wait until the current state has reached the server; whether it did within ``timeout``."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._dirty and self._delivered == self._served, timeout)
+
+    def wait_sent(self, n: int, timeout: float | None = None) -> bool:
+        """Wait until ``n`` reports in all have reached the server (heartbeats included)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.sent >= n, timeout)
+
+    def _loop(self) -> None:
+        backoff = self.retry.backoff_state()
+        while True:
+            with self._cond:
+                if self._closing:
+                    return
+                served, self._dirty = self._served, False
+            try:
+                self._client.report(
+                    self.run,
+                    self.replica,
+                    step=served.step,
+                    state=served.state,
+                    digest=served.digest,
+                    last_error=served.last_error,
+                    ttl_s=self.ttl_s,
+                )
+            except SignalError as exc:
+                delay = min(backoff.next_delay(), self.heartbeat)
+                with self._cond:
+                    self.failed += 1
+                    first, self._failing = not self._failing, True
+                    self._dirty = True  # not delivered: send it again
+                    if first:
+                        log.warning(
+                            "cannot report replica %s of run %s to the signal server (retrying every %.1f s at most; "
+                            "until then the fleet view shows it stale, then without it): %s",
+                            self.replica,
+                            self.run,
+                            self.heartbeat,
+                            exc,
+                        )
+                    else:
+                        log.debug("report of replica %s failed again: %s", self.replica, exc)
+                    self._cond.wait_for(lambda: self._closing, delay)
+                continue
+            backoff.reset()
+            with self._cond:
+                self.sent += 1
+                self._delivered = served
+                if self._failing:
+                    self._failing = False
+                    log.info("replica %s of run %s: reports reach the signal server again", self.replica, self.run)
+                self._cond.notify_all()
+                self._cond.wait_for(lambda: self._dirty or self._closing, self.heartbeat)
+
+    def close(self, timeout: float = 5.0, *, leave: bool = True) -> None:
+        """Stop reporting; with ``leave`` tell the server this replica is gone (else it ages out)."""
+        with self._cond:
+            if self._closing:
+                return
+            self._closing = True
+            self._cond.notify_all()
+        if leave:
+            self._worker.submit(self._leave)  # after the loop's last report
+        self._worker.flush(timeout)
+        self._worker.close(timeout=timeout)
+        self._client.close()
+
+    def _leave(self) -> None:
+        try:
+            self._client.leave(self.run, self.replica)
+        except SignalError as exc:
+            log.debug(
+                "replica %s could not leave the fleet of run %s (it will age out): %s", self.replica, self.run, exc
+            )
+
+    def __enter__(self) -> FleetReporter:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
