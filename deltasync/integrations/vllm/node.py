@@ -442,10 +442,19 @@ class NodeMirror:
         if have is not None:
             return have
         if self.spawn:
-            from deltasync.integrations.vllm import leader
+            from deltasync.integrations.vllm import _leader_link
 
+            config = {
+                "dir": str(self.dir),
+                "store": self.fetcher.store.url,
+                "verify": self.fetcher.verify,
+                "signing_key": None if self.fetcher.signing_key is None else self.fetcher.signing_key.hex(),
+                "max_bytes": self.max_bytes,
+            }
             try:
-                stats = leader.request(self, step, on_phase=self.on_phase, pace=self.pace, timeout=self.lock_timeout)
+                stats = _leader_link.request(
+                    self.dir, config, step, on_phase=self.on_phase, pace=self.pace, timeout=self.lock_timeout
+                )
             except DeltaSyncError:
                 self._tidy()  # a leader that died leaves files no version names
                 raise
