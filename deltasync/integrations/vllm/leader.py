@@ -49,7 +49,8 @@ CHECK_INTERVAL = 2.0
 
 
 def _serve_one(node: NodeMirror, conn: socket.socket, fetcher: Callable[[], Any]) -> None:
-    from deltasync.integrations.vllm.node import build, trim_heap
+    from deltasync.integrations.vllm.node import build
+    from deltasync.integrations.vllm.versions import trim_heap
 
     _, uid = peer(conn)
     if uid != os.getuid():

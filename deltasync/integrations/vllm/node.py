@@ -33,7 +33,6 @@ mapped, so its pages stay alive while it is in use even once its files are colle
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import fcntl
 import hashlib
@@ -45,12 +44,12 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from deltasync.errors import DeltaSyncError, InventoryMismatch, ObjectNotFound
+from deltasync.integrations.vllm.versions import Version, changed_positions, trim_heap, write_tensor
 
 __all__ = ["NodeMirror", "Version", "default_root"]
 
@@ -98,116 +97,6 @@ def run_key(url: str, verify: object, signing_key: bytes | None) -> str:
     h.update(b"\0" + repr(verify).encode())
     h.update(b"\0" + hashlib.sha256(signing_key or b"").digest())
     return h.hexdigest()[:24]
-
-
-@dataclass(frozen=True)
-class Version:
-    """One complete version of a run's tensors in a node mirror (immutable).
-
-    ``step``: the deltasync step (None for an engine's own checkpoint of unknown step);
-    ``files``: checkpoint name -> (data file name, dtype name, shape); ``stats``: what building it cost.
-    """
-
-    id: str
-    step: int | None
-    files: Mapping[str, tuple[str, str, tuple[int, ...]]]
-    data: Path
-    stats: Mapping[str, Any] = field(default_factory=dict)
-    #: the digest of the step's manifest when built (a run re-created at the same URL does not match)
-    digest: str | None = None
-    #: the version this one was built from, and for each tensor that changed sparsely since, the file
-    #: of its changed flat positions (sorted; int32 or int64)
-    base: str | None = None
-    positions: Mapping[str, str] = field(default_factory=dict)
-
-    def changed_positions(self, served: Version | None) -> dict[str, Any]:
-        """Flat positions of the elements that changed, by name, for the tensors changed sparsely
-        since ``served`` (only when this version was built straight from it; else ``{}``)."""
-        import torch
-
-        if served is None or self.base != served.id:
-            return {}
-        out: dict[str, Any] = {}
-        for name, file in self.positions.items():
-            size = (self.data / file).stat().st_size
-            dtype = torch.int32 if file.endswith(".i32") else torch.int64
-            out[name] = _map(torch, self.data / file, dtype, (size // dtype.itemsize,))
-        return out
-
-    def changed_from(self, other: Version | None) -> list[str]:
-        """The names whose bits may differ from ``other`` (all of them when ``other`` is None)."""
-        if other is None:
-            return sorted(self.files)
-        return sorted(n for n, f in self.files.items() if other.files.get(n) != f)
-
-    def tensors(self, names: Iterable[str] | None = None) -> dict[str, Any]:
-        """The tensors, mapped read-only from the node's files (copy-on-write: writes stay private)."""
-        import torch
-
-        out: dict[str, Any] = {}
-        for name in self.files if names is None else names:
-            file, dtype, shape = self.files[name]
-            out[name] = _map(torch, self.data / file, getattr(torch, dtype), shape)
-        return out
-
-    def layout(self) -> dict[str, tuple[Any, tuple[int, ...]]]:
-        """checkpoint name -> (torch dtype, shape)."""
-        import torch
-
-        return {n: (getattr(torch, d), s) for n, (_, d, s) in self.files.items()}
-
-    def nbytes(self, names: Iterable[str] | None = None) -> int:
-        import torch
-
-        total = 0
-        for n in self.files if names is None else names:
-            _, dtype, shape = self.files[n]
-            numel = 1
-            for d in shape:
-                numel *= d
-            total += numel * getattr(torch, dtype).itemsize
-        return total
-
-
-def _map(torch: Any, path: Path, dtype: Any, shape: tuple[int, ...]) -> Any:
-    numel = 1
-    for d in shape:
-        numel *= d
-    if numel == 0:
-        return torch.empty(shape, dtype=dtype)
-    try:
-        return torch.from_file(str(path), shared=False, size=numel, dtype=dtype).view(shape)
-    except RuntimeError:
-        if not path.exists():  # collected since the version was read: the caller reads it again
-            raise FileNotFoundError(path) from None
-        raise
-
-
-def _write(path: Path, tensor: Any) -> None:
-    """A tensor's raw bytes, to a new file (never over an existing one)."""
-    flat = tensor.detach().to("cpu").contiguous().view(-1)
-    with open(path, "xb") as fh:
-        if flat.numel():
-            import torch
-
-            fh.write(memoryview(flat.view(torch.uint8).numpy()))
-
-
-def _changed(old: Any, new: Any) -> Any:
-    """Flat positions (int64, sorted) where ``new``'s bits differ from ``old``'s (same dtype and shape)."""
-    import torch
-
-    if new.numel() == 0:
-        return torch.empty(0, dtype=torch.int64)
-    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[new.element_size()]
-    diff = old.contiguous().view(-1).view(bits) != new.contiguous().view(-1).view(bits)
-    return torch.nonzero(diff).view(-1)
-
-
-def trim_heap() -> None:
-    """Give freed heap memory back to the OS (glibc keeps it otherwise); a no-op elsewhere."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 class NodeLock:
@@ -373,7 +262,7 @@ class NodeMirror:
 
     def _new_file(self, tensor: Any) -> tuple[str, str, tuple[int, ...]]:
         name = secrets.token_hex(12) + ".bin"
-        _write(self.data / name, tensor)
+        write_tensor(self.data / name, tensor)
         return name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)
 
     def _new_positions(self, positions: Any, numel: int) -> str:
@@ -381,7 +270,7 @@ class NodeMirror:
 
         small = numel < 2**31
         name = secrets.token_hex(12) + (".i32" if small else ".i64")
-        _write(self.data / name, positions.to(torch.int32) if small else positions)
+        write_tensor(self.data / name, positions.to(torch.int32) if small else positions)
         return name
 
     def seed(
@@ -618,7 +507,7 @@ def build(node: NodeMirror, step: int, phase: Callable[[str], None] = lambda _: 
         tensor = view[name]
         layout = (str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
         if base is not None and name in base.files and base.files[name][1:] == layout:
-            changed = _changed(base.tensors([name])[name], tensor)
+            changed = changed_positions(base.tensors([name])[name], tensor)
             if changed.numel() == 0:
                 continue  # rewritten with the same bits (an anchor over a version that has them)
             if changed.numel() <= POSITIONS_DENSITY * tensor.numel():
