@@ -215,15 +215,16 @@ def install_checkout(python: Path, repo: Path = REPO) -> dict[str, str | None]:
 # ------------------------------------------------------------------------------- the tiny model
 
 
-def build_tiny_model(out: Path, seed: int = 0) -> Path:
-    """Save a random-init tiny Qwen3 (bf16) and a locally trained byte-level BPE tokenizer to ``out``."""
+def build_tiny_model(out: Path, seed: int = 0, **config: Any) -> Path:
+    """Save a random-init tiny Qwen3 (bf16) and a locally trained byte-level BPE tokenizer to ``out``;
+    ``config`` overrides ``MODEL_KW`` (e.g. ``tie_word_embeddings=True``)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    config = Qwen3Config(**MODEL_KW, torch_dtype=torch.bfloat16, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config = Qwen3Config(**{**MODEL_KW, **config}, torch_dtype=torch.bfloat16, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     model = Qwen3ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
 

@@ -43,26 +43,24 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["ScatterCounts", "ScatterLoader", "ScatterMap", "Segment"]
+__all__ = ["Change", "ScatterCounts", "ScatterLoader", "ScatterMap", "Segment", "default_max_density", "scatter"]
 
 log = logging.getLogger("deltasync.vllm")
 
 #: checkpoint name -> (dtype, shape)
 Layout = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
-#: above this fraction of changed elements a tensor is copied whole (measured: benchmarks/bench_scatter.py)
-DEFAULT_MAX_DENSITY = 0.25
 
 
 class _Unmappable(Exception):
     """A load we cannot replay as strided copies."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Segment:
     """One ``copy_`` of a load: ``shape`` elements from the checkpoint tensor (flat offset and strides of
     the contiguous tensor) to a parameter's storage (element offset and strides in it)."""
@@ -73,24 +71,31 @@ class Segment:
     src_strides: tuple[int, ...]
     dst_offset: int
     dst_strides: tuple[int, ...]
+    #: number of elements copied
+    numel: int = field(init=False)
+    #: ``dst - src`` when the segment is one dense run of the checkpoint laid out the same way in the
+    #: parameter (a flat position maps to position + shift), else None
+    shift: int | None = field(init=False)
+    #: the parameter's whole storage, flat (what the scatter writes into)
+    flat: torch.Tensor = field(init=False, repr=False, compare=False)
 
-    @property
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
-
-    def dense_shift(self) -> int | None:
-        """``dst - src`` when the segment is one dense run of the checkpoint laid out the same way in
-        the parameter (a flat position maps to position + shift), else None."""
+    def __post_init__(self) -> None:
+        numel = 1
+        for n in self.shape:
+            numel *= n
         dims = [(n, s, d) for n, s, d in zip(self.shape, self.src_strides, self.dst_strides, strict=True) if n > 1]
         expect = 1
+        shift: int | None = self.dst_offset - self.src_offset
         for n, s, d in reversed(dims):
             if s != expect or d != expect:
-                return None
+                shift = None
+                break
             expect *= n
-        return self.dst_offset - self.src_offset
+        p = self.param
+        flat = p.as_strided((p.untyped_storage().nbytes() // p.element_size(),), (1,), 0)
+        object.__setattr__(self, "numel", numel)
+        object.__setattr__(self, "shift", shift)
+        object.__setattr__(self, "flat", flat)
 
     def src_view(self, full: torch.Tensor) -> torch.Tensor:
         return full.as_strided(self.shape, self.src_strides, self.src_offset)
@@ -271,7 +276,7 @@ def _checked(name: str, segments: list[Segment], shape: tuple[int, ...]) -> list
             dst += idx[k] * seg.dst_strides[k]
         src, order = torch.sort(src)
         got, keep = _dst_index(seg, src)
-        shift = seg.dense_shift()
+        shift = seg.shift
         dense_ok = shift is None or torch.equal(src + shift, dst[order])
         if not bool(keep.all()) or not torch.equal(got, dst[order]) or not dense_ok:
             raise AssertionError(f"{name}: the scatter map does not decode the loader's view (a deltasync bug)")
@@ -308,13 +313,38 @@ class ScatterCounts:
     loaded: int = 0
 
 
+class Change(NamedTuple):
+    """One tensor of an update: its new bits in checkpoint coordinates (``full``, on the host), the flat
+    positions that changed (sorted int64; None: unknown, the whole tensor is copied) and, when the
+    caller has them already (a decoded patch), the new values at those positions (else gathered from
+    ``full``)."""
+
+    name: str
+    full: torch.Tensor
+    positions: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+
+
+def default_max_density(device: torch.device) -> float:
+    """The fraction of changed elements above which copying a tensor whole beats scattering into it.
+
+    Measured with ``benchmarks/bench_scatter.py`` (Qwen3-0.6B shapes, bf16). CPU: the copy is a
+    memcpy and the scatter costs a few ns per element, so they break even near 6%. Accelerators:
+    the loader's copy crosses the host link with every element (2 bytes each in bf16), the scatter
+    with the changed ones only (their value and a 4-byte position), and the device-side writes are
+    nearly free, so they break even near a third; rerun the benchmark on the device to tune it.
+    """
+    return 0.06 if device.type == "cpu" else 0.3
+
+
 class ScatterLoader:
     """The engine's loader, scattering changed elements where :class:`ScatterMap` has a map.
 
     model: the engine's model (parameters written in place). layout: checkpoint name -> (dtype, shape)
     of the tensors it is updated with. load: the model's loader (``model.load_weights``), for
-    tensors without a map. max_density: above this fraction of changed elements a mapped tensor is
-    copied whole through its map (a strided ``copy_``, as the loader would, without the loader).
+    tensors without a map; called once per call, with all of them. max_density: above this fraction
+    of changed elements a mapped tensor is copied whole through its map (the loader's own strided
+    ``copy_``s, without the loader); default :func:`default_max_density` of the parameters' device.
     The map is built here and rebuilt when the engine replaced its parameters.
     """
 
@@ -324,7 +354,7 @@ class ScatterLoader:
         layout: Layout,
         load: Callable[[Iterable[tuple[str, Any]]], Any],
         *,
-        max_density: float = DEFAULT_MAX_DENSITY,
+        max_density: float | None = None,
     ) -> None:
         self.model = model
         self.layout = dict(layout)
@@ -332,27 +362,41 @@ class ScatterLoader:
         self.max_density = max_density
         self.map = ScatterMap.build(model, self.layout, load=load)
 
-    def __call__(self, items: Iterable[tuple[str, torch.Tensor, torch.Tensor | None]]) -> ScatterCounts:
-        """Apply ``(name, full new tensor, changed flat positions or None)``; one loader call for the rest."""
-        if self.map.stale(self.model):
-            log.info("the engine replaced its parameters: rebuilding the scatter map")
-            self.map = ScatterMap.build(self.model, self.layout, load=self.load)
+    def refresh(self) -> bool:
+        """Rebuild the map if the engine replaced its parameters (a ``reload_weights``); True if it did.
+        Calls do this first; call it ahead (outside the pause) to keep the rebuild out of it."""
+        if not self.map.stale(self.model):
+            return False
+        log.info("the engine replaced its parameters: rebuilding the scatter map")
+        self.map = ScatterMap.build(self.model, self.layout, load=self.load)
+        return True
+
+    def __call__(self, items: Iterable[Change | tuple[Any, ...]]) -> ScatterCounts:
+        """Apply each :class:`Change` (or ``(name, full, positions[, values])`` tuple); one loader call
+        for the tensors without a map. Raises what the loader raises (the caller undoes)."""
+        self.refresh()
         fallback: list[tuple[str, torch.Tensor]] = []
         scattered = elements = copied = 0
         with torch.no_grad():
-            for name, full, pos in items:
+            for item in items:
+                name, full, pos, values = Change(*item)
                 segments = self.map.maps.get(name)
                 if segments is None or full.dtype != self.layout[name][0] or tuple(full.shape) != self.layout[name][1]:
                     fallback.append((name, full))
                     continue
-                if pos is None or pos.numel() > self.max_density * full.numel():
+                limit = self.max_density
+                if limit is None:
+                    limit = default_max_density(segments[0].flat.device)
+                if pos is None or pos.numel() > limit * full.numel():
                     for seg in segments:
                         seg.dst_view().copy_(seg.src_view(full))
                     copied += 1
                     continue
                 if pos.numel():
+                    if values is None:
+                        values = full.reshape(-1).index_select(0, pos)
                     for seg in segments:
-                        scatter(seg, full, pos)
+                        scatter(seg, pos, values)
                 scattered += 1
                 elements += int(pos.numel())
             if fallback:
@@ -360,25 +404,32 @@ class ScatterLoader:
         return ScatterCounts(scattered, elements, copied, len(fallback))
 
 
-def scatter(seg: Segment, full: torch.Tensor, pos: torch.Tensor) -> None:
-    """Write ``full.view(-1)[pos]`` where ``seg`` puts those elements (positions outside it are skipped)."""
-    flat = full.reshape(-1)
-    shift = seg.dense_shift()
+def scatter(seg: Segment, pos: torch.Tensor, values: torch.Tensor) -> None:
+    """Write ``values`` (the new bits at flat checkpoint positions ``pos``, sorted int64) where ``seg``
+    puts those positions; positions outside it are skipped. On an accelerator, positions cross the
+    host link as int32 where they fit and the parameter indices are computed there."""
+    if not pos.numel():
+        return
+    dev = seg.flat.device
+    shift = seg.shift
     if shift is not None:
-        lo, hi = torch.searchsorted(pos, torch.tensor([seg.src_offset, seg.src_offset + seg.numel])).tolist()
-        if lo == hi:
+        # a dense run of the checkpoint, laid out alike: the positions inside it, shifted
+        lo, hi = seg.src_offset, seg.src_offset + seg.numel
+        first, last = int(pos[0]), int(pos[-1])
+        if first >= hi or last < lo:
             return
-        sel = pos[lo:hi]
-        values = flat.index_select(0, sel)
-        dev = seg.param.device
-        idx = sel.to(dev, non_blocking=True) + shift
+        if first < lo or last >= hi:
+            a, b = torch.searchsorted(pos, torch.tensor([lo, hi])).tolist()
+            pos, values = pos[a:b], values[a:b]
+            last = int(pos[-1])
     else:
+        last = int(pos[-1])
+    if dev.type != "cpu":
+        if last < 2**31:
+            pos = pos.to(torch.int32)
+        pos, values = pos.to(dev, non_blocking=True).long(), values.to(dev, non_blocking=True)
+    if shift is None:
         idx, keep = _dst_index(seg, pos)
-        sel = pos[keep]
-        if not sel.numel():
-            return
-        values = flat.index_select(0, sel)
-        dev = seg.param.device
-        idx = idx[keep].to(dev, non_blocking=True)
-    storage = seg.param.as_strided((seg.param.untyped_storage().nbytes() // seg.param.element_size(),), (1,), 0)
-    storage.index_copy_(0, idx, values.to(dev, non_blocking=True))
+        seg.flat.index_copy_(0, idx[keep], values[keep])
+    else:
+        seg.flat.index_copy_(0, pos + shift if shift else pos, values)
