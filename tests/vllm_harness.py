@@ -224,7 +224,9 @@ def build_tiny_model(out: Path, seed: int = 0, **config: Any) -> Path:
 
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    config = Qwen3Config(**{**MODEL_KW, **config}, torch_dtype=torch.bfloat16, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config = Qwen3Config(
+        **{**MODEL_KW, **config}, torch_dtype=torch.bfloat16, bos_token_id=1, eos_token_id=2, pad_token_id=0
+    )
     model = Qwen3ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
 
