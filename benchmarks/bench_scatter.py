@@ -119,11 +119,11 @@ def main() -> None:
             pos = (torch.rand(flat.numel(), generator=g) < d).nonzero().view(-1)
             changes.append((flat, pos, flat.index_select(0, pos)))
 
-        def scatter_all() -> None:
+        def scatter_all(changes: list[tuple[torch.Tensor, ...]] = changes) -> None:
             for (_, _, seg), (_, pos, values) in zip(model, changes, strict=True):
                 scatter(seg, pos, values)
 
-        def gather_scatter_all() -> None:
+        def gather_scatter_all(changes: list[tuple[torch.Tensor, ...]] = changes) -> None:
             for (_, _, seg), (flat, pos, _) in zip(model, changes, strict=True):
                 scatter(seg, pos, flat.index_select(0, pos))
 
