@@ -69,13 +69,29 @@ class PauseBench(DeltasyncWorkerExtension):
         out["total_elements"] = sum(t.numel() for t in mirror.values())
         return out
 
-    def bench_scatter_apply(self) -> dict[str, Any]:
+    def bench_scatter_apply(self, profile: bool = False) -> dict[str, Any]:
         loader: ScatterLoader = self._bench_loader
+        prof = None
+        if profile:
+            import cProfile
+
+            prof = cProfile.Profile()
+            prof.enable()
         t0 = time.perf_counter()
         counts = loader(self._bench_items)
         dt = time.perf_counter() - t0
+        out: dict[str, Any] = {"apply_s": dt, "scattered": counts.scattered, "copied": counts.copied}
+        out["loaded"] = counts.loaded
+        if prof is not None:
+            import io
+            import pstats
+
+            prof.disable()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(8)
+            out["profile"] = text.getvalue()[-3000:]
         self._bench_items = []
-        return {"apply_s": dt, "scattered": counts.scattered, "copied": counts.copied, "loaded": counts.loaded}
+        return out
 
     def bench_profile_load(self, names: list[str]) -> dict[str, Any]:
         """The loader path's pause, taken apart (the engine holds these tensors' bits already: loading

@@ -66,6 +66,9 @@ SHAPES = {
 }
 
 
+PROFILE = os.environ.get("DELTASYNC_BENCH_PROFILE") == "1"  # cProfile the first scatter
+
+
 def build(work: Path, shape: str, schedule: list[float]) -> tuple[str, Path]:
     """Model dir at step 0 (with config and tokenizer) and a store with steps 0..len(schedule):
     step s changes a fraction ``schedule[s - 1]`` of every tensor's elements."""
@@ -160,7 +163,7 @@ def measure(work: Path, url: str, model_dir: Path, tp: int, schedule: list[float
             time.sleep(0.05)
         prep = llm.collective_rpc("bench_scatter_prepare", args=(str(prev),))
         t0 = time.perf_counter()
-        applied = llm.collective_rpc("bench_scatter_apply")
+        applied = llm.collective_rpc("bench_scatter_apply", args=(s == 1 and PROFILE,))
         scatter_s = time.perf_counter() - t0
         via_scatter = checksums()
         # back to step s - 1 (not timed), then the backend's own update to s
@@ -202,6 +205,8 @@ def measure(work: Path, url: str, model_dir: Path, tp: int, schedule: list[float
             "state": report["state"],
         }
         rows.append(row)
+        if "profile" in applied[0]:
+            print(applied[0]["profile"], flush=True)
         print(
             f"[tp={tp}] step {s} ({row['changed']:.3f} of elements, {row['tensors']} tensors): scatter "
             f"{scatter_s * 1e3:.1f} ms, loader {loader_s * 1e3:.1f} ms, reload_weights {reload_s * 1e3:.1f} ms, "
@@ -219,8 +224,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="steps per density")
     ap.add_argument("--out", help="write the figures as JSON here")
     ap.add_argument("--engine", help=argparse.SUPPRESS)  # internal: run one engine (work dir, url, tp)
+    ap.add_argument("--build", help=argparse.SUPPRESS)  # internal: build the model and store in this dir
     args = ap.parse_args()
     schedule = [d for d in args.densities for _ in range(args.steps)]
+    if args.build:
+        url, _ = build(Path(args.build), args.shape, schedule)
+        (Path(args.build) / "url").write_text(url)
+        return
     if args.engine:
         work, url, tp = json.loads(args.engine)
         result = measure(Path(work), url, Path(work) / "model", tp, schedule)
@@ -231,7 +241,10 @@ def main() -> None:
     results: dict[int, dict[str, Any]] = {}
     try:
         print(f"building {args.shape}: steps at densities {schedule} in {work}", flush=True)
-        url, _ = build(work, args.shape, schedule)
+        common = ["--shape", args.shape, "--steps", str(args.steps), "--densities", *map(str, args.densities)]
+        # in its own process: the model and the uploader's buffers are gone before any engine starts
+        subprocess.run([sys.executable, __file__, "--build", str(work), *common], check=True)
+        url = (work / "url").read_text()
         for tp in args.tp:
             env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
             env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT / "tests" / "vllm_support")])
