@@ -48,7 +48,16 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Change", "ScatterCounts", "ScatterLoader", "ScatterMap", "Segment", "default_max_density", "scatter"]
+__all__ = [
+    "STRIDED_COST",
+    "Change",
+    "ScatterCounts",
+    "ScatterLoader",
+    "ScatterMap",
+    "Segment",
+    "default_max_density",
+    "scatter",
+]
 
 log = logging.getLogger("deltasync.vllm")
 
@@ -325,6 +334,11 @@ class Change(NamedTuple):
     values: torch.Tensor | None = None
 
 
+#: a strided segment (a tensor-parallel shard of columns) decodes every position into indices, a few
+#: passes over them: it pays to scatter there below this fraction of the dense break-even density
+STRIDED_COST = 0.25
+
+
 def default_max_density(device: torch.device) -> float:
     """The fraction of changed elements above which copying a tensor whole beats scattering into it.
 
@@ -344,7 +358,8 @@ class ScatterLoader:
     of the tensors it is updated with. load: the model's loader (``model.load_weights``), for
     tensors without a map; called once per call, with all of them. max_density: above this fraction
     of changed elements a mapped tensor is copied whole through its map (the loader's own strided
-    ``copy_``s, without the loader); default :func:`default_max_density` of the parameters' device.
+    ``copy_``s, without the loader); default :func:`default_max_density` of the parameters' device,
+    times :data:`STRIDED_COST` for strided segments.
     The map is built here and rebuilt when the engine replaced its parameters.
     """
 
@@ -387,18 +402,21 @@ class ScatterLoader:
                 limit = self.max_density
                 if limit is None:
                     limit = default_max_density(segments[0].flat.device)
-                if pos is None or pos.numel() > limit * full.numel():
-                    for seg in segments:
+                density = 1.0 if pos is None else pos.numel() / max(1, full.numel())
+                whole = False
+                for seg in segments:
+                    if density > (limit if seg.shift is not None else limit * STRIDED_COST):
                         seg.dst_view().copy_(seg.src_view(full))
-                    copied += 1
-                    continue
-                if pos.numel():
-                    if values is None:
-                        values = full.reshape(-1).index_select(0, pos)
-                    for seg in segments:
+                        whole = True
+                    elif pos is not None and pos.numel():
+                        if values is None:
+                            values = full.reshape(-1).index_select(0, pos)
                         scatter(seg, pos, values)
-                scattered += 1
-                elements += int(pos.numel())
+                if whole:
+                    copied += 1
+                else:
+                    scattered += 1
+                    elements += 0 if pos is None else int(pos.numel())
             if fallback:
                 self.load(iter(fallback))
         return ScatterCounts(scattered, elements, copied, len(fallback))
