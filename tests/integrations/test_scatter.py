@@ -315,3 +315,16 @@ def test_scatter_skips_positions_outside_its_segment() -> None:
 
 def test_the_break_even_density_depends_on_the_device() -> None:
     assert default_max_density(torch.device("cpu")) < default_max_density(torch.device("meta"))
+
+
+def test_two_loads_into_the_same_elements_go_through_the_loader() -> None:
+    class Twice(Attention):  # q and k both written into the first rows of qkv: the later one wins
+        def _column(self, param: Any, loaded: Any, shard: str) -> None:
+            if shard == "k":
+                param.data.narrow(0, 0, self.KV).copy_(loaded)
+            else:
+                super()._column(param, loaded, shard)
+
+    loader, (counts, calls) = _check_same_as_loader(Twice, max_density=0.9)
+    assert set(loader.map.unmapped) == {"q", "k"} and "same elements" in loader.map.unmapped["k"]
+    assert calls == [["q", "k"]] and counts.loaded == 2

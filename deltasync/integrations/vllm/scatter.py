@@ -242,6 +242,9 @@ class ScatterMap:
                 maps[name] = _checked(name, rec.segments, shape)
             else:
                 unmapped[name] = rec.bad
+        for name, why in _overlapping(maps).items():
+            del maps[name]
+            unmapped[name] = why
         out = cls(maps, unmapped)
         out._storages = {n: _storage_key(t) for n, t in named.items() if not t.is_meta and t.numel() > 0}
         if unmapped:
@@ -253,6 +256,25 @@ class ScatterMap:
         named = _tensors(model)
         now = {n: _storage_key(t) for n, t in named.items() if not t.is_meta and t.numel() > 0}
         return now != self._storages
+
+
+def _overlapping(maps: Mapping[str, list[Segment]]) -> dict[str, str]:
+    """Names whose copies may write an element another copy writes too (a later copy wins in the
+    loader, whether or not its element changed: only the loader gets that right). Compares the spans
+    of the copies in each parameter's storage, a superset of the elements they write."""
+    spans: dict[tuple[str, int], list[tuple[int, int, str]]] = {}
+    for name, segments in maps.items():
+        for seg in segments:
+            lo = seg.dst_offset + sum(min(0, (n - 1) * d) for n, d in zip(seg.shape, seg.dst_strides, strict=True))
+            hi = seg.dst_offset + sum(max(0, (n - 1) * d) for n, d in zip(seg.shape, seg.dst_strides, strict=True))
+            spans.setdefault(_storage_key(seg.param), []).append((lo, hi, name))
+    out: dict[str, str] = {}
+    for found in spans.values():
+        found.sort()
+        for (_, hi, a), (lo, _, b) in zip(found, found[1:], strict=False):
+            if lo <= hi:
+                out[a] = out[b] = f"the loads of {a} and {b} may write the same elements"
+    return out
 
 
 def _tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
