@@ -65,8 +65,7 @@ log = logging.getLogger("deltasync.vllm")
 Layout = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
 
 
-class _Unmappable(Exception):
-    """A load we cannot replay as strided copies."""
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclass(frozen=True)
@@ -105,6 +104,11 @@ class Segment:
         object.__setattr__(self, "numel", numel)
         object.__setattr__(self, "shift", shift)
         object.__setattr__(self, "flat", flat)
+
+    def host_bits(self) -> Any:
+        """The parameter's storage as a numpy array of same-size ints, sharing its memory (CPU only)."""
+        bits = _BITS[self.flat.element_size()]
+        return self.flat.detach().view(bits).numpy()
 
     def src_view(self, full: torch.Tensor) -> torch.Tensor:
         return full.as_strided(self.shape, self.src_strides, self.src_offset)
@@ -464,10 +468,19 @@ def scatter(seg: Segment, pos: torch.Tensor, values: torch.Tensor) -> None:
             last = int(pos[-1])
     else:
         last = int(pos[-1])
-    if dev.type != "cpu":
-        if last < 2**31:
-            pos = pos.to(torch.int32)
-        pos, values = pos.to(dev, non_blocking=True).long(), values.to(dev, non_blocking=True)
+    if dev.type == "cpu":
+        # numpy's fancy assignment: about twice as fast as index_copy_ here (bits, as same-size ints)
+        bits = _BITS[values.element_size()]
+        out = seg.host_bits()
+        if shift is None:
+            idx, keep = _dst_index(seg, pos)
+            out[idx[keep].numpy()] = values[keep].view(bits).numpy()
+        else:
+            out[(pos + shift if shift else pos).numpy()] = values.view(bits).numpy()
+        return
+    if last < 2**31:
+        pos = pos.to(torch.int32)
+    pos, values = pos.to(dev, non_blocking=True).long(), values.to(dev, non_blocking=True)
     if shift is None:
         idx, keep = _dst_index(seg, pos)
         seg.flat.index_copy_(0, idx[keep], values[keep])
