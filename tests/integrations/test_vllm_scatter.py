@@ -66,7 +66,7 @@ def test_scatter_gives_the_bits_of_load_weights_on_every_rank(
     for r in ranks:
         assert r["differ"] == []  # every parameter, bit for bit
         assert r["not_restored"] == []  # the reference load started from the same bits
-        assert r["changed"] == r["params"]  # and the update reached every parameter
+        assert sorted(r["changed"]) == r["params"]  # and the update reached every parameter
         assert ("lm_head.weight" in r["params"]) == (not tied)
 
 
