@@ -272,7 +272,13 @@ def main() -> None:
                     os.killpg(proc.pid, signal.SIGKILL)
             for d in work.glob("step*"):
                 shutil.rmtree(d)
-            results[tp] = json.loads((work / f"tp{tp}.json").read_text())
+            done = work / f"tp{tp}.json"
+            if not done.exists():  # killed (out of memory?): report the other sizes
+                print(f"[tp={tp}] the engine run ended without results (exit {proc.returncode})", flush=True)
+                continue
+            results[tp] = json.loads(done.read_text())
+            if args.out:
+                Path(args.out).write_text(json.dumps({"shape": args.shape, "results": results}, indent=1))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report(results, args.shape)
