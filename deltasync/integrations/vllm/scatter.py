@@ -30,12 +30,17 @@ engine serves the previous step, which the mirror's values differ from only at t
 
 Use::
 
-    loader = ScatterLoader(model, layout, model.load_weights, max_density=0.3)
-    counts = loader([(name, full_new_tensor, changed_positions_or_None), ...])
+    loader = ScatterLoader(model, layout, load)      # layout: name -> (dtype, shape); load: load_weights
+    counts = loader([Change(name, full, positions, values), ...])
 
-Positions are flat (row-major) indices into the checkpoint tensor, sorted, int64 (a ``None``
-copies the whole tensor). Tensors live on the host (the mirror); parameters anywhere (the
-scatter runs on the parameter's device: values and positions are sent, indices computed there).
+``full`` is the new tensor in checkpoint coordinates (on the host: the mirror), ``positions`` the
+changed flat (row-major) indices, sorted int64 (None: copy the whole tensor), ``values`` the new
+bits there when the caller has them (a decoded patch; else gathered from ``full``). Parameters may
+live anywhere: on CPU the write is numpy's fancy assignment on the parameter's bits, on an
+accelerator positions are sent as int32 and the indices computed there. The engine must hold the
+previous step's bits at every other position (a caller that does not know what the engine holds
+passes None). Names whose load has no map go to ``load`` in one call; a rank's engine that refuses
+raises what ``load`` raises (the caller undoes, as with the loader).
 """
 
 from __future__ import annotations
