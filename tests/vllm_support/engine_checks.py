@@ -181,6 +181,72 @@ class CheckWorkerExtension:
             "patched": bool(getattr(utils.dispatch_cpu_unquantized_gemm, "deltasync_test_patch", False)),
         }
 
+    def check_scatter(self, model_dir: str, seed: int, cast: list[str]) -> dict[str, Any]:
+        """Apply one random update of every tensor of the engine's checkpoint twice, through
+        ``ScatterLoader`` and through ``model.load_weights``, from the same starting bits; report
+        the parameters whose bits differ (must be none), what went where, and the maps' reasons.
+
+        Each tensor gets its own density (some below the loader's threshold: scattered, some above:
+        copied whole, one ``None``: copied whole); the tensors named in ``cast`` are given to the
+        loader as fp32 (their load casts: no map, the loader takes them).
+        """
+        import dataclasses
+        import glob
+
+        import torch
+        from safetensors.torch import load_file
+
+        from deltasync.integrations.vllm.scatter import ScatterLoader
+
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        old: dict[str, Any] = {}
+        for f in sorted(glob.glob(f"{model_dir}/*.safetensors")):
+            old.update(load_file(f))
+        for n in cast:
+            old[n] = old[n].float()
+        g = torch.Generator().manual_seed(seed)
+        densities = [0.001, 0.05, 0.17, 0.6]
+        items = []
+        for i, (name, t) in enumerate(sorted(old.items())):
+            new = t.clone()
+            flat = new.view(-1)
+            d = densities[i % len(densities)]
+            k = max(1, int(flat.numel() * d))
+            pos = torch.randperm(flat.numel(), generator=g)[:k].sort().values
+            flat[pos] = flat[pos] + torch.randn(k, generator=g).to(flat.dtype) * 0.01 + 0.001
+            items.append((name, new, None if i == 3 else pos))
+
+        def load(pairs: Any) -> Any:
+            with torch.no_grad():
+                return model.load_weights(pairs)
+
+        params = dict(model.named_parameters())
+        load(iter(old.items()))
+        start = {n: p.detach().clone() for n, p in params.items()}
+        loader = ScatterLoader(model, {n: (t.dtype, tuple(t.shape)) for n, t in old.items()}, load, max_density=0.3)
+        counts = loader(iter(items))
+        via_scatter = {n: p.detach().clone() for n, p in params.items()}
+        load(iter(old.items()))
+        back = [n for n, p in params.items() if not torch.equal(p, start[n])]
+        load(iter((n, t) for n, t, _ in items))
+        differ = [
+            n for n, p in params.items() if not torch.equal(p.view(torch.uint8), via_scatter[n].view(torch.uint8))
+        ]
+        changed = [n for n, p in params.items() if not torch.equal(p, start[n])]
+        return {
+            "counts": dataclasses.asdict(counts),
+            "differ": differ,
+            "not_restored": back,
+            "changed": changed,
+            "params": sorted(params),
+            "mapped": sorted(loader.map.maps),
+            "unmapped": loader.map.unmapped,
+            "segments": {
+                n: [[list(s.shape), s.src_offset, list(s.src_strides), s.dst_offset, list(s.dst_strides)] for s in segs]
+                for n, segs in loader.map.maps.items()
+            },
+        }
+
 
 def sha256_of(t: Any) -> str:
     """sha256 of a tensor's bytes, as vLLM's ``compute_weight_checksums`` computes it."""
