@@ -12,6 +12,7 @@ import shutil
 import signal
 from collections.abc import Iterable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -184,3 +185,42 @@ def test_memory_stores_never_share_a_node_dir(tmp_path: Path) -> None:
     for m in mirrors:
         m.close()
     assert not private.exists()
+
+
+def test_an_engine_writing_only_the_changed_elements_ends_bit_exact(tmp_path: Path) -> None:
+    """The positions a version records are those that changed since the version it was built from;
+    an engine that serves another version gets none (and loads whole tensors)."""
+    url = _push(tmp_path / "run", range(5))
+    engines = [Engine(_state(0)), Engine(_state(0))]
+    given: list[list[bool]] = [[], []]
+
+    def scatter_for(i: int) -> Any:
+        def make(layout: Any) -> Any:
+            def scatter(items: Iterable[tuple[str, Any, Any]]) -> Any:
+                for name, full, pos in items:
+                    given[i].append(pos is not None)
+                    flat = engines[i].weights[name].view(-1)
+                    if pos is None:
+                        flat.copy_(full.reshape(-1))
+                    else:
+                        flat[pos.long()] = full.reshape(-1)[pos.long()]
+                return SimpleNamespace(loaded=0, copied=0, scattered=len(given[i]), elements=0)
+
+            return scatter
+
+        return make
+
+    a, b = (_worker(url, tmp_path / "node", e, scatter=scatter_for(i)) for i, e in enumerate(engines))
+    a.commit(1)
+    a.commit(2)
+    assert given[0] and all(given[0])
+    assert _equal(engines[0].weights, _state(2))
+    b.commit(2)  # b serves step 0, not version 2's base (version 1): whole tensors
+    assert given[1] and not any(given[1])
+    assert _equal(engines[1].weights, _state(2))
+    given[1].clear()
+    b.commit(3)
+    assert given[1] and all(given[1])
+    assert _equal(engines[1].weights, _state(3))
+    a.close()
+    b.close()

@@ -93,6 +93,8 @@ class DeltasyncInitInfo(WeightTransferInitInfo):  # type: ignore[misc]
     metrics_port: serve Prometheus metrics on 127.0.0.1 at this port plus the worker's rank.
     node_dir: where the node's shared mirror lives (default ``$DELTASYNC_NODE_DIR``, else ``/dev/shm``);
         every engine on the node that names the same dir and run shares one copy and one download.
+    scatter: in the pause, write only the changed elements into the parameters where the model's
+        loaders allow it (``scatter.ScatterLoader``); False hands every changed tensor to ``load_weights``.
     signal: a signal server URL: rank 0 reports the engine to its fleet view (step, state digest, state,
         last error) at init, after each update and every ``report_heartbeat`` seconds (docs/fleet.md).
     signal_token: the token of the reports (a report, subscribe or publish token).
@@ -107,6 +109,7 @@ class DeltasyncInitInfo(WeightTransferInitInfo):  # type: ignore[misc]
     poll_interval: float = 2.0
     metrics_port: int | None = None
     node_dir: str | None = None
+    scatter: bool = True
     signal: str | None = None
     signal_token: str | None = None
     signal_run: str | None = None
@@ -252,6 +255,7 @@ class WorkerSync:
                 agree=self._agree,
                 check=self._check,
                 node_dir=self.options.node_dir,
+                scatter=self._scatter_loader if self.options.scatter else None,
             )
             try:
                 self.mirror = EngineMirror(
@@ -296,6 +300,11 @@ class WorkerSync:
                 raise
             log.warning("rank %d: %s: %s", self.rank, type(exc).__name__, exc)
             return {**self.status(), "error": f"{type(exc).__name__}: {exc}"}
+
+    def _scatter_loader(self, layout: Any) -> Any:
+        from deltasync.integrations.vllm.scatter import ScatterLoader
+
+        return ScatterLoader(self.model, layout, self._load)
 
     def _load(self, pairs: Any) -> None:
         with torch.no_grad():

@@ -89,6 +89,9 @@ class EngineMirror:
     check: see :data:`Check`; called with the seed's layout, and with each version's layout when it
         differs from the one checked last.
     node_dir, spawn, keep: where the node mirror lives and how it builds (see ``NodeMirror``).
+    scatter: for a layout, a loader of ``(name, new tensor, changed flat positions or None)`` triples
+        that writes only the changed elements where it can (vLLM: ``scatter.ScatterLoader``); used in
+        the pause instead of ``load`` (an undo always uses ``load``).
     """
 
     def __init__(
@@ -107,8 +110,12 @@ class EngineMirror:
         node_dir: str | Path | None = None,
         spawn: bool | None = None,
         keep: int = KEEP,
+        scatter: Callable[[Mapping[str, tuple[Any, tuple[int, ...]]]], Callable[[Iterable[tuple[str, Any, Any]]], Any]]
+        | None = None,
     ) -> None:
         self.fetcher = fetcher
+        self._scatter_for = scatter
+        self._scatter: Callable[[Iterable[tuple[str, Any, Any]]], Any] | None = None
         self.agree: Callable[[Any], list[Any]] = agree or (lambda mine: [mine])
         self._load = load
         self.metrics = metrics
@@ -159,9 +166,19 @@ class EngineMirror:
             )
 
     def _check_layout(self, layout: Mapping[str, tuple[Any, tuple[int, ...]]]) -> None:
-        if self._check is not None and layout != self._checked:
+        if layout == self._checked:
+            return
+        if self._check is not None:
             self._check(layout)
-            self._checked = dict(layout)
+        self._checked = dict(layout)
+        self._scatter = None
+        if self._scatter_for is not None:
+            try:
+                self._scatter = self._scatter_for(layout)
+            except Exception as exc:  # noqa: BLE001 - the engine's own loader still works
+                log.warning(
+                    "cannot write changed elements in place (%s: %s): loading whole tensors", type(exc).__name__, exc
+                )
 
     # -------------------------------------------------------------- prepare
 
@@ -262,11 +279,21 @@ class EngineMirror:
             names = version.changed_from(self._served)
             view = self._prepared_view
             nbytes = version.nbytes(names)
+            # the positions of what changed, where the engine holds the version this one was built from
+            positions = version.changed_positions(self._served) if self._scatter is not None else {}
             # phase 2: the pause, every rank loads what changed
             t0 = self.clock()
             load_err: BaseException | None = None
+            counts: dict[str, int] = {"loaded": len(names)}
             try:
-                if names:
+                if names and self._scatter is not None:
+                    done = self._scatter((n, view[n], positions.get(n)) for n in names)
+                    counts = {
+                        "loaded": done.loaded + done.copied,
+                        "scattered": done.scattered,
+                        "elements": done.elements,
+                    }
+                elif names:
                     self._load([(n, view[n]) for n in names])
             except Exception as exc:  # noqa: BLE001 - any engine failure is undone below
                 load_err = exc
@@ -275,6 +302,8 @@ class EngineMirror:
             if refused:
                 self._undo(names, load_err, "; ".join(refused), step, previous)
             if self.metrics is not None:
+                if hasattr(self.metrics, "observe_load"):
+                    self.metrics.observe_load(**counts)
                 if self._prepared_stats is not None:
                     self.metrics.observe_sync(self._prepared_stats, pause_s=pause)
                 else:

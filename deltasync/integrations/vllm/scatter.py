@@ -418,8 +418,9 @@ class ScatterLoader:
         return True
 
     def __call__(self, items: Iterable[Change | tuple[Any, ...]]) -> ScatterCounts:
-        """Apply each :class:`Change` (or ``(name, full, positions[, values])`` tuple); one loader call
-        for the tensors without a map. Raises what the loader raises (the caller undoes)."""
+        """Apply each :class:`Change` (or ``(name, full, positions[, values])`` tuple; positions may be
+        int32, widened only where they are scattered); one loader call for the tensors without a map.
+        Raises what the loader raises (the caller undoes)."""
         self.refresh()
         fallback: list[tuple[str, torch.Tensor]] = []
         scattered = elements = copied = 0
@@ -440,6 +441,8 @@ class ScatterLoader:
                         seg.dst_view().copy_(seg.src_view(full))
                         whole = True
                     elif pos is not None and pos.numel():
+                        if pos.dtype != torch.int64:  # positions kept compact (int32) until they are used
+                            pos = pos.long()
                         if values is None:
                             values = full.reshape(-1).index_select(0, pos)
                         scatter(seg, pos, values)
