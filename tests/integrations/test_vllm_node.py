@@ -106,6 +106,7 @@ def measured(
             "updates": UPDATES,
             "expected": node_run["expected"][tp],
             "kill_leader": tp == 2,
+            "prefetch": False,  # each update builds its step in the pause: the leader's work is measured too
         }
         out[tp] = run_script(SCRIPT, params, tp=tp, timeout=1500)
     return out

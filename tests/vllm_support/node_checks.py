@@ -64,7 +64,7 @@ def prepare(llm: Any, url: str, step: int, timeout: float = 600.0) -> float:
             return time.monotonic() - t0
         if any(s["last_error"] for s in status):
             break  # the update reports it
-        time.sleep(0.01)
+        time.sleep(0.1)  # each look is an RPC through the engine to every worker: not too often
     return time.monotonic() - t0
 
 
