@@ -294,3 +294,28 @@ def test_all_or_nothing_reports_the_truth_to_the_fleet_view() -> None:
             assert (rows["vllm-0"].step, rows["vllm-0"].state) == (3, "serving")
             assert "brought back to step 3" in (rows["vllm-0"].last_error or "")
             assert (rows["vllm-1"].step, rows["vllm-1"].state) == (3, "failed")
+
+
+def test_follow_all_or_nothing_reaches_the_driver(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``deltasync follow --vllm ... --all-or-nothing`` builds its driver in that mode (and not without it)."""
+    import deltasync.integrations.vllm.driver as driver_module
+    from deltasync.cli.main import main
+
+    class Built(Exception):
+        pass
+
+    seen: list[dict[str, Any]] = []
+
+    def recording_driver(servers: list[str], store: str, **kw: Any) -> VLLMDriver:
+        seen.append({"servers": servers, **kw})
+        raise Built
+
+    monkeypatch.setattr(driver_module, "VLLMDriver", recording_driver)
+    (tmp_path / "store").mkdir()
+    for extra in (["--all-or-nothing"], []):
+        with pytest.raises(Built):
+            main(["follow", "--store", str(tmp_path / "store"), "--vllm", "http://a:8000", "http://b:8000", *extra])
+    assert [(s["servers"], s["all_or_nothing"]) for s in seen] == [
+        (["http://a:8000", "http://b:8000"], True),
+        (["http://a:8000", "http://b:8000"], False),
+    ]

@@ -103,10 +103,6 @@ def test_engine_a_is_down(killed: dict[str, Any]) -> None:
         assert killed[f"a_after_{probe}"].startswith("EngineDeadError"), (
             f"engine A after losing a worker, {probe}: {killed[f'a_after_{probe}']}"
         )
-    alive = [p for p in killed["a_processes_after"] if p["status"] != "zombie"]
-    assert not any(p["pid"] in killed["a_workers"] for p in alive), (
-        f"A's workers outlived the engine: {killed['a_processes_after']}"
-    )
     assert killed["a_left_after_exit"] == [], f"A's processes outlived its driver: {killed['a_left_after_exit']}"
 
 

@@ -260,7 +260,9 @@ def check(p: dict[str, Any]) -> dict[str, Any]:
     out["b_during_ok"] = ec.checksums(b) == expected[1][1]
     out["b_during_generates"] = bool(ec.fingerprint(b)[0]["token_ids"])
     os.kill(hit["worker"], signal.SIGKILL)
+    t0 = time.monotonic()
     out["a_update_reply"] = a.reply()
+    out["a_update_failed_after_s"] = round(time.monotonic() - t0, 2)  # a figure for the report, not asserted
     for probe in ("checksums", "generate"):
         a.send(probe)
         got = a.reply()
