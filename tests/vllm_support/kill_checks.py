@@ -13,7 +13,8 @@ step, and waits, in its test-only paced mode, for that worker's go-ahead) writes
 pid and stops there. A is asked to update to step 2; once the marker exists, B is read (it serves
 step 1 while A's worker sits inside its update RPC with the leader holding the node lock), then
 that worker is SIGKILLed. What A, B and the node mirror do next is recorded for the test; then a
-fresh engine A is started on the same node and brought to the newest step.
+fresh engine A is started on the same node and brought to the newest step. A's process may hang in
+vLLM's client after the engine died (seen with vLLM 0.32): it is killed then.
 
 Waits are on events (the marker, pipe replies), each bounded.
 """
@@ -38,6 +39,7 @@ import engine_checks as ec
 import node_checks
 
 REPLY_TIMEOUT = 600.0
+PROBE_TIMEOUT = 120.0
 
 
 # ------------------------------------------------------------------------------- worker side
@@ -162,10 +164,14 @@ class EngineA:
             raise RuntimeError(f"engine A: {cmd}: {out['error']}")
         return out["ok"]
 
-    def close(self) -> None:
-        with contextlib.suppress(OSError, EOFError, TimeoutError):
-            self.send("exit")
-            self.reply(timeout=60)
+    def close(self, stuck: bool = False) -> None:
+        """Ask the process to exit; kill it when it cannot (``stuck`` in a call to a dead engine)."""
+        if stuck:
+            self.proc.kill()
+        else:
+            with contextlib.suppress(OSError, EOFError, TimeoutError):
+                self.send("exit")
+                self.reply(timeout=60)
         try:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
@@ -263,13 +269,18 @@ def check(p: dict[str, Any]) -> dict[str, Any]:
     t0 = time.monotonic()
     out["a_update_reply"] = a.reply()
     out["a_update_failed_after_s"] = round(time.monotonic() - t0, 2)  # a figure for the report, not asserted
-    for probe in ("checksums", "generate"):
-        a.send(probe)
-        got = a.reply()
-        out[f"a_after_{probe}"] = got.get("error") or "answered"
     a.send("processes")
     out["a_processes_after"] = a.reply().get("ok")
-    a.close()
+    # vLLM 0.32 either raises EngineDeadError here or never answers (its client can miss that the engine
+    # core process died: both seen); a healthy engine answers checksums in well under a second
+    a.send("checksums")
+    try:
+        got = a.reply(PROBE_TIMEOUT)
+        out["a_after_checksums"] = got.get("error") or "answered"
+        a.close()
+    except TimeoutError:
+        out["a_after_checksums"] = f"no answer in {PROBE_TIMEOUT:.0f} s"
+        a.close(stuck=True)
     out["a_exit"] = a.proc.returncode
     out["a_left_after_exit"] = _outliving(out["a_processes_after"])
 
