@@ -43,6 +43,12 @@ def add_vllm_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--vllm-timeout", type=float, default=600.0, metavar="SECONDS", help="timeout of each HTTP call")
     g.add_argument("--no-prefetch", action="store_true", help="do not prepare new steps in the background")
+    g.add_argument(
+        "--all-or-nothing",
+        action="store_true",
+        help="roll each step out to every server or to none: prepare it everywhere first, and bring the servers "
+        "that took it back to their previous step if any server does not",
+    )
 
 
 def run_vllm(args: argparse.Namespace) -> int:
@@ -79,6 +85,7 @@ def run_vllm(args: argparse.Namespace) -> int:
             signal_token=os.environ.get("DELTASYNC_REPORT_TOKEN") or token,
             run=run if reporting else None,
             replicas=replicas,
+            all_or_nothing=args.all_or_nothing,
         )
         with driver:
             driver.init()

@@ -1,6 +1,6 @@
 """VLLMDriver's update sequence, failure states and backoff, against a scripted HTTP stand-in.
 
-The stand-in (:class:`ScriptedVLLM`, an ``httpx.MockTransport``) answers the routes of a vLLM 0.32
+The stand-in (:class:`ScriptedVLLM` in tests/scripted_vllm.py, an ``httpx.MockTransport``) answers the routes of a vLLM 0.32
 server the way the real one does (paths, bodies, status codes), and records the calls, so that the
 order of the sequence, what happens on each failure, and the retry timing (an injected clock) can
 be checked exactly. The same driver runs against a real ``vllm serve`` in
@@ -9,75 +9,14 @@ tests/integrations/test_vllm_follow.py.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import httpx
 import pytest
+from scripted_vllm import ScriptedVLLM
 
 from deltasync.errors import DeltaSyncError
 from deltasync.integrations.vllm.driver import VLLMDriver, VLLMServer
-
-
-class ScriptedVLLM:
-    """A vLLM server's weight-transfer routes: refuses ``rolled_back`` steps (HTTP 500, engine kept at its
-    step), breaks on ``broken`` steps (needs replacement), fails ``cache_failures`` prefix-cache resets."""
-
-    def __init__(self, version: str | None = "0") -> None:
-        self.version = version
-        self.paused = False
-        self.calls: list[str] = []
-        self.rolled_back: set[int] = set()
-        self.broken: set[int] = set()
-        self.cache_failures = 0
-        self.down = False
-        self._pending: int | None = None
-
-    def transport(self) -> httpx.MockTransport:
-        return httpx.MockTransport(self.handle)
-
-    def handle(self, request: httpx.Request) -> httpx.Response:
-        if self.down:
-            raise httpx.ConnectError("connection refused", request=request)
-        path = request.url.path
-        body = json.loads(request.content) if request.content else {}
-        q = dict(request.url.params)
-        self.calls.append(path + (f"?{request.url.query.decode()}" if request.url.query else ""))
-        if path == "/init_weight_transfer_engine":
-            return httpx.Response(200, json={"message": "Weight transfer initialized"})
-        if path == "/weight_info":
-            return httpx.Response(200, json={"weight_version": self.version})
-        if path == "/pause":
-            assert q.get("mode") in ("wait", "abort", "keep")
-            self.paused = True
-            return httpx.Response(200, json={"status": "paused"})
-        if path == "/resume":
-            self.paused = False
-            return httpx.Response(200, json={"status": "resumed"})
-        if path == "/start_weight_update":
-            assert self.paused, "updates run paused"
-            return httpx.Response(200, json={"message": "Weight update started"})
-        if path == "/update_weights":
-            step = body["update_info"]["step"]
-            if step in self.broken:
-                return httpx.Response(500, json={"error": {"message": "WorkerNeedsReplacement: rank 1: reload failed"}})
-            if step in self.rolled_back:
-                return httpx.Response(500, json={"error": {"message": f"UpdateRolledBack: step {step}: corrupt patch"}})
-            self._pending = step
-            return httpx.Response(200, json={"message": "Weights updated"})
-        if path == "/finish_weight_update":
-            assert self._pending is not None
-            self.version, self._pending = body["weight_version"], None
-            return httpx.Response(200, json={"message": "Weight update finished"})
-        if path == "/reset_prefix_cache":
-            if self.cache_failures:
-                self.cache_failures -= 1
-                return httpx.Response(200, json={"success": False})
-            return httpx.Response(200, json={"success": True})
-        if path == "/collective_rpc":
-            state = "needs_replacement" if self.broken else "serving"
-            return httpx.Response(200, json={"results": [{"rank": 0, "state": state, "step": self.version}]})
-        return httpx.Response(404, json={"detail": "Not Found"})
 
 
 def _server(fake: ScriptedVLLM, url: str = "http://vllm-a") -> VLLMServer:
@@ -232,3 +171,151 @@ def test_each_server_reports_to_the_fleet_view_as_one_replica() -> None:
         assert trainer.fleet("run-d").replicas == ()  # closing the driver left the fleet
     with pytest.raises(ValueError, match="needs run="):
         _driver(ScriptedVLLM(), signal="http://127.0.0.1:9")
+
+
+# ------------------------------------------------------------------------------- all or nothing
+
+
+def _fleet(n: int, version: str | None = "3") -> tuple[list[str], list[ScriptedVLLM]]:
+    journal: list[str] = []
+    return journal, [ScriptedVLLM(version, journal) for _ in range(n)]
+
+
+def test_all_or_nothing_prepares_every_server_before_pausing_any() -> None:
+    journal, fakes = _fleet(3)
+    with _driver(*fakes, all_or_nothing=True) as d:
+        d.init()
+        got = d.update(4)
+        assert [u.state for u in got] == ["serving"] * 3 and [u.version for u in got] == ["4"] * 3
+        assert d.serving() == {f"http://vllm-{i}": 4 for i in range(3)}
+    assert [f.version for f in fakes] == ["4"] * 3 and all(f.prepared == [4] for f in fakes)
+    first_pause = next(i for i, c in enumerate(journal) if c.endswith("/pause"))
+    assert sum(c.endswith("/collective_rpc") for c in journal[:first_pause]) == 3
+
+
+def test_all_or_nothing_a_failed_prepare_touches_no_server() -> None:
+    journal, fakes = _fleet(3)
+    fakes[1].unpreparable = {4}
+    with _driver(*fakes, all_or_nothing=True) as d:
+        d.init()
+        got = d.update(4)
+        assert [u.state for u in got] == ["held_back", "failed", "held_back"]
+        assert "could not be prepared: HTTP 500: UpdateRolledBack: step 4: checksum" in (got[1].error or "")
+        assert "http://vllm-1 could not prepare it" in (got[0].error or "")
+        assert [u.version for u in got] == ["3", None, "3"]
+        assert d.serving() == {f"http://vllm-{i}": 3 for i in range(3)}
+    assert not any(c.endswith(("/pause", "/update_weights")) for c in journal)
+    assert [f.version for f in fakes] == ["3"] * 3
+
+
+def test_all_or_nothing_a_refused_step_brings_the_others_back_to_their_previous_step() -> None:
+    _, fakes = _fleet(3)
+    fakes[2].rolled_back = {4}
+    with _driver(*fakes, all_or_nothing=True) as d:
+        d.init()
+        got = d.update(4)
+        assert [u.state for u in got] == ["rolled_back"] * 3
+        assert [u.version for u in got] == ["3"] * 3
+        assert "step 4 was not taken by http://vllm-2; brought back to step 3" in (got[0].error or "")
+        assert "UpdateRolledBack: step 4: corrupt patch" in (got[2].error or "")
+        assert d.serving() == {f"http://vllm-{i}": 3 for i in range(3)}
+        assert [(u.url, u.step, u.state) for u in d.history] == [
+            ("http://vllm-0", 4, "serving"),
+            ("http://vllm-1", 4, "serving"),
+            ("http://vllm-2", 4, "rolled_back"),
+            ("http://vllm-0", 3, "serving"),
+            ("http://vllm-1", 3, "serving"),
+        ]
+    assert [f.version for f in fakes] == ["3"] * 3 and not any(f.paused for f in fakes)
+
+
+def test_all_or_nothing_a_failed_way_back_is_reported_as_what_the_server_serves() -> None:
+    _, fakes = _fleet(2)
+    fakes[1].rolled_back = {4}
+    fakes[0].rolled_back = {3}  # it takes 4, then refuses to go back to 3: it serves 4
+    with _driver(*fakes, all_or_nothing=True) as d:
+        d.init()
+        got = d.update(4)
+        assert [(u.state, u.version) for u in got] == [("serving", "4"), ("rolled_back", "3")]
+        assert "bringing this server back to step 3 failed" in (got[0].error or "")
+        assert d.serving() == {"http://vllm-0": 4, "http://vllm-1": 3}
+
+
+def test_all_or_nothing_is_refused_with_a_server_that_needs_replacement_or_of_unknown_step() -> None:
+    _, fakes = _fleet(2)
+    fakes[0].broken = {4}
+    with _driver(*fakes, all_or_nothing=True) as d:
+        d.init()
+        assert [u.state for u in d.update(4)] == ["needs_replacement", "rolled_back"]
+        calls = [len(f.calls) for f in fakes]
+        got = d.update(5)
+        assert [u.state for u in got] == ["needs_replacement", "held_back"]
+        assert "http://vllm-0 needs replacement" in (got[1].error or "")
+        assert [len(f.calls) for f in fakes] == calls  # nothing touched
+    unknown = ScriptedVLLM(version=None)
+    with _driver(unknown, ScriptedVLLM(), all_or_nothing=True) as d:
+        d.init()
+        got = d.update(1)
+        assert [u.state for u in got] == ["held_back", "held_back"]
+        assert "http://vllm-0 serves no known step" in (got[0].error or "")
+
+
+def test_all_or_nothing_retries_the_whole_rollout_after_the_backoff() -> None:
+    now = [0.0]
+    _, fakes = _fleet(2)
+    fakes[1].rolled_back = {4}
+    with _driver(*fakes, clock=lambda: now[0], all_or_nothing=True) as d:
+        d.init()
+        assert [u.state for u in d.catch_up(4)] == ["rolled_back", "rolled_back"]
+        assert d.catch_up(4) == []  # the fleet waits out the backoff
+        fakes[1].rolled_back = set()
+        now[0] = 2.0
+        assert [u.state for u in d.catch_up(4)] == ["serving", "serving"]
+        assert d.serving() == {"http://vllm-0": 4, "http://vllm-1": 4}
+
+
+def test_all_or_nothing_reports_the_truth_to_the_fleet_view() -> None:
+    from server_harness import ThreadServer
+
+    from deltasync.server import Settings, create_app
+    from deltasync.signal import SignalClient
+
+    _, fakes = _fleet(2)
+    fakes[1].rolled_back = {4}
+    tok = "publish-token-rollout"
+    with ThreadServer(create_app(Settings(publish_token=tok))) as signal, SignalClient(signal.url, tok) as trainer:
+        for step in (3, 4):
+            trainer.publish("run-r", step, f"{step:032x}")
+        with _driver(*fakes, signal=signal.url, signal_token=tok, run="run-r", all_or_nothing=True) as d:
+            d.init()
+            d.update(4)
+            assert d.reports_delivered(30)
+            rows = {r.replica: r for r in trainer.fleet("run-r").replicas}
+            assert (rows["vllm-0"].step, rows["vllm-0"].state) == (3, "serving")
+            assert "brought back to step 3" in (rows["vllm-0"].last_error or "")
+            assert (rows["vllm-1"].step, rows["vllm-1"].state) == (3, "failed")
+
+
+def test_follow_all_or_nothing_reaches_the_driver(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``deltasync follow --vllm ... --all-or-nothing`` builds its driver in that mode (and not without it)."""
+    import deltasync.integrations.vllm.driver as driver_module
+    from deltasync.cli.main import main
+
+    class Built(Exception):
+        pass
+
+    seen: list[dict[str, Any]] = []
+
+    def recording_driver(servers: list[str], store: str, **kw: Any) -> VLLMDriver:
+        seen.append({"servers": servers, **kw})
+        raise Built
+
+    monkeypatch.setattr(driver_module, "VLLMDriver", recording_driver)
+    (tmp_path / "store").mkdir()
+    for extra in (["--all-or-nothing"], []):
+        with pytest.raises(Built):
+            main(["follow", "--store", str(tmp_path / "store"), "--vllm", "http://a:8000", "http://b:8000", *extra])
+    assert [(s["servers"], s["all_or_nothing"]) for s in seen] == [
+        (["http://a:8000", "http://b:8000"], True),
+        (["http://a:8000", "http://b:8000"], False),
+    ]

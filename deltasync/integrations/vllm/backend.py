@@ -322,8 +322,10 @@ class WorkerSync:
 
     # ------------------------------------------------------------- phases
 
-    def prepare(self, store: str | None, step: int | None) -> dict[str, Any]:
-        self.mirror_for(store).prepare(step)
+    def prepare(self, store: str | None, step: int | None, wait: bool = False) -> dict[str, Any]:
+        prepared = self.mirror_for(store).prepare(step)
+        if wait:
+            prepared.result()  # raises the prepare's error
         return self.status()
 
     def update(self, store: str | None, step: int | None) -> dict[str, Any]:
@@ -477,10 +479,16 @@ class DeltasyncWorkerExtension:
         sync = _state_of(self)
         return sync.call(lambda: sync.configure(DeltasyncInitInfo(**init_info)))
 
-    def deltasync_prepare(self, store: str | None = None, step: int | None = None) -> dict[str, Any]:
-        """Start bringing the mirror to ``step`` in the background; returns at once."""
+    def deltasync_prepare(
+        self, store: str | None = None, step: int | str | None = None, wait: bool | str = False
+    ) -> dict[str, Any]:
+        """Start bringing the mirror to ``step`` in the background; returns at once, or with ``wait`` once
+        it is prepared (raising its error: an all-or-nothing rollout prepares every server first).
+        ``step`` and ``wait`` may come as strings (vLLM's HTTP ``/collective_rpc`` passes strings)."""
         sync = _state_of(self)
-        return sync.call(sync.prepare, store, step)
+        number = None if step is None else int(step)
+        flag = wait if isinstance(wait, bool) else str(wait).lower() in ("1", "true", "yes")
+        return sync.call(sync.prepare, store, number, flag)
 
     def deltasync_update(self, store: str | None = None, step: int | None = None) -> dict[str, Any]:
         """Make the engine serve ``step`` (default: newest); raises UpdateRolledBack / WorkerNeedsReplacement."""

@@ -48,7 +48,7 @@ log = logging.getLogger("deltasync.vllm.driver")
 
 PauseMode = Literal["wait", "abort", "keep"]
 PAUSE_MODES: tuple[str, ...] = ("wait", "abort", "keep")
-State = Literal["serving", "rolled_back", "needs_replacement", "unreachable", "failed"]
+State = Literal["serving", "rolled_back", "held_back", "needs_replacement", "unreachable", "failed"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +59,10 @@ class ServerUpdate:
     step: int
     #: "serving": the server serves ``step``; "rolled_back": it refused the step and serves its previous
     #: weights, bit-exact; "needs_replacement": its weights are neither step, it stays paused (restart it);
-    #: "unreachable": no answer (it keeps whatever it had); "failed": any other error (see ``error``)
+    #: "unreachable": no answer (it keeps whatever it had); "failed": any other error (see ``error``);
+    #: "held_back": an all-or-nothing rollout of ``step`` failed elsewhere before this server was updated:
+    #: it was not touched and serves its previous step ("rolled_back" there: it took the step and was
+    #: brought back to its previous one, bit-exact)
     state: State
     #: the server's weight version after the sequence (``str(step)`` when serving), None when unknown
     version: str | None
@@ -135,6 +138,30 @@ class VLLMServer:
         body = r.json()
         results = body.get("results") if isinstance(body, dict) else body
         return [x for x in results if isinstance(x, dict)] if isinstance(results, list) else None
+
+    def prepare(self, step: int) -> None:
+        """Bring every worker's mirror to ``step`` (download, verify, decode) without touching the weights
+        or pausing; returns once every worker has it. Raises :class:`DeltaSyncError` naming the failure
+        (``httpx.HTTPError`` when the server does not answer). Needs ``/collective_rpc`` (dev mode) and
+        deltasync's worker methods (the plugin, or ``--worker-extension-cls``)."""
+        r = self._post("/collective_rpc", json={"method": "deltasync_prepare", "kwargs": {"step": step, "wait": True}})
+        if r.status_code == 404:
+            self._ok(r, "collective_rpc deltasync_prepare")
+        if r.status_code != 200:
+            raise DeltaSyncError(f"{self.url}: step {step} could not be prepared: HTTP {r.status_code}: {_detail(r)}")
+        body = r.json()
+        results = body.get("results") if isinstance(body, dict) else None
+        if not isinstance(results, list):
+            raise DeltaSyncError(
+                f"{self.url}: deltasync_prepare answered {str(body)[:300]!r}: not deltasync's worker API"
+            )
+        errors = [
+            f"rank {w.get('rank', i)}: {w['error']}"
+            for i, w in enumerate(results)
+            if isinstance(w, dict) and w.get("error")
+        ]
+        if errors:
+            raise DeltaSyncError(f"{self.url}: step {step} could not be prepared: {'; '.join(errors)}")
 
     def update(self, step: int, *, pause_mode: PauseMode = "wait", cache_retries: int = 20) -> ServerUpdate:
         """Run the whole update sequence for ``step`` (see the module doc); never raises."""
@@ -222,6 +249,12 @@ class _Tracked:
             state = "needs_replacement" if u.state == "needs_replacement" else "failed"
             self.reporter.update(self.serving, state, last_error=f"step {u.step}: {u.state}: {u.error}")
 
+    def report_kept(self, u: ServerUpdate) -> None:
+        """After an all-or-nothing rollout of ``u.step`` failed elsewhere: this server is healthy at its
+        previous step (never updated, or brought back); the fleet view says so, and why."""
+        if self.reporter is not None:
+            self.reporter.update(self.serving, "serving", last_error=f"step {u.step}: {u.state}: {u.error}")
+
 
 class VLLMDriver:
     """Keep several vLLM servers at a run's newest committed step (see the module doc).
@@ -231,6 +264,7 @@ class VLLMDriver:
     ``signal`` / ``signal_token`` / ``run``: report each server to this signal server's fleet view of
     ``run`` (a report, subscribe or publish token), as replica ``replicas[i]`` (default: the server
     URL's ``host:port``), every ``heartbeat`` seconds and at each change.
+    ``all_or_nothing``: roll each step out to every server or to none (see :meth:`rollout`).
     """
 
     def __init__(
@@ -248,6 +282,7 @@ class VLLMDriver:
         run: str | None = None,
         replicas: Sequence[str] | None = None,
         heartbeat: float = 10.0,
+        all_or_nothing: bool = False,
     ) -> None:
         if not servers:
             raise ValueError("VLLMDriver needs at least one server URL")
@@ -258,6 +293,7 @@ class VLLMDriver:
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
         self.store, self.pause_mode, self.prefetch = store, pause_mode, prefetch
+        self.all_or_nothing = all_or_nothing
         self._clock = clock
         self._servers = [
             _Tracked(s if isinstance(s, VLLMServer) else VLLMServer(s, timeout=timeout, api_key=api_key))
@@ -315,7 +351,9 @@ class VLLMDriver:
 
     def update(self, step: int) -> list[ServerUpdate]:
         """Update every server to ``step`` now, in parallel (servers already at it are left alone); one
-        outcome per server, in the order given."""
+        outcome per server, in the order given. With ``all_or_nothing``: :meth:`rollout`."""
+        if self.all_or_nothing:
+            return self.rollout(step)
         futs = [self._pool.submit(self._update_one, t, step) for t in self._servers]
         return [f.result() for f in futs]
 
@@ -347,8 +385,139 @@ class VLLMDriver:
             and (t.serving is None or t.serving < newest)
             and not (t.refused == newest and now < t.retry_at)
         ]
+        if self.all_or_nothing:
+            return self.rollout(newest) if due else []
         futs = [self._pool.submit(self._update_one, t, newest) for t in due]
         return [f.result() for f in futs]
+
+    # ---------------------------------------------------------------- all or nothing
+
+    def rollout(self, step: int) -> list[ServerUpdate]:
+        """Make every server serve ``step``, or none: one outcome per server, in the order given.
+
+        1. Every server that does not serve ``step`` yet prepares it (:meth:`VLLMServer.prepare`: each
+           worker downloads, verifies and decodes it while the server keeps generating). If one
+           cannot, no server is updated: each is ``held_back`` (the one that failed: ``failed`` or
+           ``unreachable``).
+        2. Every one of them is updated (the whole pause sequence, in parallel). If one does not take
+           the step, each server that took it is updated back to the step it served before (the node
+           mirror keeps the newest two versions: nothing is downloaded) and is reported
+           ``rolled_back``, at that step.
+
+        Refused up front (every server ``held_back``, nothing touched): a server that needs replacement,
+        or one whose previous step is not known (it could not be brought back). Only if bringing a
+        server back fails too do the servers end at different steps: that server's outcome says what
+        it serves (``state`` and ``version``), with the error; the driver logs it as an error.
+        A failed rollout is retried by :meth:`catch_up` after the backoff, as a whole.
+        """
+        todo = [t for t in self._servers if t.serving != step]
+        if not todo:
+            return [ServerUpdate(t.server.url, step, "serving", str(step), 0.0) for t in self._servers]
+        previous = {id(t): t.serving if t.serving is not None else _agreed_step(t.server) for t in todo}
+        why = [f"{t.server.url} needs replacement" for t in self._servers if t.replace] + [
+            f"{t.server.url} serves no known step (it could not be brought back)"
+            for t in todo
+            if previous[id(t)] is None
+        ]
+        if why:
+            replace = {
+                id(t): ServerUpdate(t.server.url, step, "needs_replacement", None, 0.0, "restart this server")
+                for t in todo
+                if t.replace
+            }
+            return self._held(step, todo, replace, f"step {step} not rolled out: {'; '.join(why)}")
+        # 1. prepare everywhere (nothing paused)
+        failed: dict[int, ServerUpdate] = {}
+        for t, err in zip(todo, self._pool.map(lambda t: self._prepare_one(t, step), todo), strict=True):
+            if err is not None:
+                failed[id(t)] = err
+        if failed:
+            names = ", ".join(u.url for u in failed.values())
+            return self._held(step, todo, failed, f"step {step} not rolled out: {names} could not prepare it")
+        # 2. update everywhere
+        futs = [self._pool.submit(t.server.update, step, pause_mode=self.pause_mode) for t in todo]
+        took = {id(t): u for t, u in zip(todo, (f.result() for f in futs), strict=True)}
+        self.history.extend(took.values())
+        refused = [t for t in todo if not took[id(t)].ok]
+        if not refused:
+            for t in todo:
+                t.serving, t.refused = step, None
+                t.backoff.reset()
+                t.report(took[id(t)])
+            return self._in_order(step, took)
+        # 3. bring back every server that took it
+        names = ", ".join(t.server.url for t in refused)
+        back_futs = {
+            id(t): self._pool.submit(t.server.update, previous[id(t)], pause_mode=self.pause_mode)  # type: ignore[arg-type]
+            for t in todo
+            if took[id(t)].ok
+        }
+        out: dict[int, ServerUpdate] = {}
+        for t in todo:
+            u = took[id(t)]
+            if not u.ok:
+                out[id(t)] = u
+                t.replace = u.state == "needs_replacement"
+                t.report(u)
+                continue
+            prev = previous[id(t)]
+            b = back_futs[id(t)].result()
+            self.history.append(b)
+            pause = u.pause_s + b.pause_s
+            if b.ok:
+                t.serving = prev
+                why_back = f"step {step} was not taken by {names}; brought back to step {prev}"
+                out[id(t)] = ServerUpdate(t.server.url, step, "rolled_back", b.version, pause, why_back, b.workers)
+                t.report_kept(out[id(t)])
+                continue
+            else:
+                # it still serves ``step`` when the way back was refused (rolled back to ``step``)
+                still = b.state == "rolled_back" and b.version == str(step)
+                t.serving = step if still else (int(b.version) if b.version and b.version.isdigit() else None)
+                t.replace = b.state == "needs_replacement"
+                state: State = "serving" if still else b.state
+                broken = f"step {step} was not taken by {names}, and bringing this server back to step {prev} failed"
+                log.error("all-or-nothing rollout of step %d: %s: %s (%s)", step, t.server.url, broken, b.error)
+                out[id(t)] = ServerUpdate(
+                    t.server.url, step, state, b.version, pause, f"{broken}: {b.error}", b.workers
+                )
+            t.report(out[id(t)])
+        self._back_off(todo, step)
+        return self._in_order(step, out)
+
+    def _prepare_one(self, t: _Tracked, step: int) -> ServerUpdate | None:
+        t0 = time.perf_counter()
+        try:
+            t.server.prepare(step)
+        except (httpx.HTTPError, DeltaSyncError) as exc:
+            state: State = "unreachable" if isinstance(exc, httpx.HTTPError) else "failed"
+            return ServerUpdate(t.server.url, step, state, None, time.perf_counter() - t0, f"prepare: {_text(exc)}")
+        return None
+
+    def _held(self, step: int, todo: list[_Tracked], failed: dict[int, ServerUpdate], why: str) -> list[ServerUpdate]:
+        """Outcomes of a rollout stopped before any server was updated: every server keeps its step."""
+        out: dict[int, ServerUpdate] = {}
+        for t in todo:
+            u = failed.get(id(t))
+            if u is None:
+                version = None if t.serving is None else str(t.serving)
+                u = ServerUpdate(t.server.url, step, "held_back", version, 0.0, why)
+                t.report_kept(u)
+            else:
+                t.report(u)
+            out[id(t)] = u
+        log.warning("%s", why)
+        self._back_off(todo, step)
+        return self._in_order(step, out)
+
+    def _back_off(self, todo: list[_Tracked], step: int) -> None:
+        now = self._clock()
+        for t in todo:
+            t.refused = step
+            t.retry_at = now + t.backoff.next_delay()
+
+    def _in_order(self, step: int, out: dict[int, ServerUpdate]) -> list[ServerUpdate]:
+        return [out.get(id(t)) or ServerUpdate(t.server.url, step, "serving", str(step), 0.0) for t in self._servers]
 
     def serving(self) -> dict[str, int | None]:
         """The step each server serves, as far as this driver knows."""
@@ -376,6 +545,17 @@ class VLLMDriver:
             if all(t.replace for t in self._servers):
                 raise DeltaSyncError("every vLLM server needs replacement; restart them")
         return self.serving()
+
+
+def _agreed_step(server: VLLMServer) -> int | None:
+    """The deltasync step every worker of ``server`` says it serves (a server started from a checkpoint
+    dir written by ``materialize`` knows it before its first update), else None."""
+    workers = server.workers()
+    steps = {w.get("step") for w in workers or []}
+    if len(steps) != 1:
+        return None
+    (step,) = steps
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def _needs_replacement(text: str) -> bool:
