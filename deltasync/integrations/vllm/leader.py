@@ -61,12 +61,18 @@ def _serve_one(node: NodeMirror, conn: socket.socket, fetcher: Callable[[], Any]
         job = json.loads(lines.readline())
         step, pace = int(job["step"]), bool(job.get("pace"))
 
+        asker = [True]  # the worker that asked is still there
+
         def phase(name: str) -> None:
-            conn.sendall(json.dumps({"phase": name}).encode() + b"\n")
+            if asker[0]:
+                try:
+                    conn.sendall(json.dumps({"phase": name}).encode() + b"\n")
+                except OSError:
+                    asker[0] = False  # it went away (its engine died): finish the build for the others
             # after the worker was told: what an operator (or a test) reads is never ahead of it
             node.mark_building(step, name)
-            if pace:
-                lines.readline()
+            if pace and asker[0] and not lines.readline():
+                asker[0] = False
 
         try:
             if node.version(step) is not None:
@@ -80,7 +86,8 @@ def _serve_one(node: NodeMirror, conn: socket.socket, fetcher: Callable[[], Any]
             reply = {"error": "DeltaSyncError", "message": f"the leader failed: {type(exc).__name__}: {exc}"}
         finally:
             trim_heap()
-        conn.sendall(json.dumps(reply).encode() + b"\n")
+        if asker[0]:
+            conn.sendall(json.dumps(reply).encode() + b"\n")
 
 
 def main() -> int:
