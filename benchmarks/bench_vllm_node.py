@@ -36,15 +36,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 SHAPES: dict[str, dict[str, Any]] = {
-    # 53M parameters, 106 MiB in bf16: what tests/integrations/test_vllm_node.py runs
-    "wide": dict(
-        hidden_size=768,
-        intermediate_size=3072,
-        num_hidden_layers=6,
-        num_attention_heads=12,
-        num_key_value_heads=4,
-        head_dim=64,
-    ),
     # the Qwen3-0.6B layers (28 x hidden 1024), with the tests' small vocabulary: 0.44B parameters, 0.88 GB
     "qwen3-0.6b": dict(
         hidden_size=1024,
@@ -55,30 +46,16 @@ SHAPES: dict[str, dict[str, Any]] = {
         head_dim=128,
     ),
 }
-SCRIPT = """
-import engine_checks as ec
-import node_checks
-
-if __name__ == "__main__":
-    ec.main(node_checks.check)
-"""
 
 
 def _push(model: Path, store: Path, updates: int, density: float) -> list[int]:
-    import torch
+    from vllm_harness import perturbed_steps
 
     import deltasync as ds
-    from deltasync._checkpoint_io import load_checkpoint
 
-    state = {k: v.clone() for k, v in load_checkpoint(model).items()}
     sizes = []
     with ds.DeltaUploader(store, anchor_every=1000, anchor_bytes_fraction=0) as up:
-        for s in range(updates + 1):
-            if s:
-                g = torch.Generator().manual_seed(s)
-                for name, t in state.items():
-                    mask = torch.rand(t.shape, generator=g) < density
-                    state[name] = torch.where(mask, (t.float() * 1.001 + 1e-4).to(t.dtype), t)
+        for s, state in enumerate(perturbed_steps(model, updates, density)):
             sizes.append(up.push(state, s).result().nbytes)
             print(f"  pushed step {s}: {sizes[-1] / 2**20:.1f} MiB", flush=True)
     return sizes
@@ -89,12 +66,20 @@ def _mib(n: float) -> str:
 
 
 def main() -> None:
-    from vllm_harness import build_tiny_model, build_vllm_venv, install_checkout, run_vllm, venv_dir
+    from vllm_harness import (
+        NODE_SCRIPT,
+        WIDE_MODEL_KW,
+        build_tiny_model,
+        build_vllm_venv,
+        install_checkout,
+        run_vllm,
+        venv_dir,
+    )
 
     import deltasync as ds
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="wide")
+    ap.add_argument("--shape", choices=["wide", *sorted(SHAPES)], default="wide")
     ap.add_argument("--updates", type=int, default=8)
     ap.add_argument("--density", type=float, default=0.17)
     args = ap.parse_args()
@@ -102,7 +87,7 @@ def main() -> None:
     install_checkout(python)
     work = Path(tempfile.mkdtemp(prefix="bench-vllm-node-"))
     print(f"building {args.shape}, {args.updates} updates at density {args.density} in {work}", flush=True)
-    model = build_tiny_model(work / "model", **SHAPES[args.shape])
+    model = build_tiny_model(work / "model", **(WIDE_MODEL_KW if args.shape == "wide" else SHAPES[args.shape]))
     sizes = _push(model, work / "store", args.updates, args.density)
     last = work / "last"
     ds.DeltaFetcher(work / "store").materialize(last, args.updates, config_from=model)
@@ -116,7 +101,7 @@ def main() -> None:
             "updates": args.updates,
             "reload_dir": str(last),
         }
-        rep = run_vllm(python, SCRIPT, params, work / "scripts", tp=tp, timeout=3600)
+        rep = run_vllm(python, NODE_SCRIPT, params, work / "scripts", tp=tp, timeout=3600)
         before = rep["before"]
 
         def added(m: dict[str, int], before: dict[str, int] = before) -> float:

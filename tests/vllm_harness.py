@@ -495,3 +495,41 @@ def publish_step(src: Path, dst: Path, step: int) -> None:
         tmp = dst / rel.with_name(".manifest.tmp")
         shutil.copy2(src / rel, tmp)
         os.replace(tmp, dst / rel)
+
+
+# ------------------------------------------------------------------------------- node-mirror runs
+
+#: a 53M-parameter Qwen3 (106 MiB in bf16) on the tiny vocabulary: the node-mirror test and benchmark
+WIDE_MODEL_KW: dict[str, Any] = dict(
+    hidden_size=768,
+    intermediate_size=3072,
+    num_hidden_layers=6,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    head_dim=64,
+)
+#: the script that runs ``tests/vllm_support/node_checks.py`` in the vLLM venv
+NODE_SCRIPT = """
+import engine_checks as ec
+import node_checks
+
+if __name__ == "__main__":
+    ec.main(node_checks.check)
+"""
+
+
+def perturbed_steps(model: Path, steps: int, density: float) -> Iterator[dict[str, Any]]:
+    """The weights of the checkpoint dir ``model``, then ``steps`` updates that each change ``density``
+    of every tensor's elements (what AdamW at lr 1e-5 does to bf16 weights at ~17%); one state at a time."""
+    import torch
+
+    from deltasync._checkpoint_io import load_checkpoint
+
+    state = {k: v.clone() for k, v in load_checkpoint(model).items()}
+    yield state
+    for s in range(1, steps + 1):
+        g = torch.Generator().manual_seed(s)
+        for name, t in state.items():
+            mask = torch.rand(t.shape, generator=g) < density
+            state[name] = torch.where(mask, (t.float() * 1.001 + 1e-4).to(t.dtype), t)
+        yield state

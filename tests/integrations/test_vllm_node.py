@@ -24,49 +24,17 @@ from __future__ import annotations
 
 import re
 import statistics
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_harness import build_tiny_model
+from vllm_harness import NODE_SCRIPT, WIDE_MODEL_KW, build_tiny_model, perturbed_steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1800)]
 
 UPDATES = 30
 DENSITY = 0.17
-WIDE = dict(
-    hidden_size=768,
-    intermediate_size=3072,
-    num_hidden_layers=6,
-    num_attention_heads=12,
-    num_key_value_heads=4,
-    head_dim=64,
-)
-
-SCRIPT = """
-import engine_checks as ec
-import node_checks
-
-if __name__ == "__main__":
-    ec.main(node_checks.check)
-"""
-
-
-def _steps(model: Path, steps: int) -> Iterator[dict[str, Any]]:
-    """The model's weights, then ``steps`` updates that each change ~DENSITY of every tensor."""
-    import torch
-
-    from deltasync._checkpoint_io import load_checkpoint
-
-    state = {k: v.clone() for k, v in load_checkpoint(model).items()}
-    yield state
-    for s in range(1, steps + 1):
-        g = torch.Generator().manual_seed(s)
-        for name, t in state.items():
-            mask = torch.rand(t.shape, generator=g) < DENSITY
-            state[name] = torch.where(mask, (t.float() * 1.001 + 1e-4).to(t.dtype), t)
-        yield state
 
 
 @pytest.fixture(scope="module")
@@ -80,11 +48,11 @@ def node_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     import engine_checks as ec
 
     root = tmp_path_factory.mktemp("vllm-node")
-    model = build_tiny_model(root / "model", **WIDE)
+    model = build_tiny_model(root / "model", **WIDE_MODEL_KW)
     patch_bytes = []
     expected: dict[int, dict[str, Any]] = {1: {}, 2: {}}
     with ds.DeltaUploader(root / "store", anchor_every=1000, anchor_bytes_fraction=0) as up:
-        for s, state in enumerate(_steps(model, UPDATES + 1)):
+        for s, state in enumerate(perturbed_steps(model, UPDATES + 1, DENSITY)):
             patch_bytes.append(up.push(state, s).result().nbytes)
             if s:
                 for tp in (1, 2):
@@ -119,7 +87,7 @@ def measured(
             "kill_leader": tp == 2,
             "prefetch": False,  # each update builds its step in the pause: the leader's work is measured too
         }
-        out[tp] = run_script(SCRIPT, params, tp=tp, timeout=1500)
+        out[tp] = run_script(NODE_SCRIPT, params, tp=tp, timeout=1500)
     return out
 
 
