@@ -109,7 +109,7 @@ def main() -> None:
 
         tail = rep["steps"][-4:]
         read = sum(
-            int(x) for t in rep["metrics"] for x in re.findall(r"^deltasync_downloaded_bytes_total (\d+)", t, re.M)
+            int(x) for t in rep["metrics"] for x in re.findall(r"^deltasync_downloaded_bytes_total\S* (\d+)", t, re.M)
         )
         rows[tp] = {
             "added at init": added(rep["after_init"]),

@@ -90,10 +90,21 @@ def _serve_one(node: NodeMirror, conn: socket.socket, fetcher: Callable[[], Any]
             conn.sendall(json.dumps(reply).encode() + b"\n")
 
 
+def _unpin() -> None:
+    """Run on every CPU this process may use: vLLM pins each worker to its own cores, and the leader,
+    started by one of them, would otherwise share that worker's cores with its busy threads."""
+    if hasattr(os, "sched_setaffinity"):
+        try:
+            os.sched_setaffinity(0, range(os.cpu_count() or 1))
+        except OSError:
+            log.debug("cannot widen the leader's CPU affinity", exc_info=True)
+
+
 def main() -> int:
     """The leader process (see the module docstring)."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = json.loads(sys.stdin.readline())
+    _unpin()
     from deltasync.fetcher._fetcher import DeltaFetcher
     from deltasync.integrations.vllm.node import NodeMirror
     from deltasync.storage import open_store
