@@ -35,17 +35,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-SHAPES: dict[str, dict[str, Any]] = {
-    # the Qwen3-0.6B layers (28 x hidden 1024), with the tests' small vocabulary: 0.44B parameters, 0.88 GB
-    "qwen3-0.6b": dict(
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-    ),
-}
+
+def _shape(name: str) -> dict[str, Any]:
+    """The layers of ``bench_vllm_pause``'s shape ``name`` (the vocabulary stays the tests' tokenizer's)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_vllm_pause import SHAPES
+
+    return {k: v for k, v in SHAPES[name].items() if k != "vocab_size"}
 
 
 def _push(model: Path, store: Path, updates: int, density: float) -> list[int]:
@@ -79,7 +75,7 @@ def main() -> None:
     import deltasync as ds
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", choices=["wide", *sorted(SHAPES)], default="wide")
+    ap.add_argument("--shape", choices=["wide", "small", "qwen3-0.6b"], default="wide")
     ap.add_argument("--updates", type=int, default=8)
     ap.add_argument("--density", type=float, default=0.17)
     args = ap.parse_args()
@@ -87,7 +83,7 @@ def main() -> None:
     install_checkout(python)
     work = Path(tempfile.mkdtemp(prefix="bench-vllm-node-"))
     print(f"building {args.shape}, {args.updates} updates at density {args.density} in {work}", flush=True)
-    model = build_tiny_model(work / "model", **(WIDE_MODEL_KW if args.shape == "wide" else SHAPES[args.shape]))
+    model = build_tiny_model(work / "model", **(WIDE_MODEL_KW if args.shape == "wide" else _shape(args.shape)))
     sizes = _push(model, work / "store", args.updates, args.density)
     last = work / "last"
     ds.DeltaFetcher(work / "store").materialize(last, args.updates, config_from=model)
