@@ -11,6 +11,7 @@ its last update failed and it still serves its step, bit-exact). On timeout it r
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -21,6 +22,8 @@ from deltasync.signal._client import SignalClient
 from deltasync.signal._fleet import FleetView
 
 __all__ = ["fleet_ready", "wait_for_fleet"]
+
+log = logging.getLogger("deltasync.signal.fleet")
 
 
 def _needed(live: int, quorum: int | float | None) -> int:
@@ -129,12 +132,23 @@ def wait_for_fleet(
     deadline = clock() + timeout
     view: FleetView | None = None
     error: str | None = None
+    behind: set[str] = set()  # replicas seen behind during this wait
     while True:
         try:
             view = client.fleet(run)
             error = None
             if fleet_ready(view, step, max_lag=max_lag, quorum=quorum, min_replicas=min_replicas):
+                gone = sorted(behind - {r.replica for r in view.replicas})
+                if gone:
+                    log.warning(
+                        "run %r: replica(s) %s left the fleet while behind step %d (stopped, or silent for longer "
+                        "than their ttl_s); the gate no longer waits for them",
+                        run,
+                        ", ".join(gone),
+                        step - max_lag,
+                    )
                 return view
+            behind.update(r.replica for r in view.behind(step - max_lag))
         except SignalRejected:
             raise
         except SignalUnavailable as exc:

@@ -29,6 +29,8 @@ __all__ = ["FleetReporter", "Served"]
 
 log = logging.getLogger("deltasync.signal.fleet")
 _MAX_ERROR = 2000
+#: the shortest time to live a reporter asks for by default (seconds)
+MIN_TTL_S = 15.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +47,9 @@ class FleetReporter:
     """Reports one replica's state to a signal server, at each change and every ``heartbeat`` seconds.
 
     ``replica``: this replica's id (default ``<hostname>-<pid>``). ``ttl_s``: how long the server
-    keeps it without a report (default three heartbeats). ``retry``: the backoff after a failed
+    keeps it without a report (default three heartbeats plus three report timeouts, at least
+    :data:`MIN_TTL_S`: a live replica whose reports are slow for a while, on a busy host or to a busy
+    server, must not drop out of the fleet, where a staleness gate would stop waiting for it). ``retry``: the backoff after a failed
     report (capped by the heartbeat). ``transport`` replaces the network (tests). Starts reporting
     ``starting`` (no step) at once; :meth:`update` with what the replica serves.
     """
@@ -69,7 +73,8 @@ class FleetReporter:
         self.run = check_run(run)
         self.replica = check_replica(replica if replica is not None else default_replica())
         self.heartbeat = float(heartbeat)
-        self.ttl_s = min(86400.0, max(1.0, 3 * self.heartbeat if ttl_s is None else float(ttl_s)))
+        default_ttl = max(MIN_TTL_S, 3 * (self.heartbeat + timeout))
+        self.ttl_s = min(86400.0, max(1.0, default_ttl if ttl_s is None else float(ttl_s)))
         self.retry = retry or RetryPolicy(retries=0, backoff=0.5, max_backoff=30.0)
         #: reports delivered / failed (each attempt counts)
         self.sent = 0

@@ -170,6 +170,53 @@ def test_a_run_recreated_at_the_same_url_is_never_served_from_the_old_versions(t
     second.close()
 
 
+def _killed(worker: EngineMirror) -> None:
+    """What the node sees of a worker whose process was killed: its registration's lock is released,
+    its file stays, and nothing of the mirror is collected (it never closed it)."""
+    fd, path = worker.node._user
+    os.close(fd)
+    worker.node._user = (-1, path)
+    worker.close()  # the preparer thread only: the node is not told
+    assert path.exists()
+
+
+def test_an_older_step_is_built_next_to_newer_versions_killed_engines_left(tmp_path: Path) -> None:
+    """Versions are kept by when they were published, not by step: the version just built for an
+    engine behind the node's newest steps survives its build."""
+    url = _push(tmp_path / "run", range(6))
+    ahead = _worker(url, tmp_path / "node", Engine(_state(0)))
+    for s in (4, 5):
+        ahead.commit(s)
+    _killed(ahead)
+    engine = Engine(_state(0))
+    behind = _worker(url, tmp_path / "node", engine)
+    for s in (1, 2, 3):
+        assert behind.commit(s).step == s
+        assert _equal(engine.weights, _state(s))
+    node = behind.node
+    assert {v.step for v in node.all_versions()} == {2, 3}  # the newest two published, 4 and 5 collected
+    assert _data_files(node) == _named_files(node)
+    behind.close()  # the last live user: the dead one's registration goes, and every version
+    assert not list(node.versions.glob("*.json")) and not list(node.users.iterdir())
+
+
+def test_the_leader_deletes_what_killed_engines_left_when_it_leaves(tmp_path: Path) -> None:
+    from deltasync.integrations.vllm import _leader_link
+
+    url = _push(tmp_path / "run", range(3))
+    worker = _worker(url, tmp_path / "node", Engine(_state(0)))
+    pids: list[int] = []
+    worker.node.on_phase = lambda pid, phase: pids.append(pid)
+    worker.commit(2)
+    node = worker.node
+    assert node.version(2) is not None and pids
+    (leader,) = [p for p in _leader_link._children if p.pid == pids[0]]
+    _killed(worker)  # the only engine of the mirror dies
+    assert leader.wait(timeout=120) == 0  # the leader saw nobody uses the mirror and left
+    assert not list(node.versions.glob("*.json")) and not list(node.data.iterdir())
+    assert not list(node.users.iterdir())
+
+
 def test_memory_stores_never_share_a_node_dir(tmp_path: Path) -> None:
     a, b = ds.MemoryStore("same"), ds.MemoryStore("same")
     for store, seed in ((a, 5), (b, 9)):

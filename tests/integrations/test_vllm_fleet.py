@@ -57,7 +57,7 @@ def check(params):
     llm = ec.make_llm(p["model"], weight_transfer_config={"backend": "deltasync"})
     init = {
         "store": p["store"], "signal": p["signal"], "signal_token": p["token"], "signal_run": p["run"],
-        "replica": p["replica"], "report_heartbeat": 1.0,
+        "replica": p["replica"],
     }
     llm.init_weight_transfer_engine({"init_info": init})
     out = {"after_init": llm.collective_rpc("deltasync_status")}

@@ -28,9 +28,14 @@ import pytest
 from scripted_vllm import ScriptedVLLM
 from vllm_harness import SUPPORT, TrainedRun, checkpoint_dir, vllm_server
 
-from deltasync.integrations.vllm.driver import VLLMDriver, VLLMServer
+from deltasync.integrations.vllm.driver import ServerUpdate, VLLMDriver, VLLMServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
+
+
+def _said(got: list[ServerUpdate]) -> str:
+    """Each server's outcome on its own line, errors whole (a failed rollout says why)."""
+    return "\n".join(f"{u.url}: {u.state} (version {u.version}): {u.error}" for u in got)
 
 
 def _built(http: httpx.Client) -> int:
@@ -68,13 +73,13 @@ def test_all_or_nothing_brings_a_real_server_back_when_another_refuses(
         with VLLMDriver([real, fake], run.store_url, all_or_nothing=True, prefetch=False) as d:
             d.init()
             got = d.update(2)
-            assert [(u.state, u.version) for u in got] == [("serving", "2"), ("serving", "2")], got
+            assert [(u.state, u.version) for u in got] == [("serving", "2"), ("serving", "2")], _said(got)
             assert checksums(http) == expected(2)
             built = _built(http)
 
             stand_in.rolled_back = {4}
             got = d.update(4)
-            assert [(u.state, u.version) for u in got] == [("rolled_back", "2"), ("rolled_back", "2")], got
+            assert [(u.state, u.version) for u in got] == [("rolled_back", "2"), ("rolled_back", "2")], _said(got)
             assert "brought back to step 2" in (got[0].error or "")
             assert [(u.url, u.step, u.state) for u in d.history[-3:]] == [
                 (base, 4, "serving"),
@@ -89,7 +94,7 @@ def test_all_or_nothing_brings_a_real_server_back_when_another_refuses(
 
             stand_in.rolled_back = set()
             got = d.update(4)
-            assert [(u.state, u.version) for u in got] == [("serving", "4"), ("serving", "4")], got
+            assert [(u.state, u.version) for u in got] == [("serving", "4"), ("serving", "4")], _said(got)
             assert checksums(http) == expected(4)
             assert _built(http) == built + 1  # served from the node's version of step 4
             assert d.serving() == {base: 4, "http://stand-in": 4}

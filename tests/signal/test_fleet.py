@@ -102,7 +102,7 @@ def test_a_reporter_reports_starting_then_each_change_then_leaves(
         assert rep.wait_reported(WAIT)
         (r,) = trainer.fleet(run).replicas
         assert (r.state, r.last_error) == ("failed", "UpdateRolledBack: step 5 refused")
-        assert 15 <= r.ttl_s <= 30  # three heartbeats of the default 10 s
+        assert r.ttl_s == 36  # three heartbeats of the default 10 s and three report timeouts of 2 s
     assert trainer.fleet(run).replicas == ()  # close() left the fleet
 
 
@@ -243,6 +243,26 @@ def test_the_gate_waits_for_the_slow_replica_and_releases_when_it_catches_up(
         assert wait_for_fleet(trainer, run, 5, quorum=0.5, timeout=0).replicas
         with pytest.raises(StalenessTimeout):
             wait_for_fleet(trainer, run, 5, quorum=0.51, timeout=0)
+
+
+def test_a_replica_that_leaves_while_behind_releases_the_gate_with_a_warning(
+    server: ThreadServer, trainer: SignalClient, run: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    for step in range(3):
+        trainer.publish(run, step, D[step])
+    with reporter(server, run, "fast") as fast:
+        slow = reporter(server, run, "slow")
+        fast.update(2, digest=D[2])
+        slow.update(0, digest=D[0])
+        assert fast.wait_reported(WAIT) and slow.wait_reported(WAIT)
+        polls = PollCount()
+        with ThreadPoolExecutor(1) as pool:
+            gate = pool.submit(wait_for_fleet, trainer, run, 2, timeout=WAIT, poll=0.01, wait=polls)
+            assert polls.reached(2) and not gate.done()
+            slow.close()  # it stops (or ages out): it serves nothing stale any more
+            view = gate.result(WAIT)
+    assert rows(view) == {"fast": (2, "serving")}
+    assert "replica(s) slow left the fleet while behind step 2" in caplog.text
 
 
 class FakeTime:

@@ -9,7 +9,8 @@ that the other runs as the same user) and starts it when there is none::
 The leader lives in its own session (an engine that stops does not take it down mid-build) and
 builds one version at a time under the node lock (:func:`deltasync.integrations.vllm.node.build`):
 downloads, checks and decodes in its own memory (given back to the OS after each build), so engine
-workers only map files. It leaves when no engine uses the mirror any more. While it builds, the
+workers only map files. It leaves when no engine uses the mirror any more, and then deletes the
+versions engines that were killed (and never closed the mirror) left behind. While it builds, the
 folder holds ``building.json`` (its pid and the step) for operators.
 
 Protocol, one JSON object per line: the worker sends ``{"step": N, "pace": false}``; the leader
@@ -90,6 +91,27 @@ def _serve_one(node: NodeMirror, conn: socket.socket, fetcher: Callable[[], Any]
             conn.sendall(json.dumps(reply).encode() + b"\n")
 
 
+def _leave(node: NodeMirror, server: socket.socket) -> bool:
+    """Whether the leader may exit now: no engine uses the mirror. Then it stops listening and deletes
+    the versions engines that were killed (and so never closed the mirror) left in shared memory."""
+    from deltasync.integrations.vllm.node import NodeLock
+
+    lock = NodeLock(node.dir / "lock")
+    try:
+        lock.acquire(timeout=0.0)
+    except DeltaSyncError:
+        return False  # a new leader or a seeding engine holds it: someone uses the mirror
+    try:
+        if node.users_alive():
+            return False  # one registered since the last check
+        server.close()  # from here a worker that asks starts a new leader
+        node.keep = 0
+        node.collect()
+        return True
+    finally:
+        lock.release()
+
+
 def _unpin() -> None:
     """Run on every CPU this process may use: vLLM pins each worker to its own cores, and the leader,
     started by one of them, would otherwise share that worker's cores with its busy threads."""
@@ -138,7 +160,7 @@ def main() -> int:
             conn, _ = server.accept()
         except TimeoutError:
             idle_checks = 0 if node.users_alive() else idle_checks + 1
-            if idle_checks >= 2:
+            if idle_checks >= 2 and _leave(node, server):
                 return 0  # no engine uses this mirror any more
             continue
         with conn:

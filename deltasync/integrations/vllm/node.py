@@ -397,10 +397,25 @@ class NodeMirror:
 
     # --------------------------------------------------------------- collection
 
+    def _by_publication(self) -> list[Version]:
+        """Every complete version, in the order they were published (the newest last)."""
+        found = []
+        for p in self.versions.glob("*.json"):
+            try:
+                published = p.stat().st_mtime_ns  # the index is renamed into place once, when published
+                v = self._read(p)
+            except FileNotFoundError:
+                continue
+            if v is not None:
+                found.append((published, v.id, v))
+        return [v for _, _, v in sorted(found, key=lambda x: (x[0], x[1]))]
+
     def collect(self) -> None:
-        """Under the lock: drop versions beyond the newest ``keep`` and the data files no version names
-        (a dead leader's leftovers included)."""
-        versions = self.all_versions()
+        """Under the lock: drop versions beyond the ``keep`` published last and the data files no version
+        names (a dead leader's leftovers included). Last published, not highest step: the node may hold
+        newer steps than the one just built (an engine ahead of this one, or engines killed before they
+        could clean up), and the version just built must outlive its build."""
+        versions = self._by_publication()
         keep = versions[-self.keep :] if self.keep else []
         for v in versions:
             if v not in keep:
