@@ -271,3 +271,96 @@ def test_an_engine_writing_only_the_changed_elements_ends_bit_exact(tmp_path: Pa
     assert _equal(engines[1].weights, _state(3))
     a.close()
     b.close()
+
+
+# ------------------------------------------------------------------ registration with CUDA (pinning)
+
+
+class FakeCuda:
+    """cudaHostRegister / cudaHostUnregister stand-ins (CI has no GPU; the device test below runs the
+    real ones): records what is registered, and can refuse."""
+
+    def __init__(self, refuse: bool = False) -> None:
+        self.live: dict[int, int] = {}
+        self.registrations = 0
+        self.refuse = refuse
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        if self.refuse:
+            raise RuntimeError("cudaErrorHostMemoryAlreadyRegistered (test)")
+        assert ptr not in self.live, "registered twice"
+        self.live[ptr] = nbytes
+        self.registrations += 1
+
+    def unregister(self, ptr: int) -> None:
+        del self.live[ptr]
+
+
+def _ptrs(view: dict[str, Any]) -> set[int]:
+    return {t.data_ptr() for t in view.values()}
+
+
+def test_the_versions_an_engine_serves_and_prepares_stay_registered_and_nothing_else(tmp_path: Path) -> None:
+    from deltasync.integrations.vllm.pinning import HostPins
+
+    url = _push(tmp_path / "run", range(5))
+    cuda = FakeCuda()
+    pins = HostPins(cuda.register, cuda.unregister)
+    engine = Engine(_state(0))
+    worker = _worker(url, tmp_path / "node", engine, pin=pins)
+    assert set(cuda.live) == _ptrs(worker._served_view)  # the seed: what an undo reads
+    assert cuda.registrations == len(NAMES)
+    for s in range(1, 5):
+        worker.prepare(s).result()
+        assert set(cuda.live) == _ptrs(worker._served_view) | _ptrs(worker._prepared_view)
+        changed = worker._prepared.changed_from(worker._served)  # type: ignore[union-attr]
+        before = cuda.registrations
+        assert worker.commit(s).step == s
+        assert _equal(engine.weights, _state(s))
+        assert cuda.registrations == before  # registered while preparing, not in the pause
+        assert set(cuda.live) == _ptrs(worker._served_view)
+        assert len(changed) == len(NAMES)  # every tensor changes at 17%: each step maps and registers them anew
+    # a tensor a step leaves alone keeps its mapping (and its registration): the view reuses it
+    version = worker._served
+    assert version is not None
+    again = version.tensors(reuse=version.by_file(worker._served_view))
+    assert _ptrs(again) == _ptrs(worker._served_view)
+    assert pins.nbytes == MODEL_BYTES
+    worker.close()
+    assert cuda.live == {} and pins.held() == 0
+
+
+def test_an_engine_whose_pages_cannot_be_registered_updates_from_pageable_memory(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from deltasync.integrations.vllm.pinning import HostPins
+
+    url = _push(tmp_path / "run", range(3))
+    pins = HostPins(FakeCuda(refuse=True).register, lambda ptr: None)
+    engine = Engine(_state(0))
+    worker = _worker(url, tmp_path / "node", engine, pin=pins)
+    for s in (1, 2):
+        assert worker.commit(s).step == s
+        assert _equal(engine.weights, _state(s))
+    assert not pins.enabled and pins.held() == 0
+    assert caplog.text.count("cannot register the node mirror's pages with CUDA") == 1
+    worker.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_engine_updates_bit_exact_from_registered_pages(tmp_path: Path) -> None:
+    from deltasync.integrations.vllm.pinning import HostPins
+
+    url = _push(tmp_path / "run", range(4))
+    pins = HostPins()
+    engine = Engine({k: v.cuda() for k, v in _state(0).items()})
+    worker = EngineMirror(
+        ds.DeltaFetcher(url), engine.load, seed=_state(0), seed_step=0, node_dir=tmp_path / "node", pin=pins
+    )
+    for s in range(1, 4):
+        worker.prepare(s).result()
+        assert pins.enabled and pins.held() == 2 * len(NAMES)
+        assert worker.commit(s).step == s
+        assert _equal({k: v.cpu() for k, v in engine.weights.items()}, _state(s))
+    worker.close()
+    assert pins.held() == 0

@@ -95,6 +95,8 @@ class DeltasyncInitInfo(WeightTransferInitInfo):  # type: ignore[misc]
         every engine on the node that names the same dir and run shares one copy and one download.
     scatter: in the pause, write only the changed elements into the parameters where the model's
         loaders allow it (``scatter.ScatterLoader``); False hands every changed tensor to ``load_weights``.
+    pin: on a CUDA engine, register the node mirror's pages of the versions it serves and prepares
+        with CUDA (while preparing), so that the pause copies them by DMA (``pinning.HostPins``).
     signal: a signal server URL: rank 0 reports the engine to its fleet view (step, state digest, state,
         last error) at init, after each update and every ``report_heartbeat`` seconds (docs/fleet.md).
     signal_token: the token of the reports (a report, subscribe or publish token).
@@ -110,6 +112,7 @@ class DeltasyncInitInfo(WeightTransferInitInfo):  # type: ignore[misc]
     metrics_port: int | None = None
     node_dir: str | None = None
     scatter: bool = True
+    pin: bool = True
     signal: str | None = None
     signal_token: str | None = None
     signal_run: str | None = None
@@ -183,6 +186,7 @@ class WorkerSync:
         self.mirror: EngineMirror | None = None
         self._refusal: str | None = None  # why this engine cannot be updated in place (engine_check)
         self._prefetcher: Prefetcher | None = None
+        self._host_pins: Any = None  # pinning.HostPins of a CUDA engine
         self._lock = threading.Lock()
         from deltasync.fetcher.metrics import SyncMetrics
 
@@ -249,6 +253,7 @@ class WorkerSync:
             seed = _seed(_model_dir(self.vllm_config))
             local = sum(p.numel() * p.element_size() for p in self.model.parameters())
             tp = int(getattr(self.vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+            self._host_pins = self._pins()
             options: dict[str, Any] = dict(
                 max_bytes=2 * local * tp + (64 << 20),
                 metrics=self.metrics,
@@ -256,6 +261,7 @@ class WorkerSync:
                 check=self._check,
                 node_dir=self.options.node_dir,
                 scatter=self._scatter_loader if self.options.scatter else None,
+                pin=self._host_pins,
             )
             try:
                 self.mirror = EngineMirror(
@@ -301,10 +307,20 @@ class WorkerSync:
             log.warning("rank %d: %s: %s", self.rank, type(exc).__name__, exc)
             return {**self.status(), "error": f"{type(exc).__name__}: {exc}"}
 
+    def _pins(self) -> Any:
+        """Registration of the mirror's pages with CUDA, for an engine whose weights are on a CUDA device."""
+        if not self.options.pin or not any(p.is_cuda for p in self.model.parameters()):
+            return None
+        from deltasync.integrations.vllm.pinning import HostPins
+
+        return HostPins()
+
     def _scatter_loader(self, layout: Any) -> Any:
+        from deltasync.integrations.vllm.pinning import PINNED_MAX_DENSITY
         from deltasync.integrations.vllm.scatter import ScatterLoader
 
-        return ScatterLoader(self.model, layout, self._load)
+        pinned = self._host_pins is not None and self._host_pins.enabled
+        return ScatterLoader(self.model, layout, self._load, max_density=PINNED_MAX_DENSITY if pinned else None)
 
     def _load(self, pairs: Any) -> None:
         with torch.no_grad():

@@ -41,6 +41,7 @@ from deltasync.errors import (
 from deltasync.fetcher._fetcher import DeltaFetcher, Verify
 from deltasync.fetcher._stats import SyncStats
 from deltasync.integrations.vllm.node import KEEP, NodeMirror, Version
+from deltasync.integrations.vllm.pinning import HostPins
 
 __all__ = ["Check", "CommitReport", "EngineMirror", "Loader"]
 
@@ -92,6 +93,9 @@ class EngineMirror:
     scatter: for a layout, a loader of ``(name, new tensor, changed flat positions or None)`` triples
         that writes only the changed elements where it can (vLLM: ``scatter.ScatterLoader``); used in
         the pause instead of ``load`` (an undo always uses ``load``).
+    pin: a :class:`~deltasync.integrations.vllm.pinning.HostPins` (GPU engines): the mapped tensors of
+        the versions the engine serves and prepares are registered with it while they are (in the
+        prepare, never in the pause), so that the pause copies them to the device by DMA.
     """
 
     def __init__(
@@ -112,8 +116,10 @@ class EngineMirror:
         keep: int = KEEP,
         scatter: Callable[[Mapping[str, tuple[Any, tuple[int, ...]]]], Callable[[Iterable[tuple[str, Any, Any]]], Any]]
         | None = None,
+        pin: HostPins | None = None,
     ) -> None:
         self.fetcher = fetcher
+        self._pin = pin
         self._scatter_for = scatter
         self._scatter: Callable[[Iterable[tuple[str, Any, Any]]], Any] | None = None
         self.agree: Callable[[Any], list[Any]] = agree or (lambda mine: [mine])
@@ -130,6 +136,7 @@ class EngineMirror:
             self._served, self._served_view = self.node.mapped(
                 lambda: self.node.seed(seed, seed_step, seed_id=seed_id, check=self._check_layout)
             )
+            self._hold(self._served_view)
         self.serving: int | None = seed_step if self._served is not None else None
         self._prepared: Version | None = None
         self._prepared_view: dict[str, Any] = {}
@@ -190,7 +197,11 @@ class EngineMirror:
             return None
         if self._prepared is not None and self._prepared.step == target:
             return self._prepared
-        version, view = self.node.mapped(lambda: self.node.ensure(target))
+        reuse = {} if self._served is None else self._served.by_file(self._served_view)
+        if self._prepared is not None:
+            reuse.update(self._prepared.by_file(self._prepared_view))
+        version, view = self.node.mapped(lambda: self.node.ensure(target), reuse=reuse)
+        self._hold(view)
         built = next((b for b in self.node.built if b.id == version.id), None)
         if built is not None:  # this worker's leader read the store for it: its sync is this worker's to report
             self.node.built.remove(built)
@@ -198,8 +209,17 @@ class EngineMirror:
             self.metrics.observe_node(nbytes=self.node.nbytes_on_disk(), built=built is not None)
         self._prepared_stats = _stats(built) if built is not None else None
         self._check_layout(version.layout())
+        self._release(self._prepared_view)
         self._prepared, self._prepared_view = version, view
         return version
+
+    def _hold(self, view: Mapping[str, Any]) -> None:
+        if self._pin is not None:
+            self._pin.hold(view.values())
+
+    def _release(self, view: Mapping[str, Any]) -> None:
+        if self._pin is not None:
+            self._pin.release(view.values())
 
     def latest_step(self) -> int | None:
         """The run's newest committed step (None for an empty run)."""
@@ -310,6 +330,7 @@ class EngineMirror:
                     self.metrics.observe_applied(step)
                     self.metrics.observe_pause(pause)
             self._prepared_stats = None
+            self._release(self._served_view)  # the prepared view's hold passes to the served one
             self._served, self._served_view = version, view
             self._prepared, self._prepared_view = None, {}
             self.serving, self.last_error = step, None
@@ -327,6 +348,7 @@ class EngineMirror:
         if served is None:
             again = "its previous weights are not known to deltasync (the engine's own checkpoint was not read)"
         else:
+            self._release(self._prepared_view)
             self._prepared, self._prepared_view = None, {}
             try:
                 self._load([(n, self._served_view[n]) for n in names if n in served.files])
@@ -350,6 +372,8 @@ class EngineMirror:
         """Stop the background preparer (waits for a running prepare)."""
         self.node.close()
         self._preparer.close(cancel_pending=True)
+        if self._pin is not None:
+            self._pin.close()
 
 
 def _stats(version: Version) -> SyncStats:

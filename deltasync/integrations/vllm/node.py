@@ -314,13 +314,16 @@ class NodeMirror:
         finally:
             lock.release()
 
-    def mapped(self, get: Callable[[], Version]) -> tuple[Version, dict[str, Any]]:
+    def mapped(
+        self, get: Callable[[], Version], *, reuse: Mapping[str, Any] | None = None
+    ) -> tuple[Version, dict[str, Any]]:
         """``get()``'s version and its tensors, mapped: once mapped, a version's data outlives its
-        collection. A version collected between the two is asked for again."""
+        collection. A version collected between the two is asked for again. ``reuse``: tensors
+        already mapped, by data file name (see :meth:`Version.tensors`)."""
         for _ in range(3):
             version = get()
             try:
-                return version, version.tensors()
+                return version, version.tensors(reuse=reuse)
             except FileNotFoundError:
                 log.info("node mirror: version %s was collected before it was mapped; asking again", version.id)
         raise DeltaSyncError(f"the node mirror {self.dir} keeps collecting the version asked for; retry the update")

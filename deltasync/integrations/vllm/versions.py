@@ -55,15 +55,24 @@ class Version:
             return sorted(self.files)
         return sorted(n for n, f in self.files.items() if other.files.get(n) != f)
 
-    def tensors(self, names: Iterable[str] | None = None) -> dict[str, Any]:
-        """The tensors, mapped read-only from the node's files (copy-on-write: writes stay private)."""
+    def tensors(self, names: Iterable[str] | None = None, *, reuse: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The tensors, mapped read-only from the node's files (copy-on-write: writes stay private).
+        ``reuse``: tensors already mapped, by data file name (another version's that shares files)."""
         import torch
 
         out: dict[str, Any] = {}
         for name in self.files if names is None else names:
             file, dtype, shape = self.files[name]
-            out[name] = map_tensor(torch, self.data / file, getattr(torch, dtype), shape)
+            have = None if reuse is None else reuse.get(file)
+            if have is not None and str(have.dtype).removeprefix("torch.") == dtype and tuple(have.shape) == shape:
+                out[name] = have
+            else:
+                out[name] = map_tensor(torch, self.data / file, getattr(torch, dtype), shape)
         return out
+
+    def by_file(self, view: Mapping[str, Any]) -> dict[str, Any]:
+        """``view`` (this version's tensors by name) by data file name, for :meth:`tensors` ``reuse``."""
+        return {self.files[n][0]: t for n, t in view.items() if n in self.files}
 
     def layout(self) -> dict[str, tuple[Any, tuple[int, ...]]]:
         """checkpoint name -> (torch dtype, shape)."""
