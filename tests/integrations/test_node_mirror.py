@@ -364,3 +364,26 @@ def test_a_cuda_engine_updates_bit_exact_from_registered_pages(tmp_path: Path) -
         assert _equal({k: v.cpu() for k, v in engine.weights.items()}, _state(s))
     worker.close()
     assert pins.held() == 0
+
+
+def _resident_kib(ptr: int) -> int:
+    """The resident KiB of this process's mapping that starts at ``ptr`` (/proc/self/smaps)."""
+    found = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            found = int(head.split("-")[0], 16) == ptr
+        elif found and head == "Rss:":
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping at {ptr:#x}")
+
+
+def test_preparing_faults_the_new_version_in_so_the_pause_does_not(tmp_path: Path) -> None:
+    url = _push(tmp_path / "run", range(2))
+    worker = _worker(url, tmp_path / "node", Engine(_state(0)))
+    worker.prepare(1).result()
+    view = worker._prepared_view
+    assert view
+    for t in view.values():  # every page of each mapping is in place before the pause reads it
+        assert _resident_kib(t.data_ptr()) * 1024 >= t.numel() * t.element_size()
+    worker.close()

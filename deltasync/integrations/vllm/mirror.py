@@ -42,6 +42,7 @@ from deltasync.fetcher._fetcher import DeltaFetcher, Verify
 from deltasync.fetcher._stats import SyncStats
 from deltasync.integrations.vllm.node import KEEP, NodeMirror, Version
 from deltasync.integrations.vllm.pinning import HostPins
+from deltasync.integrations.vllm.versions import populate
 
 __all__ = ["Check", "CommitReport", "EngineMirror", "Loader"]
 
@@ -201,6 +202,8 @@ class EngineMirror:
         if self._prepared is not None:
             reuse.update(self._prepared.by_file(self._prepared_view))
         version, view = self.node.mapped(lambda: self.node.ensure(target), reuse=reuse)
+        mapped_before = {id(t) for t in reuse.values()}
+        populate(t for t in view.values() if id(t) not in mapped_before)  # page faults here, not in the pause
         self._hold(view)
         built = next((b for b in self.node.built if b.id == version.id), None)
         if built is not None:  # this worker's leader read the store for it: its sync is this worker's to report

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Version", "changed_positions", "map_tensor", "trim_heap", "write_tensor"]
+__all__ = ["Version", "changed_positions", "map_tensor", "populate", "trim_heap", "write_tensor"]
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,38 @@ def map_tensor(torch: Any, path: Path, dtype: Any, shape: tuple[int, ...]) -> An
         if not path.exists():  # collected since the version was read: the caller reads it again
             raise FileNotFoundError(path) from None
         raise
+
+
+_MADV_POPULATE_READ = 22  # Linux 5.14+
+_populate_works = True
+
+
+def populate(tensors: Iterable[Any]) -> None:
+    """Fault in the page tables of mapped tensors now (``MADV_POPULATE_READ``: nothing is copied, the
+    pages are the node's shared ones), so that the pause does not take a page fault per 4 KiB: on
+    this project's CPU machines a copy from a fresh mapping took 1.5x one from a populated one. A
+    kernel without it (before 5.14) leaves the faults to the first read."""
+    global _populate_works
+    if not _populate_works:
+        return
+    libc = _libc()
+    if libc is None:
+        _populate_works = False
+        return
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if nbytes and libc.madvise(ctypes.c_void_p(t.data_ptr()), ctypes.c_size_t(nbytes), _MADV_POPULATE_READ) != 0:
+            _populate_works = False  # EINVAL: an older kernel
+            return
+
+
+def _libc() -> Any:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return libc
+    except (OSError, AttributeError):
+        return None
 
 
 def write_tensor(path: Path, tensor: Any) -> None:
