@@ -60,6 +60,19 @@ def private_kib() -> int:
     return total
 
 
+def map_file(path: Path, numel: int, how: str) -> torch.Tensor:
+    if how != "readonly":
+        return torch.from_file(str(path), shared=how == "shared", size=numel, dtype=torch.bfloat16)
+    import mmap
+    import warnings
+
+    with open(path, "rb") as fh:
+        mm = mmap.mmap(fh.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "the given buffer is not writable": writes would fault, by design
+        return torch.frombuffer(mm, dtype=torch.bfloat16, count=numel)
+
+
 def timed(fn: Callable[[], object], repeat: int) -> float:
     runs = []
     for _ in range(repeat + 1):
@@ -147,7 +160,12 @@ def main() -> None:
     ap.add_argument("--dir", default="/dev/shm")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--densities", type=float, nargs="+", default=[0.01, 0.05, 0.17])
-    ap.add_argument("--shared", action="store_true", help="map MAP_SHARED instead of MAP_PRIVATE")
+    ap.add_argument(
+        "--map",
+        choices=["private", "shared", "readonly"],
+        default="private",
+        help="MAP_PRIVATE (torch.from_file), MAP_SHARED read-write, or MAP_SHARED with PROT_READ only",
+    )
     ap.add_argument("--mirror", action="store_true", help="time deltasync's pause, pinned vs not")
     ap.add_argument("--steps", type=int, default=4)
     args = ap.parse_args()
@@ -166,14 +184,10 @@ def main() -> None:
             host = torch.randn(shape, generator=g).to(torch.bfloat16)
             path = root / f"{i}.bin"
             path.write_bytes(host.view(-1).view(torch.uint8).numpy().tobytes())
-            maps.append(
-                torch.from_file(str(path), shared=args.shared, size=host.numel(), dtype=torch.bfloat16).view(shape)
-            )
+            maps.append(map_file(path, host.numel(), args.map).view(shape))
             params.append(torch.empty(shape, dtype=torch.bfloat16, device=dev))
         nbytes = sum(m.numel() * 2 for m in maps)
-        print(
-            f"{args.shape}: {len(maps)} tensors, {nbytes / 2**30:.2f} GiB, map {'shared' if args.shared else 'private'}"
-        )
+        print(f"{args.shape}: {len(maps)} tensors, {nbytes / 2**30:.2f} GiB, map {args.map}")
         for m in maps:  # fault the pages in, as a worker that mapped a version has
             m.sum()
 

@@ -310,6 +310,8 @@ def test_the_versions_an_engine_serves_and_prepares_stay_registered_and_nothing_
     worker = _worker(url, tmp_path / "node", engine, pin=pins)
     assert set(cuda.live) == _ptrs(worker._served_view)  # the seed: what an undo reads
     assert cuda.registrations == len(NAMES)
+    # registered views are mapped shared and write-protected (a write faults, never reaching the node)
+    assert {_mapping(t.data_ptr())[0] for t in worker._served_view.values()} == {"r--s"}
     for s in range(1, 5):
         worker.prepare(s).result()
         assert set(cuda.live) == _ptrs(worker._served_view) | _ptrs(worker._prepared_view)
@@ -366,16 +368,20 @@ def test_a_cuda_engine_updates_bit_exact_from_registered_pages(tmp_path: Path) -
     assert pins.held() == 0
 
 
-def _resident_kib(ptr: int) -> int:
-    """The resident KiB of this process's mapping that starts at ``ptr`` (/proc/self/smaps)."""
-    found = False
+def _mapping(ptr: int) -> tuple[str, int]:
+    """The permissions (``r--s``...) and resident KiB of this process's mapping that starts at ``ptr``."""
+    perms = None
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
-            found = int(head.split("-")[0], 16) == ptr
-        elif found and head == "Rss:":
-            return int(line.split()[1])
+            perms = line.split()[1] if int(head.split("-")[0], 16) == ptr else None
+        elif perms is not None and head == "Rss:":
+            return perms, int(line.split()[1])
     raise AssertionError(f"no mapping at {ptr:#x}")
+
+
+def _resident_kib(ptr: int) -> int:
+    return _mapping(ptr)[1]
 
 
 def test_preparing_faults_the_new_version_in_so_the_pause_does_not(tmp_path: Path) -> None:
@@ -384,6 +390,7 @@ def test_preparing_faults_the_new_version_in_so_the_pause_does_not(tmp_path: Pat
     worker.prepare(1).result()
     view = worker._prepared_view
     assert view
+    assert {_mapping(t.data_ptr())[0] for t in view.values()} == {"rw-p"}  # not registered: copy-on-write
     for t in view.values():  # every page of each mapping is in place before the pause reads it
         assert _resident_kib(t.data_ptr()) * 1024 >= t.numel() * t.element_size()
     worker.close()

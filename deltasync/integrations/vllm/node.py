@@ -315,15 +315,15 @@ class NodeMirror:
             lock.release()
 
     def mapped(
-        self, get: Callable[[], Version], *, reuse: Mapping[str, Any] | None = None
+        self, get: Callable[[], Version], *, reuse: Mapping[str, Any] | None = None, read_only: bool = False
     ) -> tuple[Version, dict[str, Any]]:
         """``get()``'s version and its tensors, mapped: once mapped, a version's data outlives its
-        collection. A version collected between the two is asked for again. ``reuse``: tensors
-        already mapped, by data file name (see :meth:`Version.tensors`)."""
+        collection. A version collected between the two is asked for again. ``reuse`` and
+        ``read_only``: see :meth:`Version.tensors`."""
         for _ in range(3):
             version = get()
             try:
-                return version, version.tensors(reuse=reuse)
+                return version, version.tensors(reuse=reuse, read_only=read_only)
             except FileNotFoundError:
                 log.info("node mirror: version %s was collected before it was mapped; asking again", version.id)
         raise DeltaSyncError(f"the node mirror {self.dir} keeps collecting the version asked for; retry the update")

@@ -55,9 +55,12 @@ class Version:
             return sorted(self.files)
         return sorted(n for n, f in self.files.items() if other.files.get(n) != f)
 
-    def tensors(self, names: Iterable[str] | None = None, *, reuse: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """The tensors, mapped read-only from the node's files (copy-on-write: writes stay private).
-        ``reuse``: tensors already mapped, by data file name (another version's that shares files)."""
+    def tensors(
+        self, names: Iterable[str] | None = None, *, reuse: Mapping[str, Any] | None = None, read_only: bool = False
+    ) -> dict[str, Any]:
+        """The tensors, mapped from the node's files: copy-on-write (a write stays private), or with
+        ``read_only`` shared and write-protected (see :func:`map_tensor`). ``reuse``: tensors already
+        mapped, by data file name (another version's that shares files)."""
         import torch
 
         out: dict[str, Any] = {}
@@ -67,7 +70,7 @@ class Version:
             if have is not None and str(have.dtype).removeprefix("torch.") == dtype and tuple(have.shape) == shape:
                 out[name] = have
             else:
-                out[name] = map_tensor(torch, self.data / file, getattr(torch, dtype), shape)
+                out[name] = map_tensor(torch, self.data / file, getattr(torch, dtype), shape, read_only=read_only)
         return out
 
     def by_file(self, view: Mapping[str, Any]) -> dict[str, Any]:
@@ -93,18 +96,36 @@ class Version:
         return total
 
 
-def map_tensor(torch: Any, path: Path, dtype: Any, shape: tuple[int, ...]) -> Any:
+def map_tensor(torch: Any, path: Path, dtype: Any, shape: tuple[int, ...], *, read_only: bool = False) -> Any:
+    """A tensor over a data file: mapped copy-on-write (``MAP_PRIVATE``: a write stays this process's),
+    or with ``read_only`` mapped shared and write-protected (``PROT_READ``: a write faults instead of
+    reaching the node's copy). CUDA registers a read-only shared mapping 6.8x faster than a private
+    one (an H200: 89 vs 605 ms for 1.11 GiB, ``benchmarks/bench_pinned_mirror.py --map``)."""
     numel = 1
     for d in shape:
         numel *= d
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
+    if read_only:
+        return _map_read_only(torch, path, dtype, numel).view(shape)
     try:
         return torch.from_file(str(path), shared=False, size=numel, dtype=dtype).view(shape)
     except RuntimeError:
         if not path.exists():  # collected since the version was read: the caller reads it again
             raise FileNotFoundError(path) from None
         raise
+
+
+def _map_read_only(torch: Any, path: Path, dtype: Any, numel: int) -> Any:
+    import mmap
+    import warnings
+
+    with open(path, "rb") as fh:  # FileNotFoundError: collected since the version was read
+        mm = mmap.mmap(fh.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    with warnings.catch_warnings():
+        # torch warns (once) that the buffer is not writable: on purpose, a write must not reach the node
+        warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+        return torch.frombuffer(mm, dtype=dtype, count=numel)  # the tensor keeps the mapping alive
 
 
 _MADV_POPULATE_READ = 22  # Linux 5.14+
