@@ -203,9 +203,6 @@ class EngineMirror:
         if self._prepared is not None:
             reuse.update(self._prepared.by_file(self._prepared_view))
         version, view = self.node.mapped(lambda: self.node.ensure(target), reuse=reuse, read_only=self._pinned())
-        mapped_before = {id(t) for t in reuse.values()}
-        populate(t for t in view.values() if id(t) not in mapped_before)  # page faults here, not in the pause
-        self._hold(view)
         built = next((b for b in self.node.built if b.id == version.id), None)
         if built is not None:  # this worker's leader read the store for it: its sync is this worker's to report
             self.node.built.remove(built)
@@ -213,6 +210,9 @@ class EngineMirror:
             self.metrics.observe_node(nbytes=self.node.nbytes_on_disk(), built=built is not None)
         self._prepared_stats = _stats(built) if built is not None else None
         self._check_layout(version.layout())
+        mapped_before = {id(t) for t in reuse.values()}
+        populate(t for t in view.values() if id(t) not in mapped_before)  # page faults here, not in the pause
+        self._hold(view)
         self._release(self._prepared_view)
         self._prepared, self._prepared_view = version, view
         return version
