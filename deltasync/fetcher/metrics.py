@@ -119,12 +119,15 @@ class SyncMetrics:
             e["elements"] += elements
             self._engine = e
 
-    def observe_node(self, *, nbytes: int, built: bool) -> None:
-        """The node mirror holds ``nbytes`` in shared memory; ``built``: this worker's request built a version."""
+    def observe_node(self, *, nbytes: int, built: bool, pinned: int | None = None) -> None:
+        """The node mirror holds ``nbytes`` in shared memory; ``built``: this worker's request built a
+        version; ``pinned``: bytes of it this (GPU) worker has registered with CUDA."""
         with self._lock:
             n = self._node or {"bytes": 0, "built": 0}
             n["bytes"] = nbytes
             n["built"] += int(built)
+            if pinned is not None:
+                n["pinned"] = pinned
             self._node = n
 
     def observe_pause(self, seconds: float) -> None:
@@ -258,6 +261,13 @@ class SyncMetrics:
                 "Versions the node's leader built for this worker's requests.",
             )
             yield one("deltasync_node_versions_built_total", self._node["built"])
+            if "pinned" in self._node:
+                yield family(
+                    "deltasync_engine_pinned_bytes",
+                    "gauge",
+                    "Bytes of the node mirror this worker has registered with CUDA (0: its copies read pageable memory).",
+                )
+                yield one("deltasync_engine_pinned_bytes", self._node["pinned"])
 
     # ------------------------------------------------------------ serve
 

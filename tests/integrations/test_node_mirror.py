@@ -301,13 +301,15 @@ def _ptrs(view: dict[str, Any]) -> set[int]:
 
 
 def test_the_versions_an_engine_serves_and_prepares_stay_registered_and_nothing_else(tmp_path: Path) -> None:
+    from deltasync.fetcher.metrics import SyncMetrics
     from deltasync.integrations.vllm.pinning import HostPins
 
     url = _push(tmp_path / "run", range(5))
     cuda = FakeCuda()
     pins = HostPins(cuda.register, cuda.unregister)
     engine = Engine(_state(0))
-    worker = _worker(url, tmp_path / "node", engine, pin=pins)
+    metrics = SyncMetrics()
+    worker = _worker(url, tmp_path / "node", engine, pin=pins, metrics=metrics)
     assert set(cuda.live) == _ptrs(worker._served_view)  # the seed: what an undo reads
     assert cuda.registrations == len(NAMES)
     # registered views are mapped shared and write-protected (a write faults, never reaching the node)
@@ -328,6 +330,7 @@ def test_the_versions_an_engine_serves_and_prepares_stay_registered_and_nothing_
     again = version.tensors(reuse=version.by_file(worker._served_view))
     assert _ptrs(again) == _ptrs(worker._served_view)
     assert pins.nbytes == MODEL_BYTES
+    assert f"deltasync_engine_pinned_bytes {MODEL_BYTES}" in metrics.render()
     worker.close()
     assert cuda.live == {} and pins.held() == 0
 

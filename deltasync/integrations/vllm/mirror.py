@@ -206,14 +206,15 @@ class EngineMirror:
         built = next((b for b in self.node.built if b.id == version.id), None)
         if built is not None:  # this worker's leader read the store for it: its sync is this worker's to report
             self.node.built.remove(built)
-        if self.metrics is not None and hasattr(self.metrics, "observe_node"):
-            self.metrics.observe_node(nbytes=self.node.nbytes_on_disk(), built=built is not None)
         self._prepared_stats = _stats(built) if built is not None else None
         self._check_layout(version.layout())
         mapped_before = {id(t) for t in reuse.values()}
         populate(t for t in view.values() if id(t) not in mapped_before)  # page faults here, not in the pause
         self._hold(view)
         self._release(self._prepared_view)
+        if self.metrics is not None and hasattr(self.metrics, "observe_node"):
+            pinned = {} if self._pin is None else {"pinned": self._pin.nbytes}
+            self.metrics.observe_node(nbytes=self.node.nbytes_on_disk(), built=built is not None, **pinned)
         self._prepared, self._prepared_view = version, view
         return version
 
@@ -340,6 +341,8 @@ class EngineMirror:
                     self.metrics.observe_pause(pause)
             self._prepared_stats = None
             self._release(self._served_view)  # the prepared view's hold passes to the served one
+            if self._pin is not None and self.metrics is not None and hasattr(self.metrics, "observe_node"):
+                self.metrics.observe_node(nbytes=self.node.nbytes_on_disk(), built=False, pinned=self._pin.nbytes)
             self._served, self._served_view = version, view
             self._prepared, self._prepared_view = None, {}
             self.serving, self.last_error = step, None
