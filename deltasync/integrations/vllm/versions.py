@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -151,6 +152,7 @@ def populate(tensors: Iterable[Any]) -> None:
             return
 
 
+@functools.cache
 def _libc() -> Any:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
