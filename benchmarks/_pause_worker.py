@@ -26,9 +26,12 @@ _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 class PauseBench(DeltasyncWorkerExtension):
     def _bench_mirror(self) -> dict[str, torch.Tensor]:
+        """The tensors of the step the mirror prepared (else of the one it serves), mapped from the node."""
         mirror = _state_of(self).mirror
-        assert mirror is not None and mirror._mirror is not None
-        return mirror._mirror
+        assert mirror is not None
+        view = mirror._prepared_view or mirror._served_view
+        assert view, "the mirror has no version mapped"
+        return view
 
     def _bench_load(self, pairs: Any) -> Any:
         with torch.no_grad():
