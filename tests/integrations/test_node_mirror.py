@@ -397,3 +397,26 @@ def test_preparing_faults_the_new_version_in_so_the_pause_does_not(tmp_path: Pat
     for t in view.values():  # every page of each mapping is in place before the pause reads it
         assert _resident_kib(t.data_ptr()) * 1024 >= t.numel() * t.element_size()
     worker.close()
+
+
+def test_the_leader_does_not_inherit_the_cpu_binding_of_the_worker_that_starts_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's CPU workers bind OpenMP to their own core (``GOMP_CPU_AFFINITY``) and pin themselves:
+    a leader that inherited either would build on one busy core for every worker of the node."""
+    monkeypatch.setenv("GOMP_CPU_AFFINITY", "0")
+    monkeypatch.setenv("OMP_PROC_BIND", "close")
+    url = _push(tmp_path / "run", range(2))
+    worker = _worker(url, tmp_path / "node", Engine(_state(0)))
+    pids: list[int] = []
+    worker.node.on_phase = lambda pid, phase: pids.append(pid)
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(before)})  # the starting worker is pinned to one CPU
+    try:
+        worker.commit(1)
+    finally:
+        os.sched_setaffinity(0, before)
+    env = dict(line.split("=", 1) for line in Path(f"/proc/{pids[0]}/environ").read_text().split("\0") if "=" in line)
+    assert "GOMP_CPU_AFFINITY" not in env and "OMP_PROC_BIND" not in env
+    assert os.sched_getaffinity(pids[0]) >= before  # every CPU, not the starter's one
+    worker.close()

@@ -29,6 +29,9 @@ START_TIMEOUT = 300.0
 #: connections to a leader that vanishes without a word, tried before giving up
 SILENT_RETRIES = 8
 _CRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
+#: thread-binding settings of the worker that starts the leader (vLLM's CPU workers pin OpenMP to their
+#: own cores with them): the leader, which serves every worker of the node, must not inherit them
+_BINDING = ("GOMP_CPU_AFFINITY", "KMP_AFFINITY", "OMP_PROC_BIND", "OMP_PLACES")
 
 
 def socket_name(node_dir: Path) -> bytes:
@@ -72,8 +75,10 @@ def _start(node_dir: Path, config: Mapping[str, Any]) -> socket.socket:
         if sock is not None:
             return sock
         with open(node_dir / "leader.log", "ab") as log_file:
+            env = {k: v for k, v in os.environ.items() if k not in _BINDING}
             proc = subprocess.Popen(
                 [sys.executable, "-m", "deltasync.integrations.vllm.leader"],
+                env=env,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log_file,

@@ -114,7 +114,8 @@ def _leave(node: NodeMirror, server: socket.socket) -> bool:
 
 def _unpin() -> None:
     """Run on every CPU this process may use: vLLM pins each worker to its own cores, and the leader,
-    started by one of them, would otherwise share that worker's cores with its busy threads."""
+    started by one of them, would otherwise share that worker's cores with its busy threads (the
+    starter also drops the OpenMP binding it would inherit: ``_leader_link._BINDING``)."""
     if hasattr(os, "sched_setaffinity"):
         try:
             os.sched_setaffinity(0, range(os.cpu_count() or 1))
