@@ -157,10 +157,9 @@ def measure(work: Path, url: str, model_dir: Path, tp: int, schedule: list[float
     rows, profile = [], None
     for s in range(1, len(schedule) + 1):
         prev = step_dir(s - 1)
-        # the mirror prepares step s in the background
-        llm.collective_rpc("deltasync_prepare", kwargs={"step": s})
-        while llm.collective_rpc("deltasync_status")[0]["prepared"] != s:
-            time.sleep(0.05)
+        # the mirror prepares step s (not timed; waiting inside the call: vLLM's CPU workers poll for
+        # the next call at full speed, and a driver polling the status starves the node's leader)
+        llm.collective_rpc("deltasync_prepare", kwargs={"step": s, "wait": True})
         prep = llm.collective_rpc("bench_scatter_prepare", args=(str(prev),))
         t0 = time.perf_counter()
         applied = llm.collective_rpc("bench_scatter_apply", args=(s == 1 and PROFILE,))
