@@ -7,7 +7,7 @@ that the other runs as the same user) and starts it when there is none::
     python -m deltasync.integrations.vllm.leader     (config on stdin, "ready" on stdout)
 
 The leader lives in its own session (an engine that stops does not take it down mid-build) and
-builds one version at a time under the node lock (:func:`deltasync.integrations.vllm.node.build`):
+builds one version at a time under the node lock (:func:`deltasync.integrations.vllm._build.build`):
 downloads, checks and decodes in its own memory (given back to the OS after each build), so engine
 workers only map files. It leaves when no engine uses the mirror any more, and then deletes the
 versions engines that were killed (and never closed the mirror) left behind. While it builds, the
@@ -50,7 +50,7 @@ CHECK_INTERVAL = 2.0
 
 
 def _serve_one(node: NodeMirror, conn: socket.socket, fetcher: Callable[[], Any]) -> None:
-    from deltasync.integrations.vllm.node import build
+    from deltasync.integrations.vllm._build import build
     from deltasync.integrations.vllm.versions import trim_heap
 
     _, uid = peer(conn)

@@ -1,0 +1,95 @@
+"""Building a node mirror's version of a step: the leader's work (see :mod:`.leader`), or the calling
+thread's for a mirror that cannot spawn one (``memory://`` stores). The caller holds the node lock."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from deltasync.errors import InventoryMismatch
+from deltasync.integrations.vllm.node import NodeMirror, _step_id
+from deltasync.integrations.vllm.versions import changed_positions, trim_heap
+
+__all__ = ["POSITIONS_DENSITY", "SYNC_FIELDS", "build"]
+
+log = logging.getLogger("deltasync.node")
+
+#: a tensor whose changed elements are at most this fraction of it gets a positions file (the engine
+#: may then write only those elements); beyond it, copying the whole tensor is as cheap
+POSITIONS_DENSITY = 0.3
+#: the :class:`~deltasync.fetcher._stats.SyncStats` fields a leader reports
+SYNC_FIELDS = (
+    "step",
+    "base_step",
+    "steps",
+    "spans",
+    "span_fallbacks",
+    "nbytes",
+    "download_s",
+    "decode_s",
+    "verify_s",
+    "apply_s",
+    "total_s",
+)
+
+
+def build(node: NodeMirror, step: int, phase: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """Build the node's version of ``step`` from its newest version (the leader's work; the caller holds
+    the lock). Only the tensors the step changed get new data files. ``phase`` hears of each phase."""
+    from deltasync.fetcher._journal import SyncJournal
+
+    t0 = time.perf_counter()
+    candidates = [v for v in node.all_versions() if v.step is None or (v.step <= step and node.current(v))]
+    base = max(candidates, key=lambda v: (v.step is not None, v.step or 0), default=None)
+    phase("start")
+    view: dict[str, Any] = base.tensors() if base is not None else {}
+    journal = SyncJournal()
+    fetcher = node.fetcher
+    if node.max_bytes is not None:
+        fetcher.max_alloc_bytes = node.max_bytes
+    try:
+        fetcher.sync(view, step, have_step=base.step if base is not None else None, journal=journal)
+    except InventoryMismatch:
+        if base is None:
+            raise
+        # the newest version is an engine checkpoint of another layout: start from the run's inventory
+        log.warning("the node's newest version is not this run's layout: building step %d from its anchor", step)
+        base, view, journal = None, {}, SyncJournal()
+        fetcher.sync(view, step, journal=journal)
+    phase("synced")
+    files = dict(base.files) if base is not None else {}
+    written = set(journal.names) if base is not None else set(view)
+    new = 0
+    positions: dict[str, str] = {}
+    for name in sorted(written):
+        tensor = view[name]
+        layout = (str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
+        if base is not None and name in base.files and base.files[name][1:] == layout:
+            changed = changed_positions(base.tensors([name])[name], tensor)
+            if changed.numel() == 0:
+                continue  # rewritten with the same bits (an anchor over a version that has them)
+            if changed.numel() <= POSITIONS_DENSITY * tensor.numel():
+                positions[name] = node._new_positions(changed, tensor.numel())
+        files[name] = node._new_file(tensor)
+        new += 1
+        phase("wrote")
+    for name in [n for n in files if n not in view]:
+        del files[name]
+    stats = fetcher.last_stats
+    info = {
+        "base": None if base is None else base.id,
+        "tensors_written": new,
+        "bytes_written": sum(node.data.joinpath(files[n][0]).stat().st_size for n in written if n in files),
+        "store_bytes": 0 if stats is None else stats.nbytes,
+        "sync": {} if stats is None else {f: getattr(stats, f) for f in SYNC_FIELDS},
+        "seconds": round(time.perf_counter() - t0, 4),
+        "pid": os.getpid(),
+    }
+    phase("publish")
+    node._publish(_step_id(step), step, files, info, None if base is None else base.id, positions)
+    del view, journal
+    trim_heap()
+    return info
