@@ -6,12 +6,12 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Protocol
 
 from deltasync.errors import InventoryMismatch
-from deltasync.integrations.vllm.node import NodeMirror, _step_id
-from deltasync.integrations.vllm.versions import changed_positions, trim_heap
+from deltasync.integrations.vllm.versions import Version, changed_positions, step_id, trim_heap
 
 __all__ = ["POSITIONS_DENSITY", "SYNC_FIELDS", "build"]
 
@@ -36,7 +36,34 @@ SYNC_FIELDS = (
 )
 
 
-def build(node: NodeMirror, step: int, phase: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+class Node(Protocol):
+    """What a build needs of the :class:`~deltasync.integrations.vllm.node.NodeMirror` it builds into
+    (a protocol: the node calls this module, so this module does not import the node)."""
+
+    fetcher: Any
+    max_bytes: int | None
+    data: Path
+
+    def all_versions(self) -> list[Version]: ...
+
+    def current(self, version: Version | None) -> bool: ...
+
+    def _new_file(self, tensor: Any) -> tuple[str, str, tuple[int, ...]]: ...
+
+    def _new_positions(self, positions: Any, numel: int) -> str: ...
+
+    def _publish(
+        self,
+        vid: str,
+        step: int | None,
+        files: Mapping[str, tuple[str, str, tuple[int, ...]]],
+        stats: Mapping[str, Any],
+        base: str | None = None,
+        positions: Mapping[str, str] | None = None,
+    ) -> Version: ...
+
+
+def build(node: Node, step: int, phase: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Build the node's version of ``step`` from its newest version (the leader's work; the caller holds
     the lock). Only the tensors the step changed get new data files. ``phase`` hears of each phase."""
     from deltasync.fetcher._journal import SyncJournal
@@ -89,7 +116,7 @@ def build(node: NodeMirror, step: int, phase: Callable[[str], None] = lambda _: 
         "pid": os.getpid(),
     }
     phase("publish")
-    node._publish(_step_id(step), step, files, info, None if base is None else base.id, positions)
+    node._publish(step_id(step), step, files, info, None if base is None else base.id, positions)
     del view, journal
     trim_heap()
     return info

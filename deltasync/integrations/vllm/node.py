@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from deltasync.errors import DeltaSyncError, ObjectNotFound
-from deltasync.integrations.vllm.versions import Version, trim_heap, write_tensor
+from deltasync.integrations.vllm.versions import Version, step_id, trim_heap, write_tensor
 
 __all__ = ["NodeMirror", "Version", "default_root"]
 
@@ -212,7 +212,7 @@ class NodeMirror:
 
     def version(self, step: int) -> Version | None:
         """The complete version of ``step``, if the node has it (for the run as committed now)."""
-        have = self._read(self.versions / f"{_step_id(step)}.json")
+        have = self._read(self.versions / f"{step_id(step)}.json")
         return have if self.current(have) else None
 
     # ------------------------------------------------------------------ writing
@@ -267,7 +267,7 @@ class NodeMirror:
         """The version of an engine's own checkpoint: the node's version of ``step`` when it has one of
         the same layout, else the one seeded from the same source (``seed_id``), else a new version
         written from ``tensors`` (a callable is called only then). ``check`` sees the layout first."""
-        vid = _step_id(step) if step is not None else f"seed-{_safe_id(seed_id)}"
+        vid = step_id(step) if step is not None else f"seed-{_safe_id(seed_id)}"
 
         def found() -> Version | None:
             have = self._read(self.versions / f"{vid}.json")
@@ -465,10 +465,6 @@ class NodeMirror:
             self._tidy()  # unless a leader is building: then someone still uses it
         if self._private is not None:
             shutil.rmtree(self._private, ignore_errors=True)
-
-
-def _step_id(step: int) -> str:
-    return f"{step:012d}"
 
 
 def _safe_id(seed_id: str | None) -> str:

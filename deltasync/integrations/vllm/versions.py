@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Version", "changed_positions", "map_tensor", "populate", "trim_heap", "write_tensor"]
+__all__ = ["Version", "changed_positions", "map_tensor", "populate", "step_id", "trim_heap", "write_tensor"]
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,11 @@ class Version:
                 numel *= d
             total += numel * getattr(torch, dtype).itemsize
         return total
+
+
+def step_id(step: int) -> str:
+    """The id (and index file stem) of a step's version: zero-padded, so names sort by step."""
+    return f"{step:012d}"
 
 
 def map_tensor(torch: Any, path: Path, dtype: Any, shape: tuple[int, ...], *, read_only: bool = False) -> Any:
