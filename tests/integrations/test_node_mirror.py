@@ -420,3 +420,100 @@ def test_the_leader_does_not_inherit_the_cpu_binding_of_the_worker_that_starts_i
     assert "GOMP_CPU_AFFINITY" not in env and "OMP_PROC_BIND" not in env
     assert os.sched_getaffinity(pids[0]) >= before  # every CPU, not the starter's one
     worker.close()
+
+
+def _no_room_said(exc: BaseException) -> None:
+    text = str(exc)
+    assert "no room for the node mirror" in text and "DELTASYNC_NODE_DIR" in text and "--shm-size" in text, text
+
+
+def test_a_full_filesystem_is_a_clear_error_and_leaves_the_engine_and_the_node_at_their_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The build runs in this process here (``spawn=False``) so that the write can fail on cue: the
+    filesystem fills up on the third file of step 1 (test_a_real_full_tmpfs_... runs the leader on a
+    real full tmpfs where the machine lets it mount one)."""
+    from deltasync.integrations.vllm import node as node_module
+
+    url = _push(tmp_path / "run", range(2))
+    engine = Engine(_state(0))
+    worker = _worker(url, tmp_path / "node", engine, spawn=False)
+    node = worker.node
+    real = node_module.write_tensor
+    written: list[Path] = []
+
+    def filling(path: Path, tensor: Any) -> None:
+        if len(written) == 2:
+            path.write_bytes(b"\0" * 100)  # a partial file, as a write cut short leaves
+            raise OSError(28, "No space left on device", str(path))
+        written.append(path)
+        real(path, tensor)
+
+    monkeypatch.setattr(node_module, "write_tensor", filling)
+    with pytest.raises(UpdateRolledBack) as caught:
+        worker.commit(1)
+    _no_room_said(caught.value)
+    assert worker.serving == 0 and _equal(engine.weights, _state(0))
+    assert [v.step for v in node.all_versions()] == [0]
+    assert _data_files(node) == _named_files(node)  # nothing of the unfinished version is left
+    monkeypatch.setattr(node_module, "write_tensor", real)  # room again: the same step goes through
+    assert worker.commit(1).step == 1 and _equal(engine.weights, _state(1))
+    worker.close()
+
+
+def test_a_seed_that_does_not_fit_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from deltasync.errors import DeltaSyncError
+    from deltasync.integrations.vllm import node as node_module
+
+    url = _push(tmp_path / "run", range(1))
+    calls = [0]
+    real = node_module.write_tensor
+
+    def filling(path: Path, tensor: Any) -> None:
+        calls[0] += 1
+        if calls[0] == 4:
+            raise OSError(28, "No space left on device", str(path))
+        real(path, tensor)
+
+    monkeypatch.setattr(node_module, "write_tensor", filling)
+    with pytest.raises(DeltaSyncError) as caught:
+        _worker(url, tmp_path / "node", Engine(_state(0)), spawn=False)
+    _no_room_said(caught.value)
+    (run_dir,) = (tmp_path / "node").iterdir()
+    assert not list((run_dir / "data").iterdir()) and not list((run_dir / "versions").glob("*.json"))
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterable[Path]:
+    """A real 192 KiB tmpfs (the seed, 128 KiB, fits; a version of step 1 does not), where this machine
+    lets the test mount one (root with CAP_SYS_ADMIN, as CI's container has)."""
+    import subprocess
+
+    mnt = tmp_path / "shm"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=192k", "tmpfs", str(mnt)]).returncode:
+        pytest.skip("needs root allowed to mount a tmpfs")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_real_full_tmpfs_fails_the_leaders_build_clearly_and_the_engine_keeps_its_step(
+    tmp_path: Path, small_tmpfs: Path
+) -> None:
+    import subprocess
+
+    url = _push(tmp_path / "run", range(2))
+    engine = Engine(_state(0))
+    worker = _worker(url, small_tmpfs, engine)
+    assert worker.node.spawn  # the build runs in the node's leader process
+    with pytest.raises(UpdateRolledBack) as caught:
+        worker.commit(1)
+    _no_room_said(caught.value)
+    assert worker.serving == 0 and _equal(engine.weights, _state(0))
+    node = worker.node
+    assert [v.step for v in node.all_versions()] == [0] and _data_files(node) == _named_files(node)
+    subprocess.run(["mount", "-o", "remount,size=2m", str(small_tmpfs)], check=True)
+    assert worker.commit(1).step == 1 and _equal(engine.weights, _state(1))
+    worker.close()

@@ -245,7 +245,7 @@ class NodeMirror:
 
     def _new_file(self, tensor: Any) -> tuple[str, str, tuple[int, ...]]:
         name = secrets.token_hex(12) + ".bin"
-        write_tensor(self.data / name, tensor)
+        self._write(name, tensor)
         return name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)
 
     def _new_positions(self, positions: Any, numel: int) -> str:
@@ -253,8 +253,20 @@ class NodeMirror:
 
         small = numel < 2**31
         name = secrets.token_hex(12) + (".i32" if small else ".i64")
-        write_tensor(self.data / name, positions.to(torch.int32) if small else positions)
+        self._write(name, positions.to(torch.int32) if small else positions)
         return name
+
+    def _write(self, name: str, tensor: Any) -> None:
+        """A new data file; a full filesystem is one clear error (the caller's collection removes what
+        the unfinished version wrote: no version names it)."""
+        path = self.data / name
+        try:
+            write_tensor(path, tensor)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            path.unlink(missing_ok=True)
+            raise DeltaSyncError(_no_room(self.root, self.keep)) from exc
 
     def seed(
         self,
@@ -290,7 +302,11 @@ class NodeMirror:
             if check is not None:
                 check({n: (t.dtype, tuple(t.shape)) for n, t in state.items()})
             self.collect()
-            files = {n: self._new_file(t) for n, t in state.items()}
+            try:
+                files = {n: self._new_file(t) for n, t in state.items()}
+            except BaseException:
+                self.collect()  # what was written names no version
+                raise
             del state
             trim_heap()
             return self._publish(vid, step, files, {"seeded": True, "seed_id": seed_id})
@@ -465,6 +481,20 @@ class NodeMirror:
             self._tidy()  # unless a leader is building: then someone still uses it
         if self._private is not None:
             shutil.rmtree(self._private, ignore_errors=True)
+
+
+def _no_room(root: Path, keep: int) -> str:
+    try:
+        usage = shutil.disk_usage(root)
+        room = f"{usage.free / 2**20:,.0f} MiB free of {usage.total / 2**20:,.0f} MiB"
+    except OSError:
+        room = "its filesystem is full"
+    return (
+        f"no room for the node mirror in {root} ({room}): it holds up to {keep} versions of the model's "
+        "tensors (files of tensors a step did not change are shared). Give that filesystem more room (in a container: "
+        "`docker run --shm-size=<2x the checkpoint>` or `--ipc=host`), or put the mirror on a larger one: "
+        '`"node_dir"` in init_info or DELTASYNC_NODE_DIR (a local disk works: versions are mapped, not copied)'
+    )
 
 
 def _safe_id(seed_id: str | None) -> str:
