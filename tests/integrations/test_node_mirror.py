@@ -500,13 +500,15 @@ def small_tmpfs(tmp_path: Path) -> Iterable[Path]:
 
 
 def test_a_real_full_tmpfs_fails_the_leaders_build_clearly_and_the_engine_keeps_its_step(
-    tmp_path: Path, small_tmpfs: Path
+    tmp_path: Path, small_tmpfs: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     import subprocess
 
     url = _push(tmp_path / "run", range(2))
     engine = Engine(_state(0))
-    worker = _worker(url, small_tmpfs, engine)
+    with caplog.at_level("WARNING", logger="deltasync.node"):
+        worker = _worker(url, small_tmpfs, engine)
+    assert "MiB free after seeding 0.1 MiB" in caplog.text  # said at init, before any update
     assert worker.node.spawn  # the build runs in the node's leader process
     with pytest.raises(UpdateRolledBack) as caught:
         worker.commit(1)

@@ -309,9 +309,28 @@ class NodeMirror:
                 raise
             del state
             trim_heap()
-            return self._publish(vid, step, files, {"seeded": True, "seed_id": seed_id})
+            seeded = self._publish(vid, step, files, {"seeded": True, "seed_id": seed_id})
+            self._warn_if_tight(sum((self.data / f).stat().st_size for f, _, _ in files.values()))
+            return seeded
         finally:
             lock.release()
+
+    def _warn_if_tight(self, model_bytes: int) -> None:
+        """Say at init, not at the first update, when the next version may not fit: a step that changes
+        every tensor writes the model again (plus the positions of its changes)."""
+        try:
+            free = shutil.disk_usage(self.data).free
+        except OSError:
+            return
+        if free < model_bytes:
+            log.warning(
+                "the node mirror in %s has %.1f MiB free after seeding %.1f MiB: an update that changes most "
+                "tensors needs up to that much again and will fail (%s)",
+                self.root,
+                free / 2**20,
+                model_bytes / 2**20,
+                "give it more room: `--shm-size`/`--ipc=host` in a container, or `node_dir`/DELTASYNC_NODE_DIR",
+            )
 
     def mapped(
         self, get: Callable[[], Version], *, reuse: Mapping[str, Any] | None = None, read_only: bool = False
@@ -486,7 +505,7 @@ class NodeMirror:
 def _no_room(root: Path, keep: int) -> str:
     try:
         usage = shutil.disk_usage(root)
-        room = f"{usage.free / 2**20:,.0f} MiB free of {usage.total / 2**20:,.0f} MiB"
+        room = f"{usage.free / 2**20:,.1f} MiB free of {usage.total / 2**20:,.1f} MiB"
     except OSError:
         room = "its filesystem is full"
     return (
