@@ -256,6 +256,7 @@ def follow(
         clock=time.monotonic,
     )
     report(current, "starting" if current is None else "serving")
+    refused = False  # the server refused the stream last time (warned once; quiet until it accepts)
     try:
         for seen in watcher.watch(resume=lambda: current):
             if seen.kind == "lost":
@@ -263,7 +264,19 @@ def follow(
                 if metrics is not None:
                     metrics.observe_failure("signal")
                 if isinstance(seen.error, SignalRejected):
-                    log.warning("signal server refused the stream (polling the store meanwhile): %s", seen.error)
+                    # a refusal (a wrong or missing token, an unknown run) lasts until someone fixes it:
+                    # say so once, with the fix, then only at DEBUG while it keeps being refused
+                    if refused:
+                        log.debug("signal server still refuses the stream: %s", seen.error)
+                    else:
+                        log.warning(
+                            "signal server refused the stream; following by polling the store every %g s, and "
+                            "retrying the stream quietly (at most every %g s) until it is accepted: %s",
+                            poll_interval,
+                            reconnect_backoff[1],
+                            seen.error,
+                        )
+                    refused = True
                 elif st.connected:
                     log.warning("signal stream lost, polling the store meanwhile: %s", seen.error)
                 else:
@@ -277,6 +290,9 @@ def follow(
                 if wanted is not None:
                     apply(wanted)
             else:  # the stream is up
+                if refused:
+                    log.warning("signal server accepts the stream now: following its signals")
+                    refused = False
                 st.connected = True
                 if seen.step is not None:
                     st.signals += 1

@@ -523,6 +523,61 @@ def test_follow_with_an_unreachable_server_polls_at_its_interval(monkeypatch: py
     assert 2 <= stats.signal_failures < stats.polls
 
 
+def test_follow_with_a_refused_token_warns_once_with_the_fix_then_stays_quiet(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A wrong subscribe token is refused at every reconnect: one warning naming the fix, then DEBUG only
+    while the refusals go on (the store is still polled); once the server accepts, one line says so, and
+    a later refusal warns again. Driven by the fake clock: no sleeping, no wall-clock asserts."""
+    import logging
+
+    from deltasync import DeltaFetcher
+    from deltasync.fetcher import _follow
+    from deltasync.fetcher._follow import FollowStats
+
+    accept_after = 6  # the first 6 stream requests are refused (403), the 7th accepted, then refused again
+    asked: list[str | None] = []
+
+    def server(request: httpx.Request) -> httpx.Response:
+        asked.append(request.headers.get("authorization"))
+        if len(asked) == accept_after + 1:
+            return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=b": hb\n\n")
+        return httpx.Response(403, json={"detail": "the bearer token does not grant scope 'subscribe'"})
+
+    clock = FakeClock(ticks=40)
+    monkeypatch.setattr(_follow, "time", clock)
+    stats = FollowStats()
+    with caplog.at_level(logging.DEBUG, logger="deltasync.follow"):
+        DeltaFetcher(MemoryStore("empty")).follow(
+            {},
+            signal_url="http://signal.test",
+            token="wrong-token",
+            run="r",
+            stop=clock,
+            poll_interval=0.1,
+            reconnect_backoff=(0.05, 0.2),
+            transport=httpx.MockTransport(server),
+            stats=stats,
+        )
+    assert len(asked) > accept_after + 2 and set(asked) == {"Bearer wrong-token"}
+    assert stats.signal_failures == len(asked)  # every refusal counted (metrics see them all), and the stream's end
+    records = [r for r in caplog.records if r.name == "deltasync.follow"]
+    warnings = [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+    expected = [
+        "signal server refused the stream; following by polling the store every 0.1 s",  # once, with the fix
+        "signal server accepts the stream now: following its signals",
+        "signal stream lost, polling the store meanwhile: ",  # the accepted stream ended
+        "signal server refused the stream; following by polling",  # refused again after it had been accepted
+    ]
+    assert len(warnings) == len(expected) and all(w.startswith(e) for w, e in zip(warnings, expected, strict=True)), (
+        warnings
+    )
+    assert "set DELTASYNC_SUBSCRIBE_TOKEN to the server's subscribe token" in warnings[0]
+    quiet = [r for r in records if r.levelno == logging.DEBUG and "still refuses the stream" in r.getMessage()]
+    assert len(quiet) == stats.signal_failures - 3  # the repeats, at DEBUG only
+    assert stats.polls > len(asked)  # the store was polled all along
+
+
 # ------------------------------------------------------ dependency overrides
 
 
