@@ -27,7 +27,13 @@ class CostSplit:
         anchors = [c for c in commits if c["kind"] == "anchor"]
         patches = [c for c in commits if c["kind"] == "patch"]
         self.commits = len(commits)
-        self.training_steps = sum(1 for c in commits if c["step"] > 0)
+        # step N holds the weights after N training steps (step 0: the initial weights); the uploader
+        # may fold a step whose commit would wait on a busy store into the next one, so the newest
+        # committed step counts the training steps, not the number of commits
+        self.training_steps = max((int(c["step"]) for c in commits), default=0)
+        first = min((int(c["step"]) for c in commits), default=0)  # a follower may join mid-run
+        #: steps in the committed range with no commit of their own (shipped inside a later commit)
+        self.folded = max(0, self.training_steps - first + 1 - self.commits) if commits else 0
         self.anchors = len(anchors)
         self.patches = len(patches)
         self.anchor_bytes = sum(int(c["nbytes"]) for c in anchors)
@@ -59,9 +65,12 @@ def end_of_run_lines(snapshot: dict[str, Any], url: str | None, *, loop: float =
     else:
         verdict = f"failed: {snapshot.get('error') or snapshot.get('status')}"
     full_x = c.full_bytes / max(c.shipped, 1)
+    folded = ""
+    if c.folded:
+        folded = f" ({c.folded} step{'s' if c.folded > 1 else ''} folded into later commits)"
     lines = [
-        f"run finished: {c.training_steps} training steps (+ initial weights at step 0), {c.commits} commits; "
-        f"inference copy at step {applied}, {verdict}",
+        f"run finished: {c.training_steps} training steps (+ initial weights at step 0), {c.commits} commits"
+        f"{folded}; inference copy at step {applied}, {verdict}",
         f"shipped {_fmt_bytes(c.shipped)}: {c.anchors} anchors {_fmt_bytes(c.anchor_bytes)} + "
         f"{c.patches} patches {_fmt_bytes(c.patch_bytes)} (vs {_fmt_bytes(c.full_bytes)} as full checkpoints, "
         f"{full_x:.1f}x less)",

@@ -528,3 +528,35 @@ def test_the_terminal_prints_every_answer_the_page_lists_with_its_step() -> None
     ]
     assert lines[0] == "step    0  applied in 1.0 ms  (lag 0 steps)  inference copy answers 'a'"
     assert lines[1] == "step    2  applied in 2.0 ms  (lag 2 steps)  inference copy answers 'b'"
+
+
+def _commit(step: int, kind: str = "patch", nbytes: int = 10) -> dict[str, Any]:
+    return {"step": step, "kind": kind, "nbytes": nbytes, "full_bytes": 100}
+
+
+def test_the_summary_counts_training_steps_by_the_newest_step_not_by_commits() -> None:
+    """400 training steps commit steps 0..400; one folded into the next commit (the store was busy) leaves
+    400 commits, and the summary still says 400 training steps, and that one was folded (issue 31)."""
+    from spaces_demo.summary import end_of_run_lines
+
+    every = [_commit(0, "anchor", 1000)] + [_commit(s) for s in range(1, 401)]
+    snap: dict[str, Any] = {"applied": {"step": 400}, "bit_exact": True}
+    line = end_of_run_lines({**snap, "commits": every}, None)[0]
+    assert line == (
+        "run finished: 400 training steps (+ initial weights at step 0), 401 commits; "
+        "inference copy at step 400, bit-exact with the trainer's"
+    )
+    one_folded = [c for c in every if c["step"] != 399]
+    line = end_of_run_lines({**snap, "commits": one_folded}, None)[0]
+    assert line.startswith("run finished: 400 training steps (+ initial weights at step 0), 400 commits (1 step folded")
+    three = [c for c in every if c["step"] not in (7, 8, 200)]
+    assert "398 commits (3 steps folded into later commits); " in end_of_run_lines({**snap, "commits": three}, None)[0]
+    # a follower that joined at step 100 saw commits 100..400 only: nothing was folded
+    joined = [c for c in every if c["step"] >= 100]
+    assert (
+        "400 training steps (+ initial weights at step 0), 301 commits; "
+        in end_of_run_lines({**snap, "commits": joined}, None)[0]
+    )
+    assert end_of_run_lines({"commits": [], "status": "failed", "error": "x"}, None)[0].startswith(
+        "run finished: 0 training steps (+ initial weights at step 0), 0 commits; "
+    )
