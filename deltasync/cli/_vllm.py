@@ -13,10 +13,53 @@ import argparse
 import os
 import sys
 import threading
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from deltasync.cli._common import announce_store
 
-__all__ = ["add_vllm_arguments", "run_vllm"]
+__all__ = ["add_vllm_arguments", "run_vllm", "wait_until_answering"]
+
+#: seconds between two tries of a server that does not answer yet
+START_POLL = 2.0
+
+
+def wait_until_answering(
+    urls: Sequence[str],
+    *,
+    get: Callable[[str], Any] | None = None,
+    wait: Callable[[float], object],
+    say: Callable[[str], None],
+) -> None:
+    """Return once every server in ``urls`` answers HTTP at all (``GET /health``, any status).
+
+    A sidecar started with its server (``vllm serve ... &`` then ``deltasync follow --vllm``) meets a
+    server that does not listen yet: a GPU server takes a minute or more to load. Connection errors
+    are waited out (one line says so, naming the URL, in case it has a typo); an answer, even an error
+    status, ends the wait, and setting up the backend then says what is wrong. ``wait(seconds)``
+    returns true when the caller stops (Ctrl-C): the wait ends then too.
+    """
+    import httpx
+
+    def fetch(url: str) -> Any:
+        return httpx.get(url, timeout=10.0)
+
+    getter = get if get is not None else fetch
+    for url in urls:
+        said = False
+        while True:
+            try:
+                getter(f"{url.rstrip('/')}/health")
+                break
+            except httpx.TransportError as exc:
+                if not said:
+                    say(
+                        f"waiting for the vLLM server at {url} to answer ({type(exc).__name__}: a server takes a "
+                        "minute or more to start; check the URL if this lasts; Ctrl-C stops)"
+                    )
+                    said = True
+            if wait(START_POLL):
+                return
 
 
 def add_vllm_arguments(p: argparse.ArgumentParser) -> None:
@@ -88,6 +131,7 @@ def run_vllm(args: argparse.Namespace) -> int:
             all_or_nothing=args.all_or_nothing,
         )
         with driver:
+            wait_until_answering(args.vllm, wait=stop.wait, say=lambda line: print(line, file=sys.stderr, flush=True))
             driver.init()
             for url, step in driver.serving().items():
                 print(f"{url}: serving step {step if step is not None else '(none yet)'}", file=sys.stderr, flush=True)
