@@ -274,8 +274,16 @@ class TrainedRun:
         return sorted(p for p in self.store_dir.rglob(f"{step:012d}/**/*") if p.is_file() and p.name != "manifest.json")
 
 
-def train_and_push(model_dir: Path, store_dir: Path, expected_dir: Path, steps: int = TRAIN_STEPS) -> TrainedRun:
-    """Train the tiny model ``steps`` AdamW steps (fixed seed, random tokens), pushing each step."""
+def train_and_push(
+    model_dir: Path,
+    store_dir: Path,
+    expected_dir: Path,
+    steps: int = TRAIN_STEPS,
+    *,
+    drop: tuple[str, ...] = (),
+) -> TrainedRun:
+    """Train the tiny model ``steps`` AdamW steps (fixed seed, random tokens), pushing each step's
+    ``model.state_dict()`` (all of it: a tied model's holds both tied names) but the names in ``drop``."""
     import torch
     from safetensors.torch import save_file
     from transformers import Qwen3ForCausalLM
@@ -299,7 +307,9 @@ def train_and_push(model_dir: Path, store_dir: Path, expected_dir: Path, steps: 
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-            state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+            state = {
+                k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items() if k not in drop
+            }
             save_file(state, str(expected_dir / f"step-{step}.safetensors"))
             info = up.push(state, step=step).result(timeout=120)
             kinds[step] = info.kind

@@ -159,3 +159,28 @@ def test_a_model_whose_loading_needs_real_data_is_not_refused(caplog: pytest.Log
     check_engine(model, _layout())  # cannot tell in advance: the first update will (and is rolled back)
     assert "cannot check in advance" in caplog.text
     assert _loaders(model) == loaders
+
+
+class TiedModel(Model):
+    """``lm_head`` is ``embed`` (one parameter, two names) and the loader skips ``lm_head.weight``, as
+    vLLM's models do with ``tie_word_embeddings``; a ``rotary.inv_freq`` the loader skips for good."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = self.lm_head  # tied: named_parameters(remove_duplicate=False) names it twice
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        kept = ((n, t) for n, t in weights if n != "lm_head.weight" and not n.endswith("inv_freq"))
+        return super().load_weights((n.replace("embed.", "lm_head."), t) for n, t in kept)
+
+
+def test_a_tied_name_is_found_and_returned_with_the_name_it_is_tied_to(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger="deltasync.vllm")
+    layout = _layout(**{"embed.weight": (torch.bfloat16, (16, H)), "rotary.inv_freq": (torch.float32, (4,))})
+    assert check_engine(TiedModel(), layout) == {"lm_head.weight": "embed.weight"}
+    assert "ties lm_head.weight to embed.weight" in caplog.text
+    assert "1 of the run's tensors land in no parameter" in caplog.text and "rotary.inv_freq" in caplog.text
+
+
+def test_an_untied_model_has_no_tied_names() -> None:
+    assert check_engine(Model(), _layout()) == {}

@@ -400,3 +400,69 @@ def test_uploader_and_fetcher_take_a_url(tmp_path: Any) -> None:
     target = {k: torch.zeros_like(v) for k, v in _state(0).items()}
     assert ds.DeltaFetcher((tmp_path / "run").as_uri()).sync(target) == 0
     assert _equal(target, _state(0))
+
+
+# ---------------------------------------------------------------- tied names
+
+
+def _tied_state(step: int, *, part_at: int | None = None) -> dict[str, Any]:
+    """A tied model's state dict: ``head`` is ``embed`` (both names, as ``model.state_dict()`` of a
+    tied transformers model holds them); from step ``part_at`` on, ``head`` gets changes of its own."""
+    out = _state(step)
+    embed = out["layer0.w"].clone()
+    for s in range(1, step + 1):
+        embed[(3 * s) % 64, 4:] -= 0.25
+    out["embed"] = embed
+    out["head"] = embed.clone()
+    if part_at is not None and step >= part_at:
+        out["head"][0, 0] += 1.0
+    return out
+
+
+class TiedEngine(Engine):
+    """One parameter under two names, and a loader that skips ``head`` when ``embed`` comes along and
+    refuses it alone (what vLLM's ``load_weights`` does for ``lm_head.weight`` of a tied model)."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        super().__init__({k: v for k, v in state.items() if k != "head"})
+        self.weights["head"] = self.weights["embed"]
+
+    def load(self, pairs: Iterable[tuple[str, Any]]) -> None:
+        pairs = list(pairs)
+        names = {n for n, _ in pairs}
+        if "head" in names and "embed" not in names:
+            raise ValueError("'head' was skipped because it is tied to 'embed', but 'embed' was not found")
+        super().load([(n, t) for n, t in pairs if n != "head"])
+
+
+def _tied_run(part_at: int | None = None) -> ds.MemoryStore:
+    store = ds.MemoryStore("tied")
+    with ds.DeltaUploader(store, anchor_every=100, anchor_bytes_fraction=0) as up:
+        for s in range(STEPS):
+            up.push(_tied_state(s, part_at=part_at), s).result()
+    return store
+
+
+def test_a_tied_name_is_updated_through_the_name_it_is_tied_to() -> None:
+    store = _tied_run()
+    engine = TiedEngine(_tied_state(0))
+    m = _mirror(store, engine, check=lambda layout: {"head": "embed"})
+    for step in range(1, STEPS):
+        m.commit(step)
+        assert _equal(engine.weights, _tied_state(step)) and m.serving == step
+    assert all("head" not in names for names in engine.loads)
+    assert any("embed" in names for names in engine.loads)
+
+
+def test_a_run_whose_tied_names_part_is_refused_before_the_engine_is_touched() -> None:
+    store = _tied_run(part_at=3)
+    engine = TiedEngine(_tied_state(0))
+    m = _mirror(store, engine, check=lambda layout: {"head": "embed"})
+    m.commit(2)
+    loads = len(engine.loads)
+    with pytest.raises(EngineIncompatible, match=r"different values in head and embed.*still serves step 2"):
+        m.commit(3)
+    assert len(engine.loads) == loads and _equal(engine.weights, _tied_state(2)) and m.serving == 2
+    with pytest.raises(EngineIncompatible):
+        m.prepare(4).result()
+    assert m.status()["state"] == "serving" and m.serving == 2

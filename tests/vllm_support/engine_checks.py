@@ -255,7 +255,7 @@ def sha256_of(t: Any) -> str:
     return hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
 
 
-def expected_checksums(path: str | dict[str, Any], tp: int = 1) -> dict[str, str]:
+def expected_checksums(path: str | dict[str, Any], tp: int = 1, tied: bool = False) -> dict[str, str]:
     """What ``compute_weight_checksums`` must report for a Qwen3 checkpoint file on ``tp`` ranks.
 
     Keys as vLLM makes them (``dp0:pp0:pcp0:tp<r>:<param>``). vLLM fuses ``q/k/v_proj`` into
@@ -263,12 +263,15 @@ def expected_checksums(path: str | dict[str, Any], tp: int = 1) -> dict[str, str
     with tensor parallelism each rank holds its slice of every part: rows of the column-parallel
     weights (qkv, gate_up, embeddings, lm_head), columns of the row-parallel ones (o_proj,
     down_proj); norms are replicated. Assumes no vocab padding (vocab a multiple of 64 * tp) and
-    at least ``tp`` kv heads, as the tiny test model has.
+    at least ``tp`` kv heads, as the tiny test model has. ``tied``: the engine ties ``lm_head.weight``
+    to ``model.embed_tokens.weight`` (one parameter, reported once under the embeddings' name).
     """
     import torch
     from safetensors.torch import load_file
 
     state = load_file(path) if isinstance(path, str) else path
+    if tied:
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
     fused = {
         "q_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
         "gate_proj": ("gate_up_proj", ("gate_proj", "up_proj")),

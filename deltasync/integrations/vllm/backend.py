@@ -279,10 +279,13 @@ class WorkerSync:
                 self.mirror = EngineMirror(fetcher, self._load, **options)
             return self.mirror
 
-    def _check(self, layout: Any) -> None:
-        """Refuse (once and for all) an engine whose parameters are not what it computes with."""
+    def _check(self, layout: Any) -> dict[str, str]:
+        """Refuse (once and for all) an engine whose parameters are not what it computes with; return the
+        names it ties to another name (see ``engine_check.tied_names``)."""
         try:
-            check_engine(self.model, layout, quantization=getattr(self.vllm_config.model_config, "quantization", None))
+            return check_engine(
+                self.model, layout, quantization=getattr(self.vllm_config.model_config, "quantization", None)
+            )
         except EngineIncompatible as exc:
             self._refusal = str(exc)
             raise

@@ -33,7 +33,7 @@ import torch
 
 from deltasync.errors import EngineIncompatible
 
-__all__ = ["Layout", "check_engine", "landing_params"]
+__all__ = ["Layout", "check_engine", "landing_params", "tied_names"]
 
 log = logging.getLogger("deltasync.vllm")
 
@@ -84,6 +84,34 @@ def landing_params(model: torch.nn.Module, layout: Layout) -> list[tuple[str, st
     return hits
 
 
+def tied_names(
+    model: torch.nn.Module, layout: Layout, hits: list[tuple[str, str, torch.Tensor, tuple[int, ...]]]
+) -> dict[str, str]:
+    """Checkpoint names of ``layout`` that the engine ties to another of its names: name -> that name.
+
+    A tied model (``tie_word_embeddings``: Qwen3-0.6B to 4B, Llama-3.2-1B/3B) holds one parameter under
+    two names (``lm_head.weight`` is ``model.embed_tokens.weight``); its ``load_weights`` skips the tied
+    name when the other one comes along, and refuses it alone. A name is tied here when it lands in no
+    parameter (``hits``: :func:`landing_params` of the whole layout), the model has a parameter of that
+    very name, and another checkpoint name of the same dtype and shape lands in that parameter. The
+    engine is updated through the other name; the two must hold the same bits at every step.
+    """
+    landed = {ckpt for ckpt, _, _, _ in hits}
+    into: dict[int, str] = {}  # parameter -> the first checkpoint name landing in it
+    for ckpt, _, hit, _ in hits:
+        into.setdefault(id(hit), ckpt)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    out: dict[str, str] = {}
+    for name, spec in layout.items():
+        param = params.get(name)
+        if name in landed or param is None:
+            continue
+        target = into.get(id(param))
+        if target is not None and target != name and layout.get(target) == spec:
+            out[name] = target
+    return out
+
+
 def _module_of(model: torch.nn.Module, param_name: str) -> torch.nn.Module | None:
     try:
         return model.get_submodule(param_name.rpartition(".")[0])
@@ -102,9 +130,14 @@ def _computes_from_a_copy(module: torch.nn.Module | None) -> bool:
     return fn is not None and fn is not torch.nn.functional.linear and bool(getattr(fn, "__closure__", None))
 
 
-def check_engine(model: torch.nn.Module, layout: Layout, *, quantization: str | None = None) -> None:
+def check_engine(model: torch.nn.Module, layout: Layout, *, quantization: str | None = None) -> dict[str, str]:
     """Raise :class:`~deltasync.errors.EngineIncompatible` unless every tensor of ``layout`` (by
     checkpoint name) can be loaded into ``model`` in place and computed with (see the module docstring).
+
+    Returns the run's names that the engine ties to another one (:func:`tied_names`): they are never
+    loaded themselves, and must equal the name they are tied to. Names the engine's loader skips
+    for good (landing in no parameter, tied to none: buffers it computes itself, such as rotary
+    tables) are logged once and still handed to the loader, which skips them as at start-up.
 
     quantization: the engine's ``model_config.quantization``.
     """
@@ -130,7 +163,19 @@ def check_engine(model: torch.nn.Module, layout: Layout, *, quantization: str | 
             type(exc).__name__,
             exc,
         )
-        return
+        return {}
+    tied = tied_names(model, layout, hits)
+    landed = {ckpt for ckpt, _, _, _ in hits}
+    skipped = [n for n in layout if n not in landed and n not in tied]
+    if tied:
+        log.info("the engine ties %s: updated through the names they are tied to", _pairs(tied))
+    if skipped:
+        log.info(
+            "%d of the run's tensors land in no parameter of this engine (its loader skips them, as when it "
+            "started): %s",
+            len(skipped),
+            ", ".join(skipped[:_SHOWN]) + (f" and {len(skipped) - _SHOWN} more" if len(skipped) > _SHOWN else ""),
+        )
     sources: dict[str, list[str]] = {}  # parameter -> the checkpoint tensors that land in it
     params: dict[str, torch.Tensor] = {}
     for ckpt, pname, param, shape in hits:
@@ -154,7 +199,7 @@ def check_engine(model: torch.nn.Module, layout: Layout, *, quantization: str | 
             (kind, f"{pname} {tuple(param.shape)} {str(param.dtype).removeprefix('torch.')} <- {into[0]}{more}")
         )
     if not found:
-        return
+        return tied
     bad = [what for _, what in sorted(found, key=lambda f: f[0])]
     examples = "; ".join(bad[:_SHOWN]) + (f"; and {len(bad) - _SHOWN} more" if len(bad) > _SHOWN else "")
     if cpu_repacked:
@@ -172,4 +217,10 @@ def check_engine(model: torch.nn.Module, layout: Layout, *, quantization: str | 
     raise EngineIncompatible(
         f"deltasync cannot update this engine in place: {len(bad)} of the parameters the run's tensors load into "
         f"are not what it computes with ({examples}). Cause: {cause}. Nothing was loaded"
+    )
+
+
+def _pairs(tied: Mapping[str, str]) -> str:
+    return ", ".join(f"{a} to {b}" for a, b in list(tied.items())[:_SHOWN]) + (
+        f" and {len(tied) - _SHOWN} more" if len(tied) > _SHOWN else ""
     )

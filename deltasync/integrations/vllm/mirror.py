@@ -51,8 +51,9 @@ log = logging.getLogger("deltasync.mirror")
 #: the engine's loader: takes ``(checkpoint name, host tensor)`` pairs and copies them into the live weights
 Loader = Callable[[Iterable[tuple[str, Any]]], Any]
 #: checks, before anything is loaded, that the engine takes tensors of this layout (checkpoint name ->
-#: (torch dtype, shape)) in place; raises :class:`EngineIncompatible` when it does not
-Check = Callable[[Mapping[str, tuple[Any, tuple[int, ...]]]], None]
+#: (torch dtype, shape)) in place; raises :class:`EngineIncompatible` when it does not. Returns the
+#: names the engine ties to another name of the layout (name -> that name; tied embeddings), or None
+Check = Callable[[Mapping[str, tuple[Any, tuple[int, ...]]]], Mapping[str, str] | None]
 State = Literal["serving", "needs_replacement"]
 
 
@@ -129,6 +130,8 @@ class EngineMirror:
         self.clock = clock
         self._check = check
         self._checked: Any = None  # the layout last checked
+        #: names the engine ties to another name (one parameter): never loaded, equal to it in every version
+        self._tied: dict[str, str] = {}
         self.node = NodeMirror(fetcher, root=node_dir, spawn=spawn, max_bytes=max_bytes, keep=keep)
         #: the version the engine holds exactly (None: unknown, the first commit loads every tensor)
         self._served: Version | None = None
@@ -177,13 +180,13 @@ class EngineMirror:
     def _check_layout(self, layout: Mapping[str, tuple[Any, tuple[int, ...]]]) -> None:
         if layout == self._checked:
             return
-        if self._check is not None:
-            self._check(layout)
+        tied = self._check(layout) if self._check is not None else None
+        self._tied = dict(tied or {})
         self._checked = dict(layout)
         self._scatter = None
         if self._scatter_for is not None:
             try:
-                self._scatter = self._scatter_for(layout)
+                self._scatter = self._scatter_for({n: s for n, s in layout.items() if n not in self._tied})
             except Exception as exc:  # noqa: BLE001 - the engine's own loader still works
                 log.warning(
                     "cannot write changed elements in place (%s: %s): loading whole tensors", type(exc).__name__, exc
@@ -208,6 +211,7 @@ class EngineMirror:
             self.node.built.remove(built)
         self._prepared_stats = _stats(built) if built is not None else None
         self._check_layout(version.layout())
+        self._check_tied(version.step, view)
         mapped_before = {id(t) for t in reuse.values()}
         populate(t for t in view.values() if id(t) not in mapped_before)  # page faults here, not in the pause
         self._hold(view)
@@ -217,6 +221,19 @@ class EngineMirror:
             self.metrics.observe_node(nbytes=self.node.nbytes_on_disk(), built=built is not None, **pinned)
         self._prepared, self._prepared_view = version, view
         return version
+
+    def _check_tied(self, step: int | None, view: Mapping[str, Any]) -> None:
+        """A version whose tied names do not hold the same bits cannot be served (the engine holds one
+        parameter for both): refused while preparing, before the engine is touched."""
+        for name, target in self._tied.items():
+            a, b = view.get(name), view.get(target)
+            if a is not None and b is not None and not _same_bits(a, b):
+                raise EngineIncompatible(
+                    f"step {step} of the run holds different values in {name} and {target}, which this engine "
+                    "ties (one parameter for both: tie_word_embeddings in the model's config), so it cannot serve "
+                    "that step bit-exact; start the engine with the trainer's config (tie_word_embeddings: false "
+                    f"when the trainer trains them apart). The engine still serves step {self.serving}"
+                )
 
     def _pinned(self) -> bool:
         """Whether views are registered with CUDA: then they are mapped shared and write-protected
@@ -306,7 +323,8 @@ class EngineMirror:
                     "unchanged"
                 ) from cause
             assert step is not None and version is not None
-            names = version.changed_from(self._served)
+            # a tied name is the same parameter as the name it is tied to: loaded through that one
+            names = [n for n in version.changed_from(self._served) if n not in self._tied]
             view = self._prepared_view
             nbytes = version.nbytes(names)
             # the positions of what changed, where the engine holds the version this one was built from
@@ -407,3 +425,13 @@ def make_mirror(
 
     s = open_store(store) if isinstance(store, str) else store
     return EngineMirror(DeltaFetcher(s, verify=verify, signing_key=signing_key), load, **options)
+
+
+def _same_bits(a: Any, b: Any) -> bool:
+    """Whether two host tensors hold the same bits (NaN payloads and signed zeros included)."""
+    import torch
+
+    if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
+        return False
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return bool(torch.equal(a.contiguous().view(bits), b.contiguous().view(bits)))
