@@ -5,8 +5,16 @@ the methods of TRL's ``WeightTransferProtocol``; :class:`DeltaSyncWeightTransfer
 
     from deltasync.integrations.trl import DeltaSyncWeightTransfer
 
-    transfer = DeltaSyncWeightTransfer("hf://buckets/me/run-1", servers=["http://vllm-0:8000"], model=model)
-    trainer = AsyncGRPOTrainer(model=model, ..., weight_transfer=transfer)
+    transfer = DeltaSyncWeightTransfer("hf://buckets/me/run-1", servers=["http://vllm-0:8000"])
+    trainer = AsyncGRPOTrainer(model="Qwen/Qwen3-0.6B", ..., weight_transfer=transfer)  # an id or path
+    transfer.model = trainer.model  # its frozen parameters join each step
+    trainer.train()
+
+TRL 1.16's ``AsyncGRPOTrainer`` takes a model id or path, not a model object. Install with
+``pip install -e '.[trl]'`` (TRL's rollout worker needs aiohttp). The servers start from a step of
+the store (``deltasync fetch``), so push one first (the starting weights, e.g. with ``delta-upload``)
+and start them with ``--served-model-name`` set to the trainer's ``model=``: TRL's worker sends it
+as ``"model"``. See docs/trl.md.
 
 At each sync TRL calls ``pause()``, then ``send_weights(iterator)`` on the main process with every
 trainable parameter gathered (FSDP2: ``full_tensor()``) in the trainer dtype, then ``resume()``.
@@ -28,7 +36,8 @@ After ``staleness_timeout`` seconds it raises :class:`~deltasync.errors.Stalenes
 who is behind.
 
 Steps are numbered by sync: the first sync (TRL's cold sync at train begin) is ``first_step``
-(default: 0 on an empty store, else the store's newest step + 1), then one more per sync.
+(default: the store's newest step + 1, so 1 after a pushed step 0; 0 on an empty store), then one
+more per sync.
 
 TRL hands the iterator to the main process only, so the state is gathered there: a sharded push
 (every rank pushing its own shards) is not possible through this seam. GRPOTrainer and the other

