@@ -43,8 +43,9 @@ class DeltaSyncCallback(TrainerCallback):
     Folded steps: when the store falls behind (``max_pending`` steps waiting), a new
     step is folded into the newest waiting one (the uploader's ``on_backlog="coalesce"``)
     so that training never waits: steps 6-9 may be committed as part of step 10, and no
-    engine can then be updated to exactly step 7. Each folded step is logged (a warning
-    the first time) and listed in ``self.folded``. ``keep_every_step=True`` commits
+    engine can then be updated to exactly step 7. The uploader logs the first folded step
+    as a warning (later ones at DEBUG) and counts them (``DeltaUploader.folded``); each is
+    also listed in ``self.folded``. ``keep_every_step=True`` commits
     every step instead (``on_backlog="block"``): a push then waits for the store
     whenever ``max_pending`` steps are already waiting.
 
@@ -150,7 +151,13 @@ class DeltaSyncCallback(TrainerCallback):
             up.close()
         finally:
             self.uploader = None
-        log.info("deltasync: %d steps committed to %s, %d errors", len(self.results), up.store.url, len(self.errors))
+        log.info(
+            "deltasync: %d steps committed to %s, %d folded into later steps, %d errors",
+            len(self.results) - len(self.folded),
+            up.store.url,
+            len(self.folded),
+            len(self.errors),
+        )
 
     # --------------------------------------------------------------- pushes
 
@@ -174,25 +181,11 @@ class DeltaSyncCallback(TrainerCallback):
             self._failed(step, exc)
             return
         info = fut.result()
-        folded = info.kind == "skipped" and info.committed_step != step
         with self._lock:
             self.results.append(info)
-            if folded:
+            if info.folded:  # the uploader has logged it (a warning the first time) and counted it
                 self.folded.append(info)
-            first = folded and len(self.folded) == 1
-        if first:
-            log.warning(
-                "deltasync: step %d was folded into step %d: the store fell behind (on_backlog='coalesce'), so "
-                "step %d is not committed on its own and no engine can be updated to exactly it. Pass "
-                "DeltaSyncCallback(..., keep_every_step=True) to commit every step (a push then waits for the store "
-                "when it is behind). Further folded steps are logged at INFO.",
-                step,
-                info.committed_step,
-                step,
-            )
-        elif folded:
-            log.info("deltasync: step %d was folded into step %d", step, info.committed_step)
-        if folded:
+        if info.folded:
             return
         log.info(
             "deltasync: step %d %s, %d bytes, %.3f%% changed",

@@ -23,7 +23,8 @@ class UploaderConfig:
         (fp32 master weights -> bf16 inference weights).
     max_pending: steps waiting for the store before ``on_backlog`` applies.
     on_backlog: "coalesce" folds a new step into the newest waiting one (push
-        never blocks on the store; skipped steps resolve with kind "skipped");
+        never blocks on the store; folded steps resolve with kind "skipped", are
+        counted in ``DeltaUploader.folded``, and the first is logged as a warning);
         "block" makes push wait until a slot frees.
     shard_bytes: maximum size of one anchor shard / patch file.
     tensor_digests: record xxh3-128 of every post-step tensor (lets fetchers prove
@@ -104,8 +105,18 @@ class UploaderConfig:
 class CommitInfo:
     """What happened to one pushed step.
 
-    kind is "anchor" or "patch" when the step was committed, "skipped" when the
-    writer was behind and its changes were folded into ``committed_step``.
+    kind is "anchor" or "patch" when the step was committed as its own step
+    (``committed_step == step``), "skipped" when it was not:
+
+    - folded (:attr:`folded`, ``committed_step > step``): the store was behind
+      (``on_backlog="coalesce"``) and the step's changes were folded into a later
+      step, committed as ``committed_step``. The step itself has no manifest: no
+      reader can be brought to exactly it. ``nbytes``, ``changed``, ``total``,
+      ``anchor_step``, ``manifest_digest`` and ``seconds`` are those of
+      ``committed_step``'s commit (which holds this step's changes), not this step's own.
+    - ``committed_step == step`` with ``nbytes == 0``: the step was committed already
+      (a restarted uploader re-pushed the store's head); nothing was written.
+
     ``nbytes`` is the payload written for the committed step.
     """
 
@@ -118,3 +129,8 @@ class CommitInfo:
     manifest_digest: str
     committed_step: int
     seconds: float
+
+    @property
+    def folded(self) -> bool:
+        """True when this step was folded into the later step ``committed_step`` (never committed on its own)."""
+        return self.kind == "skipped" and self.committed_step != self.step

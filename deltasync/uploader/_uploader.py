@@ -25,7 +25,7 @@ from deltasync.run import RunReader
 from deltasync.run.gc import RetentionWorker
 from deltasync.storage import Store, open_store
 from deltasync.uploader._chain import ChainState
-from deltasync.uploader._committer import AfterCommit, CommitContext, StepCommitter
+from deltasync.uploader._committer import AfterCommit, CommitContext, FoldLog, StepCommitter
 from deltasync.uploader._config import CommitInfo, UploaderConfig
 from deltasync.uploader._diff import inventory_of
 from deltasync.uploader._dtypes import warn_dtype_change
@@ -68,7 +68,8 @@ class DeltaUploader:
         self._writer = WriterIdentity(self.store, cfg.run_id, head.manifest.run_id if head else None)
         self._pool = ThreadPoolExecutor(max(1, cfg.encode_threads), thread_name_prefix="deltasync-encode")
         self._snapshots = Snapshotter(self._pool, cfg.cast_dtype)
-        self._after = AfterCommit()
+        self._folds = FoldLog(cfg.max_pending)  # steps folded into later ones ("coalesce"): counted, told once
+        self._after = AfterCommit(folds=self._folds)
         # under torch.distributed (world > 1) every rank pushes its own shards (a collective here)
         self._sharded: ShardedPush | None = None
         if sharded_wanted(cfg):
@@ -159,6 +160,22 @@ class DeltaUploader:
         """Pushed steps that failed to commit."""
         return self._chain.failures
 
+    @property
+    def folded(self) -> int:
+        """Pushed steps folded into a later step (``on_backlog="coalesce"`` while the store was behind).
+
+        A folded step is never committed as its own step: its changes are committed as part of
+        a later step, and its Future resolves with ``kind="skipped"`` and that step as
+        ``committed_step`` (:attr:`CommitInfo.folded`). Counted when that later step is
+        committed; the first fold is also logged as a warning on ``deltasync.uploader``.
+        """
+        return self._folds.count
+
+    @property
+    def folded_steps(self) -> tuple[tuple[int, int], ...]:
+        """The newest folds (at most 256), oldest first: ``(folded step, the step committed with its changes)``."""
+        return self._folds.recent
+
     # ------------------------------------------------------------ resume
 
     def resume(self, state: Any, step: int, *, strict: bool = False) -> bool:
@@ -188,7 +205,11 @@ class DeltaUploader:
 
         Returns once the changed elements are copied out: the caller may modify
         its tensors right away. The Future resolves to a :class:`CommitInfo`
-        when the step is committed, or raises :class:`CommitFailed`.
+        when the step is committed, or raises :class:`CommitFailed`. A step folded
+        into a later one (``on_backlog="coalesce"`` while ``max_pending`` steps wait
+        for the store) is not committed as its own step: its Future resolves when that
+        later step is committed, with ``kind="skipped"``, ``committed_step`` the later
+        step and that step's numbers (:attr:`CommitInfo.folded` is True); see :attr:`folded`.
         """
         if self._closed:
             raise RuntimeError("push() on a closed DeltaUploader")
