@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import subprocess
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -80,13 +82,42 @@ def test_delta_upload_of_a_non_safetensors_checkpoint_says_how_to_convert(tmp_pa
 # ------------------------------------------------------------ a damaged manifest
 
 
-def pushed_run(tmp_path: Path, n: int, store: str = "run") -> list[Path]:
-    """``n`` checkpoints pushed as steps 0..n-1 to ``tmp_path/store`` (cache in ``tmp_path/cache``)."""
-    ckpts = checkpoints(tmp_path, n)
+def push_run(root: Path, n: int) -> list[Path]:
+    """``n`` checkpoints pushed with ``delta-upload`` (real processes) as steps 0..n-1 to ``root/run``
+    (baseline cache in ``root/cache``)."""
+    ckpts = checkpoints(root, n)
     for i, ckpt in enumerate(ckpts):
-        r = run("delta-upload", str(ckpt), "--store", store, "--step", str(i), "--cache", "cache", cwd=tmp_path)
+        r = run("delta-upload", str(ckpt), "--store", "run", "--step", str(i), "--cache", "cache", cwd=root)
         assert r.returncode == 0, r
     return ckpts
+
+
+@pytest.fixture(scope="module")
+def pushed_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path, int], list[Path]]:
+    """``pushed_run(tmp_path, n)``: ``n`` checkpoints pushed as steps 0..n-1 to ``tmp_path/run``, baseline
+    cache in ``tmp_path/cache``; returns the checkpoints (``tmp_path/ckpt-<i>.safetensors``).
+
+    Each ``n`` is pushed once per module by :func:`push_run` and copied into each test's dir: the
+    store, the cache and the checkpoints, byte for byte, except the store URL that the cache's
+    ``state.json`` names, which becomes the copy's (what ``delta-upload`` would have written there).
+    """
+    templates: dict[int, tuple[Path, list[Path]]] = {}
+
+    def make(tmp_path: Path, n: int) -> list[Path]:
+        if n not in templates:
+            root = tmp_path_factory.mktemp(f"pushed-{n}")
+            templates[n] = (root, push_run(root, n))
+        root, ckpts = templates[n]
+        for name in ("run", "cache"):
+            shutil.copytree(root / name, tmp_path / name)
+        old, new = (root / "run").as_uri(), (tmp_path / "run").as_uri()
+        for meta in (tmp_path / "cache").glob("*.json"):
+            text = meta.read_text()
+            assert old in text, (meta, text)
+            meta.write_text(text.replace(old, new))
+        return [Path(shutil.copy2(c, tmp_path / c.name)) for c in ckpts]
+
+    return make
 
 
 def cut_manifest(store: Path, step: int) -> str:
@@ -96,7 +127,9 @@ def cut_manifest(store: Path, step: int) -> str:
     return key
 
 
-def test_a_cut_manifest_names_its_step_and_key_and_inspect_lists_the_rest(tmp_path: Path) -> None:
+def test_a_cut_manifest_names_its_step_and_key_and_inspect_lists_the_rest(
+    tmp_path: Path, pushed_run: Callable[[Path, int], list[Path]]
+) -> None:
     pushed_run(tmp_path, 4)
     key = cut_manifest(tmp_path / "run", 2)
     before = snapshot(tmp_path / "run")
@@ -115,7 +148,7 @@ def test_a_cut_manifest_names_its_step_and_key_and_inspect_lists_the_rest(tmp_pa
     assert snapshot(tmp_path / "run") == before  # readers never write
 
 
-def test_reader_names_the_broken_link_of_a_chain(tmp_path: Path) -> None:
+def test_reader_names_the_broken_link_of_a_chain(tmp_path: Path, pushed_run: Callable[[Path, int], list[Path]]) -> None:
     pushed_run(tmp_path, 3)
     cut_manifest(tmp_path / "run", 1)
     with ds.open_store(str(tmp_path / "run")) as store:
@@ -135,7 +168,7 @@ def test_reader_names_the_broken_link_of_a_chain(tmp_path: Path) -> None:
 @pytest.mark.parametrize("damage", ["cut manifest", "deleted manifest", "deleted patch file"])
 @pytest.mark.parametrize("cache", [True, False])
 def test_delta_upload_on_a_broken_chain_suggests_anchor_and_anchor_works(
-    tmp_path: Path, damage: str, cache: bool
+    tmp_path: Path, damage: str, cache: bool, pushed_run: Callable[[Path, int], list[Path]]
 ) -> None:
     ckpts = pushed_run(tmp_path, 4)
     store = tmp_path / "run"
@@ -168,7 +201,9 @@ def test_delta_upload_on_a_broken_chain_suggests_anchor_and_anchor_works(
     )
 
 
-def test_delta_upload_after_an_unreadable_newest_step_says_what_to_do(tmp_path: Path) -> None:
+def test_delta_upload_after_an_unreadable_newest_step_says_what_to_do(
+    tmp_path: Path, pushed_run: Callable[[Path, int], list[Path]]
+) -> None:
     ckpts = pushed_run(tmp_path, 2)
     key = cut_manifest(tmp_path / "run", 1)
     before = snapshot(tmp_path / "run")
@@ -184,7 +219,9 @@ def test_delta_upload_after_an_unreadable_newest_step_says_what_to_do(tmp_path: 
 # ------------------------------------------------------------ errors that say what to do next
 
 
-def test_fetch_of_a_step_that_is_not_committed_names_the_newest_and_inspect(tmp_path: Path) -> None:
+def test_fetch_of_a_step_that_is_not_committed_names_the_newest_and_inspect(
+    tmp_path: Path, pushed_run: Callable[[Path, int], list[Path]]
+) -> None:
     pushed_run(tmp_path, 3)
     (tmp_path / "run" / manifest_key(1)).unlink()  # as gc leaves a step it collected
     before = snapshot(tmp_path / "run")
@@ -207,7 +244,9 @@ def test_fetch_of_a_step_that_is_not_committed_names_the_newest_and_inspect(tmp_
     assert str(err.value) == f"step 999 is not committed in {url} (not yet: the newest committed step is 2)"
 
 
-def test_delta_upload_of_a_step_not_after_the_head_says_which_step_to_use(tmp_path: Path) -> None:
+def test_delta_upload_of_a_step_not_after_the_head_says_which_step_to_use(
+    tmp_path: Path, pushed_run: Callable[[Path, int], list[Path]]
+) -> None:
     ckpts = pushed_run(tmp_path, 2)
     before = snapshot(tmp_path / "run")
     for step in ("1", "0"):
@@ -220,7 +259,9 @@ def test_delta_upload_of_a_step_not_after_the_head_says_which_step_to_use(tmp_pa
     assert snapshot(tmp_path / "run") == before
 
 
-def test_a_corrupt_patch_on_fetch_points_to_inspect_verify(tmp_path: Path) -> None:
+def test_a_corrupt_patch_on_fetch_points_to_inspect_verify(
+    tmp_path: Path, pushed_run: Callable[[Path, int], list[Path]]
+) -> None:
     pushed_run(tmp_path, 3)
     (patch,) = (tmp_path / "run" / "steps" / f"{2:012d}").rglob("patch-00000.safetensors")  # in its writer's folder
     name = patch.relative_to(tmp_path / "run" / "steps" / f"{2:012d}").as_posix()
@@ -400,7 +441,9 @@ def test_the_cache_keeps_one_copy_says_where_and_rebuilds_in_memory(tmp_path: Pa
     assert fetched_equals(tmp_path, ckpts[3], 3)
 
 
-def test_a_materialized_copy_left_by_earlier_versions_goes_and_nothing_else(tmp_path: Path) -> None:
+def test_a_materialized_copy_left_by_earlier_versions_goes_and_nothing_else(
+    tmp_path: Path, pushed_run: Callable[[Path, int], list[Path]]
+) -> None:
     ckpts = pushed_run(tmp_path, 2)
     cache = tmp_path / "cache"
     # what earlier versions left: step 1 materialized into the cache, never removed
