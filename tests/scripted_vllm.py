@@ -1,7 +1,7 @@
 """A scripted stand-in for a vLLM 0.32 server's weight-transfer routes (test support, not deltasync).
 
 :class:`ScriptedVLLM` is an ``httpx.MockTransport`` handler that answers the routes
-:class:`deltasync.integrations.vllm.driver.VLLMServer` uses the way the real server does (paths,
+:class:`deltasync.serving.driver.VLLMServer` uses the way the real server does (paths,
 bodies, status codes) and records the calls. Used by tests/integrations/test_vllm_driver.py, and by
 tests/integrations/test_vllm_rollout.py as the one server of a fleet that refuses a step next to a
 real ``vllm serve``.

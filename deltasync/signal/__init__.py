@@ -21,10 +21,11 @@ from deltasync.signal._names import (
     replica_name,
 )
 from deltasync.signal._reporter import FleetReporter, Served
-from deltasync.signal._staleness import Staleness, StalenessTracker
+from deltasync.signal._staleness import MAX_PENDING, Staleness, StalenessTracker, commit_time
 from deltasync.signal._watcher import StepSeen, StepWatcher, StorePoller
 
 __all__ = [
+    "MAX_PENDING",
     "REPLICA_PATTERN",
     "REPLICA_STATES",
     "RUN_PATTERN",
@@ -42,6 +43,7 @@ __all__ = [
     "StorePoller",
     "check_replica",
     "check_run",
+    "commit_time",
     "default_replica",
     "fleet_ready",
     "replica_name",

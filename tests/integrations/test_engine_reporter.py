@@ -1,4 +1,4 @@
-"""The vLLM backend's fleet reports (``integrations/vllm/fleet.py``) without an engine: the status dicts
+"""The vLLM backend's fleet reports (``serving/fleet.py``) without an engine: the status dicts
 a backend produces become fleet rows on a real signal server (127.0.0.1), with the run's name and the
 steps' digests read from a real local store. The engines themselves report in test_vllm_fleet.py."""
 
@@ -10,8 +10,8 @@ import pytest
 from server_harness import ThreadServer
 
 from deltasync import DeltaUploader, open_store
-from deltasync.integrations.vllm.fleet import EngineReporter, replica_state
 from deltasync.server import Settings, create_app
+from deltasync.serving.fleet import EngineReporter, replica_state
 from deltasync.signal import SignalClient
 
 torch = pytest.importorskip("torch")

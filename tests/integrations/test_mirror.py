@@ -25,9 +25,9 @@ from deltasync.errors import (  # noqa: E402
     WorkerNeedsReplacement,
 )
 from deltasync.fetcher import SyncJournal  # noqa: E402
-from deltasync.integrations.vllm.mirror import EngineMirror  # noqa: E402
-from deltasync.integrations.vllm.prefetch import Prefetcher  # noqa: E402
 from deltasync.protocol import file_key  # noqa: E402
+from deltasync.serving.engine.mirror import EngineMirror  # noqa: E402
+from deltasync.serving.engine.prefetch import Prefetcher  # noqa: E402
 
 STEPS = 6
 NAMES = [f"layer{i}.w" for i in range(6)]

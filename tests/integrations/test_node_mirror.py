@@ -23,8 +23,8 @@ from tensors import bits_equal  # noqa: E402
 
 import deltasync as ds  # noqa: E402
 from deltasync.errors import UpdateRolledBack  # noqa: E402
-from deltasync.integrations.vllm.mirror import EngineMirror  # noqa: E402
-from deltasync.integrations.vllm.node import NodeMirror  # noqa: E402
+from deltasync.serving.engine.mirror import EngineMirror  # noqa: E402
+from deltasync.serving.node.mirror import NodeMirror  # noqa: E402
 
 NAMES = [f"layers.{i}.w" for i in range(8)]
 SHAPE = (128, 64)
@@ -201,7 +201,7 @@ def test_an_older_step_is_built_next_to_newer_versions_killed_engines_left(tmp_p
 
 
 def test_the_leader_deletes_what_killed_engines_left_when_it_leaves(tmp_path: Path) -> None:
-    from deltasync.integrations.vllm import _leader_link
+    from deltasync.serving.node import _link
 
     url = _push(tmp_path / "run", range(3))
     worker = _worker(url, tmp_path / "node", Engine(_state(0)))
@@ -210,7 +210,7 @@ def test_the_leader_deletes_what_killed_engines_left_when_it_leaves(tmp_path: Pa
     worker.commit(2)
     node = worker.node
     assert node.version(2) is not None and pids
-    (leader,) = [p for p in _leader_link._children if p.pid == pids[0]]
+    (leader,) = [p for p in _link._children if p.pid == pids[0]]
     _killed(worker)  # the only engine of the mirror dies
     assert leader.wait(timeout=120) == 0  # the leader saw nobody uses the mirror and left
     assert not list(node.versions.glob("*.json")) and not list(node.data.iterdir())
@@ -302,7 +302,7 @@ def _ptrs(view: dict[str, Any]) -> set[int]:
 
 def test_the_versions_an_engine_serves_and_prepares_stay_registered_and_nothing_else(tmp_path: Path) -> None:
     from deltasync.fetcher.metrics import SyncMetrics
-    from deltasync.integrations.vllm.pinning import HostPins
+    from deltasync.serving.engine.pinning import HostPins
 
     url = _push(tmp_path / "run", range(5))
     cuda = FakeCuda()
@@ -338,7 +338,7 @@ def test_the_versions_an_engine_serves_and_prepares_stay_registered_and_nothing_
 def test_an_engine_whose_pages_cannot_be_registered_updates_from_pageable_memory(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from deltasync.integrations.vllm.pinning import HostPins
+    from deltasync.serving.engine.pinning import HostPins
 
     url = _push(tmp_path / "run", range(3))
     pins = HostPins(FakeCuda(refuse=True).register, lambda ptr: None)
@@ -354,7 +354,7 @@ def test_an_engine_whose_pages_cannot_be_registered_updates_from_pageable_memory
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_cuda_engine_updates_bit_exact_from_registered_pages(tmp_path: Path) -> None:
-    from deltasync.integrations.vllm.pinning import HostPins
+    from deltasync.serving.engine.pinning import HostPins
 
     url = _push(tmp_path / "run", range(4))
     pins = HostPins()
@@ -433,7 +433,7 @@ def test_a_full_filesystem_is_a_clear_error_and_leaves_the_engine_and_the_node_a
     """The build runs in this process here (``spawn=False``) so that the write can fail on cue: the
     filesystem fills up on the third file of step 1 (test_a_real_full_tmpfs_... runs the leader on a
     real full tmpfs where the machine lets it mount one)."""
-    from deltasync.integrations.vllm import node as node_module
+    from deltasync.serving.node import mirror as node_module
 
     url = _push(tmp_path / "run", range(2))
     engine = Engine(_state(0))
@@ -463,7 +463,7 @@ def test_a_full_filesystem_is_a_clear_error_and_leaves_the_engine_and_the_node_a
 
 def test_a_seed_that_does_not_fit_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from deltasync.errors import DeltaSyncError
-    from deltasync.integrations.vllm import node as node_module
+    from deltasync.serving.node import mirror as node_module
 
     url = _push(tmp_path / "run", range(1))
     calls = [0]

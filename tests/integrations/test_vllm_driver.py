@@ -16,7 +16,7 @@ import pytest
 from scripted_vllm import ScriptedVLLM
 
 from deltasync.errors import DeltaSyncError
-from deltasync.integrations.vllm.driver import VLLMDriver, VLLMServer
+from deltasync.serving.driver import VLLMDriver, VLLMServer
 
 
 def _server(fake: ScriptedVLLM, url: str = "http://vllm-a") -> VLLMServer:
@@ -298,7 +298,7 @@ def test_all_or_nothing_reports_the_truth_to_the_fleet_view() -> None:
 
 def test_follow_all_or_nothing_reaches_the_driver(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """``deltasync follow --vllm ... --all-or-nothing`` builds its driver in that mode (and not without it)."""
-    import deltasync.integrations.vllm.driver as driver_module
+    import deltasync.serving.driver as driver_module
     from deltasync.cli.main import main
 
     class Built(Exception):

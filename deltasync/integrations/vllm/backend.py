@@ -23,7 +23,7 @@ the model's own ``load_weights``, so fused parameters and tensor parallelism sta
 vLLM's business. Before the first load, :mod:`~deltasync.integrations.vllm.engine_check` makes
 sure the parameters those tensors land in are what the engine computes with. With ``prefetch`` (or :meth:`DeltasyncWorkerExtension.deltasync_prepare`)
 the download, checks and decode happen while the engine keeps generating; the
-update itself is the in-place load. See :mod:`deltasync.integrations.vllm.mirror` for the
+update itself is the in-place load. See :mod:`deltasync.serving.engine.mirror` for the
 failure states. Unquantized weights only (bf16/fp16/fp32): a quantized engine, or one
 whose CPU backend repacked its linear weights, is refused at init (:class:`EngineIncompatible`).
 
@@ -50,13 +50,13 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from deltasync.errors import DeltaSyncError, EngineIncompatible
-from deltasync.fetcher._fetcher import MARKER, DeltaFetcher, Verify
+from deltasync.fetcher import MARKER, DeltaFetcher, Verify
 from deltasync.integrations.vllm import engine_core
 from deltasync.integrations.vllm.engine_check import check_engine
 from deltasync.integrations.vllm.engine_core import BACKEND
-from deltasync.integrations.vllm.fleet import EngineReporter
-from deltasync.integrations.vllm.mirror import EngineMirror
-from deltasync.integrations.vllm.prefetch import Prefetcher
+from deltasync.serving.engine.mirror import EngineMirror
+from deltasync.serving.engine.prefetch import Prefetcher
+from deltasync.serving.fleet import EngineReporter
 
 __all__ = [
     "BACKEND",
@@ -314,13 +314,13 @@ class WorkerSync:
         """Registration of the mirror's pages with CUDA, for an engine whose weights are on a CUDA device."""
         if not self.options.pin or not any(p.is_cuda for p in self.model.parameters()):
             return None
-        from deltasync.integrations.vllm.pinning import HostPins
+        from deltasync.serving.engine.pinning import HostPins
 
         return HostPins()
 
     def _scatter_loader(self, layout: Any) -> Any:
-        from deltasync.integrations.vllm.pinning import PINNED_MAX_DENSITY
-        from deltasync.integrations.vllm.scatter import ScatterLoader
+        from deltasync.serving.engine.pinning import PINNED_MAX_DENSITY
+        from deltasync.serving.engine.scatter import ScatterLoader
 
         pinned = self._host_pins is not None and self._host_pins.enabled
         return ScatterLoader(self.model, layout, self._load, max_density=PINNED_MAX_DENSITY if pinned else None)

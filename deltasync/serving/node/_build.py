@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from deltasync.errors import InventoryMismatch
-from deltasync.integrations.vllm.versions import Version, changed_positions, step_id, trim_heap
+from deltasync.serving.node.versions import Version, changed_positions, step_id, trim_heap
 
 __all__ = ["POSITIONS_DENSITY", "SYNC_FIELDS", "build"]
 
@@ -37,7 +37,7 @@ SYNC_FIELDS = (
 
 
 class Node(Protocol):
-    """What a build needs of the :class:`~deltasync.integrations.vllm.node.NodeMirror` it builds into
+    """What a build needs of the :class:`~deltasync.serving.node.mirror.NodeMirror` it builds into
     (a protocol: the node calls this module, so this module does not import the node)."""
 
     fetcher: Any
@@ -66,7 +66,7 @@ class Node(Protocol):
 def build(node: Node, step: int, phase: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Build the node's version of ``step`` from its newest version (the leader's work; the caller holds
     the lock). Only the tensors the step changed get new data files. ``phase`` hears of each phase."""
-    from deltasync.fetcher._journal import SyncJournal
+    from deltasync.fetcher import SyncJournal
 
     t0 = time.perf_counter()
     candidates = [v for v in node.all_versions() if v.step is None or (v.step <= step and node.current(v))]

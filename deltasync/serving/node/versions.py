@@ -1,6 +1,6 @@
 """A node mirror's versions and their files: what a version is, and reading and writing its tensors.
 
-See :mod:`deltasync.integrations.vllm.node` for the folder they live in.
+See :mod:`deltasync.serving.node.mirror` for the folder they live in.
 """
 
 from __future__ import annotations

@@ -4,10 +4,10 @@ The first worker that needs a step the node does not have connects to the leader
 mirror (a Unix socket in the abstract namespace, named after the mirror's folder; both ends check
 that the other runs as the same user) and starts it when there is none::
 
-    python -m deltasync.integrations.vllm.leader     (config on stdin, "ready" on stdout)
+    python -m deltasync.serving.node.leader     (config on stdin, "ready" on stdout)
 
 The leader lives in its own session (an engine that stops does not take it down mid-build) and
-builds one version at a time under the node lock (:func:`deltasync.integrations.vllm._build.build`):
+builds one version at a time under the node lock (:func:`deltasync.serving.node._build.build`):
 downloads, checks and decodes in its own memory (given back to the OS after each build), so engine
 workers only map files. It leaves when no engine uses the mirror any more, and then deletes the
 versions engines that were killed (and never closed the mirror) left behind. While it builds, the
@@ -33,10 +33,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from deltasync.errors import DeltaSyncError
-from deltasync.integrations.vllm._leader_link import peer, socket_name
+from deltasync.serving.node._link import peer, socket_name
 
 if TYPE_CHECKING:
-    from deltasync.integrations.vllm.node import NodeMirror
+    from deltasync.serving.node.mirror import NodeMirror
 
 __all__ = ["main"]
 
@@ -50,8 +50,8 @@ CHECK_INTERVAL = 2.0
 
 
 def _serve_one(node: NodeMirror, conn: socket.socket, fetcher: Callable[[], Any]) -> None:
-    from deltasync.integrations.vllm._build import build
-    from deltasync.integrations.vllm.versions import trim_heap
+    from deltasync.serving.node._build import build
+    from deltasync.serving.node.versions import trim_heap
 
     _, uid = peer(conn)
     if uid != os.getuid():
@@ -94,7 +94,7 @@ def _serve_one(node: NodeMirror, conn: socket.socket, fetcher: Callable[[], Any]
 def _leave(node: NodeMirror, server: socket.socket) -> bool:
     """Whether the leader may exit now: no engine uses the mirror. Then it stops listening and deletes
     the versions engines that were killed (and so never closed the mirror) left in shared memory."""
-    from deltasync.integrations.vllm.node import NodeLock
+    from deltasync.serving.node.mirror import NodeLock
 
     lock = NodeLock(node.dir / "lock")
     try:
@@ -115,7 +115,7 @@ def _leave(node: NodeMirror, server: socket.socket) -> bool:
 def _unpin() -> None:
     """Run on every CPU this process may use: vLLM pins each worker to its own cores, and the leader,
     started by one of them, would otherwise share that worker's cores with its busy threads (the
-    starter also drops the OpenMP binding it would inherit: ``_leader_link._BINDING``)."""
+    starter also drops the OpenMP binding it would inherit: ``_link._BINDING``)."""
     if hasattr(os, "sched_setaffinity"):
         try:
             os.sched_setaffinity(0, range(os.cpu_count() or 1))
@@ -128,8 +128,8 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = json.loads(sys.stdin.readline())
     _unpin()
-    from deltasync.fetcher._fetcher import DeltaFetcher
-    from deltasync.integrations.vllm.node import NodeMirror
+    from deltasync.fetcher import DeltaFetcher
+    from deltasync.serving.node.mirror import NodeMirror
     from deltasync.storage import open_store
 
     key = bytes.fromhex(config["signing_key"]) if config["signing_key"] else None

@@ -1,5 +1,5 @@
-"""Talking to the node's leader (see :mod:`deltasync.integrations.vllm.leader`): find it, start it when
-there is none, ask it for a step. Used by :class:`~deltasync.integrations.vllm.node.NodeMirror`."""
+"""Talking to the node's leader (see :mod:`deltasync.serving.node.leader`): find it, start it when
+there is none, ask it for a step. Used by :class:`~deltasync.serving.node.mirror.NodeMirror`."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def _start(node_dir: Path, config: Mapping[str, Any]) -> socket.socket:
         with open(node_dir / "leader.log", "ab") as log_file:
             env = {k: v for k, v in os.environ.items() if k not in _BINDING}
             proc = subprocess.Popen(
-                [sys.executable, "-m", "deltasync.integrations.vllm.leader"],
+                [sys.executable, "-m", "deltasync.serving.node.leader"],
                 env=env,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,

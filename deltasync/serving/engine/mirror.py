@@ -2,7 +2,7 @@
 
 The engine owns its parameters in its own layout (fused ``qkv_proj``, tensor-parallel
 shards, repacked kernels); deltasync knows checkpoint names. The node's one host mirror
-(:mod:`~deltasync.integrations.vllm.node`: a version of the run per step, in shared memory,
+(:mod:`~deltasync.serving.node.mirror`: a version of the run per step, in shared memory,
 built once per node with :class:`DeltaFetcher`: chain catch-up, checksums, digests) is
 brought to a new step in the background while the engine keeps serving; :class:`EngineMirror`
 commits it by handing the engine only the tensors that changed through its own loader (vLLM's
@@ -38,11 +38,10 @@ from deltasync.errors import (
     UpdateRolledBack,
     WorkerNeedsReplacement,
 )
-from deltasync.fetcher._fetcher import DeltaFetcher, Verify
-from deltasync.fetcher._stats import SyncStats
-from deltasync.integrations.vllm.node import KEEP, NodeMirror, Version
-from deltasync.integrations.vllm.pinning import HostPins
-from deltasync.integrations.vllm.versions import populate
+from deltasync.fetcher import DeltaFetcher, SyncStats, Verify
+from deltasync.serving.engine.pinning import HostPins
+from deltasync.serving.node.mirror import KEEP, NodeMirror, Version
+from deltasync.serving.node.versions import populate
 
 __all__ = ["Check", "CommitReport", "EngineMirror", "Loader"]
 
@@ -72,7 +71,7 @@ class CommitReport:
 class EngineMirror:
     """One engine worker's view of the run, kept at a deltasync step through the node's mirror.
 
-    The tensors themselves live in the node's shared :class:`~deltasync.integrations.vllm.node.NodeMirror`
+    The tensors themselves live in the node's shared :class:`~deltasync.serving.node.mirror.NodeMirror`
     (one copy and one download per node and step, whatever the number of workers); this object knows
     which version the engine serves, prepares the next one and commits it.
 
@@ -95,7 +94,7 @@ class EngineMirror:
     scatter: for a layout, a loader of ``(name, new tensor, changed flat positions or None)`` triples
         that writes only the changed elements where it can (vLLM: ``scatter.ScatterLoader``); used in
         the pause instead of ``load`` (an undo always uses ``load``).
-    pin: a :class:`~deltasync.integrations.vllm.pinning.HostPins` (GPU engines): the mapped tensors of
+    pin: a :class:`~deltasync.serving.engine.pinning.HostPins` (GPU engines): the mapped tensors of
         the versions the engine serves and prepares are registered with it while they are (in the
         prepare, never in the pause), so that the pause copies them to the device by DMA.
     """

@@ -31,7 +31,7 @@ MAX_RETRY_WAIT = 60.0
 
 
 class _Mirror(Protocol):
-    """What the prefetcher needs of an :class:`~deltasync.integrations.vllm.mirror.EngineMirror`."""
+    """What the prefetcher needs of an :class:`~deltasync.serving.engine.mirror.EngineMirror`."""
 
     @property
     def serving(self) -> int | None: ...

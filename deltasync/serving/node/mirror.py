@@ -10,7 +10,7 @@ one directory, by default under ``/dev/shm``::
         data/<file>           one tensor's raw bytes; immutable once written, shared by every
                               version in which the tensor did not change
 
-A version is built once per node, by the node's **leader** (:mod:`~deltasync.integrations.vllm.leader`:
+A version is built once per node, by the node's **leader** (:mod:`~deltasync.serving.node.leader`:
 one process per mirror, started by the first worker that needs it): under the lock it maps the
 newest version copy-on-write (``MAP_PRIVATE``: the shared files are never written), brings that
 view to the step with :class:`~deltasync.DeltaFetcher` (download, checksums, digests, decode),
@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from deltasync.errors import DeltaSyncError, ObjectNotFound
-from deltasync.integrations.vllm.versions import Version, step_id, trim_heap, write_tensor
+from deltasync.serving.node.versions import Version, step_id, trim_heap, write_tensor
 
 __all__ = ["NodeMirror", "Version", "default_root"]
 
@@ -163,7 +163,7 @@ class NodeMirror:
         self._stop = threading.Event()
         #: versions this process built (its leaders included), for tests and metrics
         self.built: list[Version] = []
-        #: sees each phase the leader reports, with its pid (see :mod:`~deltasync.integrations.vllm.leader`)
+        #: sees each phase the leader reports, with its pid (see :mod:`~deltasync.serving.node.leader`)
         self.on_phase: Callable[[int, str], None] | None = None
         #: the leader waits for a go-ahead after each phase (tests)
         self.pace = False
@@ -352,7 +352,7 @@ class NodeMirror:
         if have is not None:
             return have
         if self.spawn:
-            from deltasync.integrations.vllm import _leader_link
+            from deltasync.serving.node import _link
 
             config = {
                 "dir": str(self.dir),
@@ -362,14 +362,14 @@ class NodeMirror:
                 "max_bytes": self.max_bytes,
             }
             try:
-                stats = _leader_link.request(
+                stats = _link.request(
                     self.dir, config, step, on_phase=self.on_phase, pace=self.pace, timeout=self.lock_timeout
                 )
             except DeltaSyncError:
                 self._tidy()  # a leader that died leaves files no version names
                 raise
         else:
-            from deltasync.integrations.vllm._build import build
+            from deltasync.serving.node._build import build
 
             stats = self.build_locked(step, lambda: build(self, step))
         have = self.version(step)
