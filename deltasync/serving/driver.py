@@ -48,6 +48,8 @@ log = logging.getLogger("deltasync.vllm.driver")
 
 PauseMode = Literal["wait", "abort", "keep"]
 PAUSE_MODES: tuple[str, ...] = ("wait", "abort", "keep")
+#: reads of the workers' states after a refused update before the server is left paused as unknown
+STATUS_TRIES = 3
 State = Literal["serving", "rolled_back", "held_back", "needs_replacement", "unreachable", "failed"]
 
 
@@ -177,15 +179,30 @@ class VLLMServer:
             return ServerUpdate(self.url, step, state, None, time.perf_counter() - t0, f"pause: {_text(exc)}")
         resume = True
         state, error = "serving", None
+        workers: list[dict[str, Any]] | None = None
+        asked = False  # the workers' states were read already
         try:
             self._ok(self._post("/start_weight_update"), "start_weight_update")
             r = self._post("/update_weights", json={"update_info": {"step": step}})
             if r.status_code != 200:
-                # the backend closed the update itself: no finish_weight_update
-                text = _detail(r)
-                state = "needs_replacement" if _needs_replacement(text) else "rolled_back"
-                error = f"update_weights: HTTP {r.status_code}: {text}"
-                resume = state != "needs_replacement"
+                # the backend closed the update itself: no finish_weight_update. Whether the engine's
+                # weights were put back is read from its workers' states, never from the error's text
+                error = f"update_weights: HTTP {r.status_code}: {_detail(r)}"
+                asked = True
+                for _ in range(STATUS_TRIES):  # vLLM may drop the connection of a failed request
+                    workers = self.workers()
+                    if workers is not None:
+                        break
+                if workers is None:  # its weights may be neither step: it must not serve
+                    state, resume = "failed", False
+                    error += (
+                        "; its workers' states cannot be read after the refused update, so it stays paused: check "
+                        "deltasync_status, then POST /resume (or restart it)"
+                    )
+                else:
+                    lost = any(w.get("state") == "needs_replacement" for w in workers)
+                    state = "needs_replacement" if lost else "rolled_back"
+                    resume = not lost
             else:
                 self._ok(
                     self._post("/finish_weight_update", json={"weight_version": str(step)}), "finish_weight_update"
@@ -209,7 +226,8 @@ class VLLMServer:
             error = f"{error + '; ' if error else ''}weight_info: {_text(exc)}"
         if state == "serving" and version != str(step):
             state, error = "failed", f"the server reports weight version {version!r} after updating to step {step}"
-        workers = None if state == "serving" else self.workers()
+        if state != "serving" and not asked:
+            workers = self.workers()
         if workers and any(w.get("state") == "needs_replacement" for w in workers):
             state = "needs_replacement"
         return ServerUpdate(self.url, step, state, version, pause_s, error, workers)
@@ -556,10 +574,6 @@ def _agreed_step(server: VLLMServer) -> int | None:
         return None
     (step,) = steps
     return step if isinstance(step, int) and not isinstance(step, bool) else None
-
-
-def _needs_replacement(text: str) -> bool:
-    return "WorkerNeedsReplacement" in text or "needs_replacement" in text or "needs replacement" in text
 
 
 def _detail(r: httpx.Response) -> str:

@@ -50,8 +50,25 @@ def test_a_refused_step_is_not_finished_and_the_server_resumes_on_its_previous_s
     u = _server(fake).update(4)
     assert (u.state, u.version) == ("rolled_back", "0")
     assert "UpdateRolledBack: step 4: corrupt patch" in (u.error or "")
-    assert "/finish_weight_update" not in fake.calls and fake.calls[3] == "/resume"
+    assert "/finish_weight_update" not in fake.calls
+    assert fake.calls[3:5] == ["/collective_rpc", "/resume"]  # the workers' typed states decide: resume
     assert u.workers == [{"rank": 0, "state": "serving", "step": "0"}]  # the backend's own account
+
+
+def test_a_refused_step_whose_outcome_cannot_be_read_leaves_the_server_paused() -> None:
+    fake = ScriptedVLLM()
+    fake.rolled_back, fake.status_down = {4}, True
+    u = _server(fake).update(4)
+    assert u.state == "failed" and "stays paused" in (u.error or "")
+    assert fake.paused and "/resume" not in fake.calls
+    assert fake.calls.count("/collective_rpc") == 3  # STATUS_TRIES reads, then no guess
+
+
+def test_the_outcome_of_a_refused_step_comes_from_the_workers_states_not_the_error_text() -> None:
+    fake = ScriptedVLLM()
+    fake.broken = {4}  # answers "rank 1: reload failed": no class name in the text
+    u = _server(fake).update(4)
+    assert u.state == "needs_replacement" and fake.paused and "/resume" not in fake.calls
 
 
 def test_a_server_needing_replacement_stays_paused_and_is_never_updated_again() -> None:

@@ -19,8 +19,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from deltasync import errors
-from deltasync.errors import DeltaSyncError
+from deltasync.errors import DeltaSyncError, from_code
 
 __all__ = ["peer", "request", "socket_name"]
 
@@ -128,10 +127,7 @@ def request(
         stats: dict[str, Any] = reply["stats"]
         return stats
     if "error" in reply:
-        cls = getattr(errors, str(reply["error"]), None)
-        if not (isinstance(cls, type) and issubclass(cls, DeltaSyncError)):
-            cls = DeltaSyncError
-        raise cls(str(reply["message"]))
+        raise from_code(reply["error"], str(reply["message"]))
     raise DeltaSyncError(
         f"the node mirror's leader (pid {pid}) died while building step {step}; nothing of that step was "
         f"published and the next update starts a new leader (see {node_dir / 'leader.log'})"

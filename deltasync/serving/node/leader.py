@@ -16,7 +16,7 @@ folder holds ``building.json`` (its pid and the step) for operators.
 Protocol, one JSON object per line: the worker sends ``{"step": N, "pace": false}``; the leader
 answers ``{"phase": ...}`` lines (``start``, ``synced``, ``wrote``, ``publish``; with ``pace`` it
 waits for a newline after each, so tests can stop it at an exact point), then ``{"stats": {...}}`` or
-``{"error": class name, "message": ...}``. A leader that dies mid-build answers nothing more: the
+``{"error": code, "message": ...}`` (the error's stable code, :func:`deltasync.errors.error_code`). A leader that dies mid-build answers nothing more: the
 worker raises, nothing of the step was published (a version exists only once its index is in
 place), and the next request starts a new leader.
 """
@@ -32,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from deltasync.errors import DeltaSyncError
+from deltasync.errors import DeltaSyncError, error_code
 from deltasync.serving.node._link import peer, socket_name
 
 if TYPE_CHECKING:
@@ -81,10 +81,10 @@ def _serve_one(node: NodeMirror, conn: socket.socket, fetcher: Callable[[], Any]
             else:
                 reply = {"stats": node.build_locked(step, lambda: build(node, step, phase))}
         except DeltaSyncError as exc:
-            reply = {"error": type(exc).__name__, "message": str(exc)}
+            reply = {"error": error_code(exc), "message": str(exc)}
         except Exception as exc:  # noqa: BLE001 - a bug must reach the worker, not kill the leader
             log.exception("building step %d failed", step)
-            reply = {"error": "DeltaSyncError", "message": f"the leader failed: {type(exc).__name__}: {exc}"}
+            reply = {"error": DeltaSyncError.code, "message": f"the leader failed: {type(exc).__name__}: {exc}"}
         finally:
             trim_heap()
         if asker[0]:
