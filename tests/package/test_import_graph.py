@@ -284,3 +284,15 @@ def test_nothing_imports_cli_or_integrations(top: str, allowed: set[str]) -> Non
 
 def test_server_never_imports_uploader_or_fetcher() -> None:
     assert _offending("server", {"uploader", "fetcher"}) == {}
+
+
+def test_protocol_starts_no_threads() -> None:
+    """The wire format is pure: no pools or threads (the fetcher decodes in parallel through
+    ``decode_patch(..., mapper=pool.map)``); a lock or a thread-local is not a thread."""
+    pooled = sorted(m for m in import_graph() if area(m) == "protocol" and "concurrent" in _third_party(m))
+    assert pooled == []
+    for module in import_graph():
+        if area(module) == "protocol":
+            path = ROOT.parent.joinpath(*module.split(".")).with_suffix(".py")
+            text = path.read_text(encoding="utf-8") if path.exists() else ""
+            assert "Thread(" not in text, module
