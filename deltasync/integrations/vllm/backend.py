@@ -36,6 +36,7 @@ import contextlib
 import functools
 import json
 import logging
+import os
 import sys
 import threading
 from dataclasses import asdict, dataclass
@@ -168,6 +169,12 @@ def _seed(model_dir: Path | None) -> _Seed | None:
     return _Seed(model_dir, step, ident)
 
 
+def _env_node_dir() -> Path | None:
+    """``$DELTASYNC_NODE_DIR`` as a folder (None when unset or empty)."""
+    env = os.environ.get("DELTASYNC_NODE_DIR")
+    return Path(env).expanduser().absolute() if env else None
+
+
 class WorkerSync:
     """One worker's deltasync state: its mirror, options, background prefetch and metrics.
 
@@ -193,6 +200,9 @@ class WorkerSync:
         self.metrics = SyncMetrics(labels={"rank": str(rank)})
         self._metrics_server: Any = None
         self._reporter: EngineReporter | None = None  # rank 0 with the ``signal`` option
+        #: where the node mirror lives when init_info names no ``node_dir``: ``$DELTASYNC_NODE_DIR``, else
+        #: the node's default (None: ``/dev/shm``)
+        self.default_node_dir = _env_node_dir()
 
     # ------------------------------------------------------------ options
 
@@ -259,7 +269,7 @@ class WorkerSync:
                 metrics=self.metrics,
                 agree=self._agree,
                 check=self._check,
-                node_dir=self.options.node_dir,
+                node_dir=self.options.node_dir if self.options.node_dir is not None else self.default_node_dir,
                 scatter=self._scatter_loader if self.options.scatter else None,
                 pin=self._host_pins,
             )

@@ -40,8 +40,9 @@ from deltasync.errors import (
 )
 from deltasync.fetcher import DeltaFetcher, SyncStats, Verify
 from deltasync.serving.engine.pinning import HostPins
-from deltasync.serving.node.mirror import KEEP, NodeMirror, Version
-from deltasync.serving.node.versions import populate
+from deltasync.serving.node.mirror import NodeMirror
+from deltasync.serving.node.store import KEEP
+from deltasync.serving.node.versions import Version, populate
 
 __all__ = ["Check", "CommitReport", "EngineMirror", "Loader"]
 
@@ -217,7 +218,7 @@ class EngineMirror:
         self._release(self._prepared_view)
         if self.metrics is not None and hasattr(self.metrics, "observe_node"):
             pinned = {} if self._pin is None else {"pinned": self._pin.nbytes}
-            self.metrics.observe_node(nbytes=self.node.nbytes_on_disk(), built=built is not None, **pinned)
+            self.metrics.observe_node(nbytes=self.node.versions.nbytes_on_disk(), built=built is not None, **pinned)
         self._prepared, self._prepared_view = version, view
         return version
 
@@ -359,7 +360,9 @@ class EngineMirror:
             self._prepared_stats = None
             self._release(self._served_view)  # the prepared view's hold passes to the served one
             if self._pin is not None and self.metrics is not None and hasattr(self.metrics, "observe_node"):
-                self.metrics.observe_node(nbytes=self.node.nbytes_on_disk(), built=False, pinned=self._pin.nbytes)
+                self.metrics.observe_node(
+                    nbytes=self.node.versions.nbytes_on_disk(), built=False, pinned=self._pin.nbytes
+                )
             self._served, self._served_view = version, view
             self._prepared, self._prepared_view = None, {}
             self.serving, self.last_error = step, None

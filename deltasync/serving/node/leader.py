@@ -7,7 +7,8 @@ that the other runs as the same user) and starts it when there is none::
     python -m deltasync.serving.node.leader     (config on stdin, "ready" on stdout)
 
 The leader lives in its own session (an engine that stops does not take it down mid-build) and
-builds one version at a time under the node lock (:func:`deltasync.serving.node._build.build`):
+builds one version at a time under the node lock (:func:`deltasync.serving.node._build.build_locked`),
+each with a fetcher of its own (a fresh reader per request, with the ``max_bytes`` it was started with):
 downloads, checks and decodes in its own memory (given back to the OS after each build), so engine
 workers only map files. It leaves when no engine uses the mirror any more, and then deletes the
 versions engines that were killed (and never closed the mirror) left behind. While it builds, the
@@ -28,15 +29,16 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Callable
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from deltasync.errors import DeltaSyncError, error_code
-from deltasync.serving.node._link import peer, socket_name
-
-if TYPE_CHECKING:
-    from deltasync.serving.node.mirror import NodeMirror
+from deltasync.fetcher import DeltaFetcher
+from deltasync.serving.node._build import build_locked, builder_fetcher
+from deltasync.serving.node._link import LeaderConfig, peer, socket_name
+from deltasync.serving.node.lock import LOCK_TIMEOUT, NodeLock, NodeUsers
+from deltasync.serving.node.store import VersionStore, run_key
+from deltasync.serving.node.versions import trim_heap
+from deltasync.storage import Store
 
 __all__ = ["main"]
 
@@ -49,67 +51,76 @@ CHECK_INTERVAL = 2.0
 # ------------------------------------------------------------------------------------ the leader
 
 
-def _serve_one(node: NodeMirror, conn: socket.socket, fetcher: Callable[[], Any]) -> None:
-    from deltasync.serving.node._build import build
-    from deltasync.serving.node.versions import trim_heap
+class Leader:
+    """One node mirror's leader: its folder, the mirror's users (it is not one of them), the run."""
 
-    _, uid = peer(conn)
-    if uid != os.getuid():
-        return
-    # a fresh reader per request: nothing cached from a run that was deleted and re-created at this URL
-    node.fetcher = fetcher()
-    with conn.makefile("rb") as lines:
-        job = json.loads(lines.readline())
-        step, pace = int(job["step"]), bool(job.get("pace"))
+    def __init__(self, config: LeaderConfig, store: Store) -> None:
+        self.config = config
+        self.store = store
+        self.users = NodeUsers(config.dir / "users", register=False)
 
-        asker = [True]  # the worker that asked is still there
+    def versions(self) -> tuple[VersionStore, DeltaFetcher]:
+        """The mirror's versions and a fetcher of the build's own, both over a fresh reader: nothing
+        cached from a run that was deleted and re-created at this URL."""
+        c = self.config
+        fetcher = builder_fetcher(DeltaFetcher(self.store, verify=c.verify, signing_key=c.signing_key), c.max_bytes)
+        return VersionStore(c.dir, fetcher.reader), fetcher
 
-        def phase(name: str) -> None:
+    def serve_one(self, conn: socket.socket) -> None:
+        """Answer one worker's request (see the module docstring)."""
+        _, uid = peer(conn)
+        if uid != os.getuid():
+            return
+        versions, fetcher = self.versions()
+        with conn.makefile("rb") as lines:
+            job = json.loads(lines.readline())
+            step, pace = int(job["step"]), bool(job.get("pace"))
+
+            asker = [True]  # the worker that asked is still there
+
+            def phase(name: str) -> None:
+                if asker[0]:
+                    try:
+                        conn.sendall(json.dumps({"phase": name}).encode() + b"\n")
+                    except OSError:
+                        asker[0] = False  # it went away (its engine died): finish the build for the others
+                # after the worker was told: what an operator (or a test) reads is never ahead of it
+                versions.mark_building(step, name)
+                if pace and asker[0] and not lines.readline():
+                    asker[0] = False
+
+            try:
+                if versions.version(step) is not None:
+                    reply: dict[str, Any] = {"stats": {}}
+                else:
+                    reply = {"stats": build_locked(versions, fetcher, step, phase=phase, timeout=LOCK_TIMEOUT)}
+            except DeltaSyncError as exc:
+                reply = {"error": error_code(exc), "message": str(exc)}
+            except Exception as exc:  # noqa: BLE001 - a bug must reach the worker, not kill the leader
+                log.exception("building step %d failed", step)
+                reply = {"error": DeltaSyncError.code, "message": f"the leader failed: {type(exc).__name__}: {exc}"}
+            finally:
+                trim_heap()
             if asker[0]:
-                try:
-                    conn.sendall(json.dumps({"phase": name}).encode() + b"\n")
-                except OSError:
-                    asker[0] = False  # it went away (its engine died): finish the build for the others
-            # after the worker was told: what an operator (or a test) reads is never ahead of it
-            node.mark_building(step, name)
-            if pace and asker[0] and not lines.readline():
-                asker[0] = False
+                conn.sendall(json.dumps(reply).encode() + b"\n")
 
+    def leave(self, server: socket.socket) -> bool:
+        """Whether the leader may exit now: no engine uses the mirror. Then it stops listening and deletes
+        the versions engines that were killed (and so never closed the mirror) left in shared memory."""
+        lock = NodeLock(self.config.dir / "lock")
         try:
-            if node.version(step) is not None:
-                reply: dict[str, Any] = {"stats": {}}
-            else:
-                reply = {"stats": node.build_locked(step, lambda: build(node, step, phase))}
-        except DeltaSyncError as exc:
-            reply = {"error": error_code(exc), "message": str(exc)}
-        except Exception as exc:  # noqa: BLE001 - a bug must reach the worker, not kill the leader
-            log.exception("building step %d failed", step)
-            reply = {"error": DeltaSyncError.code, "message": f"the leader failed: {type(exc).__name__}: {exc}"}
+            lock.acquire(timeout=0.0)
+        except DeltaSyncError:
+            return False  # a new leader or a seeding engine holds it: someone uses the mirror
+        try:
+            if self.users.others_alive():
+                return False  # one registered since the last check
+            server.close()  # from here a worker that asks starts a new leader
+            versions, _ = self.versions()
+            versions.collect(keep=0)
+            return True
         finally:
-            trim_heap()
-        if asker[0]:
-            conn.sendall(json.dumps(reply).encode() + b"\n")
-
-
-def _leave(node: NodeMirror, server: socket.socket) -> bool:
-    """Whether the leader may exit now: no engine uses the mirror. Then it stops listening and deletes
-    the versions engines that were killed (and so never closed the mirror) left in shared memory."""
-    from deltasync.serving.node.mirror import NodeLock
-
-    lock = NodeLock(node.dir / "lock")
-    try:
-        lock.acquire(timeout=0.0)
-    except DeltaSyncError:
-        return False  # a new leader or a seeding engine holds it: someone uses the mirror
-    try:
-        if node.users_alive():
-            return False  # one registered since the last check
-        server.close()  # from here a worker that asks starts a new leader
-        node.keep = 0
-        node.collect()
-        return True
-    finally:
-        lock.release()
+            lock.release()
 
 
 def _unpin() -> None:
@@ -126,26 +137,19 @@ def _unpin() -> None:
 def main() -> int:
     """The leader process (see the module docstring)."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    config = json.loads(sys.stdin.readline())
+    config = LeaderConfig.from_json(sys.stdin.readline())
     _unpin()
-    from deltasync.fetcher import DeltaFetcher
-    from deltasync.serving.node.mirror import NodeMirror
     from deltasync.storage import open_store
 
-    key = bytes.fromhex(config["signing_key"]) if config["signing_key"] else None
-    store = open_store(config["store"])
-
-    def fetcher() -> DeltaFetcher:
-        return DeltaFetcher(store, verify=config["verify"], signing_key=key)
-
-    directory = Path(config["dir"])
-    node = NodeMirror(fetcher(), root=directory.parent, spawn=False, max_bytes=config["max_bytes"], register=False)
-    if node.dir != directory:
-        print(f"this leader would build into {node.dir}, not {directory}", flush=True)
+    store = open_store(config.store)
+    directory = config.dir.parent / run_key(store.url, config.verify, config.signing_key)
+    if directory != config.dir:
+        print(f"this leader would build into {directory}, not {config.dir}", flush=True)
         return 2
+    leader = Leader(config, store)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        server.bind(socket_name(directory))
+        server.bind(socket_name(config.dir))
     except OSError:
         print("another leader serves this mirror", flush=True)
         return 0
@@ -160,13 +164,13 @@ def main() -> int:
         try:
             conn, _ = server.accept()
         except TimeoutError:
-            idle_checks = 0 if node.users_alive() else idle_checks + 1
-            if idle_checks >= 2 and _leave(node, server):
+            idle_checks = 0 if leader.users.others_alive() else idle_checks + 1
+            if idle_checks >= 2 and leader.leave(server):
                 return 0  # no engine uses this mirror any more
             continue
         with conn:
             try:
-                _serve_one(node, conn, fetcher)
+                leader.serve_one(conn)
             except (OSError, ValueError) as exc:  # the worker went away or sent garbage
                 log.warning("a request failed: %s", exc)
 
