@@ -151,11 +151,7 @@ def run_vllm(args: argparse.Namespace) -> int:
                 poll_interval=args.poll_interval,
                 stop=stop,
             )
-            try:
-                serving = driver.follow((seen.step for seen in watcher.watch()), until=args.until, on_update=report)
-            finally:
-                stop.set()
-                watcher.close()
+            serving = driver.follow(watcher, until=args.until, on_update=report)
     print("stopped; serving: " + ", ".join(f"{u} step {s}" for u, s in serving.items()))
     if args.until is not None:
         return 0 if all(s is not None and s >= args.until for s in serving.values()) else 1

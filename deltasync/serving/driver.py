@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -40,7 +40,7 @@ import httpx
 
 from deltasync._retry import Backoff, RetryPolicy
 from deltasync.errors import DeltaSyncError
-from deltasync.signal import FleetReporter, replica_name
+from deltasync.signal import FleetReporter, FollowLoop, StepWatcher, replica_name
 
 __all__ = ["PauseMode", "ServerUpdate", "VLLMDriver", "VLLMServer"]
 
@@ -543,26 +543,31 @@ class VLLMDriver:
 
     def follow(
         self,
-        steps: Iterable[int | None],
+        watcher: StepWatcher,
         *,
         until: int | None = None,
         on_update: Callable[[ServerUpdate], None] | None = None,
     ) -> dict[str, int | None]:
-        """Catch the servers up with each newest step ``steps`` yields (None: no news, retry what is due);
-        returns once every server serves ``until`` (or ``steps`` ends)."""
-        newest: int | None = None
-        for s in steps:
-            if s is not None and (newest is None or s > newest):
-                newest = s
-            if newest is not None:
-                for u in self.catch_up(newest):
-                    if on_update is not None:
-                        on_update(u)
-            if until is not None and all(v is not None and v >= until for v in self.serving().values()):
-                break
-            if all(t.replace for t in self._servers):
+        """Catch the servers up with the newest step ``watcher`` sees (:class:`~deltasync.signal.FollowLoop`;
+        a server that refused a step is retried after its own backoff, see :meth:`catch_up`); returns
+        once every server serves ``until``, or the watcher's ``stop`` is set. Raises
+        :class:`DeltaSyncError` once every server needs replacement."""
+
+        def act(step: int) -> None:
+            for u in self.catch_up(step):
+                if on_update is not None:
+                    on_update(u)
+            held = self._oldest_served()
+            if all(t.replace for t in self._servers) and (until is None or held is None or held < until):
                 raise DeltaSyncError("every vLLM server needs replacement; restart them")
+
+        FollowLoop(watcher, act, held=self._oldest_served, retry_on=(), until=until).run()
         return self.serving()
+
+    def _oldest_served(self) -> int | None:
+        """The step every server serves at least (None while one serves no known step)."""
+        steps = [t.serving for t in self._servers]
+        return None if any(s is None for s in steps) else min(s for s in steps if s is not None)
 
 
 def _agreed_step(server: VLLMServer) -> int | None:

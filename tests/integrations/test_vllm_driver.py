@@ -9,6 +9,7 @@ tests/integrations/test_vllm_follow.py.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import httpx
@@ -17,6 +18,7 @@ from scripted_vllm import ScriptedVLLM
 
 from deltasync.errors import DeltaSyncError
 from deltasync.serving.driver import VLLMDriver, VLLMServer
+from deltasync.signal import StepWatcher
 
 
 def _server(fake: ScriptedVLLM, url: str = "http://vllm-a") -> VLLMServer:
@@ -26,6 +28,18 @@ def _server(fake: ScriptedVLLM, url: str = "http://vllm-a") -> VLLMServer:
 def _driver(*fakes: ScriptedVLLM, clock: Any = None, **kw: Any) -> VLLMDriver:
     servers = [_server(f, f"http://vllm-{i}") for i, f in enumerate(fakes)]
     return VLLMDriver(servers, "s3://bucket/run", clock=clock or (lambda: 0.0), **kw)
+
+
+def _seeing(*steps: int | None) -> StepWatcher:
+    """A watcher whose store polls answer ``steps`` in turn, without waiting; it stops after the last."""
+    answers = list(steps)
+    stop = threading.Event()
+
+    def wait(seconds: float) -> None:
+        if not answers:
+            stop.set()
+
+    return StepWatcher(lambda: answers.pop(0), stop=stop, wait=wait)
 
 
 def test_an_update_pauses_runs_the_four_phases_resets_the_prefix_cache_then_resumes() -> None:
@@ -86,7 +100,7 @@ def test_a_server_needing_replacement_stays_paused_and_is_never_updated_again() 
         assert len(fake.calls) == calls
         with pytest.raises(DeltaSyncError, match="every vLLM server needs replacement"):
             other.broken = {4}
-            d.follow([4])
+            d.follow(_seeing(4))
 
 
 def test_a_prefix_cache_that_will_not_reset_leaves_the_server_paused_rather_than_stale() -> None:
@@ -141,7 +155,7 @@ def test_follow_returns_once_every_server_serves_the_target_step() -> None:
     seen: list[tuple[str, int, str]] = []
     with _driver(a, b) as d:
         d.init()
-        out = d.follow(iter([1, None, 3, 4, 5]), until=4, on_update=lambda u: seen.append((u.url, u.step, u.state)))
+        out = d.follow(_seeing(1, None, 3, 4, 5), until=4, on_update=lambda u: seen.append((u.url, u.step, u.state)))
     assert out == {"http://vllm-0": 4, "http://vllm-1": 4}
     assert sorted(seen) == sorted(
         [(f"http://vllm-{i}", s, "serving") for i in (0, 1) for s in (1, 3, 4)]
