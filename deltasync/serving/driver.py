@@ -40,9 +40,9 @@ import httpx
 
 from deltasync._retry import Backoff, RetryPolicy
 from deltasync.errors import DeltaSyncError
-from deltasync.signal import FleetReporter, FollowLoop, StepWatcher, replica_name
+from deltasync.signal import FleetReporter, FollowLoop, ReplicaState, StepWatcher, replica_name
 
-__all__ = ["PauseMode", "ServerUpdate", "VLLMDriver", "VLLMServer"]
+__all__ = ["PauseMode", "ServerUpdate", "UpdateOutcome", "VLLMDriver", "VLLMServer"]
 
 log = logging.getLogger("deltasync.vllm.driver")
 
@@ -50,7 +50,21 @@ PauseMode = Literal["wait", "abort", "keep"]
 PAUSE_MODES: tuple[str, ...] = ("wait", "abort", "keep")
 #: reads of the workers' states after a refused update before the server is left paused as unknown
 STATUS_TRIES = 3
-State = Literal["serving", "rolled_back", "held_back", "needs_replacement", "unreachable", "failed"]
+#: What one update sequence did to one server (see :attr:`ServerUpdate.state`). An outcome, not the
+#: server's state in the fleet view: :data:`FLEET_STATES` maps one to the other.
+UpdateOutcome = Literal["serving", "rolled_back", "held_back", "needs_replacement", "unreachable", "failed"]
+#: The fleet view's state of a server after the outcome of its own update: one that kept its previous
+#: step after its update failed is ``failed`` (it still serves that step, bit-exact; the driver retries);
+#: one an all-or-nothing rollout held back was never touched: ``serving``. (A server that took the step
+#: and was brought back because another one refused it is healthy too: ``serving``, see ``_Tracked.report``.)
+FLEET_STATES: dict[UpdateOutcome, ReplicaState] = {
+    "serving": "serving",
+    "rolled_back": "failed",
+    "held_back": "serving",
+    "needs_replacement": "needs_replacement",
+    "unreachable": "failed",
+    "failed": "failed",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +79,7 @@ class ServerUpdate:
     #: "held_back": an all-or-nothing rollout of ``step`` failed elsewhere before this server was updated:
     #: it was not touched and serves its previous step ("rolled_back" there: it took the step and was
     #: brought back to its previous one, bit-exact)
-    state: State
+    state: UpdateOutcome
     #: the server's weight version after the sequence (``str(step)`` when serving), None when unknown
     version: str | None
     #: seconds from the pause to the resume: how long the server did not generate
@@ -175,7 +189,7 @@ class VLLMServer:
                 self._post("/pause", params={"mode": pause_mode, "clear_cache": "true"}), f"pause (mode={pause_mode})"
             )
         except (httpx.HTTPError, DeltaSyncError) as exc:
-            state: State = "unreachable" if isinstance(exc, httpx.HTTPError) else "failed"
+            state: UpdateOutcome = "unreachable" if isinstance(exc, httpx.HTTPError) else "failed"
             return ServerUpdate(self.url, step, state, None, time.perf_counter() - t0, f"pause: {_text(exc)}")
         resume = True
         state, error = "serving", None
@@ -257,21 +271,17 @@ class _Tracked:
     replace: bool = False  # needs replacement: never updated again
     reporter: FleetReporter | None = None
 
-    def report(self, u: ServerUpdate | None = None) -> None:
-        """Tell the fleet view what this server serves now (after init, or after update ``u``)."""
+    def report(self, u: ServerUpdate | None = None, *, brought_back: bool = False) -> None:
+        """Tell the fleet view what this server serves now: after init, or after update ``u``
+        (:data:`FLEET_STATES`), with why it did not take ``u.step``. ``brought_back``: it took the step
+        and an all-or-nothing rollout brought it back to its previous one, where it is healthy."""
         if self.reporter is None:
             return
         if u is None or u.ok:
             self.reporter.update(self.serving, "serving" if self.serving is not None else "starting")
         else:
-            state = "needs_replacement" if u.state == "needs_replacement" else "failed"
+            state: ReplicaState = "serving" if brought_back else FLEET_STATES[u.state]
             self.reporter.update(self.serving, state, last_error=f"step {u.step}: {u.state}: {u.error}")
-
-    def report_kept(self, u: ServerUpdate) -> None:
-        """After an all-or-nothing rollout of ``u.step`` failed elsewhere: this server is healthy at its
-        previous step (never updated, or brought back); the fleet view says so, and why."""
-        if self.reporter is not None:
-            self.reporter.update(self.serving, "serving", last_error=f"step {u.step}: {u.state}: {u.error}")
 
 
 class VLLMDriver:
@@ -486,14 +496,14 @@ class VLLMDriver:
                 t.serving = prev
                 why_back = f"step {step} was not taken by {names}; brought back to step {prev}"
                 out[id(t)] = ServerUpdate(t.server.url, step, "rolled_back", b.version, pause, why_back, b.workers)
-                t.report_kept(out[id(t)])
+                t.report(out[id(t)], brought_back=True)
                 continue
             else:
                 # it still serves ``step`` when the way back was refused (rolled back to ``step``)
                 still = b.state == "rolled_back" and b.version == str(step)
                 t.serving = step if still else (int(b.version) if b.version and b.version.isdigit() else None)
                 t.replace = b.state == "needs_replacement"
-                state: State = "serving" if still else b.state
+                state: UpdateOutcome = "serving" if still else b.state
                 broken = f"step {step} was not taken by {names}, and bringing this server back to step {prev} failed"
                 log.error("all-or-nothing rollout of step %d: %s: %s (%s)", step, t.server.url, broken, b.error)
                 out[id(t)] = ServerUpdate(
@@ -508,7 +518,7 @@ class VLLMDriver:
         try:
             t.server.prepare(step)
         except (httpx.HTTPError, DeltaSyncError) as exc:
-            state: State = "unreachable" if isinstance(exc, httpx.HTTPError) else "failed"
+            state: UpdateOutcome = "unreachable" if isinstance(exc, httpx.HTTPError) else "failed"
             return ServerUpdate(t.server.url, step, state, None, time.perf_counter() - t0, f"prepare: {_text(exc)}")
         return None
 
@@ -520,9 +530,7 @@ class VLLMDriver:
             if u is None:
                 version = None if t.serving is None else str(t.serving)
                 u = ServerUpdate(t.server.url, step, "held_back", version, 0.0, why)
-                t.report_kept(u)
-            else:
-                t.report(u)
+            t.report(u)
             out[id(t)] = u
         log.warning("%s", why)
         self._back_off(todo, step)

@@ -11,7 +11,7 @@ re-exports the client names for compatibility).
 from __future__ import annotations
 
 from deltasync.signal._client import CommitEvent, Notifier, SignalClient
-from deltasync.signal._fleet import REPLICA_STATES, FleetView, ReplicaStatus
+from deltasync.signal._fleet import REPLICA_STATES, FleetView, ReplicaState, ReplicaStatus
 from deltasync.signal._follow import Attempt, FollowLoop
 from deltasync.signal._gate import fleet_ready, wait_for_fleet
 from deltasync.signal._names import (
@@ -37,6 +37,7 @@ __all__ = [
     "FleetView",
     "FollowLoop",
     "Notifier",
+    "ReplicaState",
     "ReplicaStatus",
     "Served",
     "SignalClient",

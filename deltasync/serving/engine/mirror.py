@@ -27,9 +27,9 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal, NoReturn
+from typing import Any, NoReturn
 
 from deltasync._worker import SerialWorker
 from deltasync.errors import (
@@ -43,8 +43,9 @@ from deltasync.serving.engine.pinning import HostPins
 from deltasync.serving.node.mirror import NodeMirror
 from deltasync.serving.node.store import KEEP
 from deltasync.serving.node.versions import Version, populate
+from deltasync.signal import ReplicaState
 
-__all__ = ["Check", "CommitReport", "EngineMirror", "Loader"]
+__all__ = ["Check", "CommitReport", "EngineMirror", "EngineStatus", "Loader"]
 
 log = logging.getLogger("deltasync.mirror")
 
@@ -54,7 +55,34 @@ Loader = Callable[[Iterable[tuple[str, Any]]], Any]
 #: (torch dtype, shape)) in place; raises :class:`EngineIncompatible` when it does not. Returns the
 #: names the engine ties to another name of the layout (name -> that name; tied embeddings), or None
 Check = Callable[[Mapping[str, tuple[Any, tuple[int, ...]]]], Mapping[str, str] | None]
-State = Literal["serving", "needs_replacement"]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStatus:
+    """What an orchestrator wants to know of one engine worker (:meth:`EngineMirror.status`); the
+    fleet view's row of the engine is read from it (:func:`deltasync.serving.fleet.replica_state`)."""
+
+    #: the step the engine serves (None: not known to deltasync yet)
+    step: int | None
+    #: the step prepared ahead of ``step``, ready to commit
+    prepared: int | None
+    #: ``serving`` (its weights are a step: ``step``, or the checkpoint it started from) or
+    #: ``needs_replacement`` (an update failed and its weights could not be restored); never another
+    state: ReplicaState
+    #: the error of its last failed prepare or update (None once a commit succeeded)
+    last_error: str | None
+    #: the run's store URL
+    store: str | None
+    #: where the node's mirror lives (None for a worker that has no mirror yet)
+    node_dir: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object of the status (the workers' RPC answers): every field, but ``node_dir``
+        only when there is one."""
+        out = asdict(self)
+        if self.node_dir is None:
+            del out["node_dir"]
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +174,8 @@ class EngineMirror:
         self._prepared: Version | None = None
         self._prepared_view: dict[str, Any] = {}
         self._prepared_stats: SyncStats | None = None
-        self.state: State = "serving"
+        #: ``serving`` or ``needs_replacement`` (see :attr:`EngineStatus.state`)
+        self.state: ReplicaState = "serving"
         self.last_error: str | None = None
         self._lock = threading.RLock()
         self._preparer = SerialWorker("deltasync-prepare")
@@ -159,16 +188,11 @@ class EngineMirror:
         v = self._prepared
         return v.step if v is not None and v.step != self.serving else None
 
-    def status(self) -> dict[str, Any]:
-        """What an orchestrator wants to know, JSON-safe (never waits for a running prepare)."""
-        return {
-            "step": self.serving,
-            "prepared": self.prepared,
-            "state": self.state,
-            "last_error": self.last_error,
-            "store": self.fetcher.store.url,
-            "node_dir": str(self.node.dir),
-        }
+    def status(self) -> EngineStatus:
+        """What an orchestrator wants to know (never waits for a running prepare)."""
+        return EngineStatus(
+            self.serving, self.prepared, self.state, self.last_error, self.fetcher.store.url, str(self.node.dir)
+        )
 
     def _require_usable(self) -> None:
         if self.state == "needs_replacement":
