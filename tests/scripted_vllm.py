@@ -2,7 +2,7 @@
 
 :class:`ScriptedVLLM` is an ``httpx.MockTransport`` handler that answers the routes
 :class:`deltasync.serving.driver.VLLMServer` uses the way the real server does (paths,
-bodies, status codes) and records the calls. Used by tests/integrations/test_vllm_driver.py, and by
+bodies, status codes) and records the calls. Used by tests/serving/test_driver.py, and by
 tests/integrations/test_vllm_rollout.py as the one server of a fleet that refuses a step next to a
 real ``vllm serve``.
 """

@@ -1,7 +1,7 @@
 """EngineMirror: prepare off the engine, commit only what changed, undo what the engine refused.
 
 The engine here is a plain dict of tensors behind a loader that copies into it (what vLLM's
-``load_weights`` does for unfused names); tests/test_vllm_backend.py runs the same code against a
+``load_weights`` does for unfused names); tests/integrations/test_vllm_backend.py runs the same code against a
 real vLLM engine. Also SyncJournal, which the mirror's undo rests on.
 """
 
