@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from deltasync.integrations.vllm.backend import DeltasyncWorkerExtension, _state_of
-from deltasync.integrations.vllm.scatter import Change, ScatterLoader
+from deltasync.serving.engine.scatter import Change, ScatterLoader
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -1,7 +1,7 @@
 """GPU engines: copying from the node mirror's pages as they are (pageable) vs registered with CUDA.
 
 The node mirror keeps each tensor of a version in its own file in shared memory, and workers map
-those files (:func:`deltasync.integrations.vllm.versions.map_tensor`). A copy from such pages to the
+those files (:func:`deltasync.serving.node.versions.map_tensor`). A copy from such pages to the
 GPU goes through the driver's staging buffer; the same pages registered with ``cudaHostRegister``
 (read-only: no copy-on-write of a private mapping) are copied by DMA. Plain torch, the Qwen3-0.6B
 tensor shapes (bf16, TP=1), one file per tensor in ``--dir`` (default /dev/shm). Prints, medians of
@@ -96,8 +96,8 @@ def unregister(t: torch.Tensor) -> None:
 
 def mirror_pauses(args: argparse.Namespace, root: Path) -> None:
     import deltasync as ds
-    from deltasync.integrations.vllm.mirror import EngineMirror
-    from deltasync.integrations.vllm.pinning import HostPins
+    from deltasync.serving.engine.mirror import EngineMirror
+    from deltasync.serving.engine.pinning import HostPins
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     g = torch.Generator().manual_seed(0)

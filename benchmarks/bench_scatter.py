@@ -4,7 +4,7 @@ Plain torch, no vLLM: for each tensor shape of a model (Qwen3-0.6B by default, b
 (the mirror) and a parameter on ``--device``, it times
 
 - ``copy``: ``param.copy_(host)``, what ``load_weights`` does with each tensor it is handed;
-- ``scatter``: :func:`deltasync.integrations.vllm.scatter.scatter` of the changed elements (their
+- ``scatter``: :func:`deltasync.serving.engine.scatter.scatter` of the changed elements (their
   positions and values, as a decoded patch gives them): positions cross to the device as int32,
   parameter indices are computed there, one ``index_copy_``;
 - ``scatter+gather``: the same, gathering the values from the host tensor first (a caller that has
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from deltasync.integrations.vllm.scatter import Segment, scatter
+from deltasync.serving.engine.scatter import Segment, scatter
 
 SHAPES = {
     # name: (hidden, intermediate, layers, heads, kv heads, head dim, vocab)

@@ -12,7 +12,7 @@ through ``DeltaUploader`` to one local store. For each tensor-parallel size in `
 
 - scatter: the mirror prepared in the background, the changed positions and values known (as a
   decoded patch gives them); the pause is one ``ScatterLoader`` call
-  (:mod:`deltasync.integrations.vllm.scatter`) on every worker, timed from the driver;
+  (:mod:`deltasync.serving.engine.scatter`) on every worker, timed from the driver;
 - loader: the same step through the backend's update (``start/update/finish_weight_update``,
   prepared): the changed tensors through the model's ``load_weights``;
 - ``reload_weights(weights_path=dir)`` of the same step, materialized (page cache warm),

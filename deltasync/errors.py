@@ -32,10 +32,15 @@ builtin exception means the same thing, the class also subclasses it, so
     └── DemoError                         (also ValueError) `deltasync demo` cannot start as asked
 
 Every class pickles (it carries only its message), so errors cross process
-and thread-pool boundaries intact.
+and thread-pool boundaries intact. Where an error crosses a wire (the node leader's socket, an
+engine server's HTTP answer), it travels as its class's stable ``code`` (``"update_rolled_back"``)
+and its message, and :func:`from_code` makes the same class again on the other side: never a class
+name or a substring of the message.
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 __all__ = [
     "AlreadyExists",
@@ -70,6 +75,9 @@ __all__ = [
 class DeltaSyncError(Exception):
     """Base class of every error deltasync raises on purpose."""
 
+    #: the stable name of the class on a wire (each class sets its own; see :func:`from_code`)
+    code: ClassVar[str] = "deltasync_error"
+
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
@@ -84,97 +92,143 @@ class DeltaSyncError(Exception):
 class StorageError(DeltaSyncError):
     """A store could not complete an operation (I/O, permissions, network)."""
 
+    code = "storage_error"
+
 
 class ObjectNotFound(StorageError, FileNotFoundError):
     """No object exists under the requested key."""
+
+    code = "object_not_found"
 
 
 class RunNotFound(ObjectNotFound):
     """The store holds no run under that URL: no committed step and no writer claim (a typo?)."""
 
+    code = "run_not_found"
+
 
 class AlreadyExists(StorageError, FileExistsError):
     """A create-only write found an object already under the key."""
 
+    code = "already_exists"
+
 
 class PreconditionFailed(StorageError):
     """A conditional write's precondition (ETag, generation) did not hold."""
+
+    code = "precondition_failed"
 
 
 class TransientStorageError(StorageError):
     """The store may succeed later: throttled (429), a 5xx, a timeout, a lost connection or a partial batch
     (after the client's own retries)."""
 
+    code = "transient_storage_error"
+
 
 class InvalidKey(StorageError, ValueError):
     """A key is empty, absolute, contains ``..`` or otherwise escapes the store."""
+
+    code = "invalid_key"
 
 
 class ProtocolError(DeltaSyncError, ValueError):
     """Bytes that do not form a valid protocol v1 object (manifest, patch, anchor)."""
 
+    code = "protocol_error"
+
 
 class UnsupportedVersion(ProtocolError):
     """An object declares a format version this reader does not understand."""
+
+    code = "unsupported_version"
 
 
 class ChecksumMismatch(DeltaSyncError):
     """A file's or tensor's digest differs from the one its manifest records."""
 
+    code = "checksum_mismatch"
+
 
 class SignatureMismatch(ChecksumMismatch):
     """A manifest's HMAC signature is missing, malformed or made with another key."""
+
+    code = "signature_mismatch"
 
 
 class InventoryMismatch(DeltaSyncError, ValueError):
     """The target's tensors (names, dtypes, shapes) differ from the manifest's inventory."""
 
+    code = "inventory_mismatch"
+
 
 class ChainBroken(DeltaSyncError):
     """No chain of committed steps leads from what we have to the requested step."""
+
+    code = "chain_broken"
 
 
 class CommitFailed(DeltaSyncError):
     """The uploader's background commit of a step failed; the next push is an anchor."""
 
+    code = "commit_failed"
+
 
 class WriterFenced(CommitFailed):
     """A newer uploader claimed this run prefix (a higher writer epoch); this one may not commit."""
+
+    code = "writer_fenced"
 
 
 class StalenessTimeout(DeltaSyncError, TimeoutError):
     """Not enough live replicas of a run served the step asked for within the timeout; the message
     lists who is behind (step, lag, state, last error, last report) and what to do."""
 
+    code = "staleness_timeout"
+
 
 class SignalError(DeltaSyncError):
     """The signal server could not be used. A hint only: the store stays the source of truth."""
+
+    code = "signal_error"
 
 
 class SignalUnavailable(SignalError):
     """The signal server is unreachable, timed out or answered 5xx; retry later or poll the store."""
 
+    code = "signal_unavailable"
+
 
 class SignalRejected(SignalError):
     """The signal server refused a request (4xx: missing or wrong token, malformed input)."""
+
+    code = "signal_rejected"
 
 
 class SignalConflict(SignalRejected):
     """A published commit contradicts the run's history: an older step, or another digest for a step (409)."""
 
+    code = "signal_conflict"
+
 
 class WebhookVerificationError(SignalError, ValueError):
     """A webhook delivery's signature is missing or wrong, or its timestamp is outside the replay window."""
+
+    code = "webhook_verification_error"
 
 
 class UpdateRolledBack(DeltaSyncError):
     """A live engine could not take a step (download, proof or load failed); its weights were put back
     and it still serves its previous step, bit for bit. Retry, or skip to a later step."""
 
+    code = "update_rolled_back"
+
 
 class WorkerNeedsReplacement(DeltaSyncError):
     """A live engine failed mid-update and its previous weights could not be restored either: it holds
     an unknown mix and must be restarted or replaced (every further update is refused)."""
+
+    code = "worker_needs_replacement"
 
 
 class EngineIncompatible(DeltaSyncError):
@@ -182,6 +236,35 @@ class EngineIncompatible(DeltaSyncError):
     what it computes with (a quantized engine, linear weights repacked by vLLM's CPU backend). Found
     before anything is loaded; the engine keeps serving what it loaded at start."""
 
+    code = "engine_incompatible"
+
 
 class DemoError(DeltaSyncError, ValueError):
     """``deltasync demo`` cannot start as asked (port taken, web stack missing...)."""
+
+    code = "demo_error"
+
+
+def _classes() -> dict[str, type[DeltaSyncError]]:
+    found: dict[str, type[DeltaSyncError]] = {}
+    todo: list[type[DeltaSyncError]] = [DeltaSyncError]
+    while todo:
+        cls = todo.pop()
+        if "code" in cls.__dict__:  # the tree's own classes (a subclass elsewhere travels as its parent)
+            found.setdefault(cls.__dict__["code"], cls)
+        todo.extend(cls.__subclasses__())
+    return found
+
+
+def error_code(exc: BaseException) -> str:
+    """The code ``exc`` crosses a wire with: its class's ``code`` (inherited by subclasses defined
+    outside this module), ``"deltasync_error"`` for anything else. (Functions of this module, not in
+    ``__all__``, which lists the tree.)"""
+    return exc.code if isinstance(exc, DeltaSyncError) else DeltaSyncError.code
+
+
+def from_code(code: object, message: str) -> DeltaSyncError:
+    """The error of ``code`` with ``message``, as raised on the other side of a wire; a code this
+    version does not know (a newer peer) gives a :class:`DeltaSyncError`."""
+    cls = _classes().get(str(code), DeltaSyncError)
+    return cls(message)

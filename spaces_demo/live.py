@@ -9,10 +9,11 @@ step, reads its manifest, brings a separate bf16 inference copy there with
 Follower mode (``train=False``): only the follower runs, against a store that a
 trainer elsewhere writes to.
 
-The follower learns about new steps from a :class:`deltasync.signal.StepWatcher` (the one
-``deltasync follow`` and the vLLM prefetcher use): the signal server's SSE stream when
-:func:`spaces_demo.app.connect_signal` names one, and store polling in every mode, with
-:class:`StepSignal` (the uploader's Future callbacks, in-process) cutting the pauses short.
+The follower runs the one :class:`deltasync.signal.FollowLoop` over a
+:class:`deltasync.signal.StepWatcher` (as ``deltasync follow`` and the vLLM prefetcher do): the
+signal server's SSE stream when :func:`spaces_demo.app.connect_signal` names one, and store polling
+in every mode, with :class:`StepSignal` (the uploader's Future callbacks, in-process) cutting the
+pauses short.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 from deltasync._retry import RetryPolicy
 from deltasync.errors import DeltaSyncError, DemoError, ObjectNotFound
 from deltasync.fetcher import DeltaFetcher
-from deltasync.signal import StepWatcher
+from deltasync.signal import Attempt, FollowLoop, StepSeen, StepWatcher
 from deltasync.storage import Store
 from deltasync.uploader import CommitInfo, DeltaUploader
 from spaces_demo.board import LiveBoard
@@ -486,6 +487,7 @@ class DemoRun:
         seen: int | None = None
         last_tick = 0.0
         lost = 0  # signal streams that failed (the page's own server is not up yet at the first try)
+        via = "store"  # how the newest step was found: announced by the signal server, or by a store poll
         if not opts.train:
             self.board.set_status("waiting for a trainer")
 
@@ -513,82 +515,86 @@ class DemoRun:
             # the uploader's Future callbacks (in-process) cut the pause between polls short
             wait=lambda seconds: ep.signal.wait(seen, seconds),
         )
+
+        def observe(observed: StepSeen) -> None:
+            nonlocal last_tick, lost, via
+            if time.monotonic() - last_tick >= 1.0:
+                self.board.tick()
+                last_tick = time.monotonic()
+            lost += observed.kind == "lost"
+            if not ep.listening.is_set() and (
+                self.listen_url is None or observed.kind in ("signal", "heartbeat") or lost >= LISTEN_LOST
+            ):
+                ep.listening.set()  # the first poll is done, the stream is up, or it keeps failing
+            self._maybe_finish(ep, infer, seen)
+            if observed.step is not None and (seen is None or observed.step > seen):
+                via = "signal" if observed.kind == "signal" else "store"
+
+        def catch_up(step: int) -> None:
+            """Bring the inference copy to the newest committed step (``step`` or newer), and show it."""
+            nonlocal infer, toy, groups, seen
+            new = [s for s in fetcher.steps() if seen is None or s > seen]
+            if not new:
+                return
+            if infer is None:
+                toy, infer = self._inference_copy()
+                groups = layer_groups(list(infer.state_dict()))
+                full = sum(v.numel() * v.element_size() for v in infer.state_dict().values())
+                params = sum(v.numel() for v in infer.state_dict().values())
+                self.board.set_info(
+                    model={
+                        "name": toy.name,
+                        "arch": "Qwen3ForCausalLM",
+                        "params": params,
+                        "full_bytes": full,
+                        "layers": toy.config.num_hidden_layers,
+                        "hidden": toy.config.hidden_size,
+                    },
+                    groups=[g for g, _ in groups],
+                )
+            self.board.set_head(new[-1])
+            t0 = time.perf_counter()
+            jumped = len(new) > STEP_THROUGH
+            if jumped:
+                # far behind: jump (the fetcher picks patches or the nearest anchor); the
+                # skipped steps are on the timeline but were never held by this copy
+                for s in new[-MAX_NEW_MANIFESTS:-1]:
+                    self.board.committed({**manifest_row(reader.committed(s).manifest), "layers": None})
+                new = new[-1:]
+            for s in new:
+                # the copy holds the store's previous committed step (unless it just jumped):
+                # diffing its bits before and after gives this step's exact per-layer change
+                before = bit_snapshot(infer) if seen is not None and not jumped else None
+                fetcher.sync(infer, step=s)
+                row = manifest_row(reader.committed(s).manifest)
+                row["layers"] = None
+                if before is not None:
+                    row["layers"], row["observed_changed"] = layer_change(before, infer, groups)
+                self.board.committed({**row, "held": True})
+                seen = s
+            target = new[-1]
+            sync_ms = 1000 * (time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            text = greedy(infer, toy.tokenizer)
+            gen_ms = 1000 * (time.perf_counter() - t1)
+            # the true path of these steps: announced by the signal server, or found by a store poll
+            self.board.applied(
+                target, sync_ms=sync_ms, gen_ms=gen_ms, text=text, verified=True, steps=len(new), via=via
+            )
+            self.board.set_error(None)
+            if self.board.trainer is None or not self.board.trainer.get("done"):
+                self.board.set_status("training" if opts.train else "following")
+
+        def show_failure(attempt: Attempt) -> None:
+            if attempt.error is not None:
+                # a bad or unreachable step: the inference copy stays at its last good state
+                log.warning("sync failed: %s", attempt.error)
+                self.board.set_error(f"{type(attempt.error).__name__}: {attempt.error}")
+
         try:
-            for observed in watcher.watch(resume=lambda: seen):  # noqa: B023 - the step held at each connect
-                if ep.stop.is_set():
-                    break
-                if time.monotonic() - last_tick >= 1.0:
-                    self.board.tick()
-                    last_tick = time.monotonic()
-                lost += observed.kind == "lost"
-                if not ep.listening.is_set() and (
-                    self.listen_url is None or observed.kind in ("signal", "heartbeat") or lost >= LISTEN_LOST
-                ):
-                    ep.listening.set()  # the first poll is done, the stream is up, or it keeps failing
-                self._maybe_finish(ep, infer, seen)
-                if observed.step is None or (seen is not None and observed.step <= seen):
-                    continue  # a heartbeat, a lost stream, or nothing new
-                try:
-                    steps = fetcher.steps()
-                    new = [s for s in steps if seen is None or s > seen]
-                    if not new:
-                        continue
-                    if infer is None:
-                        toy, infer = self._inference_copy()
-                        groups = layer_groups(list(infer.state_dict()))
-                        full = sum(v.numel() * v.element_size() for v in infer.state_dict().values())
-                        params = sum(v.numel() for v in infer.state_dict().values())
-                        self.board.set_info(
-                            model={
-                                "name": toy.name,
-                                "arch": "Qwen3ForCausalLM",
-                                "params": params,
-                                "full_bytes": full,
-                                "layers": toy.config.num_hidden_layers,
-                                "hidden": toy.config.hidden_size,
-                            },
-                            groups=[g for g, _ in groups],
-                        )
-                    self.board.set_head(new[-1])
-                    t0 = time.perf_counter()
-                    jumped = len(new) > STEP_THROUGH
-                    if jumped:
-                        # far behind: jump (the fetcher picks patches or the nearest anchor); the
-                        # skipped steps are on the timeline but were never held by this copy
-                        for s in new[-MAX_NEW_MANIFESTS:-1]:
-                            self.board.committed({**manifest_row(reader.committed(s).manifest), "layers": None})
-                        new = new[-1:]
-                    for s in new:
-                        # the copy holds the store's previous committed step (unless it just jumped):
-                        # diffing its bits before and after gives this step's exact per-layer change
-                        before = bit_snapshot(infer) if seen is not None and not jumped else None
-                        fetcher.sync(infer, step=s)
-                        row = manifest_row(reader.committed(s).manifest)
-                        row["layers"] = None
-                        if before is not None:
-                            row["layers"], row["observed_changed"] = layer_change(before, infer, groups)
-                        self.board.committed({**row, "held": True})
-                        seen = s
-                    target = new[-1]
-                    sync_ms = 1000 * (time.perf_counter() - t0)
-                    t1 = time.perf_counter()
-                    text = greedy(infer, toy.tokenizer)
-                    gen_ms = 1000 * (time.perf_counter() - t1)
-                    # the true path of these steps: announced by the signal server, or found by a store poll
-                    via = "signal" if observed.kind == "signal" else "store"
-                    self.board.applied(
-                        target, sync_ms=sync_ms, gen_ms=gen_ms, text=text, verified=True, steps=len(new), via=via
-                    )
-                    self.board.set_error(None)
-                    if self.board.trainer is None or not self.board.trainer.get("done"):
-                        self.board.set_status("training" if opts.train else "following")
-                except DeltaSyncError as exc:
-                    # a bad or unreachable step: the inference copy stays at its last good state
-                    log.warning("sync failed: %s", exc)
-                    self.board.set_error(f"{type(exc).__name__}: {exc}")
+            FollowLoop(watcher, catch_up, held=lambda: seen, observe=observe, report=show_failure).run()
         finally:
             ep.listening.set()  # a follower that ended (or failed) keeps no trainer waiting
-            watcher.close()
 
     def _inference_copy(self) -> tuple[Any, Any]:
         torch = self._torch

@@ -1,8 +1,8 @@
 """A scripted stand-in for a vLLM 0.32 server's weight-transfer routes (test support, not deltasync).
 
 :class:`ScriptedVLLM` is an ``httpx.MockTransport`` handler that answers the routes
-:class:`deltasync.integrations.vllm.driver.VLLMServer` uses the way the real server does (paths,
-bodies, status codes) and records the calls. Used by tests/integrations/test_vllm_driver.py, and by
+:class:`deltasync.serving.driver.VLLMServer` uses the way the real server does (paths,
+bodies, status codes) and records the calls. Used by tests/serving/test_driver.py, and by
 tests/integrations/test_vllm_rollout.py as the one server of a fleet that refuses a step next to a
 real ``vllm serve``.
 """
@@ -27,6 +27,8 @@ class ScriptedVLLM:
         self.calls: list[str] = []
         self.rolled_back: set[int] = set()
         self.broken: set[int] = set()
+        self.lost = False  # a broken step was tried: the workers hold neither step
+        self.status_down = False  # deltasync_status answers 503 (its workers cannot say)
         self.cache_failures = 0
         self.down = False
         self._pending: int | None = None
@@ -60,7 +62,8 @@ class ScriptedVLLM:
         if path == "/update_weights":
             step = body["update_info"]["step"]
             if step in self.broken:
-                return httpx.Response(500, json={"error": {"message": "WorkerNeedsReplacement: rank 1: reload failed"}})
+                self.lost = True  # its workers now report needs_replacement
+                return httpx.Response(500, json={"error": {"message": "rank 1: reload failed"}})
             if step in self.rolled_back:
                 return httpx.Response(500, json={"error": {"message": f"UpdateRolledBack: step {step}: corrupt patch"}})
             self._pending = step
@@ -81,7 +84,9 @@ class ScriptedVLLM:
                 return httpx.Response(500, json={"error": {"message": f"UpdateRolledBack: step {step}: checksum"}})
             self.prepared.append(step)
             return httpx.Response(200, json={"results": [{"rank": 0, "state": "serving", "prepared": step}]})
+        if path == "/collective_rpc" and self.status_down:
+            return httpx.Response(503, json={"error": {"message": "engine dead"}})
         if path == "/collective_rpc":
-            state = "needs_replacement" if self.broken else "serving"
+            state = "needs_replacement" if self.lost else "serving"
             return httpx.Response(200, json={"results": [{"rank": 0, "state": state, "step": self.version}]})
         return httpx.Response(404, json={"detail": "Not Found"})

@@ -1,7 +1,7 @@
 """``deltasync follow --vllm URL [URL ...]``: a sidecar keeping vLLM servers at the newest committed step.
 
 Each new committed step (SSE from ``--signal``, else polling the store) runs
-:class:`~deltasync.integrations.vllm.driver.VLLMDriver`'s whole update sequence on every server
+:class:`~deltasync.serving.driver.VLLMDriver`'s whole update sequence on every server
 (pause, the four weight-transfer phases with ``weight_version=str(step)``, prefix-cache reset,
 resume); one line per server and step; a step a server refused is retried with backoff. With
 ``--signal``, each server is reported to the signal server's fleet view as one replica.
@@ -96,8 +96,8 @@ def add_vllm_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_vllm(args: argparse.Namespace) -> int:
     """Drive the servers until ``--until`` is served everywhere (exit 0) or Ctrl-C."""
-    from deltasync.integrations.vllm.driver import ServerUpdate, VLLMDriver
     from deltasync.run import RunReader
+    from deltasync.serving.driver import ServerUpdate, VLLMDriver
     from deltasync.signal import StepWatcher
     from deltasync.storage import open_store
 
@@ -151,11 +151,7 @@ def run_vllm(args: argparse.Namespace) -> int:
                 poll_interval=args.poll_interval,
                 stop=stop,
             )
-            try:
-                serving = driver.follow((seen.step for seen in watcher.watch()), until=args.until, on_update=report)
-            finally:
-                stop.set()
-                watcher.close()
+            serving = driver.follow(watcher, until=args.until, on_update=report)
     print("stopped; serving: " + ", ".join(f"{u} step {s}" for u, s in serving.items()))
     if args.until is not None:
         return 0 if all(s is not None and s >= args.until for s in serving.values()) else 1

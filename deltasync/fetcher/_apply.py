@@ -145,9 +145,15 @@ class Undo:
 
     def extend(self, other: Undo) -> None:
         """Take over ``other``'s log (it is applied after this one's)."""
-        self._log.extend(other._log)
-        self.names |= other.names
-        other._log, other.names = [], set()
+        log, names = other.drain()
+        self._log.extend(log)
+        self.names |= names
+
+    def drain(self) -> tuple[list[tuple[TargetTensor, Bits | None, Bits]], set[str]]:
+        """This log and its names, handed over: this undo is empty afterwards."""
+        log, names = self._log, self.names
+        self._log, self.names = [], set()
+        return log, names
 
     def rollback(self) -> None:
         """Restore every element written, newest first."""

@@ -4,6 +4,7 @@ apply them all or nothing (:func:`apply_decoded`). No recovery here: that is the
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,7 +100,7 @@ def decode_plan(
             if m.kind == "anchor":
                 anchor = anchor_arrays(m, f)
             else:
-                changes = tuple(decode_patch(m, f, threads=source.threads))
+                changes = tuple(_decode(m, f, source.threads))
                 patches.append((m, changes, tuple(changed_names(m, parent, changes))))
             parent = m
         if source.fold and len(patches) > 1:
@@ -214,3 +215,12 @@ def apply_decoded(
         raise
     if keep is not None:
         keep.extend(undo)
+
+
+def _decode(m: Manifest, files: Mapping[str, Any], threads: int) -> list[Any]:
+    """Decode a patch step, up to ``threads`` tensors at once (the compiled decoders release the GIL)."""
+    if threads <= 1 or len(m.entries) < 2:
+        return decode_patch(m, files)
+    # the pool's map keeps the manifest's order and re-raises the first failing entry's error
+    with ThreadPoolExecutor(min(threads, len(m.entries)), thread_name_prefix="deltasync-decode") as pool:
+        return decode_patch(m, files, mapper=pool.map)

@@ -4,8 +4,9 @@ The signal server (SSE) is a fast hint; the store is the truth. Waiting for the 
 :class:`deltasync.signal.StepWatcher`'s job: when the server is unreachable it polls the store's
 ``HEAD.json`` (and now and then the manifest listing) every ``poll_interval`` seconds and keeps
 reconnecting with backoff; a resumed stream replays the commits it missed (``Last-Event-ID``).
-This module decides what to do with each step seen: apply it, count it, record metrics, and
-(with ``replica``) report what the target serves to the signal server's fleet view.
+The loop around it is the one :class:`deltasync.signal.FollowLoop`. This module says what following
+a target means: apply the newest step (a failed one again at the next observation), count it,
+record metrics, and (with ``replica``) report what the target serves to the signal server's fleet view.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from deltasync.errors import DeltaSyncError, InventoryMismatch, SignalRejected, 
 from deltasync.fetcher._materialize import config_files
 from deltasync.protocol import Head
 from deltasync.protocol.keys import HEAD_KEY
-from deltasync.signal import FleetReporter, StepWatcher, StorePoller
+from deltasync.signal import Attempt, FleetReporter, FollowLoop, StepSeen, StepWatcher, StorePoller
 
 if TYPE_CHECKING:
     import httpx
@@ -147,7 +148,6 @@ def follow(
             raise ValueError("config_from applies to a directory target only")
         config_files(config_from)  # a missing dir or config.json fails now, not at every step
     current: int | None = _dir_step(out) if out is not None else fetcher.current_step(target)
-    wanted = current
     if metrics is not None and current is not None:
         metrics.observe_applied(current)
 
@@ -181,39 +181,36 @@ def follow(
                 digest = fetcher.reader.committed(step).digest
         reporter.update(step, state, digest=digest, last_error=error)
 
-    def done() -> bool:
-        return stop.is_set() or (until_step is not None and current is not None and current >= until_step)
+    synced: SyncStats | None = None  # the stats of the last act, when it was a sync (a dir leaves none)
 
-    def apply(step: int) -> None:
-        nonlocal current
-        if current is not None and step <= current:
-            return
-        before, t0 = fetcher.last_stats, time.perf_counter()
-        try:
-            if out is not None:
-                fetcher.materialize(out, step=step, config_from=config_from)
-            else:
-                fetcher.sync(target, step=step)
-        except InventoryMismatch:
-            raise
-        except DeltaSyncError as exc:
+    def act(step: int) -> None:
+        nonlocal current, synced
+        before = fetcher.last_stats
+        if out is not None:
+            fetcher.materialize(out, step=step, config_from=config_from)
+        else:
+            fetcher.sync(target, step=step)
+        current = step
+        reached = fetcher.last_stats
+        synced = reached if reached is not None and reached is not before and reached.step == step else None
+
+    def applied(a: Attempt) -> None:
+        if a.error is not None:
             st.apply_failures += 1
             if metrics is not None:
                 metrics.observe_failure("apply")
-            log.warning("cannot apply step %d yet (will retry): %s", step, exc)
-            report(current, "failed", f"step {step}: {type(exc).__name__}: {exc}")
+            log.warning("cannot apply step %d yet (will retry): %s", a.step, a.error)
+            report(current, "failed", f"step {a.step}: {type(a.error).__name__}: {a.error}")
             return
-        current = step
         st.applied += 1
         if metrics is not None:
-            reached = fetcher.last_stats
-            if reached is not None and reached is not before and reached.step == step:
-                metrics.observe_sync(reached)
+            if synced is not None:
+                metrics.observe_sync(synced)
             else:  # a dir: materialize leaves no stats
-                metrics.observe_applied(step, seconds=time.perf_counter() - t0)
-        report(step, "serving")
+                metrics.observe_applied(a.step, seconds=a.seconds)
+        report(a.step, "serving")
         if on_step is not None:
-            on_step(step)
+            on_step(a.step)
 
     poller = StorePoller(fetcher.store, fetcher.latest_step)
 
@@ -255,61 +252,61 @@ def follow(
         stop=stop,
         clock=time.monotonic,
     )
-    report(current, "starting" if current is None else "serving")
     refused = False  # the server refused the stream last time (warned once; quiet until it accepts)
-    try:
-        for seen in watcher.watch(resume=lambda: current):
-            if seen.kind == "lost":
-                st.signal_failures += 1
-                if metrics is not None:
-                    metrics.observe_failure("signal")
-                if isinstance(seen.error, SignalRejected):
-                    # a refusal (a wrong or missing token, an unknown run) lasts until someone fixes it:
-                    # say so once, with the fix, then only at DEBUG while it keeps being refused
-                    if refused:
-                        log.debug("signal server still refuses the stream: %s", seen.error)
-                    else:
-                        log.warning(
-                            "signal server refused the stream; following by polling the store every %g s, and "
-                            "retrying the stream quietly (at most every %g s) until it is accepted: %s",
-                            poll_interval,
-                            reconnect_backoff[1],
-                            seen.error,
-                        )
-                    refused = True
-                elif st.connected:
-                    log.warning("signal stream lost, polling the store meanwhile: %s", seen.error)
-                else:
-                    log.info("signal server unavailable, polling the store: %s", seen.error)
-                st.connected = False
-            elif seen.kind == "store":
-                if metrics is not None and seen.step is not None:
-                    metrics.observe_head(seen.step)
-                if seen.step is not None and (wanted is None or seen.step > wanted):
-                    wanted = seen.step
-                if wanted is not None:
-                    apply(wanted)
-            else:  # the stream is up
+
+    def observe(seen: StepSeen) -> None:
+        nonlocal refused
+        if reporter is None and reporting:
+            report(current, "starting" if current is None else "serving")  # the run's name may be known now
+        if seen.kind == "lost":
+            st.signal_failures += 1
+            if metrics is not None:
+                metrics.observe_failure("signal")
+            if isinstance(seen.error, SignalRejected):
+                # a refusal (a wrong or missing token, an unknown run) lasts until someone fixes it:
+                # say so once, with the fix, then only at DEBUG while it keeps being refused
                 if refused:
-                    log.warning("signal server accepts the stream now: following its signals")
-                    refused = False
-                st.connected = True
-                if seen.step is not None:
-                    st.signals += 1
-                    if metrics is not None:
-                        metrics.observe_head(seen.step, seen.committed_at)
-                    if wanted is None or seen.step > wanted:
-                        wanted = seen.step
-                    apply(seen.step)
-                elif wanted is not None and (current is None or wanted > current):
-                    apply(wanted)  # a signalled step the store did not show yet
-            if done():
-                break
-            if reporter is None and reporting:
-                report(current, "starting" if current is None else "serving")  # the run's name may be known now
+                    log.debug("signal server still refuses the stream: %s", seen.error)
+                else:
+                    log.warning(
+                        "signal server refused the stream; following by polling the store every %g s, and "
+                        "retrying the stream quietly (at most every %g s) until it is accepted: %s",
+                        poll_interval,
+                        reconnect_backoff[1],
+                        seen.error,
+                    )
+                refused = True
+            elif st.connected:
+                log.warning("signal stream lost, polling the store meanwhile: %s", seen.error)
+            else:
+                log.info("signal server unavailable, polling the store: %s", seen.error)
+            st.connected = False
+        elif seen.kind == "store":
+            if metrics is not None and seen.step is not None:
+                metrics.observe_head(seen.step)
+        else:  # the stream is up
+            if refused:
+                log.warning("signal server accepts the stream now: following its signals")
+                refused = False
+            st.connected = True
+            if seen.step is not None:
+                st.signals += 1
+                if metrics is not None:
+                    metrics.observe_head(seen.step, seen.committed_at)
+
+    report(current, "starting" if current is None else "serving")
+    loop = FollowLoop(
+        watcher,
+        act,
+        held=lambda: current,
+        observe=observe,
+        report=applied,
+        fatal=(InventoryMismatch,),
+        until=until_step,
+    )
+    try:
+        return loop.run()
     finally:
         st.connected = False
-        watcher.close()
         if reporter is not None:
             reporter.close()
-    return current

@@ -27,7 +27,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from deltasync._prometheus import CONTENT_TYPE, LABEL_NAME, Histogram, family, sample
-from deltasync.signal._staleness import MAX_PENDING, StalenessTracker, commit_time
+from deltasync.signal import MAX_PENDING, StalenessTracker, commit_time
 
 if TYPE_CHECKING:
     from deltasync.fetcher._stats import SyncStats

@@ -22,7 +22,7 @@ Here ``pause()`` does nothing: the servers keep generating while the step is dif
 committed. ``send_weights`` casts each tensor to ``cast_dtype`` (bf16 by default) as it arrives,
 adds the model's frozen parameters (TRL skips them, but the run's inventory must hold every
 tensor an engine loads), pushes the state as one deltasync step, waits for its commit, then drives
-every server through the update sequence of :class:`~deltasync.integrations.vllm.driver.VLLMDriver`
+every server through the update sequence of :class:`~deltasync.serving.driver.VLLMDriver`
 (pause, four phases with ``weight_version=str(step)``, prefix-cache reset, resume). The engines
 never see NCCL: they download the step from the store. ``resume()`` then has nothing left to do.
 
@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from deltasync.errors import DeltaSyncError
-from deltasync.integrations.vllm.driver import PauseMode, ServerUpdate, VLLMDriver
+from deltasync.serving.driver import PauseMode, ServerUpdate, VLLMDriver
 from deltasync.storage import Store, open_store
 
 if TYPE_CHECKING:

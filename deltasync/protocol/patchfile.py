@@ -15,8 +15,7 @@ each downloaded file (or :func:`decode_patch` for the whole step), then
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -186,14 +185,18 @@ def decode_patch_entry(
 
 
 def decode_patch(
-    m: Manifest, files: Mapping[str, bytes | bytearray | memoryview], *, threads: int = 1
+    m: Manifest,
+    files: Mapping[str, bytes | bytearray | memoryview],
+    *,
+    mapper: Callable[[Callable[[PatchEntry], DecodedEntry], Sequence[PatchEntry]], Iterable[DecodedEntry]] = map,
 ) -> list[DecodedEntry]:
     """Check every patch file of ``m`` (:func:`check_patch_file`) and decode every entry.
 
     ``files`` maps each file the manifest lists to its downloaded bytes (sizes
     and digests already checked). Nothing is applied; errors are ProtocolErrors.
-    With ``threads`` > 1 tensors decode in parallel (the compiled decoders
-    release the GIL); the result and the first error raised are the same.
+    ``mapper`` runs the decode of each entry (``map``; a thread pool's ``map`` to decode tensors in
+    parallel, as the fetcher does: the compiled decoders release the GIL); it must keep the entries'
+    order and raise the first failing entry's error. This module starts no threads.
     """
     if m.kind != "patch":
         raise ProtocolError(f"step {m.step} is an {m.kind}, not a patch")
@@ -211,8 +214,4 @@ def decode_patch(
     def one(e: PatchEntry) -> DecodedEntry:
         return decode_patch_entry(m, e, files[e.file], inv[e.tensor])
 
-    if threads <= 1 or len(entries) < 2:
-        return [one(e) for e in entries]
-    # map keeps the manifest's order, and re-raises the first failing entry's error
-    with ThreadPoolExecutor(min(threads, len(entries)), thread_name_prefix="deltasync-decode") as pool:
-        return list(pool.map(one, entries))
+    return list(mapper(one, entries))

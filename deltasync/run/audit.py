@@ -20,8 +20,7 @@ from deltasync.protocol import Committed, Manifest, file_key, manifest_key, step
 from deltasync.protocol.digests import xxh3_128_chunks
 from deltasync.run.manifests import HINT
 from deltasync.run.reader import RunReader
-from deltasync.storage._local import LocalStore
-from deltasync.storage._s3 import S3Store
+from deltasync.storage import LocalStore, S3Store
 from deltasync.storage.base import Store
 
 __all__ = ["CHUNK_BYTES", "StepCheck", "file_digest", "verify_run"]

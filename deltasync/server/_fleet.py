@@ -17,14 +17,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
-__all__ = ["REPLICA_STATES", "FleetBook", "FleetFull", "Replica", "ReplicaState"]
+from deltasync.signal import ReplicaState
 
-ReplicaState = Literal["starting", "serving", "failed", "needs_replacement"]
-#: ``starting``: serves no step yet; ``serving``: serves ``step``; ``failed``: its last update failed and it
-#: still serves ``step`` (bit-exact); ``needs_replacement``: its weights are neither step: replace it.
-REPLICA_STATES: tuple[str, ...] = ("starting", "serving", "failed", "needs_replacement")
+__all__ = ["FleetBook", "FleetFull", "Replica"]
 
 
 class FleetFull(Exception):

@@ -18,7 +18,7 @@ from deltasync.server._fleet import FleetFull, Replica
 from deltasync.server._input import StrictRoute
 from deltasync.server._models import FleetOut, Problem, ReplicaIn, ReplicaOut
 from deltasync.server._routes import RunName
-from deltasync.signal._names import REPLICA_PATTERN
+from deltasync.signal import REPLICA_PATTERN
 
 __all__ = ["ReplicaName", "fleet_router"]
 

@@ -10,6 +10,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 from deltasync.protocol.keys import MAX_STEP
 from deltasync.server._db import Commit, Webhook
 from deltasync.server._settings import DIGEST_PATTERN
+from deltasync.signal import ReplicaState
 
 __all__ = [
     "CommitIn",
@@ -100,7 +101,7 @@ class ReplicaIn(BaseModel):
     digest: str | None = Field(
         default=None, pattern=DIGEST_PATTERN, description="xxh3-128 of the served step's manifest.json, when known"
     )
-    state: Literal["starting", "serving", "failed", "needs_replacement"]
+    state: ReplicaState
     last_error: str | None = Field(default=None, max_length=2000, description="the error of its last failed update")
     ttl_s: float | None = Field(
         default=None, ge=1, le=86400, description="seconds it stays in the fleet without a report (default: server's)"
@@ -114,7 +115,7 @@ class ReplicaOut(BaseModel):
     step: int | None
     #: ``head - step`` (null when the head or the step is unknown)
     lag: int | None
-    state: str
+    state: ReplicaState
     digest: str | None
     #: whether ``digest`` is the digest the server recorded for ``step`` (null when either is unknown)
     digest_ok: bool | None

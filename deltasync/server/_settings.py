@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from deltasync.signal._names import RUN_PATTERN, check_run
+from deltasync.signal import RUN_PATTERN, check_run
 
 __all__ = ["DIGEST_PATTERN", "RUN_PATTERN", "Settings", "check_run", "is_loopback"]
 

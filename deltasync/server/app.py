@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 
 from deltasync.server._db import Database
-from deltasync.server._fleet import REPLICA_STATES, FleetBook
+from deltasync.server._fleet import FleetBook
 from deltasync.server._fleet_routes import fleet_router
 from deltasync.server._input import validation_error_reply
 from deltasync.server._limits import BodyLimit, limit_body
@@ -32,6 +32,7 @@ from deltasync.server._metrics import Metrics
 from deltasync.server._relay import CommitRelay, Conflict, NotInStore, StoreUnavailable
 from deltasync.server._routes import router
 from deltasync.server._settings import Settings
+from deltasync.signal import REPLICA_STATES
 from deltasync.storage import Store, open_store
 
 __all__ = ["create_app", "limit_body"]

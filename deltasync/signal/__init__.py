@@ -1,5 +1,6 @@
 """The signal side of a run: the signal server's client, the uploader's :class:`Notifier`, the one
-:class:`StepWatcher` (SSE, falling back to polling the store), the one staleness definition, and
+:class:`StepWatcher` (SSE, falling back to polling the store), the one :class:`FollowLoop` (watch ->
+act -> report -> back off) every receiver runs on it, the one staleness definition, and
 the fleet: receivers' :class:`FleetReporter` and the trainer's staleness gate :func:`wait_for_fleet`.
 
 Needs only httpx and the standard library, never FastAPI: the uploader and the
@@ -10,7 +11,8 @@ re-exports the client names for compatibility).
 from __future__ import annotations
 
 from deltasync.signal._client import CommitEvent, Notifier, SignalClient
-from deltasync.signal._fleet import REPLICA_STATES, FleetView, ReplicaStatus
+from deltasync.signal._fleet import REPLICA_STATES, FleetView, ReplicaState, ReplicaStatus
+from deltasync.signal._follow import Attempt, FollowLoop
 from deltasync.signal._gate import fleet_ready, wait_for_fleet
 from deltasync.signal._names import (
     REPLICA_PATTERN,
@@ -21,17 +23,21 @@ from deltasync.signal._names import (
     replica_name,
 )
 from deltasync.signal._reporter import FleetReporter, Served
-from deltasync.signal._staleness import Staleness, StalenessTracker
+from deltasync.signal._staleness import MAX_PENDING, Staleness, StalenessTracker, commit_time
 from deltasync.signal._watcher import StepSeen, StepWatcher, StorePoller
 
 __all__ = [
+    "MAX_PENDING",
     "REPLICA_PATTERN",
     "REPLICA_STATES",
     "RUN_PATTERN",
+    "Attempt",
     "CommitEvent",
     "FleetReporter",
     "FleetView",
+    "FollowLoop",
     "Notifier",
+    "ReplicaState",
     "ReplicaStatus",
     "Served",
     "SignalClient",
@@ -42,6 +48,7 @@ __all__ = [
     "StorePoller",
     "check_replica",
     "check_run",
+    "commit_time",
     "default_replica",
     "fleet_ready",
     "replica_name",

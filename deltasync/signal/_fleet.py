@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 from deltasync.errors import SignalUnavailable
 
-__all__ = ["REPLICA_STATES", "FleetView", "ReplicaStatus"]
+__all__ = ["REPLICA_STATES", "FleetView", "ReplicaState", "ReplicaStatus"]
 
-#: ``starting``: serves no step yet; ``serving``: serves ``step``; ``failed``: its last update failed and it
-#: still serves ``step``, bit-exact; ``needs_replacement``: its weights are neither step: replace it.
-REPLICA_STATES: tuple[str, ...] = ("starting", "serving", "failed", "needs_replacement")
+#: A replica's state in a run's fleet, the one definition the server, the reporters, the vLLM driver and
+#: the engine mirror share. ``starting``: serves no step yet; ``serving``: serves ``step``; ``failed``:
+#: its last update failed and it still serves ``step``, bit-exact; ``needs_replacement``: its weights
+#: are neither step: replace it.
+ReplicaState = Literal["starting", "serving", "failed", "needs_replacement"]
+#: every :data:`ReplicaState`, in that order
+REPLICA_STATES: tuple[ReplicaState, ...] = get_args(ReplicaState)
 
 
 def _opt_int(v: Any) -> int | None:
@@ -26,6 +30,14 @@ def _opt_str(v: Any) -> str | None:
     return None if v is None else str(v)
 
 
+def check_state(v: Any) -> ReplicaState:
+    """``v`` as a :data:`ReplicaState` (a ValueError when it is none)."""
+    for state in REPLICA_STATES:
+        if v == state:
+            return state
+    raise ValueError(f"state must be one of {REPLICA_STATES}, got {v!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class ReplicaStatus:
     """One live replica of a run: what it last reported, and its lag behind the run's head."""
@@ -33,7 +45,7 @@ class ReplicaStatus:
     replica: str
     step: int | None
     lag: int | None
-    state: str
+    state: ReplicaState
     digest: str | None = None
     #: whether ``digest`` is the digest the server recorded for ``step`` (None when either is unknown)
     digest_ok: bool | None = None
@@ -52,7 +64,7 @@ class ReplicaStatus:
             str(raw["replica"]),
             _opt_int(raw.get("step")),
             _opt_int(raw.get("lag")),
-            str(raw["state"]),
+            check_state(raw["state"]),
             _opt_str(raw.get("digest")),
             None if ok is None else bool(ok),
             _opt_str(raw.get("last_error")),

@@ -22,7 +22,7 @@ from deltasync._retry import RetryPolicy
 from deltasync._worker import SerialWorker
 from deltasync.errors import SignalError
 from deltasync.signal._client import SignalClient
-from deltasync.signal._fleet import REPLICA_STATES
+from deltasync.signal._fleet import ReplicaState, check_state
 from deltasync.signal._names import check_replica, check_run, default_replica
 
 __all__ = ["FleetReporter", "Served"]
@@ -38,7 +38,7 @@ class Served:
     """What a replica serves: its step (None: none yet), state, the step's manifest digest and last error."""
 
     step: int | None
-    state: str = "serving"
+    state: ReplicaState = "serving"
     digest: str | None = None
     last_error: str | None = None
 
@@ -98,18 +98,18 @@ class FleetReporter:
 
     @staticmethod
     def _check(served: Served) -> None:
-        if served.state not in REPLICA_STATES:
-            raise ValueError(f"state must be one of {REPLICA_STATES}, got {served.state!r}")
+        check_state(served.state)
         if served.step is not None and (isinstance(served.step, bool) or served.step < 0):
             raise ValueError(f"step must be None or >= 0, got {served.step!r}")
 
     def update(
         self, step: int | None, state: str = "serving", *, digest: str | None = None, last_error: str | None = None
     ) -> None:
-        """Record what the replica serves now; it is reported in the background (returns at once)."""
+        """Record what the replica serves now (``state``: a :data:`~deltasync.signal.ReplicaState`, else a
+        ValueError); it is reported in the background (returns at once)."""
         if last_error is not None and len(last_error) > _MAX_ERROR:
             last_error = last_error[: _MAX_ERROR - 3] + "..."
-        served = Served(step, state, digest, last_error)
+        served = Served(step, check_state(state), digest, last_error)
         self._check(served)
         with self._cond:
             if self._closing or served == self._served:

@@ -5,8 +5,8 @@ follows the stream when a signal URL is given (resuming with ``Last-Event-ID``, 
 with the shared :class:`~deltasync._retry.Backoff`) and polls the store meanwhile, and also now
 and then while the stream is up, in case a signal was lost. Without a URL it only polls.
 
-``deltasync follow``, the vLLM prefetcher and the demo's follower each iterate
-:meth:`StepWatcher.watch` and decide what to do with each :class:`StepSeen`. Waits go through an
+``deltasync follow``, the vLLM driver, the prefetcher and the demo's follower run the one
+:class:`~deltasync.signal.FollowLoop` over :meth:`StepWatcher.watch`. Waits go through an
 injectable ``wait`` (default: the ``stop`` event's), and the ``clock`` is injectable too, so tests
 drive it without sleeping.
 """

@@ -23,7 +23,7 @@ from types import TracebackType
 from typing import Any
 
 from deltasync.errors import DeltaSyncError, StorageError
-from deltasync.storage._s3 import S3Store
+from deltasync.storage import S3Store
 
 __all__ = ["SeaweedFS", "find_weed"]
 

@@ -14,7 +14,7 @@ mirror's files (shared memory) are counted once. Asserted:
 * the engine is bit-exact after every update (vLLM's ``compute_weight_checksums`` against the
   checksums predicted from the trainer's state);
 * a leader killed while it builds a step (found as a child process of the engine and SIGKILLed:
-  at whatever point it has reached; the unit tests in ``test_node_mirror.py`` stop it at each phase)
+  at whatever point it has reached; the unit tests in ``tests/serving/test_node_mirror.py`` stop it at each phase)
   leaves the engine at its step, bit-exact, and the next update applies.
 
 On CPU, in-place loading needs the TEST-ONLY patch in ``tests/vllm_support/sitecustomize.py``.

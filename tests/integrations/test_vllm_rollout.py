@@ -28,7 +28,7 @@ import pytest
 from scripted_vllm import ScriptedVLLM
 from vllm_harness import SUPPORT, TrainedRun, checkpoint_dir, vllm_server
 
-from deltasync.integrations.vllm.driver import ServerUpdate, VLLMDriver, VLLMServer
+from deltasync.serving.driver import ServerUpdate, VLLMDriver, VLLMServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 

@@ -203,3 +203,32 @@ def test_docstring_tree_matches_the_hierarchy() -> None:
         if also:
             builtin = getattr(builtins, also[1])
             assert issubclass(cls, builtin), f"the tree says {name} is also a {also[1]}"
+
+
+# ------------------------------------------------------------------------------ codes on a wire
+
+
+def _tree() -> list[type[errors.DeltaSyncError]]:
+    return [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.DeltaSyncError)]
+
+
+def test_every_class_has_a_code_of_its_own() -> None:
+    tree = _tree()
+    assert all("code" in cls.__dict__ for cls in tree), [c.__name__ for c in tree if "code" not in c.__dict__]
+    codes = [cls.code for cls in tree]
+    assert len(set(codes)) == len(codes)
+    assert all(c.replace("_", "").isalpha() and c.islower() for c in codes)
+
+
+@pytest.mark.parametrize("cls", _tree(), ids=lambda c: c.__name__)
+def test_an_error_crosses_a_wire_as_its_code_and_comes_back_as_its_class(cls: type[errors.DeltaSyncError]) -> None:
+    sent = cls("step 4: it broke")
+    back = errors.from_code(errors.error_code(sent), str(sent))
+    assert type(back) is cls and str(back) == "step 4: it broke"
+
+
+def test_unknown_codes_and_foreign_errors_are_plain_deltasync_errors() -> None:
+    assert errors.error_code(RuntimeError("x")) == "deltasync_error"
+    back = errors.from_code("a_code_from_a_newer_peer", "what happened")
+    assert type(back) is errors.DeltaSyncError and str(back) == "what happened"
+    assert type(errors.from_code(None, "m")) is errors.DeltaSyncError

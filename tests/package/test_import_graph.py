@@ -1,6 +1,7 @@
 """The package's import graph, read from the source with ``ast``: no import circles, and the
 dependency direction of the design (``protocol <- storage <- run <- signal <- uploader/fetcher <-
-integrations/cli``; ``server`` beside uploader/fetcher).
+serving <- integrations/cli``; ``server`` beside uploader/fetcher), no package reading another's
+private modules, and vLLM imported by its adapter only.
 
 Every ``deltasync`` import counts: module level, function level and ``if TYPE_CHECKING:`` ones.
 ``from deltasync.x import y`` is an edge to ``deltasync.x.y`` when ``y`` is a submodule, else to
@@ -192,6 +193,7 @@ def _offending(src: str, forbidden: set[str]) -> dict[str, dict[str, set[str]]]:
 
 
 OURS = {"__init__", "protocol", "storage", "run", "signal", "uploader", "fetcher", "server", "cli", "integrations"}
+OURS |= {"serving"}
 OURS |= {"testing", "errors", "_worker", "_retry", "_prometheus", "_tensors", "_checkpoint_io"}
 #: the shared private machinery any layer may use (it imports nothing of ours but errors)
 MACHINERY = {"_worker", "_retry", "_prometheus"}
@@ -211,7 +213,61 @@ def test_the_shared_machinery_imports_nothing_of_ours_but_errors(module: str) ->
 
 
 def test_run_imports_no_higher_layer() -> None:
-    assert _offending("run", {"uploader", "fetcher", "signal", "server", "cli", "integrations"}) == {}
+    assert _offending("run", {"uploader", "fetcher", "signal", "server", "cli", "integrations", "serving"}) == {}
+
+
+def test_serving_imports_no_higher_layer_and_no_trainer_side() -> None:
+    """The receiving side rests on the fetcher and the signal client, never on an engine adapter, the
+    CLI, the server or the uploader."""
+    assert _offending("serving", {"cli", "integrations", "server", "uploader"}) == {}
+    assert "fetcher" in area_imports("serving")
+
+
+def test_only_serving_s_importers_are_integrations_and_cli() -> None:
+    importers = {a for a in OURS - {"serving", "integrations", "cli"} if "serving" in area_imports(a)}
+    assert importers == set()
+
+
+def _third_party(module: str) -> set[str]:
+    """The top-level names of what ``module`` imports outside deltasync (any import statement)."""
+    path = ROOT.parent.joinpath(*module.split(".")).with_suffix(".py")
+    if not path.exists():
+        path = ROOT.parent.joinpath(*module.split("."), "__init__.py")
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_only_the_vllm_adapter_imports_vllm() -> None:
+    importers = sorted(m for m in import_graph() if "vllm" in _third_party(m))
+    assert importers, "the adapter imports vllm: the scan must see it"
+    assert all(m.startswith("deltasync.integrations.vllm.") for m in importers), importers
+
+
+def test_the_vllm_adapter_is_thin() -> None:
+    """``integrations/vllm`` holds what imports vLLM (backend, engine-core hook, engine check) and the
+    old name of the driver; the engine-independent machinery lives in ``serving``."""
+    folder = ROOT / "integrations" / "vllm"
+    lines = sum(len(p.read_text(encoding="utf-8").splitlines()) for p in folder.glob("*.py"))
+    assert lines <= 1000, f"integrations/vllm has {lines} lines: move what does not need vLLM to deltasync/serving"
+
+
+def _private(module: str) -> bool:
+    return any(part.startswith("_") and not part.startswith("__") for part in module.split(".")[2:])
+
+
+def test_no_package_imports_another_package_s_private_modules() -> None:
+    found = sorted(
+        f"{m} -> {d}"
+        for m, deps in import_graph().items()
+        for d in deps
+        if area(d) != area(m) and _private(d) and not area(d).startswith("_")
+    )
+    assert found == [], "import the package's public names instead:\n" + "\n".join(found)
 
 
 def test_uploader_and_fetcher_never_import_each_other() -> None:
@@ -221,10 +277,22 @@ def test_uploader_and_fetcher_never_import_each_other() -> None:
 
 @pytest.mark.parametrize(("top", "allowed"), [("cli", set()), ("integrations", {"cli"})])
 def test_nothing_imports_cli_or_integrations(top: str, allowed: set[str]) -> None:
-    """The top layers: nothing imports them, except the CLI, which drives integrations (``follow --vllm``)."""
+    """The top layers: nothing imports them (the CLI may drive integrations)."""
     importers = {a: mods for a in OURS - {top} - allowed for a2, mods in area_imports(a).items() if a2 == top}
     assert importers == {}
 
 
 def test_server_never_imports_uploader_or_fetcher() -> None:
     assert _offending("server", {"uploader", "fetcher"}) == {}
+
+
+def test_protocol_starts_no_threads() -> None:
+    """The wire format is pure: no pools or threads (the fetcher decodes in parallel through
+    ``decode_patch(..., mapper=pool.map)``); a lock or a thread-local is not a thread."""
+    pooled = sorted(m for m in import_graph() if area(m) == "protocol" and "concurrent" in _third_party(m))
+    assert pooled == []
+    for module in import_graph():
+        if area(module) == "protocol":
+            path = ROOT.parent.joinpath(*module.split(".")).with_suffix(".py")
+            text = path.read_text(encoding="utf-8") if path.exists() else ""
+            assert "Thread(" not in text, module

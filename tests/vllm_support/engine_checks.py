@@ -196,7 +196,7 @@ class CheckWorkerExtension:
         import torch
         from safetensors.torch import load_file
 
-        from deltasync.integrations.vllm.scatter import ScatterLoader
+        from deltasync.serving.engine.scatter import ScatterLoader
 
         model = self.model_runner.model  # type: ignore[attr-defined]
         old: dict[str, Any] = {}

@@ -23,7 +23,7 @@ the model's own ``load_weights``, so fused parameters and tensor parallelism sta
 vLLM's business. Before the first load, :mod:`~deltasync.integrations.vllm.engine_check` makes
 sure the parameters those tensors land in are what the engine computes with. With ``prefetch`` (or :meth:`DeltasyncWorkerExtension.deltasync_prepare`)
 the download, checks and decode happen while the engine keeps generating; the
-update itself is the in-place load. See :mod:`deltasync.integrations.vllm.mirror` for the
+update itself is the in-place load. See :mod:`deltasync.serving.engine.mirror` for the
 failure states. Unquantized weights only (bf16/fp16/fp32): a quantized engine, or one
 whose CPU backend repacked its linear weights, is refused at init (:class:`EngineIncompatible`).
 
@@ -36,9 +36,11 @@ import contextlib
 import functools
 import json
 import logging
+import os
 import sys
 import threading
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,13 +52,13 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from deltasync.errors import DeltaSyncError, EngineIncompatible
-from deltasync.fetcher._fetcher import MARKER, DeltaFetcher, Verify
+from deltasync.fetcher import MARKER, DeltaFetcher, Verify
 from deltasync.integrations.vllm import engine_core
 from deltasync.integrations.vllm.engine_check import check_engine
 from deltasync.integrations.vllm.engine_core import BACKEND
-from deltasync.integrations.vllm.fleet import EngineReporter
-from deltasync.integrations.vllm.mirror import EngineMirror
-from deltasync.integrations.vllm.prefetch import Prefetcher
+from deltasync.serving.engine.mirror import CommitReport, EngineMirror, EngineStatus
+from deltasync.serving.engine.prefetch import Prefetcher
+from deltasync.serving.fleet import EngineReporter
 
 __all__ = [
     "BACKEND",
@@ -143,7 +145,7 @@ class _Seed:
     step: int | None
     id: str
 
-    def load(self) -> dict[str, Any]:
+    def load(self) -> dict[str, torch.Tensor]:
         from deltasync._checkpoint_io import load_checkpoint
 
         return load_checkpoint(self.dir, mmap=True)  # page cache, no private copy
@@ -166,6 +168,32 @@ def _seed(model_dir: Path | None) -> _Seed | None:
     except (OSError, ValueError, KeyError, TypeError):
         step = None
     return _Seed(model_dir, step, ident)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStatus:
+    """One worker's answer to deltasync's RPCs: its engine's status and its rank, with the commit an
+    update made, or the agreed error that this rank does not raise (see :class:`WorkerSync`)."""
+
+    engine: EngineStatus
+    rank: int
+    report: CommitReport | None = None
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The RPC's JSON answer: the engine's status, ``rank``, then ``report`` or ``error`` when set."""
+        out = {**self.engine.to_json(), "rank": self.rank}
+        if self.report is not None:
+            out["report"] = asdict(self.report)
+        if self.error is not None:
+            out["error"] = self.error
+        return out
+
+
+def _env_node_dir() -> Path | None:
+    """``$DELTASYNC_NODE_DIR`` as a folder (None when unset or empty)."""
+    env = os.environ.get("DELTASYNC_NODE_DIR")
+    return Path(env).expanduser().absolute() if env else None
 
 
 class WorkerSync:
@@ -193,10 +221,13 @@ class WorkerSync:
         self.metrics = SyncMetrics(labels={"rank": str(rank)})
         self._metrics_server: Any = None
         self._reporter: EngineReporter | None = None  # rank 0 with the ``signal`` option
+        #: where the node mirror lives when init_info names no ``node_dir``: ``$DELTASYNC_NODE_DIR``, else
+        #: the node's default (None: ``/dev/shm``)
+        self.default_node_dir = _env_node_dir()
 
     # ------------------------------------------------------------ options
 
-    def configure(self, info: DeltasyncInitInfo) -> dict[str, Any]:
+    def configure(self, info: DeltasyncInitInfo) -> WorkerStatus:
         if info.verify not in (True, False, "full"):
             raise ValueError(f"verify must be true, false or 'full', got {info.verify!r}")
         self.options = info
@@ -222,7 +253,7 @@ class WorkerSync:
     def _report(self) -> None:
         """Tell the fleet view what this engine serves now (rank 0 with ``signal``; never raises)."""
         if self._reporter is not None:
-            self._reporter.report(self.status())
+            self._reporter.report(self.status().engine)
 
     def _serve_metrics(self, port: int) -> None:
         if self._metrics_server is None:
@@ -254,29 +285,30 @@ class WorkerSync:
             local = sum(p.numel() * p.element_size() for p in self.model.parameters())
             tp = int(getattr(self.vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
             self._host_pins = self._pins()
-            options: dict[str, Any] = dict(
-                max_bytes=2 * local * tp + (64 << 20),
-                metrics=self.metrics,
-                agree=self._agree,
-                check=self._check,
-                node_dir=self.options.node_dir,
-                scatter=self._scatter_loader if self.options.scatter else None,
-                pin=self._host_pins,
-            )
-            try:
-                self.mirror = EngineMirror(
+
+            def new_mirror(seeded: _Seed | None) -> EngineMirror:
+                return EngineMirror(
                     fetcher,
                     self._load,
-                    seed=None if seed is None else seed.load,
-                    seed_step=None if seed is None else seed.step,
-                    seed_id=None if seed is None else seed.id,
-                    **options,
+                    seed=None if seeded is None else seeded.load,
+                    seed_step=None if seeded is None else seeded.step,
+                    seed_id=None if seeded is None else seeded.id,
+                    max_bytes=2 * local * tp + (64 << 20),
+                    metrics=self.metrics,
+                    agree=self._agree,
+                    check=self._check,
+                    node_dir=self.options.node_dir if self.options.node_dir is not None else self.default_node_dir,
+                    scatter=self._scatter_loader if self.options.scatter else None,
+                    pin=self._host_pins,
                 )
+
+            try:
+                self.mirror = new_mirror(seed)
             except (OSError, ValueError, DeltaSyncError) as exc:
                 if seed is None or isinstance(exc, EngineIncompatible):
                     raise
                 log.warning("cannot seed the mirror from %s (%s): the first update loads every tensor", seed.dir, exc)
-                self.mirror = EngineMirror(fetcher, self._load, **options)
+                self.mirror = new_mirror(None)
             return self.mirror
 
     def _check(self, layout: Any) -> dict[str, str]:
@@ -299,28 +331,27 @@ class WorkerSync:
         torch.distributed.all_gather_object(out, mine, group=get_world_group().cpu_group)
         return out
 
-    def call(self, fn: Any, *args: Any) -> dict[str, Any]:
+    def call(self, fn: Callable[..., WorkerStatus], *args: Any) -> WorkerStatus:
         """Run one RPC's work; an error is raised by the last rank only (see the class docstring)."""
         try:
-            out: dict[str, Any] = fn(*args)
-            return out
+            return fn(*args)
         except Exception as exc:
             if self.rank == self.world_size - 1:
                 raise
             log.warning("rank %d: %s: %s", self.rank, type(exc).__name__, exc)
-            return {**self.status(), "error": f"{type(exc).__name__}: {exc}"}
+            return replace(self.status(), error=f"{type(exc).__name__}: {exc}")
 
     def _pins(self) -> Any:
         """Registration of the mirror's pages with CUDA, for an engine whose weights are on a CUDA device."""
         if not self.options.pin or not any(p.is_cuda for p in self.model.parameters()):
             return None
-        from deltasync.integrations.vllm.pinning import HostPins
+        from deltasync.serving.engine.pinning import HostPins
 
         return HostPins()
 
     def _scatter_loader(self, layout: Any) -> Any:
-        from deltasync.integrations.vllm.pinning import PINNED_MAX_DENSITY
-        from deltasync.integrations.vllm.scatter import ScatterLoader
+        from deltasync.serving.engine.pinning import PINNED_MAX_DENSITY
+        from deltasync.serving.engine.scatter import ScatterLoader
 
         pinned = self._host_pins is not None and self._host_pins.enabled
         return ScatterLoader(self.model, layout, self._load, max_density=PINNED_MAX_DENSITY if pinned else None)
@@ -341,33 +372,26 @@ class WorkerSync:
 
     # ------------------------------------------------------------- phases
 
-    def prepare(self, store: str | None, step: int | None, wait: bool = False) -> dict[str, Any]:
+    def prepare(self, store: str | None, step: int | None, wait: bool = False) -> WorkerStatus:
         prepared = self.mirror_for(store).prepare(step)
         if wait:
             prepared.result()  # raises the prepare's error
         return self.status()
 
-    def update(self, store: str | None, step: int | None) -> dict[str, Any]:
+    def update(self, store: str | None, step: int | None) -> WorkerStatus:
         if step is not None:
             self.metrics.observe_head(step)
         try:
             report = self.mirror_for(store).commit(step)
         finally:
             self._report()
-        return {**self.status(), "report": asdict(report)}
+        return replace(self.status(), report=report)
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> WorkerStatus:
         if self.mirror is None:
             why = None if self._refusal is None else f"EngineIncompatible: {self._refusal}"
-            return {
-                "step": None,
-                "prepared": None,
-                "state": "serving",
-                "last_error": why,
-                "store": self.options.store,
-                "rank": self.rank,
-            }
-        return {**self.mirror.status(), "rank": self.rank}
+            return WorkerStatus(EngineStatus(None, None, "serving", why, self.options.store), self.rank)
+        return WorkerStatus(self.mirror.status(), self.rank)
 
     def render_metrics(self) -> str:
         return self.metrics.render()
@@ -448,7 +472,7 @@ class DeltasyncWeightTransferEngine(WeightTransferEngine[DeltasyncInitInfo, Delt
         # docstring inherited; synchronizes only where there is an accelerator
         info = self.parse_update_info(update_info)
         work = self.sync.prepare if info.prepare_only else self.sync.update
-        if "error" in self.sync.call(work, info.store, info.step):
+        if self.sync.call(work, info.store, info.step).error is not None:
             # an agreed failure that this rank does not raise (see WorkerSync): vLLM ends the update
             # session only on the rank that raised, so end it here too, or the next update is refused
             _end_worker_session(self)
@@ -496,7 +520,7 @@ class DeltasyncWorkerExtension:
     def deltasync_init(self, **init_info: Any) -> dict[str, Any]:
         """Configure (same options as :class:`DeltasyncInitInfo`)."""
         sync = _state_of(self)
-        return sync.call(lambda: sync.configure(DeltasyncInitInfo(**init_info)))
+        return sync.call(lambda: sync.configure(DeltasyncInitInfo(**init_info))).to_json()
 
     def deltasync_prepare(
         self, store: str | None = None, step: int | str | None = None, wait: bool | str = False
@@ -507,16 +531,16 @@ class DeltasyncWorkerExtension:
         sync = _state_of(self)
         number = None if step is None else int(step)
         flag = wait if isinstance(wait, bool) else str(wait).lower() in ("1", "true", "yes")
-        return sync.call(sync.prepare, store, number, flag)
+        return sync.call(sync.prepare, store, number, flag).to_json()
 
     def deltasync_update(self, store: str | None = None, step: int | None = None) -> dict[str, Any]:
         """Make the engine serve ``step`` (default: newest); raises UpdateRolledBack / WorkerNeedsReplacement."""
         sync = _state_of(self)
-        return sync.call(sync.update, store, step)
+        return sync.call(sync.update, store, step).to_json()
 
     def deltasync_status(self) -> dict[str, Any]:
         """``{"step", "prepared", "state", "last_error", "store", "node_dir", "rank"}``."""
-        return _state_of(self).status()
+        return _state_of(self).status().to_json()
 
     def deltasync_metrics(self) -> str:
         """Prometheus text of this worker's sync metrics (staleness, bytes, verify/apply/pause seconds)."""

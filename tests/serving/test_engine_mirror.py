@@ -1,7 +1,7 @@
 """EngineMirror: prepare off the engine, commit only what changed, undo what the engine refused.
 
 The engine here is a plain dict of tensors behind a loader that copies into it (what vLLM's
-``load_weights`` does for unfused names); tests/test_vllm_backend.py runs the same code against a
+``load_weights`` does for unfused names); tests/integrations/test_vllm_backend.py runs the same code against a
 real vLLM engine. Also SyncJournal, which the mirror's undo rests on.
 """
 
@@ -25,9 +25,9 @@ from deltasync.errors import (  # noqa: E402
     WorkerNeedsReplacement,
 )
 from deltasync.fetcher import SyncJournal  # noqa: E402
-from deltasync.integrations.vllm.mirror import EngineMirror  # noqa: E402
-from deltasync.integrations.vllm.prefetch import Prefetcher  # noqa: E402
 from deltasync.protocol import file_key  # noqa: E402
+from deltasync.serving.engine.mirror import EngineMirror, EngineStatus  # noqa: E402
+from deltasync.serving.engine.prefetch import Prefetcher  # noqa: E402
 
 STEPS = 6
 NAMES = [f"layer{i}.w" for i in range(6)]
@@ -90,7 +90,7 @@ def test_prepare_leaves_the_engine_alone_and_commit_loads_only_what_changed(run:
     engine = Engine(_state(0))
     m = _mirror(run, engine)
     assert m.prepare(1).result() == 1
-    assert m.status()["prepared"] == 1 and m.serving == 0
+    assert m.status().prepared == 1 and m.serving == 0
     assert _equal(engine.weights, _state(0)) and engine.loads == []
     report = m.commit(1)
     assert report.prepared and report.step == 1 and report.previous == 0
@@ -101,8 +101,15 @@ def test_prepare_leaves_the_engine_alone_and_commit_loads_only_what_changed(run:
         assert m.commit(s).tensors == 2
         assert _equal(engine.weights, _state(s))
     status = m.status()
-    assert status.pop("node_dir") == str(m.node.dir)
-    assert status == {"step": STEPS - 1, "prepared": None, "state": "serving", "last_error": None, "store": run.url}
+    assert status == EngineStatus(STEPS - 1, None, "serving", None, run.url, str(m.node.dir))
+    assert status.to_json() == {  # the JSON keys the workers' RPCs answer with
+        "step": STEPS - 1,
+        "prepared": None,
+        "state": "serving",
+        "last_error": None,
+        "store": run.url,
+        "node_dir": str(m.node.dir),
+    }
 
 
 def test_catch_up_after_missed_steps_without_prepare(run: ds.MemoryStore) -> None:
@@ -140,7 +147,7 @@ def test_corrupted_patch_never_touches_the_engine(run: ds.MemoryStore) -> None:
     with pytest.raises(UpdateRolledBack, match="still serves step 1"):
         m.commit(2)
     assert _equal(engine.weights, _state(1)) and m.serving == 1 and m.state == "serving"
-    assert "ChecksumMismatch" in (m.status()["last_error"] or "")
+    assert "ChecksumMismatch" in (m.status().last_error or "")
 
 
 def test_prefetch_backs_off_a_bad_step_and_prepares_it_once_repaired(run: ds.MemoryStore) -> None:
@@ -204,7 +211,7 @@ def test_restore_failing_too_marks_the_worker_for_replacement(run: ds.MemoryStor
     engine.fail_after, engine.fail_calls = 1, {0, 1}
     with pytest.raises(WorkerNeedsReplacement, match="replace this worker"):
         m.commit(2)
-    assert m.status()["state"] == "needs_replacement"
+    assert m.status().state == "needs_replacement"
     with pytest.raises(WorkerNeedsReplacement):
         m.commit(3)
     with pytest.raises(WorkerNeedsReplacement):
@@ -274,8 +281,8 @@ def test_an_unseeded_mirror_shows_the_run_s_inventory_to_the_check_before_the_fi
         m.commit(2)
     assert refuse.layouts == [LAYOUT, LAYOUT]
     assert engine.loads == [] and _equal(engine.weights, _state(0))
-    assert m.status()["state"] == "serving" and m.serving is None
-    assert "EngineIncompatible" in (m.status()["last_error"] or "")
+    assert m.status().state == "serving" and m.serving is None
+    assert "EngineIncompatible" in (m.status().last_error or "")
 
 
 def test_a_check_that_accepts_the_engine_changes_nothing(run: ds.MemoryStore) -> None:
@@ -465,4 +472,4 @@ def test_a_run_whose_tied_names_part_is_refused_before_the_engine_is_touched() -
     assert len(engine.loads) == loads and _equal(engine.weights, _tied_state(2)) and m.serving == 2
     with pytest.raises(EngineIncompatible):
         m.prepare(4).result()
-    assert m.status()["state"] == "serving" and m.serving == 2
+    assert m.status().state == "serving" and m.serving == 2

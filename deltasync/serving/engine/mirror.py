@@ -2,7 +2,7 @@
 
 The engine owns its parameters in its own layout (fused ``qkv_proj``, tensor-parallel
 shards, repacked kernels); deltasync knows checkpoint names. The node's one host mirror
-(:mod:`~deltasync.integrations.vllm.node`: a version of the run per step, in shared memory,
+(:mod:`~deltasync.serving.node.mirror`: a version of the run per step, in shared memory,
 built once per node with :class:`DeltaFetcher`: chain catch-up, checksums, digests) is
 brought to a new step in the background while the engine keeps serving; :class:`EngineMirror`
 commits it by handing the engine only the tensors that changed through its own loader (vLLM's
@@ -27,9 +27,9 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal, NoReturn
+from typing import Any, NoReturn
 
 from deltasync._worker import SerialWorker
 from deltasync.errors import (
@@ -38,13 +38,14 @@ from deltasync.errors import (
     UpdateRolledBack,
     WorkerNeedsReplacement,
 )
-from deltasync.fetcher._fetcher import DeltaFetcher, Verify
-from deltasync.fetcher._stats import SyncStats
-from deltasync.integrations.vllm.node import KEEP, NodeMirror, Version
-from deltasync.integrations.vllm.pinning import HostPins
-from deltasync.integrations.vllm.versions import populate
+from deltasync.fetcher import DeltaFetcher, SyncStats, Verify
+from deltasync.serving.engine.pinning import HostPins
+from deltasync.serving.node.mirror import NodeMirror
+from deltasync.serving.node.store import KEEP
+from deltasync.serving.node.versions import Version, populate
+from deltasync.signal import ReplicaState
 
-__all__ = ["Check", "CommitReport", "EngineMirror", "Loader"]
+__all__ = ["Check", "CommitReport", "EngineMirror", "EngineStatus", "Loader"]
 
 log = logging.getLogger("deltasync.mirror")
 
@@ -54,7 +55,34 @@ Loader = Callable[[Iterable[tuple[str, Any]]], Any]
 #: (torch dtype, shape)) in place; raises :class:`EngineIncompatible` when it does not. Returns the
 #: names the engine ties to another name of the layout (name -> that name; tied embeddings), or None
 Check = Callable[[Mapping[str, tuple[Any, tuple[int, ...]]]], Mapping[str, str] | None]
-State = Literal["serving", "needs_replacement"]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStatus:
+    """What an orchestrator wants to know of one engine worker (:meth:`EngineMirror.status`); the
+    fleet view's row of the engine is read from it (:func:`deltasync.serving.fleet.replica_state`)."""
+
+    #: the step the engine serves (None: not known to deltasync yet)
+    step: int | None
+    #: the step prepared ahead of ``step``, ready to commit
+    prepared: int | None
+    #: ``serving`` (its weights are a step: ``step``, or the checkpoint it started from) or
+    #: ``needs_replacement`` (an update failed and its weights could not be restored); never another
+    state: ReplicaState
+    #: the error of its last failed prepare or update (None once a commit succeeded)
+    last_error: str | None
+    #: the run's store URL
+    store: str | None
+    #: where the node's mirror lives (None for a worker that has no mirror yet)
+    node_dir: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object of the status (the workers' RPC answers): every field, but ``node_dir``
+        only when there is one."""
+        out = asdict(self)
+        if self.node_dir is None:
+            del out["node_dir"]
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +100,7 @@ class CommitReport:
 class EngineMirror:
     """One engine worker's view of the run, kept at a deltasync step through the node's mirror.
 
-    The tensors themselves live in the node's shared :class:`~deltasync.integrations.vllm.node.NodeMirror`
+    The tensors themselves live in the node's shared :class:`~deltasync.serving.node.mirror.NodeMirror`
     (one copy and one download per node and step, whatever the number of workers); this object knows
     which version the engine serves, prepares the next one and commits it.
 
@@ -95,7 +123,7 @@ class EngineMirror:
     scatter: for a layout, a loader of ``(name, new tensor, changed flat positions or None)`` triples
         that writes only the changed elements where it can (vLLM: ``scatter.ScatterLoader``); used in
         the pause instead of ``load`` (an undo always uses ``load``).
-    pin: a :class:`~deltasync.integrations.vllm.pinning.HostPins` (GPU engines): the mapped tensors of
+    pin: a :class:`~deltasync.serving.engine.pinning.HostPins` (GPU engines): the mapped tensors of
         the versions the engine serves and prepares are registered with it while they are (in the
         prepare, never in the pause), so that the pause copies them to the device by DMA.
     """
@@ -146,7 +174,8 @@ class EngineMirror:
         self._prepared: Version | None = None
         self._prepared_view: dict[str, Any] = {}
         self._prepared_stats: SyncStats | None = None
-        self.state: State = "serving"
+        #: ``serving`` or ``needs_replacement`` (see :attr:`EngineStatus.state`)
+        self.state: ReplicaState = "serving"
         self.last_error: str | None = None
         self._lock = threading.RLock()
         self._preparer = SerialWorker("deltasync-prepare")
@@ -159,16 +188,11 @@ class EngineMirror:
         v = self._prepared
         return v.step if v is not None and v.step != self.serving else None
 
-    def status(self) -> dict[str, Any]:
-        """What an orchestrator wants to know, JSON-safe (never waits for a running prepare)."""
-        return {
-            "step": self.serving,
-            "prepared": self.prepared,
-            "state": self.state,
-            "last_error": self.last_error,
-            "store": self.fetcher.store.url,
-            "node_dir": str(self.node.dir),
-        }
+    def status(self) -> EngineStatus:
+        """What an orchestrator wants to know (never waits for a running prepare)."""
+        return EngineStatus(
+            self.serving, self.prepared, self.state, self.last_error, self.fetcher.store.url, str(self.node.dir)
+        )
 
     def _require_usable(self) -> None:
         if self.state == "needs_replacement":
@@ -218,7 +242,7 @@ class EngineMirror:
         self._release(self._prepared_view)
         if self.metrics is not None and hasattr(self.metrics, "observe_node"):
             pinned = {} if self._pin is None else {"pinned": self._pin.nbytes}
-            self.metrics.observe_node(nbytes=self.node.nbytes_on_disk(), built=built is not None, **pinned)
+            self.metrics.observe_node(nbytes=self.node.versions.nbytes_on_disk(), built=built is not None, **pinned)
         self._prepared, self._prepared_view = version, view
         return version
 
@@ -360,7 +384,9 @@ class EngineMirror:
             self._prepared_stats = None
             self._release(self._served_view)  # the prepared view's hold passes to the served one
             if self._pin is not None and self.metrics is not None and hasattr(self.metrics, "observe_node"):
-                self.metrics.observe_node(nbytes=self.node.nbytes_on_disk(), built=False, pinned=self._pin.nbytes)
+                self.metrics.observe_node(
+                    nbytes=self.node.versions.nbytes_on_disk(), built=False, pinned=self._pin.nbytes
+                )
             self._served, self._served_view = version, view
             self._prepared, self._prepared_view = None, {}
             self.serving, self.last_error = step, None

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from deltasync.errors import ChecksumMismatch
-from deltasync.integrations.vllm.prefetch import Prefetcher
+from deltasync.serving.engine.prefetch import Prefetcher
 
 
 class FakeMirror:

@@ -1,11 +1,12 @@
 """Prepare each new committed step of a run in the background, as soon as it lands.
 
-:class:`Prefetcher` watches the run with the one :class:`~deltasync.signal.StepWatcher` (store
-polling) from its own :class:`~deltasync._worker.SerialWorker`, and asks the mirror to prepare
-each newer step; the mirror's preparer coalesces, so a newer step supersedes one still queued.
-A step that fails to prepare is tried again after the shared :class:`~deltasync._retry.Backoff`
-(longer after each failure of the same step, reset by a success), not at every poll. Needs no
-vLLM: :mod:`deltasync.integrations.vllm.backend` plugs it into a worker.
+:class:`Prefetcher` runs the one :class:`~deltasync.signal.FollowLoop` over a
+:class:`~deltasync.signal.StepWatcher` (store polling) from its own
+:class:`~deltasync._worker.SerialWorker`, and asks the mirror to prepare each newer step; the
+mirror's preparer coalesces, so a newer step supersedes one still queued. A step that fails to
+prepare is tried again after the loop's backoff (longer after each failure of the same step, reset
+by a success), not at every poll. Needs no vLLM: :mod:`deltasync.integrations.vllm.backend` plugs
+it into a worker.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any, Protocol
 from deltasync._retry import RetryPolicy
 from deltasync._worker import SerialWorker
 from deltasync.errors import DeltaSyncError
-from deltasync.signal import StepWatcher
+from deltasync.signal import Attempt, FollowLoop, StepSeen, StepWatcher
 
 __all__ = ["Prefetcher"]
 
@@ -31,7 +32,7 @@ MAX_RETRY_WAIT = 60.0
 
 
 class _Mirror(Protocol):
-    """What the prefetcher needs of an :class:`~deltasync.integrations.vllm.mirror.EngineMirror`."""
+    """What the prefetcher needs of an :class:`~deltasync.serving.engine.mirror.EngineMirror`."""
 
     @property
     def serving(self) -> int | None: ...
@@ -67,15 +68,12 @@ class Prefetcher:
         self.mirror = mirror
         self.metrics = metrics
         self.poll_interval = poll_interval
-        policy = retry or RetryPolicy(retries=0, backoff=poll_interval, max_backoff=max(poll_interval, MAX_RETRY_WAIT))
-        self.backoff = policy.backoff_state()
+        self.retry = retry or RetryPolicy(
+            retries=0, backoff=poll_interval, max_backoff=max(poll_interval, MAX_RETRY_WAIT)
+        )
         self.clock = clock
         self._worker = SerialWorker("deltasync-prefetch", stop=stop)
         self._wait = wait if wait is not None else self._worker.stop.wait
-        self._lock = threading.Lock()
-        self._asked: int | None = None  # the step asked of the mirror (in progress or prepared)
-        self._failed: int | None = None  # the step that failed last, retried at ``_retry_at``
-        self._retry_at = float("-inf")
         self._poll_failing = False
         #: prepares asked of the mirror, and how many failed (for tests and status)
         self.attempts = 0
@@ -95,12 +93,15 @@ class Prefetcher:
         watcher = StepWatcher(
             self._latest, poll_interval=self.poll_interval, stop=self.stop, wait=self._wait, clock=self.clock
         )
-        try:
-            for seen in watcher.watch():
-                if seen.step is not None:
-                    self.offer(seen.step)
-        finally:
-            watcher.close()
+        FollowLoop(
+            watcher,
+            self._prepare,
+            held=self._serving,
+            observe=self._observe,
+            report=self._report,
+            retry=self.retry,
+            retry_on=(DeltaSyncError, ValueError),
+        ).run()
 
     def _latest(self) -> int | None:
         try:
@@ -113,55 +114,32 @@ class Prefetcher:
         self._poll_failing = False
         return latest
 
-    def offer(self, latest: int) -> None:
-        """The run's newest committed step is ``latest``: prepare it unless it is served, asked for
-        already, or failed recently (then wait out its backoff)."""
-        if self.metrics is not None:
-            self.metrics.observe_head(latest)
+    def _serving(self) -> int | None:
+        try:
+            return self.mirror().serving
+        except (DeltaSyncError, ValueError):
+            return None
+
+    def _observe(self, seen: StepSeen) -> None:
+        if self.metrics is not None and seen.step is not None:
+            self.metrics.observe_head(seen.step)
+
+    def _prepare(self, step: int) -> Future[int | None] | None:
+        """Ask the mirror to prepare ``step`` (a newer step supersedes one still queued)."""
         try:
             mirror = self.mirror()
         except (DeltaSyncError, ValueError) as exc:
             log.debug("prefetch: %s", exc)
-            return
-        with self._lock:
-            if latest == self._asked or (mirror.serving is not None and latest <= mirror.serving):
-                return
-            if latest == self._failed and self.clock() < self._retry_at:
-                return  # backing off this step
-            self._asked = latest
-            self.attempts += 1
-        try:
-            fut = mirror.prepare(latest, coalesce="prefetch")
-        except (DeltaSyncError, ValueError) as exc:
-            self._failed_step(latest, exc)
-            return
-        fut.add_done_callback(lambda f: self._settled(latest, f))
+            return None
+        self.attempts += 1
+        return mirror.prepare(step, coalesce="prefetch")
 
-    def _settled(self, step: int, fut: Future[int | None]) -> None:
-        if fut.cancelled():  # a newer step took its place in the mirror's queue
-            with self._lock:
-                if self._asked == step:
-                    self._asked = None
-            return
-        exc = fut.exception()
-        if exc is None:
-            with self._lock:
-                self.backoff.reset()
-                self._failed = None
-            return
-        self._failed_step(step, exc)
-
-    def _failed_step(self, step: int, exc: BaseException) -> None:
-        with self._lock:
+    def _report(self, attempt: Attempt) -> None:
+        if attempt.error is not None:
             self.failures += 1
-            if step != self._failed:
-                self.backoff.reset()
-            self._failed = step
-            delay = self.backoff.next_delay()
-            self._retry_at = self.clock() + delay
-            if self._asked == step:
-                self._asked = None
-        log.warning("prefetch of step %d failed (next try in %.1f s): %s", step, delay, exc)
+            log.warning(
+                "prefetch of step %d failed (next try in %.1f s): %s", attempt.step, attempt.retry_in, attempt.error
+            )
 
     def close(self, timeout: float | None = 30.0) -> bool:
         """Stop watching (cuts a wait short; a running prepare is the mirror's to finish); False when

@@ -1,7 +1,7 @@
 """An engine's reports to the signal server's fleet view (the backend's ``signal`` option).
 
 Rank 0 of an engine reports for the whole engine (its ranks commit or undo together): the
-engine's status (:meth:`WorkerSync.status`: ``step``, ``state``, ``last_error``) becomes the
+engine's status (:class:`~deltasync.serving.engine.mirror.EngineStatus`) becomes the
 replica's step and state, with the step's manifest digest read from the run. The run's name at
 the signal server is ``signal_run``, else the run id the store records (looked up until a step
 is committed). Reporting never fails or blocks an update: :meth:`EngineReporter.report` takes the
@@ -14,25 +14,26 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from deltasync._worker import SerialWorker, WorkerClosed
 from deltasync.errors import DeltaSyncError, SignalRejected
-from deltasync.signal import FleetReporter, default_replica
+from deltasync.serving.engine.mirror import EngineStatus
+from deltasync.signal import FleetReporter, ReplicaState, default_replica
+
+if TYPE_CHECKING:
+    from deltasync.run import RunReader
 
 __all__ = ["EngineReporter", "replica_state"]
 
 log = logging.getLogger("deltasync.vllm")
 
 
-def replica_state(status: dict[str, Any]) -> tuple[int | None, str, str | None]:
-    """(step, fleet state, last error) of an engine's status dict: ``needs_replacement`` stays; a last
+def replica_state(status: EngineStatus) -> tuple[int | None, ReplicaState, str | None]:
+    """(step, fleet state, last error) of an engine's status: ``needs_replacement`` stays; a last
     error means the last update failed (``failed``: it still serves its step); no step is ``starting``."""
-    step = status.get("step")
-    step = step if isinstance(step, int) and not isinstance(step, bool) else None
-    error = status.get("last_error")
-    error = None if error is None else str(error)
-    if status.get("state") == "needs_replacement":
+    step, error = status.step, status.last_error
+    if status.state == "needs_replacement":
         return step, "needs_replacement", error
     if error is not None:
         return step, "failed", error
@@ -55,12 +56,12 @@ class EngineReporter:
         self.replica = replica or default_replica()
         self.heartbeat = heartbeat
         self._reporter: FleetReporter | None = None
-        self._reader: Any = None
+        self._reader: RunReader | None = None
         self._store_url: str | None = None
         self._off = False
         self._worker = SerialWorker("deltasync-engine-report")
 
-    def _reader_for(self, store_url: str | None) -> Any:
+    def _reader_for(self, store_url: str | None) -> RunReader | None:
         if store_url is None:
             return None
         if self._reader is None or self._store_url != store_url:
@@ -70,13 +71,12 @@ class EngineReporter:
             self._reader, self._store_url = RunReader(open_store(store_url)), store_url
         return self._reader
 
-    def report(self, status: dict[str, Any]) -> None:
+    def report(self, status: EngineStatus) -> None:
         """Report the engine's ``status`` (returns at once, never raises)."""
         if self._off:
             return
-        snapshot = dict(status)
         with contextlib.suppress(WorkerClosed):
-            self._worker.submit(lambda: self._send(snapshot), coalesce="report")
+            self._worker.submit(lambda: self._send(status), coalesce="report")
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until the statuses given so far are handed to the reporter (tests, shutdown)."""
@@ -86,11 +86,11 @@ class EngineReporter:
         """Wait until the last status reached the signal server (False while none could be sent)."""
         return self.flush(timeout) and self._reporter is not None and self._reporter.wait_reported(timeout)
 
-    def _send(self, status: dict[str, Any]) -> None:
+    def _send(self, status: EngineStatus) -> None:
         if self._off:
             return
         try:
-            reader = self._reader_for(status.get("store"))
+            reader = self._reader_for(status.store)
             if self._reporter is None:
                 run = self.run or (reader.run_id() if reader is not None else None)
                 if run is None:

@@ -1,5 +1,6 @@
-"""Talking to the node's leader (see :mod:`deltasync.integrations.vllm.leader`): find it, start it when
-there is none, ask it for a step. Used by :class:`~deltasync.integrations.vllm.node.NodeMirror`."""
+"""Talking to the node's leader (see :mod:`deltasync.serving.node.leader`): find it, start it when
+there is none (with its :class:`LeaderConfig`), ask it for a step. Used by
+:class:`~deltasync.serving.node.mirror.NodeMirror`."""
 
 from __future__ import annotations
 
@@ -15,14 +16,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from deltasync import errors
-from deltasync.errors import DeltaSyncError
+from deltasync.errors import DeltaSyncError, from_code
+from deltasync.fetcher import Verify
 
-__all__ = ["peer", "request", "socket_name"]
+__all__ = ["LeaderConfig", "peer", "request", "socket_name"]
 
 #: seconds a new leader may take to import and say it is ready
 START_TIMEOUT = 300.0
@@ -32,6 +34,39 @@ _CRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 #: thread-binding settings of the worker that starts the leader (vLLM's CPU workers pin OpenMP to their
 #: own cores with them): the leader, which serves every worker of the node, must not inherit them
 _BINDING = ("GOMP_CPU_AFFINITY", "KMP_AFFINITY", "OMP_PROC_BIND", "OMP_PLACES")
+
+
+@dataclass(frozen=True, slots=True)
+class LeaderConfig:
+    """What a node's leader needs: the mirror's folder, how to read the run (its store's URL, the
+    checks, the signing key) and the most a version built from the run's inventory may take. Sent to
+    a leader it starts as one JSON line on its stdin."""
+
+    dir: Path
+    store: str
+    verify: Verify
+    signing_key: bytes | None
+    max_bytes: int | None
+
+    def to_json(self) -> str:
+        """The line a leader reads (the signing key in hex)."""
+        key = None if self.signing_key is None else self.signing_key.hex()
+        return json.dumps(
+            {
+                "dir": str(self.dir),
+                "store": self.store,
+                "verify": self.verify,
+                "signing_key": key,
+                "max_bytes": self.max_bytes,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, line: str | bytes) -> LeaderConfig:
+        """The config a leader was started with (see :meth:`to_json`)."""
+        doc = json.loads(line)
+        key = bytes.fromhex(doc["signing_key"]) if doc["signing_key"] else None
+        return cls(Path(doc["dir"]), doc["store"], doc["verify"], key, doc["max_bytes"])
 
 
 def socket_name(node_dir: Path) -> bytes:
@@ -65,10 +100,9 @@ def _connect(node_dir: Path) -> socket.socket | None:
 _children: list[subprocess.Popen[bytes]] = []  # leaders this process started (reaped by a thread each)
 
 
-def _start(node_dir: Path, config: Mapping[str, Any]) -> socket.socket:
-    """Connect to the node's leader, starting it first when there is none (one starter at a time).
-    ``config``: what the leader needs to read the run (``dir``, ``store``, ``verify``, ``signing_key``
-    in hex, ``max_bytes``)."""
+def _start(config: LeaderConfig) -> socket.socket:
+    """Connect to the leader of ``config.dir``, starting it first when there is none (one starter at a time)."""
+    node_dir = config.dir
     with open(node_dir / "spawn.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         sock = _connect(node_dir)
@@ -77,7 +111,7 @@ def _start(node_dir: Path, config: Mapping[str, Any]) -> socket.socket:
         with open(node_dir / "leader.log", "ab") as log_file:
             env = {k: v for k, v in os.environ.items() if k not in _BINDING}
             proc = subprocess.Popen(
-                [sys.executable, "-m", "deltasync.integrations.vllm.leader"],
+                [sys.executable, "-m", "deltasync.serving.node.leader"],
                 env=env,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
@@ -85,7 +119,7 @@ def _start(node_dir: Path, config: Mapping[str, Any]) -> socket.socket:
                 start_new_session=True,  # outlives a stopping engine mid-build; leaves when unused
             )
         assert proc.stdin is not None and proc.stdout is not None
-        proc.stdin.write(json.dumps(config).encode() + b"\n")
+        proc.stdin.write(config.to_json().encode() + b"\n")
         proc.stdin.close()
         ready, _, _ = select.select([proc.stdout], [], [], START_TIMEOUT)
         line = proc.stdout.readline() if ready else b""
@@ -107,18 +141,20 @@ def _start(node_dir: Path, config: Mapping[str, Any]) -> socket.socket:
 
 
 def request(
-    node_dir: Path,
-    config: Mapping[str, Any],
+    config: LeaderConfig,
     step: int,
     *,
     on_phase: Callable[[int, str], None] | None = None,
     pace: bool = False,
     timeout: float,
 ) -> dict[str, Any]:
-    """Ask the node's leader to build ``step``; its build stats (``{}`` when it found the version built)."""
+    """Ask the leader of ``config.dir`` to build ``step`` (starting it when there is none); its build
+    stats (``{}`` when it found the version built). ``on_phase`` hears of each phase the leader
+    reports, with its pid; with ``pace`` the leader waits for a go-ahead after each (tests)."""
+    node_dir = config.dir
     wait = 0.05
     for _ in range(SILENT_RETRIES):
-        pid, heard, reply = _ask(node_dir, config, step, on_phase, pace, timeout)
+        pid, heard, reply = _ask(config, step, on_phase, pace, timeout)
         if reply or heard:
             break
         # connected to a leader that went away before saying a word (killed just now): a new one starts
@@ -128,10 +164,7 @@ def request(
         stats: dict[str, Any] = reply["stats"]
         return stats
     if "error" in reply:
-        cls = getattr(errors, str(reply["error"]), None)
-        if not (isinstance(cls, type) and issubclass(cls, DeltaSyncError)):
-            cls = DeltaSyncError
-        raise cls(str(reply["message"]))
+        raise from_code(reply["error"], str(reply["message"]))
     raise DeltaSyncError(
         f"the node mirror's leader (pid {pid}) died while building step {step}; nothing of that step was "
         f"published and the next update starts a new leader (see {node_dir / 'leader.log'})"
@@ -139,15 +172,15 @@ def request(
 
 
 def _ask(
-    node_dir: Path,
-    config: Mapping[str, Any],
+    config: LeaderConfig,
     step: int,
     on_phase: Callable[[int, str], None] | None,
     pace: bool,
     timeout: float,
 ) -> tuple[int, bool, dict[str, Any]]:
     """One request: (the leader's pid, whether it said anything, its final answer or ``{}``)."""
-    sock = _start(node_dir, config)
+    node_dir = config.dir
+    sock = _start(config)
     heard = False
     with sock:
         pid, _ = peer(sock)

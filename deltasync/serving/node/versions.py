@@ -1,6 +1,7 @@
-"""A node mirror's versions and their files: what a version is, and reading and writing its tensors.
+"""A node mirror's versions and their files: what a version is, its index document, and reading and
+writing its tensors.
 
-See :mod:`deltasync.integrations.vllm.node` for the folder they live in.
+See :mod:`deltasync.serving.node.store` for the folder they live in.
 """
 
 from __future__ import annotations
@@ -13,7 +14,45 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Version", "changed_positions", "map_tensor", "populate", "step_id", "trim_heap", "write_tensor"]
+__all__ = [
+    "INDEX_FORMAT",
+    "Version",
+    "VersionFile",
+    "changed_positions",
+    "map_tensor",
+    "populate",
+    "step_id",
+    "trim_heap",
+    "write_tensor",
+]
+
+#: the ``format`` a version's index is written with
+INDEX_FORMAT = 1
+
+
+@dataclass(frozen=True, slots=True)
+class VersionFile:
+    """One tensor of a version: the data file that holds its raw bytes, its dtype (a torch dtype's name
+    without ``torch.``) and its shape. Versions that share a tensor name the same file."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, name: str, tensor: Any) -> VersionFile:
+        """The entry of ``tensor``, written to the data file ``name``."""
+        return cls(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
+
+    def to_json(self) -> list[Any]:
+        """The index's form: ``[file, dtype, shape]``."""
+        return [self.name, self.dtype, list(self.shape)]
+
+    @classmethod
+    def from_json(cls, doc: Any) -> VersionFile:
+        """An entry read back from an index (see :meth:`to_json`)."""
+        name, dtype, shape = doc
+        return cls(str(name), str(dtype), tuple(int(x) for x in shape))
 
 
 @dataclass(frozen=True)
@@ -21,12 +60,12 @@ class Version:
     """One complete version of a run's tensors in a node mirror (immutable).
 
     ``step``: the deltasync step (None for an engine's own checkpoint of unknown step);
-    ``files``: checkpoint name -> (data file name, dtype name, shape); ``stats``: what building it cost.
+    ``files``: checkpoint name -> its :class:`VersionFile`; ``stats``: what building it cost.
     """
 
     id: str
     step: int | None
-    files: Mapping[str, tuple[str, str, tuple[int, ...]]]
+    files: Mapping[str, VersionFile]
     data: Path
     stats: Mapping[str, Any] = field(default_factory=dict)
     #: the digest of the step's manifest when built (a run re-created at the same URL does not match)
@@ -35,6 +74,33 @@ class Version:
     #: of its changed flat positions (sorted; int32 or int64)
     base: str | None = None
     positions: Mapping[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """The version's index document (``versions/<id>.json``; the data folder is where it lies)."""
+        return {
+            "format": INDEX_FORMAT,
+            "id": self.id,
+            "step": self.step,
+            "digest": self.digest,
+            "files": {n: f.to_json() for n, f in self.files.items()},
+            "stats": dict(self.stats),
+            "base": self.base,
+            "positions": dict(self.positions),
+        }
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any], data: Path) -> Version:
+        """A version read back from its index (see :meth:`to_json`), its files in ``data``."""
+        return cls(
+            doc["id"],
+            doc["step"],
+            {n: VersionFile.from_json(f) for n, f in doc["files"].items()},
+            data,
+            doc.get("stats", {}),
+            doc.get("digest"),
+            doc.get("base"),
+            doc.get("positions", {}),
+        )
 
     def changed_positions(self, served: Version | None) -> dict[str, Any]:
         """Flat positions of the elements that changed, by name, for the tensors changed sparsely
@@ -66,34 +132,35 @@ class Version:
 
         out: dict[str, Any] = {}
         for name in self.files if names is None else names:
-            file, dtype, shape = self.files[name]
-            have = None if reuse is None else reuse.get(file)
-            if have is not None and str(have.dtype).removeprefix("torch.") == dtype and tuple(have.shape) == shape:
+            entry = self.files[name]
+            have = None if reuse is None else reuse.get(entry.name)
+            if have is not None and VersionFile.of(entry.name, have) == entry:
                 out[name] = have
             else:
-                out[name] = map_tensor(torch, self.data / file, getattr(torch, dtype), shape, read_only=read_only)
+                dtype = getattr(torch, entry.dtype)
+                out[name] = map_tensor(torch, self.data / entry.name, dtype, entry.shape, read_only=read_only)
         return out
 
     def by_file(self, view: Mapping[str, Any]) -> dict[str, Any]:
         """``view`` (this version's tensors by name) by data file name, for :meth:`tensors` ``reuse``."""
-        return {self.files[n][0]: t for n, t in view.items() if n in self.files}
+        return {self.files[n].name: t for n, t in view.items() if n in self.files}
 
     def layout(self) -> dict[str, tuple[Any, tuple[int, ...]]]:
         """checkpoint name -> (torch dtype, shape)."""
         import torch
 
-        return {n: (getattr(torch, d), s) for n, (_, d, s) in self.files.items()}
+        return {n: (getattr(torch, f.dtype), f.shape) for n, f in self.files.items()}
 
     def nbytes(self, names: Iterable[str] | None = None) -> int:
         import torch
 
         total = 0
         for n in self.files if names is None else names:
-            _, dtype, shape = self.files[n]
+            entry = self.files[n]
             numel = 1
-            for d in shape:
+            for d in entry.shape:
                 numel *= d
-            total += numel * getattr(torch, dtype).itemsize
+            total += numel * getattr(torch, entry.dtype).itemsize
         return total
 
 

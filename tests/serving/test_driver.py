@@ -9,6 +9,7 @@ tests/integrations/test_vllm_follow.py.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import httpx
@@ -16,7 +17,8 @@ import pytest
 from scripted_vllm import ScriptedVLLM
 
 from deltasync.errors import DeltaSyncError
-from deltasync.integrations.vllm.driver import VLLMDriver, VLLMServer
+from deltasync.serving.driver import VLLMDriver, VLLMServer
+from deltasync.signal import StepWatcher
 
 
 def _server(fake: ScriptedVLLM, url: str = "http://vllm-a") -> VLLMServer:
@@ -26,6 +28,18 @@ def _server(fake: ScriptedVLLM, url: str = "http://vllm-a") -> VLLMServer:
 def _driver(*fakes: ScriptedVLLM, clock: Any = None, **kw: Any) -> VLLMDriver:
     servers = [_server(f, f"http://vllm-{i}") for i, f in enumerate(fakes)]
     return VLLMDriver(servers, "s3://bucket/run", clock=clock or (lambda: 0.0), **kw)
+
+
+def _seeing(*steps: int | None) -> StepWatcher:
+    """A watcher whose store polls answer ``steps`` in turn, without waiting; it stops after the last."""
+    answers = list(steps)
+    stop = threading.Event()
+
+    def wait(seconds: float) -> None:
+        if not answers:
+            stop.set()
+
+    return StepWatcher(lambda: answers.pop(0), stop=stop, wait=wait)
 
 
 def test_an_update_pauses_runs_the_four_phases_resets_the_prefix_cache_then_resumes() -> None:
@@ -50,8 +64,25 @@ def test_a_refused_step_is_not_finished_and_the_server_resumes_on_its_previous_s
     u = _server(fake).update(4)
     assert (u.state, u.version) == ("rolled_back", "0")
     assert "UpdateRolledBack: step 4: corrupt patch" in (u.error or "")
-    assert "/finish_weight_update" not in fake.calls and fake.calls[3] == "/resume"
+    assert "/finish_weight_update" not in fake.calls
+    assert fake.calls[3:5] == ["/collective_rpc", "/resume"]  # the workers' typed states decide: resume
     assert u.workers == [{"rank": 0, "state": "serving", "step": "0"}]  # the backend's own account
+
+
+def test_a_refused_step_whose_outcome_cannot_be_read_leaves_the_server_paused() -> None:
+    fake = ScriptedVLLM()
+    fake.rolled_back, fake.status_down = {4}, True
+    u = _server(fake).update(4)
+    assert u.state == "failed" and "stays paused" in (u.error or "")
+    assert fake.paused and "/resume" not in fake.calls
+    assert fake.calls.count("/collective_rpc") == 3  # STATUS_TRIES reads, then no guess
+
+
+def test_the_outcome_of_a_refused_step_comes_from_the_workers_states_not_the_error_text() -> None:
+    fake = ScriptedVLLM()
+    fake.broken = {4}  # answers "rank 1: reload failed": no class name in the text
+    u = _server(fake).update(4)
+    assert u.state == "needs_replacement" and fake.paused and "/resume" not in fake.calls
 
 
 def test_a_server_needing_replacement_stays_paused_and_is_never_updated_again() -> None:
@@ -69,7 +100,7 @@ def test_a_server_needing_replacement_stays_paused_and_is_never_updated_again() 
         assert len(fake.calls) == calls
         with pytest.raises(DeltaSyncError, match="every vLLM server needs replacement"):
             other.broken = {4}
-            d.follow([4])
+            d.follow(_seeing(4))
 
 
 def test_a_prefix_cache_that_will_not_reset_leaves_the_server_paused_rather_than_stale() -> None:
@@ -124,7 +155,7 @@ def test_follow_returns_once_every_server_serves_the_target_step() -> None:
     seen: list[tuple[str, int, str]] = []
     with _driver(a, b) as d:
         d.init()
-        out = d.follow(iter([1, None, 3, 4, 5]), until=4, on_update=lambda u: seen.append((u.url, u.step, u.state)))
+        out = d.follow(_seeing(1, None, 3, 4, 5), until=4, on_update=lambda u: seen.append((u.url, u.step, u.state)))
     assert out == {"http://vllm-0": 4, "http://vllm-1": 4}
     assert sorted(seen) == sorted(
         [(f"http://vllm-{i}", s, "serving") for i in (0, 1) for s in (1, 3, 4)]
@@ -298,7 +329,7 @@ def test_all_or_nothing_reports_the_truth_to_the_fleet_view() -> None:
 
 def test_follow_all_or_nothing_reaches_the_driver(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """``deltasync follow --vllm ... --all-or-nothing`` builds its driver in that mode (and not without it)."""
-    import deltasync.integrations.vllm.driver as driver_module
+    import deltasync.serving.driver as driver_module
     from deltasync.cli.main import main
 
     class Built(Exception):

@@ -17,7 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from deltasync.integrations.vllm.scatter import (  # noqa: E402
+from deltasync.serving.engine.scatter import (  # noqa: E402
     Change,
     ScatterLoader,
     ScatterMap,

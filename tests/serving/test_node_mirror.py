@@ -22,9 +22,9 @@ torch = pytest.importorskip("torch")
 from tensors import bits_equal  # noqa: E402
 
 import deltasync as ds  # noqa: E402
-from deltasync.errors import UpdateRolledBack  # noqa: E402
-from deltasync.integrations.vllm.mirror import EngineMirror  # noqa: E402
-from deltasync.integrations.vllm.node import NodeMirror  # noqa: E402
+from deltasync.errors import InventoryMismatch, UpdateRolledBack  # noqa: E402
+from deltasync.serving.engine.mirror import EngineMirror  # noqa: E402
+from deltasync.serving.node.mirror import NodeMirror  # noqa: E402
 
 NAMES = [f"layers.{i}.w" for i in range(8)]
 SHAPE = (128, 64)
@@ -76,11 +76,13 @@ def _worker(url: str, node_dir: Path, engine: Engine, **kw: Any) -> EngineMirror
 
 
 def _data_files(node: NodeMirror) -> set[str]:
-    return {p.name for p in node.data.iterdir()}
+    return {p.name for p in node.versions.data.iterdir()}
 
 
 def _named_files(node: NodeMirror) -> set[str]:
-    return {f for v in node.all_versions() for f in [*(f for f, _, _ in v.files.values()), *v.positions.values()]}
+    return {
+        f for v in node.versions.all_versions() for f in [*(e.name for e in v.files.values()), *v.positions.values()]
+    }
 
 
 def test_workers_share_one_version_and_one_store_read_per_step(tmp_path: Path) -> None:
@@ -92,7 +94,7 @@ def test_workers_share_one_version_and_one_store_read_per_step(tmp_path: Path) -
     for w in workers:
         w.node.on_phase = lambda pid, phase: leaders.append(phase) if phase == "start" else None
     assert workers[0].node.dir == workers[1].node.dir
-    assert len(workers[0].node.all_versions()) == 1  # the seed, written once for both
+    assert len(workers[0].node.versions.all_versions()) == 1  # the seed, written once for both
     store = ds.open_store(url)
     on_disk = []
     for s in range(1, steps + 1):
@@ -100,7 +102,7 @@ def test_workers_share_one_version_and_one_store_read_per_step(tmp_path: Path) -
         served = workers[0]._served
         reports = [w.commit(s) for w in workers]
         assert leaders == ["start"], f"step {s}: {len(leaders)} leaders"  # one build, whichever worker asked first
-        version = workers[0].node.version(s)
+        version = workers[0].node.versions.version(s)
         assert version is not None
         patch = sum(o.size for o in store.list(f"steps/{s:012d}/") if not o.key.endswith("manifest.json"))
         assert version.stats["store_bytes"] == patch  # the step's files, read once for the node
@@ -114,7 +116,7 @@ def test_workers_share_one_version_and_one_store_read_per_step(tmp_path: Path) -
         for e in engines:
             assert _equal(e.weights, _state(s))
         assert all(r.tensors == len(NAMES) for r in reports)
-        on_disk.append(workers[0].node.nbytes_on_disk())
+        on_disk.append(workers[0].node.versions.nbytes_on_disk())
     # memory stays flat: the newest version and its parent (each with the positions of its changes: 4
     # bytes per changed element, ~0.34x a bf16 tensor at 17%), whatever the number of steps
     assert max(on_disk[2:]) <= 2 * 1.4 * MODEL_BYTES
@@ -122,7 +124,7 @@ def test_workers_share_one_version_and_one_store_read_per_step(tmp_path: Path) -
     assert _data_files(workers[0].node) == _named_files(workers[0].node)
     for w in workers:
         w.close()
-    assert not list(workers[0].node.versions.glob("*.json"))  # the last user out removes the versions
+    assert not list(workers[0].node.versions.index.glob("*.json"))  # the last user out removes the versions
 
 
 @pytest.mark.parametrize("phase", ["start", "synced", "wrote", "publish"])
@@ -144,7 +146,7 @@ def test_a_leader_killed_at_any_phase_publishes_nothing(tmp_path: Path, phase: s
     with pytest.raises(UpdateRolledBack, match=r"leader \(pid \d+\) died while building step 2; nothing of that step"):
         worker.commit(2)
     assert killed
-    assert node.version(2) is None and worker.serving == 1
+    assert node.versions.version(2) is None and worker.serving == 1
     assert _equal(engine.weights, _state(1))  # the engine still serves step 1, whole
     assert _data_files(node) == _named_files(node)  # the dead leader's files are gone
     node.on_phase = None
@@ -173,11 +175,12 @@ def test_a_run_recreated_at_the_same_url_is_never_served_from_the_old_versions(t
 def _killed(worker: EngineMirror) -> None:
     """What the node sees of a worker whose process was killed: its registration's lock is released,
     its file stays, and nothing of the mirror is collected (it never closed it)."""
-    fd, path = worker.node._user
-    os.close(fd)
-    worker.node._user = (-1, path)
+    users = worker.node.users
+    path = users.path
+    os.close(users.fd)
+    users.fd = -1
     worker.close()  # the preparer thread only: the node is not told
-    assert path.exists()
+    assert path is not None and path.exists()
 
 
 def test_an_older_step_is_built_next_to_newer_versions_killed_engines_left(tmp_path: Path) -> None:
@@ -194,14 +197,14 @@ def test_an_older_step_is_built_next_to_newer_versions_killed_engines_left(tmp_p
         assert behind.commit(s).step == s
         assert _equal(engine.weights, _state(s))
     node = behind.node
-    assert {v.step for v in node.all_versions()} == {2, 3}  # the newest two published, 4 and 5 collected
+    assert {v.step for v in node.versions.all_versions()} == {2, 3}  # the newest two published, 4 and 5 collected
     assert _data_files(node) == _named_files(node)
     behind.close()  # the last live user: the dead one's registration goes, and every version
-    assert not list(node.versions.glob("*.json")) and not list(node.users.iterdir())
+    assert not list(node.versions.index.glob("*.json")) and not list(node.users.dir.iterdir())
 
 
 def test_the_leader_deletes_what_killed_engines_left_when_it_leaves(tmp_path: Path) -> None:
-    from deltasync.integrations.vllm import _leader_link
+    from deltasync.serving.node import _link
 
     url = _push(tmp_path / "run", range(3))
     worker = _worker(url, tmp_path / "node", Engine(_state(0)))
@@ -209,12 +212,12 @@ def test_the_leader_deletes_what_killed_engines_left_when_it_leaves(tmp_path: Pa
     worker.node.on_phase = lambda pid, phase: pids.append(pid)
     worker.commit(2)
     node = worker.node
-    assert node.version(2) is not None and pids
-    (leader,) = [p for p in _leader_link._children if p.pid == pids[0]]
+    assert node.versions.version(2) is not None and pids
+    (leader,) = [p for p in _link._children if p.pid == pids[0]]
     _killed(worker)  # the only engine of the mirror dies
     assert leader.wait(timeout=120) == 0  # the leader saw nobody uses the mirror and left
-    assert not list(node.versions.glob("*.json")) and not list(node.data.iterdir())
-    assert not list(node.users.iterdir())
+    assert not list(node.versions.index.glob("*.json")) and not list(node.versions.data.iterdir())
+    assert not list(node.users.dir.iterdir())
 
 
 def test_memory_stores_never_share_a_node_dir(tmp_path: Path) -> None:
@@ -232,6 +235,58 @@ def test_memory_stores_never_share_a_node_dir(tmp_path: Path) -> None:
     for m in mirrors:
         m.close()
     assert not private.exists()
+
+
+def test_a_build_in_this_process_reads_with_a_fetcher_of_its_own(tmp_path: Path) -> None:
+    """``max_bytes`` caps the build's own fetcher; the engine's fetcher is read, never changed."""
+    store = ds.MemoryStore("own")
+    with ds.DeltaUploader(store, anchor_bytes_fraction=0) as up:
+        for s in range(3):
+            up.push(_state(s), s).result()
+    fetcher = ds.DeltaFetcher(store)
+    limit = fetcher.max_alloc_bytes
+    engine = Engine({k: torch.zeros_like(v) for k, v in _state(0).items()})
+    capped = EngineMirror(fetcher, engine.load, max_bytes=1024)
+    with pytest.raises(UpdateRolledBack) as refused:
+        capped.commit(1)
+    assert isinstance(refused.value.__cause__, InventoryMismatch)
+    capped.close()
+    mirror = EngineMirror(fetcher, engine.load, max_bytes=2 * MODEL_BYTES)
+    for s in (1, 2):
+        assert mirror.commit(s).step == s and _equal(engine.weights, _state(s))
+    assert fetcher.max_alloc_bytes == limit and fetcher.last_stats is None  # the builds synced with their own
+    mirror.close()
+
+
+def test_a_version_s_index_and_the_leader_s_config_keep_their_form(tmp_path: Path) -> None:
+    """The index on disk and the line a leader reads are what engines of other deltasync versions on the
+    same node read and write: the same keys, a tensor as ``[file, dtype, shape]``."""
+    import json
+
+    from deltasync.serving.node._link import LeaderConfig
+    from deltasync.serving.node.versions import Version, VersionFile
+
+    url = _push(tmp_path / "run", range(1))
+    worker = _worker(url, tmp_path / "node", Engine(_state(0)))
+    (seed,) = worker.node.versions.all_versions()
+    doc = json.loads((worker.node.versions.index / f"{seed.id}.json").read_text())
+    assert sorted(doc) == ["base", "digest", "files", "format", "id", "positions", "stats", "step"]
+    assert doc["format"] == 1 and doc["step"] == 0 and doc["digest"] is not None
+    file, dtype, shape = doc["files"][NAMES[0]]
+    assert (dtype, shape) == ("bfloat16", list(SHAPE)) and (worker.node.versions.data / file).exists()
+    assert seed.files[NAMES[0]] == VersionFile(file, "bfloat16", SHAPE)
+    assert Version.from_json(seed.to_json(), seed.data) == seed
+    worker.close()
+    config = LeaderConfig(tmp_path / "node" / "x", url, "full", b"\x01key", 1 << 20)
+    line = json.loads(config.to_json())
+    assert line == {
+        "dir": str(tmp_path / "node" / "x"),
+        "store": url,
+        "verify": "full",
+        "signing_key": "016b6579",
+        "max_bytes": 1 << 20,
+    }
+    assert LeaderConfig.from_json(config.to_json()) == config
 
 
 def test_an_engine_writing_only_the_changed_elements_ends_bit_exact(tmp_path: Path) -> None:
@@ -302,7 +357,7 @@ def _ptrs(view: dict[str, Any]) -> set[int]:
 
 def test_the_versions_an_engine_serves_and_prepares_stay_registered_and_nothing_else(tmp_path: Path) -> None:
     from deltasync.fetcher.metrics import SyncMetrics
-    from deltasync.integrations.vllm.pinning import HostPins
+    from deltasync.serving.engine.pinning import HostPins
 
     url = _push(tmp_path / "run", range(5))
     cuda = FakeCuda()
@@ -338,7 +393,7 @@ def test_the_versions_an_engine_serves_and_prepares_stay_registered_and_nothing_
 def test_an_engine_whose_pages_cannot_be_registered_updates_from_pageable_memory(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from deltasync.integrations.vllm.pinning import HostPins
+    from deltasync.serving.engine.pinning import HostPins
 
     url = _push(tmp_path / "run", range(3))
     pins = HostPins(FakeCuda(refuse=True).register, lambda ptr: None)
@@ -354,7 +409,7 @@ def test_an_engine_whose_pages_cannot_be_registered_updates_from_pageable_memory
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_cuda_engine_updates_bit_exact_from_registered_pages(tmp_path: Path) -> None:
-    from deltasync.integrations.vllm.pinning import HostPins
+    from deltasync.serving.engine.pinning import HostPins
 
     url = _push(tmp_path / "run", range(4))
     pins = HostPins()
@@ -433,7 +488,7 @@ def test_a_full_filesystem_is_a_clear_error_and_leaves_the_engine_and_the_node_a
     """The build runs in this process here (``spawn=False``) so that the write can fail on cue: the
     filesystem fills up on the third file of step 1 (test_a_real_full_tmpfs_... runs the leader on a
     real full tmpfs where the machine lets it mount one)."""
-    from deltasync.integrations.vllm import node as node_module
+    from deltasync.serving.node import store as node_module
 
     url = _push(tmp_path / "run", range(2))
     engine = Engine(_state(0))
@@ -454,7 +509,7 @@ def test_a_full_filesystem_is_a_clear_error_and_leaves_the_engine_and_the_node_a
         worker.commit(1)
     _no_room_said(caught.value)
     assert worker.serving == 0 and _equal(engine.weights, _state(0))
-    assert [v.step for v in node.all_versions()] == [0]
+    assert [v.step for v in node.versions.all_versions()] == [0]
     assert _data_files(node) == _named_files(node)  # nothing of the unfinished version is left
     monkeypatch.setattr(node_module, "write_tensor", real)  # room again: the same step goes through
     assert worker.commit(1).step == 1 and _equal(engine.weights, _state(1))
@@ -463,7 +518,7 @@ def test_a_full_filesystem_is_a_clear_error_and_leaves_the_engine_and_the_node_a
 
 def test_a_seed_that_does_not_fit_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from deltasync.errors import DeltaSyncError
-    from deltasync.integrations.vllm import node as node_module
+    from deltasync.serving.node import store as node_module
 
     url = _push(tmp_path / "run", range(1))
     calls = [0]
@@ -515,7 +570,7 @@ def test_a_real_full_tmpfs_fails_the_leaders_build_clearly_and_the_engine_keeps_
     _no_room_said(caught.value)
     assert worker.serving == 0 and _equal(engine.weights, _state(0))
     node = worker.node
-    assert [v.step for v in node.all_versions()] == [0] and _data_files(node) == _named_files(node)
+    assert [v.step for v in node.versions.all_versions()] == [0] and _data_files(node) == _named_files(node)
     subprocess.run(["mount", "-o", "remount,size=2m", str(small_tmpfs)], check=True)
     assert worker.commit(1).step == 1 and _equal(engine.weights, _state(1))
     worker.close()

@@ -148,7 +148,8 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.segments: list[Segment] = []
         self.bad: str | None = None
 
-    def _fail(self, why: str) -> None:
+    def fail(self, why: str) -> None:
+        """Mark this trace unmappable (the first reason is kept)."""
         if self.bad is None:
             self.bad = why
 
@@ -169,31 +170,31 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if isinstance(dst, torch.Tensor) and dst.numel() == 0:
             return dst  # writes nothing
         if func is not torch.ops.aten.copy_.default:
-            self._fail(f"the load does {func} on a tensor")
+            self.fail(f"the load does {func} on a tensor")
             return dst
         src = args[1]
         assert isinstance(dst, torch.Tensor)
         if not isinstance(src, torch.Tensor) or not src.is_meta or self.root is None:
-            self._fail("the load copies something that is not the checkpoint tensor")
+            self.fail("the load copies something that is not the checkpoint tensor")
             return dst
         base = src._base if src._base is not None else src
         if base is not self.root:
-            self._fail("the load copies a transformed checkpoint tensor (a new tensor, not a view)")
+            self.fail("the load copies a transformed checkpoint tensor (a new tensor, not a view)")
             return dst
         if src.dtype != dst.dtype or tuple(src.shape) != tuple(dst.shape):
-            self._fail(
+            self.fail(
                 f"the load casts or broadcasts ({src.dtype} {tuple(src.shape)} -> {dst.dtype} {tuple(dst.shape)})"
             )
             return dst
         param = self.params.get(_storage_key(dst)) if not dst.is_meta else None
         if param is None:
-            self._fail("the load writes a tensor that is not a parameter")
+            self.fail("the load writes a tensor that is not a parameter")
             return dst
         if not _nested(src.shape, src.stride()):
-            self._fail("the checkpoint view overlaps itself (broadcast or expanded)")
+            self.fail("the checkpoint view overlaps itself (broadcast or expanded)")
             return dst
         if not _nested(dst.shape, dst.stride()):
-            self._fail("the parameter view overlaps itself")
+            self.fail("the parameter view overlaps itself")
             return dst
         self.segments.append(
             Segment(
@@ -218,7 +219,8 @@ class ScatterMap:
 
     maps: dict[str, list[Segment]]
     unmapped: dict[str, str]
-    _storages: dict[str, tuple[str, int]] = field(default_factory=dict)
+    #: parameter name -> the storage it had when the map was traced (see :meth:`stale`)
+    storages: dict[str, tuple[str, int]] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(
@@ -240,13 +242,13 @@ class ScatterMap:
                 with torch.no_grad(), rec:
                     loader(iter([(name, root)]))
             except Exception as exc:  # noqa: BLE001 - any failure on meta data: the loader handles this name
-                rec._fail(f"the load fails on a shape-only tensor ({type(exc).__name__}: {exc})")
+                rec.fail(f"the load fails on a shape-only tensor ({type(exc).__name__}: {exc})")
             swapped = [n for n, t in named.items() if (t.device, t.data_ptr(), tuple(t.shape), t.stride()) != before[n]]
             for n in swapped:  # a loader that replaced param.data: put it back, never map that name
                 named[n].data = saved[n]
-                rec._fail(f"the load replaces {n}")
+                rec.fail(f"the load replaces {n}")
             if rec.bad is None and not rec.segments:
-                rec._fail("the load writes nothing visible")
+                rec.fail("the load writes nothing visible")
             if rec.bad is None:
                 maps[name] = _checked(name, rec.segments, shape)
             else:
@@ -254,8 +256,7 @@ class ScatterMap:
         for name, why in _overlapping(maps).items():
             del maps[name]
             unmapped[name] = why
-        out = cls(maps, unmapped)
-        out._storages = {n: _storage_key(t) for n, t in named.items() if not t.is_meta and t.numel() > 0}
+        out = cls(maps, unmapped, {n: _storage_key(t) for n, t in named.items() if not t.is_meta and t.numel() > 0})
         if unmapped:
             log.info("%d of %d tensors load through the loader only: %s", len(unmapped), len(layout), _first(unmapped))
         return out
@@ -264,7 +265,7 @@ class ScatterMap:
         """Whether the engine's parameters are not the ones this map writes into any more."""
         named = _tensors(model)
         now = {n: _storage_key(t) for n, t in named.items() if not t.is_meta and t.numel() > 0}
-        return now != self._storages
+        return now != self.storages
 
 
 def _overlapping(maps: Mapping[str, list[Segment]]) -> dict[str, str]:

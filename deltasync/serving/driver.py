@@ -1,0 +1,606 @@
+"""Drive running vLLM servers over HTTP: keep each at a run's newest committed step.
+
+A :class:`VLLMServer` is one ``vllm serve`` process started with the deltasync weight-transfer
+backend (``--weight-transfer-config '{"backend": "deltasync"}'``, ``VLLM_SERVER_DEV_MODE=1``).
+:meth:`VLLMServer.update` runs the whole update sequence, so that nothing the server answers after
+it returns depends on the previous weights:
+
+1. ``POST /pause?mode=wait`` (default): let in-flight requests finish, hold new ones, clear the
+   caches. ``abort`` drops in-flight requests instead; ``keep`` freezes them and they continue on
+   the new weights after the update (their earlier tokens came from the old ones: a mixed sample,
+   which an RL loop must accept knowingly).
+2. ``POST /start_weight_update``, ``POST /update_weights {"update_info": {"step": N}}``,
+   ``POST /finish_weight_update {"weight_version": "N"}``: the backend's four phases (every worker
+   downloads, verifies and applies the step, or none does).
+3. ``POST /reset_prefix_cache``: KV blocks computed with the old weights are dropped (vLLM's
+   prefix cache outlives a weight update otherwise), then ``POST /resume``.
+
+A failed update leaves the server at its previous step (``rolled_back``: it is resumed) or, when
+the backend could not restore it either, ``needs_replacement`` (it stays paused: its weights are
+neither step). :class:`VLLMDriver` runs the sequence on several servers at once, follows a run (the
+signal server or the store) and backs off before retrying a step a server refused. With ``signal=``
+it reports each server to the signal server's fleet view as one replica (a
+:class:`~deltasync.signal.FleetReporter` per server: after init, after each update, and as a
+heartbeat), so that a trainer can wait for the fleet (docs/fleet.md).
+
+This module talks HTTP only: it imports neither vLLM nor torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx
+
+from deltasync._retry import Backoff, RetryPolicy
+from deltasync.errors import DeltaSyncError
+from deltasync.signal import FleetReporter, FollowLoop, ReplicaState, StepWatcher, replica_name
+
+__all__ = ["PauseMode", "ServerUpdate", "UpdateOutcome", "VLLMDriver", "VLLMServer"]
+
+log = logging.getLogger("deltasync.vllm.driver")
+
+PauseMode = Literal["wait", "abort", "keep"]
+PAUSE_MODES: tuple[str, ...] = ("wait", "abort", "keep")
+#: reads of the workers' states after a refused update before the server is left paused as unknown
+STATUS_TRIES = 3
+#: What one update sequence did to one server (see :attr:`ServerUpdate.state`). An outcome, not the
+#: server's state in the fleet view: :data:`FLEET_STATES` maps one to the other.
+UpdateOutcome = Literal["serving", "rolled_back", "held_back", "needs_replacement", "unreachable", "failed"]
+#: The fleet view's state of a server after the outcome of its own update: one that kept its previous
+#: step after its update failed is ``failed`` (it still serves that step, bit-exact; the driver retries);
+#: one an all-or-nothing rollout held back was never touched: ``serving``. (A server that took the step
+#: and was brought back because another one refused it is healthy too: ``serving``, see ``_Tracked.report``.)
+FLEET_STATES: dict[UpdateOutcome, ReplicaState] = {
+    "serving": "serving",
+    "rolled_back": "failed",
+    "held_back": "serving",
+    "needs_replacement": "needs_replacement",
+    "unreachable": "failed",
+    "failed": "failed",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ServerUpdate:
+    """What one server did with one step."""
+
+    url: str
+    step: int
+    #: "serving": the server serves ``step``; "rolled_back": it refused the step and serves its previous
+    #: weights, bit-exact; "needs_replacement": its weights are neither step, it stays paused (restart it);
+    #: "unreachable": no answer (it keeps whatever it had); "failed": any other error (see ``error``);
+    #: "held_back": an all-or-nothing rollout of ``step`` failed elsewhere before this server was updated:
+    #: it was not touched and serves its previous step ("rolled_back" there: it took the step and was
+    #: brought back to its previous one, bit-exact)
+    state: UpdateOutcome
+    #: the server's weight version after the sequence (``str(step)`` when serving), None when unknown
+    version: str | None
+    #: seconds from the pause to the resume: how long the server did not generate
+    pause_s: float
+    error: str | None = None
+    #: ``deltasync_status`` of each worker after a failure (None without the worker extension)
+    workers: list[dict[str, Any]] | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Whether the server now serves ``step``."""
+        return self.state == "serving"
+
+
+class VLLMServer:
+    """One vLLM server's HTTP API, as deltasync uses it. ``api_key``: vLLM's ``--api-key``, if set."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout: float = 600.0,
+        api_key: str | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(base_url=self.url, timeout=timeout, headers=headers, transport=transport)
+
+    def __repr__(self) -> str:
+        return f"VLLMServer({self.url!r})"
+
+    def close(self) -> None:
+        """Close the HTTP connections."""
+        self._http.close()
+
+    def _post(self, path: str, **kw: Any) -> httpx.Response:
+        return self._http.post(path, **kw)
+
+    def _ok(self, r: httpx.Response, what: str) -> httpx.Response:
+        if r.status_code == 404:
+            raise DeltaSyncError(
+                f"{self.url}{r.request.url.path}: not found (HTTP 404). {what} needs a vLLM >= 0.22 server started "
+                'with VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config \'{"backend": "deltasync"}\''
+            )
+        if r.status_code >= 400:
+            raise DeltaSyncError(f"{self.url}: {what} failed: HTTP {r.status_code}: {_detail(r)}")
+        return r
+
+    def weight_version(self) -> str | None:
+        """The weight version the server reports (deltasync sets it to the step)."""
+        r = self._ok(self._http.get("/weight_info"), "GET /weight_info")
+        v = r.json().get("weight_version")
+        return None if v is None else str(v)
+
+    def init(self, store: str, *, prefetch: bool = True, **init_info: Any) -> None:
+        """Point every worker's deltasync backend at ``store`` (once); ``prefetch``: each worker prepares new
+        steps in the background while the server generates, so an update only pauses to load them."""
+        info = {"store": store, "prefetch": prefetch, **init_info}
+        self._ok(self._post("/init_weight_transfer_engine", json={"init_info": info}), "init_weight_transfer_engine")
+
+    def workers(self) -> list[dict[str, Any]] | None:
+        """Each worker's ``deltasync_status`` (step, state, last error); None when the server cannot say
+        (no worker extension: start it with ``--worker-extension-cls
+        deltasync.integrations.vllm.backend.DeltasyncWorkerExtension``)."""
+        try:
+            r = self._post("/collective_rpc", json={"method": "deltasync_status"})
+        except httpx.HTTPError:
+            return None
+        if r.status_code != 200:
+            return None
+        body = r.json()
+        results = body.get("results") if isinstance(body, dict) else body
+        return [x for x in results if isinstance(x, dict)] if isinstance(results, list) else None
+
+    def prepare(self, step: int) -> None:
+        """Bring every worker's mirror to ``step`` (download, verify, decode) without touching the weights
+        or pausing; returns once every worker has it. Raises :class:`DeltaSyncError` naming the failure
+        (``httpx.HTTPError`` when the server does not answer). Needs ``/collective_rpc`` (dev mode) and
+        deltasync's worker methods (the plugin, or ``--worker-extension-cls``)."""
+        r = self._post("/collective_rpc", json={"method": "deltasync_prepare", "kwargs": {"step": step, "wait": True}})
+        if r.status_code == 404:
+            self._ok(r, "collective_rpc deltasync_prepare")
+        if r.status_code != 200:
+            raise DeltaSyncError(f"{self.url}: step {step} could not be prepared: HTTP {r.status_code}: {_detail(r)}")
+        body = r.json()
+        results = body.get("results") if isinstance(body, dict) else None
+        if not isinstance(results, list):
+            raise DeltaSyncError(
+                f"{self.url}: deltasync_prepare answered {str(body)[:300]!r}: not deltasync's worker API"
+            )
+        errors = [
+            f"rank {w.get('rank', i)}: {w['error']}"
+            for i, w in enumerate(results)
+            if isinstance(w, dict) and w.get("error")
+        ]
+        if errors:
+            raise DeltaSyncError(f"{self.url}: step {step} could not be prepared: {'; '.join(errors)}")
+
+    def update(self, step: int, *, pause_mode: PauseMode = "wait", cache_retries: int = 20) -> ServerUpdate:
+        """Run the whole update sequence for ``step`` (see the module doc); never raises."""
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
+        t0 = time.perf_counter()
+        try:
+            self._ok(
+                self._post("/pause", params={"mode": pause_mode, "clear_cache": "true"}), f"pause (mode={pause_mode})"
+            )
+        except (httpx.HTTPError, DeltaSyncError) as exc:
+            state: UpdateOutcome = "unreachable" if isinstance(exc, httpx.HTTPError) else "failed"
+            return ServerUpdate(self.url, step, state, None, time.perf_counter() - t0, f"pause: {_text(exc)}")
+        resume = True
+        state, error = "serving", None
+        workers: list[dict[str, Any]] | None = None
+        asked = False  # the workers' states were read already
+        try:
+            self._ok(self._post("/start_weight_update"), "start_weight_update")
+            r = self._post("/update_weights", json={"update_info": {"step": step}})
+            if r.status_code != 200:
+                # the backend closed the update itself: no finish_weight_update. Whether the engine's
+                # weights were put back is read from its workers' states, never from the error's text
+                error = f"update_weights: HTTP {r.status_code}: {_detail(r)}"
+                asked = True
+                for _ in range(STATUS_TRIES):  # vLLM may drop the connection of a failed request
+                    workers = self.workers()
+                    if workers is not None:
+                        break
+                if workers is None:  # its weights may be neither step: it must not serve
+                    state, resume = "failed", False
+                    error += (
+                        "; its workers' states cannot be read after the refused update, so it stays paused: check "
+                        "deltasync_status, then POST /resume (or restart it)"
+                    )
+                else:
+                    lost = any(w.get("state") == "needs_replacement" for w in workers)
+                    state = "needs_replacement" if lost else "rolled_back"
+                    resume = not lost
+            else:
+                self._ok(
+                    self._post("/finish_weight_update", json={"weight_version": str(step)}), "finish_weight_update"
+                )
+                self._reset_prefix_cache(pause_mode, cache_retries)
+        except (httpx.HTTPError, DeltaSyncError) as exc:
+            state, error = "failed", _text(exc)
+            if isinstance(exc, DeltaSyncError) and "prefix cache" in str(exc):
+                resume = False  # serving would answer from KV of the old weights: stay paused, say so
+        finally:
+            if resume:
+                try:
+                    self._ok(self._post("/resume"), "resume")
+                except (httpx.HTTPError, DeltaSyncError) as exc:
+                    state, error = "failed", f"{error + '; ' if error else ''}resume: {_text(exc)}"
+        pause_s = time.perf_counter() - t0
+        version = None
+        try:
+            version = self.weight_version()
+        except (httpx.HTTPError, DeltaSyncError) as exc:
+            error = f"{error + '; ' if error else ''}weight_info: {_text(exc)}"
+        if state == "serving" and version != str(step):
+            state, error = "failed", f"the server reports weight version {version!r} after updating to step {step}"
+        if state != "serving" and not asked:
+            workers = self.workers()
+        if workers and any(w.get("state") == "needs_replacement" for w in workers):
+            state = "needs_replacement"
+        return ServerUpdate(self.url, step, state, version, pause_s, error, workers)
+
+    def _reset_prefix_cache(self, pause_mode: str, retries: int) -> None:
+        params = {"reset_running_requests": "true"} if pause_mode == "keep" else {}
+        for attempt in range(retries + 1):
+            r = self._ok(self._post("/reset_prefix_cache", params=params), "reset_prefix_cache")
+            if r.json().get("success", True):
+                return
+            if attempt < retries:  # blocks still held (async KV transfers): vLLM says to retry
+                threading.Event().wait(min(0.05 * 2**attempt, 1.0))
+        raise DeltaSyncError(
+            f"{self.url}: the prefix cache could not be reset after the update ({retries + 1} tries); the server stays "
+            "paused rather than answer from KV computed with the previous weights. POST /reset_prefix_cache, then "
+            "/resume, once it succeeds"
+        )
+
+
+@dataclass(slots=True)
+class _Tracked:
+    server: VLLMServer
+    serving: int | None = None
+    refused: int | None = None  # the step it refused last
+    retry_at: float = 0.0
+    backoff: Backoff = field(default_factory=lambda: Backoff(RetryPolicy(retries=0, backoff=2.0, max_backoff=60.0)))
+    replace: bool = False  # needs replacement: never updated again
+    reporter: FleetReporter | None = None
+
+    def report(self, u: ServerUpdate | None = None, *, brought_back: bool = False) -> None:
+        """Tell the fleet view what this server serves now: after init, or after update ``u``
+        (:data:`FLEET_STATES`), with why it did not take ``u.step``. ``brought_back``: it took the step
+        and an all-or-nothing rollout brought it back to its previous one, where it is healthy."""
+        if self.reporter is None:
+            return
+        if u is None or u.ok:
+            self.reporter.update(self.serving, "serving" if self.serving is not None else "starting")
+        else:
+            state: ReplicaState = "serving" if brought_back else FLEET_STATES[u.state]
+            self.reporter.update(self.serving, state, last_error=f"step {u.step}: {u.state}: {u.error}")
+
+
+class VLLMDriver:
+    """Keep several vLLM servers at a run's newest committed step (see the module doc).
+
+    ``store``: the run's store URL as the servers reach it (they download the steps themselves;
+    updates carry only a step number). ``clock``: for the retry backoff (tests inject one).
+    ``signal`` / ``signal_token`` / ``run``: report each server to this signal server's fleet view of
+    ``run`` (a report, subscribe or publish token), as replica ``replicas[i]`` (default: the server
+    URL's ``host:port``), every ``heartbeat`` seconds and at each change.
+    ``all_or_nothing``: roll each step out to every server or to none (see :meth:`rollout`).
+    """
+
+    def __init__(
+        self,
+        servers: Sequence[str | VLLMServer],
+        store: str,
+        *,
+        pause_mode: PauseMode = "wait",
+        timeout: float = 600.0,
+        api_key: str | None = None,
+        prefetch: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+        signal: str | None = None,
+        signal_token: str | None = None,
+        run: str | None = None,
+        replicas: Sequence[str] | None = None,
+        heartbeat: float = 10.0,
+        all_or_nothing: bool = False,
+    ) -> None:
+        if not servers:
+            raise ValueError("VLLMDriver needs at least one server URL")
+        if signal is not None and run is None:
+            raise ValueError("VLLMDriver(signal=...) needs run=: the run's name at the signal server")
+        if replicas is not None and len(replicas) != len(servers):
+            raise ValueError(f"replicas names {len(replicas)} replicas for {len(servers)} servers")
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
+        self.store, self.pause_mode, self.prefetch = store, pause_mode, prefetch
+        self.all_or_nothing = all_or_nothing
+        self._clock = clock
+        self._servers = [
+            _Tracked(s if isinstance(s, VLLMServer) else VLLMServer(s, timeout=timeout, api_key=api_key))
+            for s in servers
+        ]
+        if signal is not None and run is not None:
+            for i, t in enumerate(self._servers):
+                name = replicas[i] if replicas is not None else replica_name(httpx.URL(t.server.url).netloc.decode())
+                t.reporter = FleetReporter(signal, run, signal_token, replica=name, heartbeat=heartbeat)
+        self._pool = ThreadPoolExecutor(len(self._servers), thread_name_prefix="deltasync-vllm")
+        #: every update run, in order
+        self.history: list[ServerUpdate] = []
+
+    @property
+    def servers(self) -> list[VLLMServer]:
+        """The servers driven."""
+        return [t.server for t in self._servers]
+
+    def reports_delivered(self, timeout: float | None = None) -> bool:
+        """Wait until every server's current state reached the signal server (True without ``signal``)."""
+        return all(t.reporter.wait_reported(timeout) for t in self._servers if t.reporter is not None)
+
+    def close(self) -> None:
+        """Close the HTTP connections (the servers keep running) and leave the fleet view."""
+        self._pool.shutdown(wait=True)
+        for t in self._servers:
+            t.server.close()
+            if t.reporter is not None:
+                t.reporter.close()
+
+    def __enter__(self) -> VLLMDriver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def init(self) -> None:
+        """Point every server's backend at the store (raises DeltaSyncError naming each server that failed)."""
+
+        def one(t: _Tracked) -> str | None:
+            try:
+                t.server.init(self.store, prefetch=self.prefetch)
+                v = t.server.weight_version()
+                t.serving = int(v) if v is not None and v.isdigit() else None
+            except (httpx.HTTPError, DeltaSyncError) as exc:
+                if t.reporter is not None:
+                    t.reporter.update(None, "failed", last_error=f"init: {_text(exc)}")
+                return f"{t.server.url}: {_text(exc)}"
+            t.report()
+            return None
+
+        errors = [e for e in self._pool.map(one, self._servers) if e]
+        if errors:
+            raise DeltaSyncError("could not set up deltasync on every vLLM server: " + "; ".join(errors))
+
+    def update(self, step: int) -> list[ServerUpdate]:
+        """Update every server to ``step`` now, in parallel (servers already at it are left alone); one
+        outcome per server, in the order given. With ``all_or_nothing``: :meth:`rollout`."""
+        if self.all_or_nothing:
+            return self.rollout(step)
+        futs = [self._pool.submit(self._update_one, t, step) for t in self._servers]
+        return [f.result() for f in futs]
+
+    def _update_one(self, t: _Tracked, step: int) -> ServerUpdate:
+        if t.replace:
+            return ServerUpdate(t.server.url, step, "needs_replacement", None, 0.0, "restart this server")
+        if t.serving == step:
+            return ServerUpdate(t.server.url, step, "serving", str(step), 0.0)
+        u = t.server.update(step, pause_mode=self.pause_mode)
+        self.history.append(u)
+        if u.ok:
+            t.serving, t.refused = step, None
+            t.backoff.reset()
+        else:
+            t.refused = step
+            t.retry_at = self._clock() + t.backoff.next_delay()
+            t.replace = u.state == "needs_replacement"
+            log.warning("%s: step %d not served (%s): %s", t.server.url, step, u.state, u.error)
+        t.report(u)
+        return u
+
+    def catch_up(self, newest: int) -> list[ServerUpdate]:
+        """Update each server that is behind ``newest`` and not waiting out a backoff on that very step."""
+        now = self._clock()
+        due = [
+            t
+            for t in self._servers
+            if not t.replace
+            and (t.serving is None or t.serving < newest)
+            and not (t.refused == newest and now < t.retry_at)
+        ]
+        if self.all_or_nothing:
+            return self.rollout(newest) if due else []
+        futs = [self._pool.submit(self._update_one, t, newest) for t in due]
+        return [f.result() for f in futs]
+
+    # ---------------------------------------------------------------- all or nothing
+
+    def rollout(self, step: int) -> list[ServerUpdate]:
+        """Make every server serve ``step``, or none: one outcome per server, in the order given.
+
+        1. Every server that does not serve ``step`` yet prepares it (:meth:`VLLMServer.prepare`: each
+           worker downloads, verifies and decodes it while the server keeps generating). If one
+           cannot, no server is updated: each is ``held_back`` (the one that failed: ``failed`` or
+           ``unreachable``).
+        2. Every one of them is updated (the whole pause sequence, in parallel). If one does not take
+           the step, each server that took it is updated back to the step it served before (the node
+           mirror keeps the newest two versions: nothing is downloaded) and is reported
+           ``rolled_back``, at that step.
+
+        Refused up front (every server ``held_back``, nothing touched): a server that needs replacement,
+        or one whose previous step is not known (it could not be brought back). Only if bringing a
+        server back fails too do the servers end at different steps: that server's outcome says what
+        it serves (``state`` and ``version``), with the error; the driver logs it as an error.
+        A failed rollout is retried by :meth:`catch_up` after the backoff, as a whole.
+        """
+        todo = [t for t in self._servers if t.serving != step]
+        if not todo:
+            return [ServerUpdate(t.server.url, step, "serving", str(step), 0.0) for t in self._servers]
+        previous = {id(t): t.serving if t.serving is not None else _agreed_step(t.server) for t in todo}
+        why = [f"{t.server.url} needs replacement" for t in self._servers if t.replace] + [
+            f"{t.server.url} serves no known step (it could not be brought back)"
+            for t in todo
+            if previous[id(t)] is None
+        ]
+        if why:
+            replace = {
+                id(t): ServerUpdate(t.server.url, step, "needs_replacement", None, 0.0, "restart this server")
+                for t in todo
+                if t.replace
+            }
+            return self._held(step, todo, replace, f"step {step} not rolled out: {'; '.join(why)}")
+        # 1. prepare everywhere (nothing paused)
+        failed: dict[int, ServerUpdate] = {}
+        for t, err in zip(todo, self._pool.map(lambda t: self._prepare_one(t, step), todo), strict=True):
+            if err is not None:
+                failed[id(t)] = err
+        if failed:
+            names = ", ".join(u.url for u in failed.values())
+            return self._held(step, todo, failed, f"step {step} not rolled out: {names} could not prepare it")
+        # 2. update everywhere
+        futs = [self._pool.submit(t.server.update, step, pause_mode=self.pause_mode) for t in todo]
+        took = {id(t): u for t, u in zip(todo, (f.result() for f in futs), strict=True)}
+        self.history.extend(took.values())
+        refused = [t for t in todo if not took[id(t)].ok]
+        if not refused:
+            for t in todo:
+                t.serving, t.refused = step, None
+                t.backoff.reset()
+                t.report(took[id(t)])
+            return self._in_order(step, took)
+        # 3. bring back every server that took it
+        names = ", ".join(t.server.url for t in refused)
+        back_futs = {
+            id(t): self._pool.submit(t.server.update, previous[id(t)], pause_mode=self.pause_mode)  # type: ignore[arg-type]
+            for t in todo
+            if took[id(t)].ok
+        }
+        out: dict[int, ServerUpdate] = {}
+        for t in todo:
+            u = took[id(t)]
+            if not u.ok:
+                out[id(t)] = u
+                t.replace = u.state == "needs_replacement"
+                t.report(u)
+                continue
+            prev = previous[id(t)]
+            b = back_futs[id(t)].result()
+            self.history.append(b)
+            pause = u.pause_s + b.pause_s
+            if b.ok:
+                t.serving = prev
+                why_back = f"step {step} was not taken by {names}; brought back to step {prev}"
+                out[id(t)] = ServerUpdate(t.server.url, step, "rolled_back", b.version, pause, why_back, b.workers)
+                t.report(out[id(t)], brought_back=True)
+                continue
+            else:
+                # it still serves ``step`` when the way back was refused (rolled back to ``step``)
+                still = b.state == "rolled_back" and b.version == str(step)
+                t.serving = step if still else (int(b.version) if b.version and b.version.isdigit() else None)
+                t.replace = b.state == "needs_replacement"
+                state: UpdateOutcome = "serving" if still else b.state
+                broken = f"step {step} was not taken by {names}, and bringing this server back to step {prev} failed"
+                log.error("all-or-nothing rollout of step %d: %s: %s (%s)", step, t.server.url, broken, b.error)
+                out[id(t)] = ServerUpdate(
+                    t.server.url, step, state, b.version, pause, f"{broken}: {b.error}", b.workers
+                )
+            t.report(out[id(t)])
+        self._back_off(todo, step)
+        return self._in_order(step, out)
+
+    def _prepare_one(self, t: _Tracked, step: int) -> ServerUpdate | None:
+        t0 = time.perf_counter()
+        try:
+            t.server.prepare(step)
+        except (httpx.HTTPError, DeltaSyncError) as exc:
+            state: UpdateOutcome = "unreachable" if isinstance(exc, httpx.HTTPError) else "failed"
+            return ServerUpdate(t.server.url, step, state, None, time.perf_counter() - t0, f"prepare: {_text(exc)}")
+        return None
+
+    def _held(self, step: int, todo: list[_Tracked], failed: dict[int, ServerUpdate], why: str) -> list[ServerUpdate]:
+        """Outcomes of a rollout stopped before any server was updated: every server keeps its step."""
+        out: dict[int, ServerUpdate] = {}
+        for t in todo:
+            u = failed.get(id(t))
+            if u is None:
+                version = None if t.serving is None else str(t.serving)
+                u = ServerUpdate(t.server.url, step, "held_back", version, 0.0, why)
+            t.report(u)
+            out[id(t)] = u
+        log.warning("%s", why)
+        self._back_off(todo, step)
+        return self._in_order(step, out)
+
+    def _back_off(self, todo: list[_Tracked], step: int) -> None:
+        now = self._clock()
+        for t in todo:
+            t.refused = step
+            t.retry_at = now + t.backoff.next_delay()
+
+    def _in_order(self, step: int, out: dict[int, ServerUpdate]) -> list[ServerUpdate]:
+        return [out.get(id(t)) or ServerUpdate(t.server.url, step, "serving", str(step), 0.0) for t in self._servers]
+
+    def serving(self) -> dict[str, int | None]:
+        """The step each server serves, as far as this driver knows."""
+        return {t.server.url: t.serving for t in self._servers}
+
+    def follow(
+        self,
+        watcher: StepWatcher,
+        *,
+        until: int | None = None,
+        on_update: Callable[[ServerUpdate], None] | None = None,
+    ) -> dict[str, int | None]:
+        """Catch the servers up with the newest step ``watcher`` sees (:class:`~deltasync.signal.FollowLoop`;
+        a server that refused a step is retried after its own backoff, see :meth:`catch_up`); returns
+        once every server serves ``until``, or the watcher's ``stop`` is set. Raises
+        :class:`DeltaSyncError` once every server needs replacement."""
+
+        def act(step: int) -> None:
+            for u in self.catch_up(step):
+                if on_update is not None:
+                    on_update(u)
+            held = self._oldest_served()
+            if all(t.replace for t in self._servers) and (until is None or held is None or held < until):
+                raise DeltaSyncError("every vLLM server needs replacement; restart them")
+
+        FollowLoop(watcher, act, held=self._oldest_served, retry_on=(), until=until).run()
+        return self.serving()
+
+    def _oldest_served(self) -> int | None:
+        """The step every server serves at least (None while one serves no known step)."""
+        steps = [t.serving for t in self._servers]
+        return None if any(s is None for s in steps) else min(s for s in steps if s is not None)
+
+
+def _agreed_step(server: VLLMServer) -> int | None:
+    """The deltasync step every worker of ``server`` says it serves (a server started from a checkpoint
+    dir written by ``materialize`` knows it before its first update), else None."""
+    workers = server.workers()
+    steps = {w.get("step") for w in workers or []}
+    if len(steps) != 1:
+        return None
+    (step,) = steps
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def _detail(r: httpx.Response) -> str:
+    try:
+        body = r.json()
+    except ValueError:
+        return r.text[:500]
+    if isinstance(body, dict):
+        for k in ("error", "detail", "message"):
+            if k in body:
+                v = body[k]
+                return str(v["message"] if isinstance(v, dict) and "message" in v else v)[:500]
+    return str(body)[:500]
+
+
+def _text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if isinstance(exc, httpx.HTTPError) else str(exc)

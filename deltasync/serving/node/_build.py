@@ -1,0 +1,141 @@
+"""Building a node mirror's version of a step: the leader's work (see :mod:`.leader`), or the calling
+thread's for a mirror that cannot spawn one (``memory://`` stores)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from deltasync.errors import InventoryMismatch
+from deltasync.fetcher import DeltaFetcher, SyncJournal
+from deltasync.serving.node.lock import NodeLock
+from deltasync.serving.node.store import VersionStore
+from deltasync.serving.node.versions import VersionFile, changed_positions, step_id, trim_heap
+
+__all__ = ["POSITIONS_DENSITY", "SYNC_FIELDS", "build", "build_locked", "builder_fetcher"]
+
+log = logging.getLogger("deltasync.node")
+
+#: a tensor whose changed elements are at most this fraction of it gets a positions file (the engine
+#: may then write only those elements); beyond it, copying the whole tensor is as cheap
+POSITIONS_DENSITY = 0.3
+#: the :class:`~deltasync.fetcher.SyncStats` fields a leader reports
+SYNC_FIELDS = (
+    "step",
+    "base_step",
+    "steps",
+    "spans",
+    "span_fallbacks",
+    "nbytes",
+    "download_s",
+    "decode_s",
+    "verify_s",
+    "apply_s",
+    "total_s",
+)
+
+
+def builder_fetcher(fetcher: DeltaFetcher, max_bytes: int | None) -> DeltaFetcher:
+    """A fetcher of the builds' own that reads ``fetcher``'s run the same way (its store, checks and
+    reader: one manifest cache) and allocates at most ``max_bytes`` (default: as ``fetcher`` does)
+    for a version built from the run's inventory; ``fetcher`` itself is left as it is."""
+    return DeltaFetcher(
+        fetcher.store,
+        verify=fetcher.verify,
+        reader=fetcher.reader,
+        fold=fetcher.fold,
+        threads=fetcher.threads,
+        progress=fetcher.progress,
+        max_alloc_bytes=fetcher.max_alloc_bytes if max_bytes is None else max_bytes,
+    )
+
+
+def build_locked(
+    versions: VersionStore,
+    fetcher: DeltaFetcher,
+    step: int,
+    *,
+    phase: Callable[[str], None] = lambda _: None,
+    timeout: float,
+    stop: threading.Event | None = None,
+) -> dict[str, Any]:
+    """Under the node lock (waiting up to ``timeout``, or until ``stop``): :func:`build` unless the
+    version of ``step`` exists by then (``{}``); collects before and after, and says who builds in
+    ``building.json`` meanwhile."""
+    lock = NodeLock(versions.dir / "lock")
+    lock.acquire(timeout, stop)
+    try:
+        if versions.version(step) is not None:  # built while this one waited for the lock
+            return {}
+        versions.collect()
+        versions.mark_building(step, "waiting")
+        try:
+            return build(versions, fetcher, step, phase)
+        finally:
+            versions.done_building()
+    finally:
+        try:
+            versions.collect()
+        finally:
+            lock.release()
+
+
+def build(
+    versions: VersionStore, fetcher: DeltaFetcher, step: int, phase: Callable[[str], None] = lambda _: None
+) -> dict[str, Any]:
+    """Build the node's version of ``step`` from its newest version, reading the run with ``fetcher``
+    (the build's own: see :func:`builder_fetcher`); the caller holds the lock. Only the tensors the
+    step changed get new data files. ``phase`` hears of each phase."""
+    t0 = time.perf_counter()
+    candidates = [v for v in versions.all_versions() if v.step is None or (v.step <= step and versions.current(v))]
+    base = max(candidates, key=lambda v: (v.step is not None, v.step or 0), default=None)
+    phase("start")
+    view: dict[str, Any] = base.tensors() if base is not None else {}
+    journal = SyncJournal()
+    try:
+        fetcher.sync(view, step, have_step=base.step if base is not None else None, journal=journal)
+    except InventoryMismatch:
+        if base is None:
+            raise
+        # the newest version is an engine checkpoint of another layout: start from the run's inventory
+        log.warning("the node's newest version is not this run's layout: building step %d from its anchor", step)
+        base, view, journal = None, {}, SyncJournal()
+        fetcher.sync(view, step, journal=journal)
+    phase("synced")
+    files: dict[str, VersionFile] = dict(base.files) if base is not None else {}
+    written = set(journal.names) if base is not None else set(view)
+    new = 0
+    positions: dict[str, str] = {}
+    for name in sorted(written):
+        tensor = view[name]
+        had = None if base is None else base.files.get(name)
+        if base is not None and had is not None and VersionFile.of(had.name, tensor) == had:  # same layout
+            changed = changed_positions(base.tensors([name])[name], tensor)
+            if changed.numel() == 0:
+                continue  # rewritten with the same bits (an anchor over a version that has them)
+            if changed.numel() <= POSITIONS_DENSITY * tensor.numel():
+                positions[name] = versions.write_positions(changed, tensor.numel())
+        files[name] = versions.write_tensor(tensor)
+        new += 1
+        phase("wrote")
+    for name in [n for n in files if n not in view]:
+        del files[name]
+    stats = fetcher.last_stats
+    info = {
+        "base": None if base is None else base.id,
+        "tensors_written": new,
+        "bytes_written": versions.file_bytes({n: files[n] for n in written if n in files}),
+        "store_bytes": 0 if stats is None else stats.nbytes,
+        "sync": {} if stats is None else {f: getattr(stats, f) for f in SYNC_FIELDS},
+        "seconds": round(time.perf_counter() - t0, 4),
+        "pid": os.getpid(),
+    }
+    phase("publish")
+    versions.publish(step_id(step), step, files, info, None if base is None else base.id, positions)
+    del view, journal
+    trim_heap()
+    return info

@@ -1,0 +1,179 @@
+"""The node's leader: one process per node mirror that builds its versions, on request of any worker.
+
+The first worker that needs a step the node does not have connects to the leader of its node
+mirror (a Unix socket in the abstract namespace, named after the mirror's folder; both ends check
+that the other runs as the same user) and starts it when there is none::
+
+    python -m deltasync.serving.node.leader     (config on stdin, "ready" on stdout)
+
+The leader lives in its own session (an engine that stops does not take it down mid-build) and
+builds one version at a time under the node lock (:func:`deltasync.serving.node._build.build_locked`),
+each with a fetcher of its own (a fresh reader per request, with the ``max_bytes`` it was started with):
+downloads, checks and decodes in its own memory (given back to the OS after each build), so engine
+workers only map files. It leaves when no engine uses the mirror any more, and then deletes the
+versions engines that were killed (and never closed the mirror) left behind. While it builds, the
+folder holds ``building.json`` (its pid and the step) for operators.
+
+Protocol, one JSON object per line: the worker sends ``{"step": N, "pace": false}``; the leader
+answers ``{"phase": ...}`` lines (``start``, ``synced``, ``wrote``, ``publish``; with ``pace`` it
+waits for a newline after each, so tests can stop it at an exact point), then ``{"stats": {...}}`` or
+``{"error": code, "message": ...}`` (the error's stable code, :func:`deltasync.errors.error_code`). A leader that dies mid-build answers nothing more: the
+worker raises, nothing of the step was published (a version exists only once its index is in
+place), and the next request starts a new leader.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+from typing import Any
+
+from deltasync.errors import DeltaSyncError, error_code
+from deltasync.fetcher import DeltaFetcher
+from deltasync.serving.node._build import build_locked, builder_fetcher
+from deltasync.serving.node._link import LeaderConfig, peer, socket_name
+from deltasync.serving.node.lock import LOCK_TIMEOUT, NodeLock, NodeUsers
+from deltasync.serving.node.store import VersionStore, run_key
+from deltasync.serving.node.versions import trim_heap
+from deltasync.storage import Store
+
+__all__ = ["main"]
+
+log = logging.getLogger("deltasync.node")
+
+#: seconds between the leader's checks that some engine still uses its mirror
+CHECK_INTERVAL = 2.0
+
+
+# ------------------------------------------------------------------------------------ the leader
+
+
+class Leader:
+    """One node mirror's leader: its folder, the mirror's users (it is not one of them), the run."""
+
+    def __init__(self, config: LeaderConfig, store: Store) -> None:
+        self.config = config
+        self.store = store
+        self.users = NodeUsers(config.dir / "users", register=False)
+
+    def versions(self) -> tuple[VersionStore, DeltaFetcher]:
+        """The mirror's versions and a fetcher of the build's own, both over a fresh reader: nothing
+        cached from a run that was deleted and re-created at this URL."""
+        c = self.config
+        fetcher = builder_fetcher(DeltaFetcher(self.store, verify=c.verify, signing_key=c.signing_key), c.max_bytes)
+        return VersionStore(c.dir, fetcher.reader), fetcher
+
+    def serve_one(self, conn: socket.socket) -> None:
+        """Answer one worker's request (see the module docstring)."""
+        _, uid = peer(conn)
+        if uid != os.getuid():
+            return
+        versions, fetcher = self.versions()
+        with conn.makefile("rb") as lines:
+            job = json.loads(lines.readline())
+            step, pace = int(job["step"]), bool(job.get("pace"))
+
+            asker = [True]  # the worker that asked is still there
+
+            def phase(name: str) -> None:
+                if asker[0]:
+                    try:
+                        conn.sendall(json.dumps({"phase": name}).encode() + b"\n")
+                    except OSError:
+                        asker[0] = False  # it went away (its engine died): finish the build for the others
+                # after the worker was told: what an operator (or a test) reads is never ahead of it
+                versions.mark_building(step, name)
+                if pace and asker[0] and not lines.readline():
+                    asker[0] = False
+
+            try:
+                if versions.version(step) is not None:
+                    reply: dict[str, Any] = {"stats": {}}
+                else:
+                    reply = {"stats": build_locked(versions, fetcher, step, phase=phase, timeout=LOCK_TIMEOUT)}
+            except DeltaSyncError as exc:
+                reply = {"error": error_code(exc), "message": str(exc)}
+            except Exception as exc:  # noqa: BLE001 - a bug must reach the worker, not kill the leader
+                log.exception("building step %d failed", step)
+                reply = {"error": DeltaSyncError.code, "message": f"the leader failed: {type(exc).__name__}: {exc}"}
+            finally:
+                trim_heap()
+            if asker[0]:
+                conn.sendall(json.dumps(reply).encode() + b"\n")
+
+    def leave(self, server: socket.socket) -> bool:
+        """Whether the leader may exit now: no engine uses the mirror. Then it stops listening and deletes
+        the versions engines that were killed (and so never closed the mirror) left in shared memory."""
+        lock = NodeLock(self.config.dir / "lock")
+        try:
+            lock.acquire(timeout=0.0)
+        except DeltaSyncError:
+            return False  # a new leader or a seeding engine holds it: someone uses the mirror
+        try:
+            if self.users.others_alive():
+                return False  # one registered since the last check
+            server.close()  # from here a worker that asks starts a new leader
+            versions, _ = self.versions()
+            versions.collect(keep=0)
+            return True
+        finally:
+            lock.release()
+
+
+def _unpin() -> None:
+    """Run on every CPU this process may use: vLLM pins each worker to its own cores, and the leader,
+    started by one of them, would otherwise share that worker's cores with its busy threads (the
+    starter also drops the OpenMP binding it would inherit: ``_link._BINDING``)."""
+    if hasattr(os, "sched_setaffinity"):
+        try:
+            os.sched_setaffinity(0, range(os.cpu_count() or 1))
+        except OSError:
+            log.debug("cannot widen the leader's CPU affinity", exc_info=True)
+
+
+def main() -> int:
+    """The leader process (see the module docstring)."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = LeaderConfig.from_json(sys.stdin.readline())
+    _unpin()
+    from deltasync.storage import open_store
+
+    store = open_store(config.store)
+    directory = config.dir.parent / run_key(store.url, config.verify, config.signing_key)
+    if directory != config.dir:
+        print(f"this leader would build into {directory}, not {config.dir}", flush=True)
+        return 2
+    leader = Leader(config, store)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        server.bind(socket_name(config.dir))
+    except OSError:
+        print("another leader serves this mirror", flush=True)
+        return 0
+    server.listen(64)
+    server.settimeout(CHECK_INTERVAL)
+    print("ready", flush=True)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)  # the starter stops reading: nothing else may go to that pipe
+    os.close(devnull)
+    idle_checks = 0
+    while True:
+        try:
+            conn, _ = server.accept()
+        except TimeoutError:
+            idle_checks = 0 if leader.users.others_alive() else idle_checks + 1
+            if idle_checks >= 2 and leader.leave(server):
+                return 0  # no engine uses this mirror any more
+            continue
+        with conn:
+            try:
+                leader.serve_one(conn)
+            except (OSError, ValueError) as exc:  # the worker went away or sent garbage
+                log.warning("a request failed: %s", exc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""A run's versions in one node-shared folder: its layout, the index, the data files, collection.
+
+::
+
+    <root>/<run key>/
+        versions/<id>.json    a complete version (:meth:`~deltasync.serving.node.versions.Version.to_json`):
+                              written last, by rename (the commit point)
+        data/<file>           one tensor's raw bytes (or the positions of a step's changes in it);
+                              immutable once written, shared by every version in which it did not change
+        building.json         who builds which step, and how far it got (for operators)
+
+Anyone may read; writing and collecting are for the holder of the node lock
+(:class:`~deltasync.serving.node.lock.NodeLock`). A version exists only once its index is in place,
+after every file it names: what a writer killed half-way leaves is named by no index, and the next
+collection deletes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from deltasync.errors import DeltaSyncError, ObjectNotFound
+from deltasync.run import RunReader
+from deltasync.serving.node.versions import Version, VersionFile, step_id, write_tensor
+
+__all__ = ["KEEP", "VersionStore", "run_key"]
+
+#: versions a collection keeps: the two published last (the one engines serve and the next)
+KEEP = 2
+
+
+def run_key(url: str, verify: object, signing_key: bytes | None) -> str:
+    """The folder name of a run's node mirror: engines share it when they read the same run the same way."""
+    h = hashlib.sha256()
+    h.update(url.encode())
+    h.update(b"\0" + repr(verify).encode())
+    h.update(b"\0" + hashlib.sha256(signing_key or b"").digest())
+    return h.hexdigest()[:24]
+
+
+class VersionStore:
+    """A run's versions in ``directory`` (see the module docstring), created when missing.
+
+    reader: the run as committed now: a version is current while its step's manifest digest is
+        still the one it was built from (a run deleted and re-created at the same URL is not).
+    keep: versions a collection keeps, the ones published last.
+    """
+
+    def __init__(self, directory: Path, reader: RunReader, *, keep: int = KEEP) -> None:
+        self.dir = directory
+        self.data = directory / "data"
+        self.index = directory / "versions"
+        for d in (self.dir, self.data, self.index):
+            d.mkdir(mode=0o700, exist_ok=True)
+        self.reader = reader
+        self.keep = keep
+
+    # ------------------------------------------------------------------ reading
+
+    def read(self, vid: str) -> Version | None:
+        """The complete version ``vid`` as indexed (current or not), or None."""
+        return self._read(self.index / f"{vid}.json")
+
+    def _read(self, path: Path) -> Version | None:
+        try:
+            doc = json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            raise DeltaSyncError(f"the node mirror's index {path} is unreadable ({exc}); delete {self.dir}") from exc
+        return Version.from_json(doc, self.data)
+
+    def all_versions(self) -> list[Version]:
+        """Every complete version, oldest first (unknown steps first)."""
+        out = [v for p in self.index.glob("*.json") if (v := self._read(p)) is not None]
+        return sorted(out, key=lambda v: (-1 if v.step is None else v.step, v.id))
+
+    def digest(self, step: int) -> str | None:
+        """The manifest digest of ``step`` as committed now (None: not committed, e.g. an engine
+        checkpoint marked with a step of another run)."""
+        try:
+            return str(self.reader.committed(step).digest)
+        except ObjectNotFound:
+            return None
+
+    def current(self, version: Version | None) -> bool:
+        """Whether ``version`` is the run's step as committed now (not a step of an older run that was
+        deleted and re-created at the same URL); versions of an unknown step are not."""
+        return (
+            version is not None
+            and version.step is not None
+            and version.digest is not None
+            and version.digest == self.digest(version.step)
+        )
+
+    def version(self, step: int) -> Version | None:
+        """The complete version of ``step``, if the node has it (for the run as committed now)."""
+        have = self.read(step_id(step))
+        return have if self.current(have) else None
+
+    def file_bytes(self, files: Mapping[str, VersionFile]) -> int:
+        """Bytes on disk of the data files of ``files``."""
+        return sum((self.data / f.name).stat().st_size for f in files.values())
+
+    def nbytes_on_disk(self) -> int:
+        """Bytes of the node's data files (what the mirror holds in shared memory)."""
+        total = 0
+        for p in self.data.iterdir():
+            with contextlib.suppress(FileNotFoundError):  # collected meanwhile
+                total += p.stat().st_size
+        return total
+
+    # ------------------------------------------------------------------ writing (under the lock)
+
+    def write_tensor(self, tensor: Any) -> VersionFile:
+        """A new data file holding ``tensor``'s bytes, for a version to name."""
+        entry = VersionFile.of(secrets.token_hex(12) + ".bin", tensor)
+        self._write(entry.name, tensor)
+        return entry
+
+    def write_positions(self, positions: Any, numel: int) -> str:
+        """A new data file holding the flat ``positions`` (sorted) of a tensor of ``numel`` elements
+        (int32 where they fit); its name, for a version's ``positions``."""
+        import torch
+
+        small = numel < 2**31
+        name = secrets.token_hex(12) + (".i32" if small else ".i64")
+        self._write(name, positions.to(torch.int32) if small else positions)
+        return name
+
+    def _write(self, name: str, tensor: Any) -> None:
+        """A new data file; a full filesystem is one clear error (the caller's collection removes what
+        the unfinished version wrote: no version names it)."""
+        path = self.data / name
+        try:
+            write_tensor(path, tensor)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            path.unlink(missing_ok=True)
+            raise DeltaSyncError(_no_room(self.dir.parent, self.keep)) from exc
+
+    def publish(
+        self,
+        vid: str,
+        step: int | None,
+        files: Mapping[str, VersionFile],
+        stats: Mapping[str, Any],
+        base: str | None = None,
+        positions: Mapping[str, str] | None = None,
+    ) -> Version:
+        """Make the version ``vid`` exist: its index, renamed into place after every file it names was
+        written. ``base``: the version it was built from; ``positions``: for the tensors that changed
+        sparsely since, their positions files."""
+        digest = None if step is None else self.digest(step)
+        version = Version(vid, step, dict(files), self.data, dict(stats), digest, base, dict(positions or {}))
+        tmp = self.index / f".{vid}.{secrets.token_hex(4)}.tmp"
+        tmp.write_text(json.dumps(version.to_json()))
+        os.replace(tmp, self.index / f"{vid}.json")
+        return version
+
+    def mark_building(self, step: int, phase: str) -> None:
+        """Say who builds which step, and how far it got, in ``building.json`` (for operators)."""
+        tmp = self.dir / f".building.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps({"pid": os.getpid(), "step": step, "phase": phase}))
+        os.replace(tmp, self.dir / "building.json")
+
+    def done_building(self) -> None:
+        """The build said by ``building.json`` is over."""
+        (self.dir / "building.json").unlink(missing_ok=True)
+
+    # --------------------------------------------------------------- collection
+
+    def _by_publication(self) -> list[Version]:
+        """Every complete version, in the order they were published (the newest last)."""
+        found = []
+        for p in self.index.glob("*.json"):
+            try:
+                published = p.stat().st_mtime_ns  # the index is renamed into place once, when published
+                v = self._read(p)
+            except FileNotFoundError:
+                continue
+            if v is not None:
+                found.append((published, v.id, v))
+        return [v for _, _, v in sorted(found, key=lambda x: (x[0], x[1]))]
+
+    def collect(self, keep: int | None = None) -> None:
+        """Under the lock: drop versions beyond the ``keep`` published last (default: the store's) and the
+        data files no version names (a dead leader's leftovers included). Last published, not highest
+        step: the node may hold newer steps than the one just built (an engine ahead of this one, or
+        engines killed before they could clean up), and the version just built must outlive its build."""
+        keep = self.keep if keep is None else keep
+        versions = self._by_publication()
+        kept = versions[-keep:] if keep else []
+        for v in versions:
+            if v not in kept:
+                (self.index / f"{v.id}.json").unlink(missing_ok=True)
+        live = {f.name for v in kept for f in v.files.values()} | {f for v in kept for f in v.positions.values()}
+        for p in self.data.iterdir():
+            if p.name not in live:
+                p.unlink(missing_ok=True)
+        for p in [*self.index.glob(".*.tmp"), *self.dir.glob(".building.*.tmp")]:
+            p.unlink(missing_ok=True)
+
+
+def _no_room(root: Path, keep: int) -> str:
+    try:
+        usage = shutil.disk_usage(root)
+        room = f"{usage.free / 2**20:,.1f} MiB free of {usage.total / 2**20:,.1f} MiB"
+    except OSError:
+        room = "its filesystem is full"
+    return (
+        f"no room for the node mirror in {root} ({room}): it holds up to {keep} versions of the model's "
+        "tensors (files of tensors a step did not change are shared). Give that filesystem more room (in a container: "
+        "`docker run --shm-size=<2x the checkpoint>` or `--ipc=host`), or put the mirror on a larger one: "
+        '`"node_dir"` in init_info or DELTASYNC_NODE_DIR (a local disk works: versions are mapped, not copied)'
+    )
