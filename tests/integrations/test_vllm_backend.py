@@ -35,7 +35,6 @@ from typing import Any
 
 import pytest
 from vllm_harness import (
-    FRESH_SCRIPT,
     TrainedRun,
     checkpoint_dir,
 )
@@ -266,18 +265,9 @@ def repacked(
 
 
 @pytest.fixture(scope="module")
-def fresh(run_script: Callable[..., dict[str, Any]], step_dirs: dict[int, Path]) -> Callable[[int], dict[str, Any]]:
-    """Fresh engines on the materialized step LAST, per TP size (each booted once)."""
-    cache: dict[int, dict[str, Any]] = {}
-
-    def get(tp: int) -> dict[str, Any]:
-        if tp not in cache:
-            cache[tp] = run_script(
-                FRESH_SCRIPT, {"model": step_dirs[LAST], "tp": tp}, tp=tp, multiprocessing=tp > 1, timeout=420
-            )
-        return cache[tp]
-
-    return get
+def fresh(fresh_engine: Callable[[int, int], dict[str, Any]]) -> Callable[[int], dict[str, Any]]:
+    """Fresh engines on the materialized step LAST, per TP size (each booted once per session)."""
+    return lambda tp: fresh_engine(LAST, tp)
 
 
 def _ranks(tp: int) -> list[int]:

@@ -23,7 +23,6 @@ from typing import Any
 
 import pytest
 from vllm_harness import (
-    FRESH_SCRIPT,
     TrainedRun,
     checkpoint_dir,
 )
@@ -128,8 +127,9 @@ def tp1(
 
 
 @pytest.fixture(scope="module")
-def fresh_b(run_script: Callable[..., dict[str, Any]], engine_dirs: dict[int, Path]) -> dict[str, Any]:
-    return run_script(FRESH_SCRIPT, {"model": engine_dirs[STEP_B], "tp": 1}, timeout=300)
+def fresh_b(fresh_engine: Callable[[int, int], dict[str, Any]]) -> dict[str, Any]:
+    """A fresh TP=1 engine on the materialized step B (shared with test_vllm_backend)."""
+    return fresh_engine(STEP_B, 1)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_harness import build_tiny_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1800)]
 
@@ -33,11 +32,6 @@ if __name__ == "__main__":
     ec.main(check)
 """
 CAST = "model.norm.weight"
-
-
-@pytest.fixture(scope="module")
-def tied_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tied-qwen3"), tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_harness import FRESH_SCRIPT, TrainedRun, build_tiny_model, checkpoint_dir, train_and_push
+from vllm_harness import FRESH_SCRIPT, TrainedRun, checkpoint_dir, train_and_push
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1800)]
 
@@ -73,11 +73,6 @@ def check(p):
 if __name__ == "__main__":
     ec.main(check)
 """
-
-
-@pytest.fixture(scope="module")
-def tied_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tied-qwen3"), tie_word_embeddings=True)
 
 
 def _train(model: Path, root: Path, **kw: Any) -> TrainedRun:
