@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 import deltasync as ds
-from deltasync._checkpoint_io import save_checkpoint
+from deltasync._util.checkpoint_io import save_checkpoint
 from deltasync.storage import Store
 from deltasync.storage.base import Data, PutMode, data_size
 from deltasync.storage.wrapper import WrapperStore

@@ -35,7 +35,7 @@ CASES = ("anchor", "patch, cache valid", "patch, no cache", "patch, stale cache"
 def make_checkpoints(root: Path, mb: int) -> list[Path]:
     import torch
 
-    from deltasync._checkpoint_io import save_checkpoint
+    from deltasync._util.checkpoint_io import save_checkpoint
 
     g = torch.Generator().manual_seed(0)
     n = max(1, mb * 1_000_000 // 2 // 20 // 4096)

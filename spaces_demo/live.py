@@ -27,7 +27,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from deltasync._retry import RetryPolicy
+from deltasync._util.retry import RetryPolicy
 from deltasync.errors import DeltaSyncError, DemoError, ObjectNotFound
 from deltasync.fetcher import DeltaFetcher
 from deltasync.signal import Attempt, FollowLoop, StepSeen, StepWatcher

@@ -12,7 +12,7 @@ from typing import IO
 
 import pytest
 
-from deltasync._checkpoint_io import save_checkpoint
+from deltasync._util.checkpoint_io import save_checkpoint
 
 TIMEOUT = 120.0  # a process that imports torch on a busy 2-core machine
 

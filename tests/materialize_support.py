@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from tensors import assert_state_equal
 
-from deltasync._checkpoint_io import load_checkpoint
+from deltasync._util.checkpoint_io import load_checkpoint
 from deltasync.protocol.checkpoint import INDEX_NAME
 
 torch = pytest.importorskip("torch")

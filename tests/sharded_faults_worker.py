@@ -38,7 +38,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from deltasync import DeltaFetcher, DeltaUploader
-from deltasync._tensors import flat_bits
+from deltasync._util.tensors import flat_bits
 from deltasync.errors import CommitFailed
 from deltasync.storage import LocalStore, Store
 from deltasync.storage.base import Data, PutMode

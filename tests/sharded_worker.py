@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from deltasync import DeltaFetcher, DeltaUploader
-from deltasync._tensors import flat_bits
+from deltasync._util.tensors import flat_bits
 from deltasync.errors import CommitFailed, StorageError
 from deltasync.storage import LocalStore, Store
 from deltasync.storage.base import Data, PutMode

@@ -533,7 +533,7 @@ def perturbed_steps(model: Path, steps: int, density: float) -> Iterator[dict[st
     of every tensor's elements (what AdamW at lr 1e-5 does to bf16 weights at ~17%); one state at a time."""
     import torch
 
-    from deltasync._checkpoint_io import load_checkpoint
+    from deltasync._util.checkpoint_io import load_checkpoint
 
     state = {k: v.clone() for k, v in load_checkpoint(model).items()}
     yield state

@@ -48,7 +48,7 @@ def cache_dir(store_url: str, override: str | None) -> Path:
 
 def cached_baseline(cache: Path, store_url: str, step: int) -> dict[str, Any] | None:
     """The cached state when it is the one of committed ``step`` of ``store_url`` (memory-mapped), else None."""
-    from deltasync._checkpoint_io import load_checkpoint
+    from deltasync._util.checkpoint_io import load_checkpoint
     from deltasync.errors import DeltaSyncError
 
     try:
@@ -62,7 +62,7 @@ def cached_baseline(cache: Path, store_url: str, step: int) -> dict[str, Any] | 
 
 def write_cache(cache: Path, state: dict[str, Any], info: Any, store_url: str) -> None:
     """Keep the pushed state as the next upload's baseline; ``state.json`` (written last) makes it valid."""
-    from deltasync._checkpoint_io import save_checkpoint
+    from deltasync._util.checkpoint_io import save_checkpoint
 
     meta = cache / "state.json"
     meta.unlink(missing_ok=True)  # the cache of the previous step stops being valid first

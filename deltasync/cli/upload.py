@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     """Run ``delta-upload`` (and ``deltasync upload``)."""
     import torch
 
-    from deltasync._checkpoint_io import load_checkpoint
+    from deltasync._util.checkpoint_io import load_checkpoint
     from deltasync.errors import ChainBroken, ObjectNotFound, ProtocolError
 
     cast = getattr(torch, args.cast) if args.cast else None
@@ -129,7 +129,7 @@ def _resume(up: Any, store: Any, cache: Path, latest: int, state: dict[str, Any]
     from ``latest``'s, the push is an anchor anyway and nothing is fetched."""
     import torch
 
-    from deltasync._tensors import inventory_of
+    from deltasync._util.tensors import inventory_of
     from deltasync.errors import ChecksumMismatch, InventoryMismatch
     from deltasync.fetcher import DeltaFetcher
 

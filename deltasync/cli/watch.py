@@ -156,7 +156,7 @@ class _Session:
     # ---------------------------------------------------------- resume, push
 
     def _load(self, c: Candidate) -> dict[str, Any] | None:
-        from deltasync._checkpoint_io import load_checkpoint
+        from deltasync._util.checkpoint_io import load_checkpoint
 
         try:
             state = load_checkpoint(c.path)

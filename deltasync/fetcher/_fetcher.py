@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from deltasync._tensors import DEFAULT_MAX_ALLOC_BYTES
+from deltasync._util.tensors import DEFAULT_MAX_ALLOC_BYTES
 from deltasync.fetcher._follow import follow as _follow
 from deltasync.fetcher._identity import HeldStates
 from deltasync.fetcher._journal import SyncJournal

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from deltasync._retry import RetryPolicy
+from deltasync._util.retry import RetryPolicy
 from deltasync.errors import DeltaSyncError, InventoryMismatch, SignalRejected, StorageError
 from deltasync.fetcher._materialize import config_files
 from deltasync.protocol import Head

@@ -19,7 +19,7 @@ import logging
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
-from deltasync._tensors import allocate, inventory_of
+from deltasync._util.tensors import allocate, inventory_of
 from deltasync.errors import (
     ChainBroken,
     ChecksumMismatch,

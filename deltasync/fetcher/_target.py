@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from deltasync._tensors import flat_bits, numpy_bits, require_torch, state_tensors
+from deltasync._util.tensors import flat_bits, numpy_bits, require_torch, state_tensors
 from deltasync.errors import ProtocolError
 from deltasync.fetcher._fold import Change, new_bits
 from deltasync.protocol import kernels

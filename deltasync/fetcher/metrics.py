@@ -26,7 +26,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from deltasync._prometheus import CONTENT_TYPE, LABEL_NAME, Histogram, family, sample
+from deltasync._util.prometheus import CONTENT_TYPE, LABEL_NAME, Histogram, family, sample
 from deltasync.signal import MAX_PENDING, StalenessTracker, commit_time
 
 if TYPE_CHECKING:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from deltasync._worker import SerialWorker, WorkerClosed
+from deltasync._util.worker import SerialWorker, WorkerClosed
 from deltasync.errors import DeltaSyncError
 from deltasync.protocol import Committed, WriterClaim, manifest_key, parse_manifest_key, parse_writer_key
 from deltasync.protocol.retention import Lease, RetentionPlan, parse_lease_key, plan_retention
@@ -168,7 +168,7 @@ def collect_garbage(
 
 
 class RetentionWorker:
-    """Runs :func:`collect_garbage` on a background :class:`~deltasync._worker.SerialWorker` when
+    """Runs :func:`collect_garbage` on a background :class:`~deltasync._util.worker.SerialWorker` when
     :meth:`trigger`\\ ed.
 
     Triggers while a gc runs fold into one more run after it (at most one gc waits). A failed gc

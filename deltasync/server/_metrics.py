@@ -1,6 +1,6 @@
 """The signal server's metrics: a tiny registry of counters and gauges with labels.
 
-Rendered by the one Prometheus writer, :mod:`deltasync._prometheus`.
+Rendered by the one Prometheus writer, :mod:`deltasync._util.prometheus`.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from deltasync._prometheus import family, sample
+from deltasync._util.prometheus import family, sample
 
 __all__ = ["Metrics"]
 

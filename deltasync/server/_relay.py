@@ -2,7 +2,7 @@
 
 It holds the runs' heads and commit history (in SQLite, with a cache of recent commits), wakes
 the SSE streams and long-polls waiting on a run, delivers webhooks (retried with the one
-:class:`~deltasync._retry.RetryPolicy`, whose waits the server's shutdown cuts short), and checks
+:class:`~deltasync._util.retry.RetryPolicy`, whose waits the server's shutdown cuts short), and checks
 published steps against the store. Store checks read through one
 :class:`~deltasync.run.RunReader` per store, so a manifest is read once for the server's life
 (manifests are immutable), except where the cache disagrees with a publisher or is about to
@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from deltasync._retry import RetryPolicy
+from deltasync._util.retry import RetryPolicy
 from deltasync.errors import DeltaSyncError, ObjectNotFound, StorageError
 from deltasync.protocol import Committed
 from deltasync.run import RunReader

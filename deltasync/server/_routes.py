@@ -15,7 +15,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header, HTTPException, Path, Query, Response
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
-from deltasync._prometheus import CONTENT_TYPE
+from deltasync._util.prometheus import CONTENT_TYPE
 from deltasync.errors import DeltaSyncError
 from deltasync.protocol.keys import MAX_STEP
 from deltasync.server._auth import AUTH_RESPONSES, Publish, Subscribe

@@ -38,7 +38,7 @@ from typing import Any, Literal
 
 import httpx
 
-from deltasync._retry import Backoff, RetryPolicy
+from deltasync._util.retry import Backoff, RetryPolicy
 from deltasync.errors import DeltaSyncError
 from deltasync.signal import FleetReporter, FollowLoop, ReplicaState, StepWatcher, replica_name
 

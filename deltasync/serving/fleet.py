@@ -6,7 +6,7 @@ replica's step and state, with the step's manifest digest read from the run. The
 the signal server is ``signal_run``, else the run id the store records (looked up until a step
 is committed). Reporting never fails or blocks an update: :meth:`EngineReporter.report` takes the
 status and returns; the store look-ups (run name, digest) run on a
-:class:`~deltasync._worker.SerialWorker` (a newer status replaces one not yet handled) and the
+:class:`~deltasync._util.worker.SerialWorker` (a newer status replaces one not yet handled) and the
 :class:`~deltasync.signal.FleetReporter` sends in the background and retries.
 """
 
@@ -16,7 +16,7 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING
 
-from deltasync._worker import SerialWorker, WorkerClosed
+from deltasync._util.worker import SerialWorker, WorkerClosed
 from deltasync.errors import DeltaSyncError, SignalRejected
 from deltasync.serving.engine.mirror import EngineStatus
 from deltasync.signal import FleetReporter, ReplicaState, default_replica

@@ -18,8 +18,8 @@ from typing import Any
 
 import httpx
 
-from deltasync._retry import RetryPolicy
-from deltasync._worker import SerialWorker, WorkerClosed
+from deltasync._util.retry import RetryPolicy
+from deltasync._util.worker import SerialWorker, WorkerClosed
 from deltasync.errors import SignalConflict, SignalError, SignalRejected, SignalUnavailable
 from deltasync.signal._fleet import FleetView, ReplicaStatus
 from deltasync.signal._names import check_replica, check_run
@@ -254,8 +254,8 @@ class Notifier:
     """Posts commits to the signal server from its own worker; never raises into the caller.
 
     :meth:`notify` only queues the newest commit and returns. A
-    :class:`~deltasync._worker.SerialWorker` posts it with short timeouts, making ``attempts``
-    attempts with the shared :class:`~deltasync._retry.RetryPolicy` (exponential backoff from
+    :class:`~deltasync._util.worker.SerialWorker` posts it with short timeouts, making ``attempts``
+    attempts with the shared :class:`~deltasync._util.retry.RetryPolicy` (exponential backoff from
     ``backoff`` seconds); a newer commit supersedes a queued or retrying older one (the server
     only needs the head). Failures are logged and counted in ``failed`` / ``rejected``; ``sent``
     counts successes, ``superseded`` the commits replaced before they were posted.

@@ -6,7 +6,7 @@ engine servers (``VLLMDriver.follow``), the engine's prefetcher and the demo's f
 iterates one :class:`~deltasync.signal.StepWatcher`, keeps the newest step seen (coalescing: a
 receiver that fell behind is brought to the newest step, never through the ones it missed one
 by one), asks ``act`` to bring the receiver there, hands each outcome to ``report``, and backs off
-a step that failed with the shared :class:`~deltasync._retry.Backoff` (longer after each failure
+a step that failed with the shared :class:`~deltasync._util.retry.Backoff` (longer after each failure
 of that step, reset by a success; a newer step is tried at once).
 
 It never waits itself: the watcher's pauses pace it, and the watcher's clock times the backoff,
@@ -21,7 +21,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from deltasync._retry import RetryPolicy
+from deltasync._util.retry import RetryPolicy
 from deltasync.errors import DeltaSyncError
 from deltasync.signal._watcher import StepSeen, StepWatcher
 

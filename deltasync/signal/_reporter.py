@@ -2,10 +2,10 @@
 
 Every receiver (``deltasync follow``, the vLLM driver, the vLLM backend) owns one reporter per
 replica it runs. :meth:`FleetReporter.update` only records the replica's new state and returns;
-the reporter's own :class:`~deltasync._worker.SerialWorker` sends it at once, then again every
+the reporter's own :class:`~deltasync._util.worker.SerialWorker` sends it at once, then again every
 ``heartbeat`` seconds, so that the server keeps the replica in the fleet (it drops replicas
 silent for longer than ``ttl_s``). A failed report is logged once (then at debug level until
-reports go through again) and retried with :class:`~deltasync._retry.Backoff`; nothing ever
+reports go through again) and retried with :class:`~deltasync._util.retry.Backoff`; nothing ever
 reaches the caller. :meth:`FleetReporter.close` says goodbye (the replica leaves the fleet).
 """
 
@@ -18,8 +18,8 @@ from types import TracebackType
 
 import httpx
 
-from deltasync._retry import RetryPolicy
-from deltasync._worker import SerialWorker
+from deltasync._util.retry import RetryPolicy
+from deltasync._util.worker import SerialWorker
 from deltasync.errors import SignalError
 from deltasync.signal._client import SignalClient
 from deltasync.signal._fleet import ReplicaState, check_state

@@ -2,7 +2,7 @@
 
 The signal server's SSE stream is a fast hint; the store is the truth. :class:`StepWatcher`
 follows the stream when a signal URL is given (resuming with ``Last-Event-ID``, reconnecting
-with the shared :class:`~deltasync._retry.Backoff`) and polls the store meanwhile, and also now
+with the shared :class:`~deltasync._util.retry.Backoff`) and polls the store meanwhile, and also now
 and then while the stream is up, in case a signal was lost. Without a URL it only polls.
 
 ``deltasync follow``, the vLLM driver, the prefetcher and the demo's follower run the one
@@ -22,7 +22,7 @@ from typing import Literal
 
 import httpx
 
-from deltasync._retry import RetryPolicy
+from deltasync._util.retry import RetryPolicy
 from deltasync.errors import DeltaSyncError, SignalError
 from deltasync.protocol import Head
 from deltasync.protocol.keys import HEAD_KEY

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import httpx
 
-from deltasync._retry import RetryPolicy, retry_call
+from deltasync._util.retry import RetryPolicy, retry_call
 from deltasync.errors import TransientStorageError
 
 __all__ = ["check_reachable"]
@@ -45,7 +45,7 @@ def check_reachable(
     Each attempt is one ``HEAD endpoint`` with a ``timeout``-second connect limit (proxy
     variables apply, as for the client itself), ``pause`` seconds apart: at most
     ``attempts * timeout + (attempts - 1) * pause`` seconds in all (the shared
-    :func:`~deltasync._retry.retry_call`, with a constant ``pause``; ``sleep`` is its wait).
+    :func:`~deltasync._util.retry.retry_call`, with a constant ``pause``; ``sleep`` is its wait).
     ``what`` starts the error message, ``hint`` ends it (which variables to check).
     """
     policy = RetryPolicy(retries=max(0, attempts - 1), backoff=pause, max_backoff=pause)

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from deltasync._retry import RetryPolicy
+from deltasync._util.retry import RetryPolicy
 from deltasync.errors import AlreadyExists
 from deltasync.protocol import (
     AnchorEntry,

@@ -18,7 +18,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from deltasync._retry import RetryPolicy
+from deltasync._util.retry import RetryPolicy
 from deltasync.errors import CommitFailed
 from deltasync.protocol import Committed
 from deltasync.storage import Store

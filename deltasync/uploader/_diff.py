@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from deltasync._tensors import flat_bits, inventory_of
+from deltasync._util.tensors import flat_bits, inventory_of
 from deltasync.protocol import TensorInfo, kernels
 
 if TYPE_CHECKING:

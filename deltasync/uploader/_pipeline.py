@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from deltasync._worker import SerialWorker
+from deltasync._util.worker import SerialWorker
 from deltasync.uploader._commit import StepJob, merge_jobs
 from deltasync.uploader._snapshot import Snapshotter
 

@@ -12,7 +12,7 @@ import logging
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from deltasync._tensors import flat_bits, state_tensors
+from deltasync._util.tensors import flat_bits, state_tensors
 from deltasync.errors import ChainBroken, ChecksumMismatch, InventoryMismatch, ProtocolError
 from deltasync.protocol import Committed, Manifest, walk_chain
 from deltasync.protocol.digests import xxh3_128_array

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from deltasync._tensors import flat_bits
+from deltasync._util.tensors import flat_bits
 from deltasync.protocol import TensorInfo
 from deltasync.protocol.digests import xxh3_128_array
 from deltasync.uploader._commit import StepJob

@@ -6,7 +6,7 @@ over the last 16 (composed from the four 4-spans), and so on. A replica many
 steps behind then downloads a few spans instead of every patch. Composition is
 hierarchical (level ``j`` composes level ``j - 1``'s spans), so only the newest
 partial composition of each level is held in memory. Spans never cross an
-anchor. Everything runs on its own :class:`~deltasync._worker.SerialWorker` after
+anchor. Everything runs on its own :class:`~deltasync._util.worker.SerialWorker` after
 the step's commit: a span never delays a commit, and a failed span write is logged
 and counted, never raised.
 """
@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
-from deltasync._retry import RetryPolicy
-from deltasync._worker import SerialWorker
+from deltasync._util.retry import RetryPolicy
+from deltasync._util.worker import SerialWorker
 from deltasync.errors import AlreadyExists
 from deltasync.protocol import (
     SPAN_OF,

@@ -18,8 +18,8 @@ from dataclasses import replace
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from deltasync._retry import RetryPolicy
-from deltasync._tensors import state_tensors
+from deltasync._util.retry import RetryPolicy
+from deltasync._util.tensors import state_tensors
 from deltasync.errors import ProtocolError
 from deltasync.run import RunReader
 from deltasync.run.gc import RetentionWorker

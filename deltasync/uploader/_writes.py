@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TypeVar
 
-from deltasync._retry import RetryPolicy, retry_call
+from deltasync._util.retry import RetryPolicy, retry_call
 from deltasync.errors import AlreadyExists, CommitFailed, TransientStorageError
 from deltasync.storage import Store
 from deltasync.storage.base import Data

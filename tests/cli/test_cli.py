@@ -49,7 +49,7 @@ def test_follow_started_before_the_trainer_waits_and_gets_every_step_bit_exact(t
     """The quickstart's order: follow first (its store dir does not exist yet), then the trainer."""
     from tensors import assert_state_equal
 
-    from deltasync._checkpoint_io import load_checkpoint
+    from deltasync._util.checkpoint_io import load_checkpoint
 
     store_dir, out = tmp_path / "runs" / "r1", tmp_path / "weights"
     proc = subprocess.Popen(

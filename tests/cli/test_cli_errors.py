@@ -15,7 +15,7 @@ import pytest
 from cli_process import TIMEOUT, _finish, _lines, _script, checkpoints, read_until, run
 
 import deltasync as ds
-from deltasync._checkpoint_io import load_checkpoint, save_checkpoint
+from deltasync._util.checkpoint_io import load_checkpoint, save_checkpoint
 from deltasync.errors import ChainBroken, ProtocolError
 from deltasync.protocol import manifest_key
 from deltasync.protocol.safetensors_io import parse_safetensors

@@ -18,7 +18,7 @@ import pytest
 from qwen3 import make_qwen3
 from tensors import assert_state_equal
 
-from deltasync._checkpoint_io import load_checkpoint, save_checkpoint
+from deltasync._util.checkpoint_io import load_checkpoint, save_checkpoint
 from deltasync.cli import main, upload_main
 from deltasync.testing.seaweedfs import SeaweedFS
 

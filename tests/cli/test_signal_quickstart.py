@@ -24,7 +24,7 @@ from cli_process import TIMEOUT, _finish, _lines, read_until
 from server_harness import free_port, wait_healthy
 
 import deltasync as ds
-from deltasync._checkpoint_io import load_checkpoint
+from deltasync._util.checkpoint_io import load_checkpoint
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "signal-server.md"
 ROOT = Path(__file__).resolve().parents[2]

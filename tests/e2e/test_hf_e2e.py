@@ -152,7 +152,7 @@ def test_fetcher_reads_through_faults(runs: dict[str, Run], fake_hub: FakeHub) -
 def test_cli_upload_inspect_fetch(
     hf_env: FakeHub, hf_bucket: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from deltasync._checkpoint_io import load_checkpoint, save_checkpoint
+    from deltasync._util.checkpoint_io import load_checkpoint, save_checkpoint
     from deltasync.cli import main, upload_main
 
     url = f"hf://buckets/{hf_bucket}/cli-run"
@@ -183,7 +183,7 @@ def test_cli_in_subprocesses(tmp_path: Path) -> None:
     A separate fake Hub and CAS: hf_xet's local CAS stays locked by the process whose
     Xet session opened it, so this test's processes must not share the session-wide one.
     """
-    from deltasync._checkpoint_io import load_checkpoint, save_checkpoint
+    from deltasync._util.checkpoint_io import load_checkpoint, save_checkpoint
 
     ss = _states(2)
     for step, state in enumerate(ss):

@@ -239,7 +239,7 @@ def test_deltasync_does_not_import_transformers_unless_asked() -> None:
 
 def ddp_child(store_dir: str, out: str) -> None:
     """One rank of a 2-process DDP run (env set by the test): train, save the final weights, report."""
-    from deltasync._checkpoint_io import save_checkpoint
+    from deltasync._util.checkpoint_io import save_checkpoint
 
     cb = DeltaSyncCallback(store_dir, anchor_every=100)
     tr = trainer(Path(out), cb, 3)
@@ -251,7 +251,7 @@ def ddp_child(store_dir: str, out: str) -> None:
 
 
 def test_ddp_two_processes_push_once_per_step_from_rank_0(tmp_path: Path) -> None:
-    from deltasync._checkpoint_io import load_checkpoint
+    from deltasync._util.checkpoint_io import load_checkpoint
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

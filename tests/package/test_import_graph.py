@@ -126,8 +126,11 @@ def cycles(graph: Graph) -> list[list[str]]:
 
 
 def area(module: str) -> str:
-    """The top-level part of deltasync a module belongs to (``deltasync.fetcher._lease`` -> ``fetcher``)."""
+    """The top-level part of deltasync a module belongs to (``deltasync.fetcher._lease`` -> ``fetcher``);
+    each module of the shared private machinery is its own (``deltasync._util.retry`` -> ``_util.retry``)."""
     parts = module.split(".")
+    if len(parts) > 2 and parts[1] == "_util":
+        return f"_util.{parts[2]}"
     return parts[1] if len(parts) > 1 else "__init__"
 
 
@@ -194,9 +197,15 @@ def _offending(src: str, forbidden: set[str]) -> dict[str, dict[str, set[str]]]:
 
 OURS = {"__init__", "protocol", "storage", "run", "signal", "uploader", "fetcher", "server", "cli", "integrations"}
 OURS |= {"serving"}
-OURS |= {"testing", "errors", "_worker", "_retry", "_prometheus", "_tensors", "_checkpoint_io"}
+OURS |= {"testing", "errors", "_util", "_util.tensors", "_util.checkpoint_io"}
 #: the shared private machinery any layer may use (it imports nothing of ours but errors)
-MACHINERY = {"_worker", "_retry", "_prometheus"}
+MACHINERY = {"_util.worker", "_util.retry", "_util.prometheus"}
+OURS |= MACHINERY
+
+
+def test_every_area_is_named_above() -> None:
+    """A new top-level module or package must say where it sits in the direction."""
+    assert {area(m) for m in import_graph()} <= OURS
 
 
 def test_protocol_imports_nothing_of_ours_but_errors() -> None:
@@ -210,6 +219,11 @@ def test_storage_imports_only_protocol_errors_and_the_shared_machinery() -> None
 @pytest.mark.parametrize("module", sorted(MACHINERY))
 def test_the_shared_machinery_imports_nothing_of_ours_but_errors(module: str) -> None:
     assert _offending(module, OURS - {"errors"}) == {}
+
+
+@pytest.mark.parametrize("module", ["_util.tensors", "_util.checkpoint_io"])
+def test_the_torch_helpers_import_only_protocol_errors_and_the_machinery(module: str) -> None:
+    assert _offending(module, OURS - {"protocol", "errors", "_util.tensors"} - MACHINERY) == {}
 
 
 def test_run_imports_no_higher_layer() -> None:

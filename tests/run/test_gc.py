@@ -83,7 +83,7 @@ def test_materialize_replans_when_gc_deletes_its_plan(tmp_path: Path) -> None:
     fetcher.materialize(tmp_path / "out", step=6)
     store.hook = lambda: (push(store, states, range(9, 12)), collect_garbage(store, keep_anchors=1))
     fetcher.materialize(tmp_path / "out")
-    from deltasync._checkpoint_io import load_checkpoint
+    from deltasync._util.checkpoint_io import load_checkpoint
 
     assert bits_equal_state(load_checkpoint(tmp_path / "out"), states[11])
 

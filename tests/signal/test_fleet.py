@@ -14,7 +14,7 @@ import httpx
 import pytest
 from server_harness import ThreadServer, free_port
 
-from deltasync._retry import RetryPolicy
+from deltasync._util.retry import RetryPolicy
 from deltasync.errors import SignalRejected, StalenessTimeout
 from deltasync.server import Settings, create_app
 from deltasync.signal import FleetReporter, FleetView, SignalClient, fleet_ready, wait_for_fleet

@@ -10,7 +10,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from deltasync._retry import RetryPolicy
+from deltasync._util.retry import RetryPolicy
 from deltasync.errors import ChecksumMismatch, InventoryMismatch, SignalError
 from deltasync.signal import Attempt, FollowLoop, StepSeen, StepWatcher
 

@@ -8,7 +8,7 @@ import threading
 
 import httpx
 
-from deltasync._retry import RetryPolicy
+from deltasync._util.retry import RetryPolicy
 from deltasync.errors import StorageError
 from deltasync.protocol import Head
 from deltasync.protocol.keys import HEAD_KEY

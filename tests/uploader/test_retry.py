@@ -12,7 +12,7 @@ from spy_store import SpyStore
 from tensors import assert_state_equal
 
 import deltasync as ds
-from deltasync._retry import RetryPolicy
+from deltasync._util.retry import RetryPolicy
 from deltasync.errors import AlreadyExists, CommitFailed, StorageError, TransientStorageError
 from deltasync.storage.base import Data, PutMode
 from deltasync.uploader._writes import put_idempotent, with_retries

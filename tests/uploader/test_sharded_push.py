@@ -34,7 +34,7 @@ def _check_anchor_files(store_dir: Path, step: int) -> None:
     rank 0's writer subfolder of the step holds it, and only it (every rank wrote there)."""
     from safetensors.torch import load_file
 
-    from deltasync._tensors import flat_bits
+    from deltasync._util.tensors import flat_bits
     from deltasync.protocol import Manifest
     from deltasync.protocol.digests import xxh3_128_array
 

@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import deltasync as ds  # noqa: E402
-from deltasync._retry import RetryPolicy  # noqa: E402
+from deltasync._util.retry import RetryPolicy  # noqa: E402
 from deltasync.errors import ChecksumMismatch, ObjectNotFound, StorageError, TransientStorageError  # noqa: E402
 from deltasync.protocol import SPAN_OF, Manifest, parse_span_key, span_manifest_key  # noqa: E402
 from deltasync.storage.base import Data, PutMode  # noqa: E402

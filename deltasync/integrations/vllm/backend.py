@@ -146,7 +146,7 @@ class _Seed:
     id: str
 
     def load(self) -> dict[str, torch.Tensor]:
-        from deltasync._checkpoint_io import load_checkpoint
+        from deltasync._util.checkpoint_io import load_checkpoint
 
         return load_checkpoint(self.dir, mmap=True)  # page cache, no private copy
 
@@ -155,7 +155,7 @@ def _seed(model_dir: Path | None) -> _Seed | None:
     """The checkpoint dir the engine loaded (its deltasync step when it says so), if it can be read."""
     if model_dir is None:
         return None
-    from deltasync._checkpoint_io import checkpoint_files
+    from deltasync._util.checkpoint_io import checkpoint_files
 
     try:
         files = checkpoint_files(model_dir)

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from deltasync._worker import SerialWorker
+from deltasync._util.worker import SerialWorker
 from deltasync.errors import (
     DeltaSyncError,
     EngineIncompatible,

@@ -2,7 +2,7 @@
 
 :class:`Prefetcher` runs the one :class:`~deltasync.signal.FollowLoop` over a
 :class:`~deltasync.signal.StepWatcher` (store polling) from its own
-:class:`~deltasync._worker.SerialWorker`, and asks the mirror to prepare each newer step; the
+:class:`~deltasync._util.worker.SerialWorker`, and asks the mirror to prepare each newer step; the
 mirror's preparer coalesces, so a newer step supersedes one still queued. A step that fails to
 prepare is tried again after the loop's backoff (longer after each failure of the same step, reset
 by a success), not at every poll. Needs no vLLM: :mod:`deltasync.integrations.vllm.backend` plugs
@@ -18,8 +18,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol
 
-from deltasync._retry import RetryPolicy
-from deltasync._worker import SerialWorker
+from deltasync._util.retry import RetryPolicy
+from deltasync._util.worker import SerialWorker
 from deltasync.errors import DeltaSyncError
 from deltasync.signal import Attempt, FollowLoop, StepSeen, StepWatcher
 

@@ -23,7 +23,7 @@ import pickle
 from datetime import timedelta
 from typing import Any
 
-from deltasync._tensors import require_torch
+from deltasync._util.tensors import require_torch
 
 __all__ = ["ChannelError", "RankChannel", "next_uploader_number"]
 

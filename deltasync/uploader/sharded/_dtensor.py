@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from deltasync._tensors import flat_bits, st_dtype, state_tensors
+from deltasync._util.tensors import flat_bits, st_dtype, state_tensors
 from deltasync.errors import InventoryMismatch
 from deltasync.protocol import TensorInfo
 from deltasync.uploader.sharded._shardmap import Box

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from deltasync._retry import RetryPolicy
+from deltasync._util.retry import RetryPolicy
 from deltasync.errors import CommitFailed
 from deltasync.protocol import AnchorEntry, Committed, FileInfo, PatchEntry, TensorInfo, encode_changes, xxh3_128
 from deltasync.protocol.checkpoint import CHECKPOINT_METADATA, INDEX_NAME, group_by_size, shard_layout

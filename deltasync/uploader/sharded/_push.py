@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from deltasync._retry import RetryPolicy
+from deltasync._util.retry import RetryPolicy
 from deltasync.errors import CommitFailed, ProtocolError, WriterFenced
 from deltasync.protocol import Committed, TensorInfo, inventory_digest
 from deltasync.protocol.keys import manifest_key

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from deltasync._tensors import require_torch, torch_dtype
+from deltasync._util.tensors import require_torch, torch_dtype
 from deltasync.errors import ObjectNotFound, ProtocolError
 from deltasync.protocol.checkpoint import INDEX_NAME
 from deltasync.protocol.dtypes import dtype_info
@@ -91,7 +91,7 @@ def save_checkpoint(state: dict[str, torch.Tensor], path: str | Path, metadata: 
     """Write tensors as one safetensors file (atomically: temp file, then rename)."""
     import os
 
-    from deltasync._tensors import numpy_bits, st_dtype
+    from deltasync._util.tensors import numpy_bits, st_dtype
     from deltasync.protocol.safetensors_io import TensorBytes, encode_header
 
     path = Path(path)
