@@ -19,6 +19,7 @@ import sys
 import threading
 import webbrowser
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import wait
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
+from deltasync._util.worker import run_in_background
 from deltasync.errors import DemoError, StorageError
 from deltasync.storage import Store, open_store
 from spaces_demo.live import DemoOptions, DemoRun, Episode, prepare_demo_store
@@ -225,12 +227,11 @@ def _console(run: DemoRun, print_: Callable[[str], None], url: str | None) -> Ca
                 for line in end_of_run_lines(ep.result or s, url, loop=run.options.loop):
                     print_(line)
 
-    t = threading.Thread(target=loop, name="demo-console", daemon=True)
-    t.start()
+    printing = run_in_background(loop, "demo-console")
 
     def stopper() -> None:
         stop.set()
-        t.join(5.0)
+        wait([printing], 5.0)
 
     return stopper
 
@@ -287,7 +288,7 @@ def run_demo(
             _close_streams(app)
             server.should_exit = True
 
-    threading.Thread(target=watch, name="demo-watch", daemon=True).start()
+    run_in_background(watch, "demo-watch")
     try:
         server.run()
     finally:

@@ -23,14 +23,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
-from deltasync._util.retry import RetryPolicy
+from deltasync._util.worker import run_in_background
 from deltasync.errors import DeltaSyncError, DemoError, ObjectNotFound
 from deltasync.fetcher import DeltaFetcher
-from deltasync.signal import Attempt, FollowLoop, StepSeen, StepWatcher
+from deltasync.signal import Attempt, FollowLoop, RetryPolicy, StepSeen, StepWatcher
 from deltasync.storage import Store
 from deltasync.uploader import CommitInfo, DeltaUploader
 from spaces_demo.board import LiveBoard
@@ -213,9 +213,10 @@ class DemoRun:
         self.listen_source: str | None = None
         self._lock = threading.Lock()
         self._closed = False
-        self._threads: list[threading.Thread] = []
+        #: the current run's threads (trainer, follower) by name: each a future of its own worker
+        self._threads: dict[str, Future[None]] = {}
         self._loop_stop = threading.Event()
-        self._loop_thread: threading.Thread | None = None
+        self._loop_thread: Future[None] | None = None
         self._ending = threading.Lock()
         self._on_run_end: list[Callable[[Episode], None]] = []
         #: the run in progress (or the last one); replaced as a whole by :meth:`restart`
@@ -291,25 +292,18 @@ class DemoRun:
                 raise RuntimeError("DemoRun already started")
             self._start_threads(self.current)
             if self.options.loop:
-                self._loop_thread = threading.Thread(target=self._loop, name="demo-loop", daemon=True)
-                self._loop_thread.start()
+                self._loop_thread = run_in_background(self._loop, "demo-loop")
 
     def _start_threads(self, ep: Episode) -> None:
-        self._threads = []
+        self._threads = {}
         if self.options.train:
-            self._threads.append(
-                threading.Thread(target=self._guard(ep, lambda: self._train(ep)), name="demo-trainer", daemon=True)
-            )
-        self._threads.append(
-            threading.Thread(target=self._guard(ep, lambda: self._follow(ep)), name="demo-follower", daemon=True)
-        )
-        for t in self._threads:
-            t.start()
+            self._threads["demo-trainer"] = run_in_background(self._guard(ep, lambda: self._train(ep)), "demo-trainer")
+        self._threads["demo-follower"] = run_in_background(self._guard(ep, lambda: self._follow(ep)), "demo-follower")
 
     def _stop_threads(self, timeout: float) -> None:
         self.current.end()
-        for t in self._threads:
-            t.join(timeout)
+        for t in self._threads.values():
+            wait([t], timeout)
 
     def _join_stopped_threads(self, timeout: float) -> bool:
         """Wait until the stopped run's threads have ended (however long that takes on a busy
@@ -317,15 +311,14 @@ class DemoRun:
         the demo is being stopped meanwhile."""
         started = time.monotonic()
         warned = False
-        for t in self._threads:
+        for name, t in self._threads.items():
             while True:
-                t.join(0.25)
-                if not t.is_alive():
+                if wait([t], 0.25).done:
                     break
                 if self._loop_stop.is_set():
                     return False
                 if not warned and time.monotonic() - started > timeout:
-                    log.warning("the last run's %s has not ended after %g s; still waiting for it", t.name, timeout)
+                    log.warning("the last run's %s has not ended after %g s; still waiting for it", name, timeout)
                     warned = True
         return True
 
@@ -333,7 +326,7 @@ class DemoRun:
         """Stop every thread and end the pages' streams."""
         self._loop_stop.set()
         if self._loop_thread is not None:
-            self._loop_thread.join(timeout)
+            wait([self._loop_thread], timeout)
         with self._lock:
             self._closed = True
             self._stop_threads(timeout)

@@ -10,6 +10,10 @@ long waits inside a job (retry backoff, polling) wait on it, so closing cuts the
 
 In the spirit of huggingface_hub's ``CommitScheduler``: one thread, one lock, futures for
 results, and a close that waits for the last job.
+
+It is also the only place that starts a thread by hand: :func:`run_in_background` runs one
+blocking call or long-running loop that owns no queue of jobs (a child process's exit, a console
+printer, a demo's trainer) on a :class:`SerialWorker` of its own that ends with it.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
-__all__ = ["SerialWorker", "WorkerClosed"]
+__all__ = ["SerialWorker", "WorkerClosed", "run_in_background"]
 
 log = logging.getLogger("deltasync.worker")
 T = TypeVar("T")
@@ -146,3 +150,20 @@ class SerialWorker:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def run_in_background(fn: Callable[[], T], name: str) -> Future[T]:
+    """Run ``fn`` once on a daemon thread named ``name``: a :class:`SerialWorker` of its own that
+    closes itself once ``fn`` returns. ``fn``'s result or exception lands in the returned future
+    (wait for it with :func:`concurrent.futures.wait` where a thread would be joined); an exception
+    is also logged, as an unhandled exception in a thread would be printed."""
+    worker = SerialWorker(name)
+    future = worker.submit(fn)
+
+    def done(f: Future[T]) -> None:
+        worker.close()  # on the worker's own thread (no join), or at once if fn already returned
+        if not f.cancelled() and (exc := f.exception()) is not None:
+            log.error("%s failed", name, exc_info=exc)
+
+    future.add_done_callback(done)
+    return future

@@ -22,6 +22,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from deltasync._util.worker import run_in_background
 from deltasync.cli._common import STORE_HELP, announce_store, cast_name, cli_uploader, human_bytes
 from deltasync.cli._watch_scan import SETTLE, SETTLING, Candidate, CheckpointPattern, Readiness, WatchError
 from deltasync.errors import CommitFailed, DeltaSyncError, WriterFenced
@@ -289,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
         print("stopping after the current commit (Ctrl-C again to abandon it)", file=sys.stderr, flush=True)
         stop.set()
 
-    threading.Thread(target=stop_when_asked, name="deltasync-watch-stop", daemon=True).start()
+    run_in_background(stop_when_asked, "deltasync-watch-stop")
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:

@@ -27,6 +27,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from deltasync._util.prometheus import CONTENT_TYPE, LABEL_NAME, Histogram, family, sample
+from deltasync._util.worker import SerialWorker
 from deltasync.signal import MAX_PENDING, StalenessTracker, commit_time
 
 if TYPE_CHECKING:
@@ -317,8 +318,8 @@ class MetricsServer:
         self._httpd = server((host, port), handler)
         self.host = host
         self.port: int = self._httpd.server_address[1]
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="deltasync-metrics", daemon=True)
-        self._thread.start()
+        self._serving = SerialWorker("deltasync-metrics")
+        self._serving.submit(self._httpd.serve_forever)
 
     @property
     def url(self) -> str:
@@ -330,7 +331,7 @@ class MetricsServer:
         """Stop serving and release the port."""
         self._httpd.shutdown()
         self._httpd.server_close()
-        self._thread.join(5.0)
+        self._serving.close(timeout=5.0)
 
     def __enter__(self) -> MetricsServer:
         return self

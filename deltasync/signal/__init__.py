@@ -6,10 +6,15 @@ the fleet: receivers' :class:`FleetReporter` and the trainer's staleness gate :f
 Needs only httpx and the standard library, never FastAPI: the uploader and the
 fetcher import this package, and nothing of :mod:`deltasync.server` (which
 re-exports the client names for compatibility).
+
+:class:`RetryPolicy` (the backoff :class:`StepWatcher` reconnects with and :class:`FollowLoop` backs
+a failing step off with) is the package's shared policy, re-exported here because those signatures
+take it.
 """
 
 from __future__ import annotations
 
+from deltasync._util.retry import RetryPolicy
 from deltasync.signal._client import CommitEvent, Notifier, SignalClient
 from deltasync.signal._fleet import REPLICA_STATES, FleetView, ReplicaState, ReplicaStatus
 from deltasync.signal._follow import Attempt, FollowLoop
@@ -39,6 +44,7 @@ __all__ = [
     "Notifier",
     "ReplicaState",
     "ReplicaStatus",
+    "RetryPolicy",
     "Served",
     "SignalClient",
     "Staleness",

@@ -14,13 +14,13 @@ import socket
 import struct
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from deltasync._util.worker import run_in_background
 from deltasync.errors import DeltaSyncError, from_code
 from deltasync.fetcher import Verify
 
@@ -125,7 +125,7 @@ def _start(config: LeaderConfig) -> socket.socket:
         line = proc.stdout.readline() if ready else b""
         proc.stdout.close()
         _children.append(proc)
-        threading.Thread(target=proc.wait, name="deltasync-leader-reaper", daemon=True).start()
+        run_in_background(proc.wait, "deltasync-leader-reaper")
         if line.strip() != b"ready":
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
