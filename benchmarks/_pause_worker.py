@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from deltasync.integrations.vllm.backend import DeltasyncWorkerExtension, _state_of
-from deltasync.serving.engine.scatter import Change, ScatterLoader
+from deltasync.protocol import TensorChange
+from deltasync.serving.engine.scatter import ScatterLoader
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -52,7 +53,7 @@ class PauseBench(DeltasyncWorkerExtension):
             out["built"] = loader.refresh()
         out["map_s"] = time.perf_counter() - t0
         out["unmapped"] = dict(loader.map.unmapped)
-        items: list[Change] = []
+        items: list[TensorChange] = []
         t0 = time.perf_counter()
         for path in sorted(glob.glob(f"{prev_dir}/*.safetensors")):
             with safe_open(path, "pt") as fh:
@@ -63,12 +64,14 @@ class PauseBench(DeltasyncWorkerExtension):
                     bits = _BITS[new.element_size()]
                     pos = (new.view(bits) != old.view(bits)).view(-1).nonzero().view(-1)
                     if pos.numel():
-                        items.append(Change(name, new, pos, new.view(-1)[pos]))
+                        values = new.view(-1)[pos].view(bits).numpy()
+                        items.append(TensorChange(name, pos.numpy(), values))
         out["diff_s"] = time.perf_counter() - t0
         self._bench_items = items
+        self._bench_view = mirror
         out["tensors"] = len(items)
-        out["names"] = [c.name for c in items]
-        out["elements"] = sum(int(c.positions.numel()) for c in items if c.positions is not None)
+        out["names"] = [c.tensor for c in items]
+        out["elements"] = sum(c.count or 0 for c in items)
         out["total_elements"] = sum(t.numel() for t in mirror.values())
         return out
 
@@ -81,7 +84,7 @@ class PauseBench(DeltasyncWorkerExtension):
             prof = cProfile.Profile()
             prof.enable()
         t0 = time.perf_counter()
-        counts = loader(self._bench_items)
+        counts = loader(self._bench_items, self._bench_view)
         dt = time.perf_counter() - t0
         out: dict[str, Any] = {"apply_s": dt, "scattered": counts.scattered, "copied": counts.copied}
         out["loaded"] = counts.loaded

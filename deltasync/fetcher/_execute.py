@@ -27,10 +27,19 @@ from deltasync.fetcher._fold import Change, fold_steps, new_bits
 from deltasync.fetcher._source import Source, Verify
 from deltasync.fetcher._stats import SyncStats
 from deltasync.fetcher._target import HostTensor, TargetTensor
-from deltasync.protocol import Committed, FetchPlan, Manifest, TensorInfo, anchor_arrays, decode_patch
+from deltasync.protocol import (
+    Committed,
+    FetchPlan,
+    Manifest,
+    TensorChange,
+    TensorInfo,
+    anchor_arrays,
+    decode_patch,
+)
+from deltasync.protocol.changes import union_positions
 from deltasync.protocol.digests import xxh3_128_array
 
-__all__ = ["DecodedPlan", "apply_decoded", "decode_plan", "prove_anchor_plan"]
+__all__ = ["Applied", "DecodedPlan", "apply_decoded", "decode_plan", "prove_anchor_plan"]
 
 Bits = np.ndarray[Any, np.dtype[Any]]
 
@@ -155,6 +164,41 @@ def prove_anchor_plan(tensors: Mapping[str, TargetTensor], decoded: DecodedPlan,
                     raise ChecksumMismatch(f"step {final.step}: tensor {n!r} does not match its digest")
 
 
+class Applied:
+    """What an apply wrote, per tensor: the positions of every change applied to it, or the whole
+    tensor (an anchor load: which elements changed is not known without comparing, which is left to
+    whoever needs it). Read as :class:`~deltasync.protocol.TensorChange` values with :meth:`changes`."""
+
+    def __init__(self) -> None:
+        self._parts: dict[str, list[Bits]] = {}
+        self._whole: set[str] = set()
+
+    def add(self, changes: Sequence[Change], alias: Mapping[str, str]) -> None:
+        """Record ``changes`` as applied (a tied name's change is applied through its primary's)."""
+        for c in changes:
+            if alias.get(c.tensor, c.tensor) == c.tensor and c.tensor not in self._whole:
+                self._parts.setdefault(c.tensor, []).append(c.idx)
+
+    def whole(self, name: str) -> None:
+        """Record that the whole of ``name`` was written."""
+        self._whole.add(name)
+        self._parts.pop(name, None)
+
+    def changes(self, tensors: Mapping[str, TargetTensor], written: set[str]) -> dict[str, TensorChange]:
+        """One change per name whose memory was written (``written``: the primaries), tied names
+        included (they share their primary's memory, hence its change)."""
+        by_primary: dict[str, TensorChange] = {}
+        for name in written:
+            parts = self._parts.get(name)
+            positions = None if name in self._whole or parts is None else union_positions(parts)
+            by_primary[name] = TensorChange(name, positions)
+        out: dict[str, TensorChange] = {}
+        for name, primary in alias_groups(tensors).items():
+            if (c := by_primary.get(primary)) is not None:
+                out[name] = c if name == primary else TensorChange(name, c.positions, c.values)
+        return out
+
+
 def apply_decoded(
     tensors: Mapping[str, TargetTensor],
     decoded: DecodedPlan,
@@ -163,9 +207,10 @@ def apply_decoded(
     stats: SyncStats | None = None,
     keep: Undo | None = None,
     threads: int = 1,
+    applied: Applied | None = None,
 ) -> None:
     """Apply a decoded plan in place, all or nothing; ``keep`` receives the undo log on success.
-    ``threads``: tensors written at once."""
+    ``threads``: tensors written at once. ``applied`` hears what was written (see :class:`Applied`)."""
     stats = stats or SyncStats(decoded.steps[-1].manifest.step)
     undo = Undo()
     try:
@@ -176,6 +221,8 @@ def apply_decoded(
                     for name, primary in alias_groups(tensors).items():
                         if primary == name:
                             tensors[name].load(decoded.anchor[name])
+                            if applied is not None:
+                                applied.whole(name)
                     for _, changes, _ in decoded.patches:
                         apply_changes(tensors, changes, undo, threads=threads)
                 else:
@@ -191,6 +238,8 @@ def apply_decoded(
                         if not np.array_equal(old := tensors[name].snapshot(), arr):
                             undo.load(tensors[name], old, arr)
                             undo.names.add(name)
+                            if applied is not None:
+                                applied.whole(name)
             if keep is not None:
                 keep.extend(undo)
             return
@@ -198,6 +247,8 @@ def apply_decoded(
             with stats.timing("apply"):
                 check_aliases(tensors, m, changes)
                 apply_changes(tensors, changes, undo, threads=threads)
+            if applied is not None:
+                applied.add(changes, alias_groups(tensors))
             if verify:
                 with stats.timing("verify"):
                     check_digests(tensors, names, m)

@@ -28,7 +28,7 @@ from deltasync.errors import (
 )
 from deltasync.fetcher._apply import Undo
 from deltasync.fetcher._download import PlanFilesGone
-from deltasync.fetcher._execute import apply_decoded, decode_plan, prove_anchor_plan
+from deltasync.fetcher._execute import Applied, apply_decoded, decode_plan, prove_anchor_plan
 from deltasync.fetcher._identity import HeldState, HeldStates
 from deltasync.fetcher._journal import SyncJournal
 from deltasync.fetcher._lease import LeaseWriter, still_committed, unreachable_after_gc
@@ -91,6 +91,7 @@ class Sync:
         self._before: HeldState | None = None
         self._base: Manifest | None = None
         self._keep: Undo | None = None
+        self._applied: Applied | None = None
         self._t0 = 0.0
 
     # ------------------------------------------------------------------ the sync
@@ -210,6 +211,7 @@ class Sync:
         self._have = self._found = have
         self._before = self.held.get(self.target)
         self._keep = Undo() if self.journal is not None else None
+        self._applied = Applied() if self.journal is not None else None
         self._tensors = tensors
 
     def _allocate(self) -> None:
@@ -249,7 +251,15 @@ class Sync:
         if decoded.anchor is not None:
             with stats.timing("verify"):
                 prove_anchor_plan(tensors, decoded, verify)
-        apply_decoded(tensors, decoded, verify=verify, stats=stats, keep=self._keep, threads=self.source.threads)
+        apply_decoded(
+            tensors,
+            decoded,
+            verify=verify,
+            stats=stats,
+            keep=self._keep,
+            threads=self.source.threads,
+            applied=self._applied,
+        )
         return self.reader.committed(plan.target_step)
 
     def _record(self, reached: Committed) -> None:
@@ -259,7 +269,10 @@ class Sync:
         if self.journal is not None and self._keep is not None:
             restore = functools.partial(self.held.restore, self.target, self._before, self._live, self._tensors)
             base_step = self._found[0] if self._found else None
-            self.journal.record(self._keep, self._tensors, self.target_step, base_step, self.stats, restore)
+            changes = {} if self._applied is None else self._applied.changes(self._tensors, set(self._keep.names))
+            self.journal.record(
+                self._keep, self._tensors, self.target_step, base_step, self.stats, restore, changes=changes
+            )
         self.stats.total_s = self.stats.clock() - self._t0
 
     # ------------------------------------------------------------------ helpers

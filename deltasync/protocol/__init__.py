@@ -10,6 +10,7 @@ from deltasync.protocol.chain import (
     superseded_by,
     walk_chain,
 )
+from deltasync.protocol.changes import TensorChange
 from deltasync.protocol.checkpoint import anchor_arrays
 from deltasync.protocol.digests import xxh3_128
 from deltasync.protocol.encoding import EncodedTensor, encode_changes
@@ -67,6 +68,7 @@ __all__ = [
     "SPANS_PREFIX",
     "SPAN_OF",
     "Stats",
+    "TensorChange",
     "TensorInfo",
     "WRITERS_PREFIX",
     "Writer",

@@ -10,11 +10,12 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -23,8 +24,10 @@ from tensors import bits_equal  # noqa: E402
 
 import deltasync as ds  # noqa: E402
 from deltasync.errors import InventoryMismatch, UpdateRolledBack  # noqa: E402
+from deltasync.protocol import TensorChange, decode_patch, file_key  # noqa: E402
 from deltasync.serving.engine.mirror import EngineMirror  # noqa: E402
 from deltasync.serving.node.mirror import NodeMirror  # noqa: E402
+from deltasync.serving.node.versions import step_id  # noqa: E402
 
 NAMES = [f"layers.{i}.w" for i in range(8)]
 SHAPE = (128, 64)
@@ -107,12 +110,13 @@ def test_workers_share_one_version_and_one_store_read_per_step(tmp_path: Path) -
         patch = sum(o.size for o in store.list(f"steps/{s:012d}/") if not o.key.endswith("manifest.json"))
         assert version.stats["store_bytes"] == patch  # the step's files, read once for the node
         # the positions of the changed elements, for engines that write only those
-        positions = version.changed_positions(served)
+        changes = version.changes(served)
         before, after = _state(s - 1), _state(s)
-        assert sorted(positions) == NAMES
+        assert sorted(changes) == NAMES
         for n in NAMES:
             diff = torch.nonzero(before[n].view(-1).view(torch.int16) != after[n].view(-1).view(torch.int16)).view(-1)
-            assert torch.equal(positions[n].long(), diff)
+            positions = changes[n].positions
+            assert positions is not None and torch.equal(torch.from_numpy(positions).long(), diff)
         for e in engines:
             assert _equal(e.weights, _state(s))
         assert all(r.tensors == len(NAMES) for r in reports)
@@ -298,14 +302,15 @@ def test_an_engine_writing_only_the_changed_elements_ends_bit_exact(tmp_path: Pa
 
     def scatter_for(i: int) -> Any:
         def make(layout: Any) -> Any:
-            def scatter(items: Iterable[tuple[str, Any, Any]]) -> Any:
-                for name, full, pos in items:
-                    given[i].append(pos is not None)
-                    flat = engines[i].weights[name].view(-1)
-                    if pos is None:
-                        flat.copy_(full.reshape(-1))
+            def scatter(changes: Sequence[TensorChange], tensors: Mapping[str, Any]) -> Any:
+                for c in changes:
+                    given[i].append(c.positions is not None)
+                    flat, full = engines[i].weights[c.tensor].view(-1), tensors[c.tensor].reshape(-1)
+                    if c.positions is None:
+                        flat.copy_(full)
                     else:
-                        flat[pos.long()] = full.reshape(-1)[pos.long()]
+                        pos = torch.from_numpy(c.positions).long()
+                        flat[pos] = full[pos]
                 return SimpleNamespace(loaded=0, copied=0, scattered=len(given[i]), elements=0)
 
             return scatter
@@ -574,3 +579,79 @@ def test_a_real_full_tmpfs_fails_the_leaders_build_clearly_and_the_engine_keeps_
     subprocess.run(["mount", "-o", "remount,size=2m", str(small_tmpfs)], check=True)
     assert worker.commit(1).step == 1 and _equal(engine.weights, _state(1))
     worker.close()
+
+
+def _carried(url: str, step: int) -> dict[str, Any]:
+    """The positions step ``step``'s patch carries, by tensor, decoded from its files."""
+    store = ds.open_store(url)
+    m = ds.DeltaFetcher(store).manifest(step)
+    keys = {f.path: file_key(step, f.path) for f in m.files}
+    got = store.get_many(list(keys.values()))
+    return {d.tensor: d.idx for d in decode_patch(m, {p: got[k] for p, k in keys.items()})}
+
+
+def test_a_build_writes_the_positions_the_patch_carried_without_comparing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The build takes the changed positions from what the fetcher applied (the decoded patch's own),
+    never comparing the new tensors with the base version's; the positions files hold exactly those."""
+    from deltasync.serving.node import _build
+
+    compared: list[str] = []
+    compare = _build.changed_positions
+
+    def spy(old: Any, new: Any) -> Any:
+        compared.append("compare")
+        return compare(old, new)
+
+    monkeypatch.setattr(_build, "changed_positions", spy)
+    url = _push(tmp_path / "run", range(4))
+    node = NodeMirror(ds.DeltaFetcher(url), root=tmp_path / "node", spawn=False)
+    try:
+        node.seed(_state(0), 0)
+        for s in (1, 2):
+            version = node.ensure(s)
+            carried = _carried(url, s)
+            assert version.base == step_id(s - 1) and sorted(version.positions) == sorted(carried) == NAMES
+            for name, file in version.positions.items():
+                written = np.fromfile(version.data / file, dtype=np.int32 if file.endswith(".i32") else np.int64)
+                assert np.array_equal(written, carried[name])
+        assert node.ensure(3).step == 3  # no positions file (two steps folded: denser than POSITIONS_DENSITY)
+        assert compared == []
+    finally:
+        node.close()
+
+
+def test_a_build_over_an_anchor_load_compares_the_tensors_it_wrote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the fetcher wrote whole tensors (an anchor over a version of unknown step), it cannot say
+    which elements changed: the build compares those tensors, and only those, with the base's."""
+    from deltasync.serving.node import _build
+
+    compared: list[int] = []
+    compare = _build.changed_positions
+
+    def spy(old: Any, new: Any) -> Any:
+        compared.append(1)
+        return compare(old, new)
+
+    monkeypatch.setattr(_build, "changed_positions", spy)
+    url = _push(tmp_path / "run", range(2))
+    seed = {n: t.clone() for n, t in _state(1).items()}
+    seed[NAMES[0]].view(-1)[:5] = 0  # an engine checkpoint that is not quite step 1
+    node = NodeMirror(ds.DeltaFetcher(url), root=tmp_path / "node", spawn=False)
+    try:
+        node.seed(seed, None, seed_id="engine")
+        version = node.ensure(1)
+        assert len(compared) == 1  # the one tensor whose bits differed was written whole
+        assert sorted(version.positions) == [NAMES[0]]
+        file = version.positions[NAMES[0]]
+        written = np.fromfile(version.data / file, dtype=np.int32)
+        want = torch.nonzero(
+            seed[NAMES[0]].view(-1).view(torch.int16) != _state(1)[NAMES[0]].view(-1).view(torch.int16)
+        )
+        assert np.array_equal(written, want.view(-1).numpy())
+        assert _equal(version.tensors(), _state(1))
+    finally:
+        node.close()

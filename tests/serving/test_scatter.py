@@ -17,8 +17,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import numpy as np  # noqa: E402
+
+from deltasync.protocol import TensorChange  # noqa: E402
 from deltasync.serving.engine.scatter import (  # noqa: E402
-    Change,
     ScatterLoader,
     ScatterMap,
     Segment,
@@ -86,10 +88,10 @@ class Attention(torch.nn.Module):
 
 def _update(
     layout: dict[str, tuple[Any, tuple[int, ...]]], seed: int, densities: dict[str, float | None] | None = None
-) -> tuple[dict[str, Any], list[Change]]:
-    """Old tensors, and changes of each (random positions at its density, sorted; None: whole)."""
+) -> tuple[dict[str, Any], dict[str, Any], list[TensorChange]]:
+    """Old tensors, new ones, and the change of each (random positions at its density, sorted; None: whole)."""
     g = torch.Generator().manual_seed(seed)
-    old, changes = {}, []
+    old, new_tensors, changes = {}, {}, []
     for name, (dtype, shape) in layout.items():
         t = torch.randn(shape, generator=g).to(dtype)
         old[name] = t
@@ -99,8 +101,9 @@ def _update(
         k = max(1, int(flat.numel() * (d if d is not None else 0.5)))
         pos = torch.randperm(flat.numel(), generator=g)[:k].sort().values
         flat[pos] = (flat[pos].float() * 1.5 + 0.25).to(dtype)
-        changes.append(Change(name, new, None if d is None else pos))
-    return old, changes
+        new_tensors[name] = new
+        changes.append(TensorChange(name, None if d is None else pos.numpy()))
+    return old, new_tensors, changes
 
 
 def _bits(model: Any) -> dict[str, Any]:
@@ -112,7 +115,7 @@ def _check_same_as_loader(
 ) -> tuple[ScatterLoader, Any]:
     """Scatter into one model and ``load_weights`` the full tensors into another: the same bits."""
     a, b = make(), make()
-    old, changes = _update(a.layout(), seed, densities)
+    old, new, changes = _update(a.layout(), seed, densities)
     a.load_weights(old.items())
     b.load_weights(old.items())
     calls: list[list[str]] = []
@@ -124,8 +127,8 @@ def _check_same_as_loader(
 
     loader = ScatterLoader(a, a.layout(), load, **kw)
     calls.clear()  # the map's tracing called it once per name, on meta tensors
-    counts = loader(changes)
-    b.load_weights((c.name, c.full) for c in changes)
+    counts = loader(changes, new)
+    b.load_weights(new.items())
     assert _bits(a).keys() == _bits(b).keys()
     for name, bits in _bits(b).items():
         assert torch.equal(_bits(a)[name], bits), name
@@ -264,31 +267,55 @@ def test_tied_parameters_share_one_storage() -> None:
 
 def test_a_replaced_parameter_rebuilds_the_map_and_is_written() -> None:
     model, ref = Attention(), Attention()
-    old, changes = _update(model.layout(), 5)
+    old, new, changes = _update(model.layout(), 5)
     model.load_weights(old.items())
     loader = ScatterLoader(model, model.layout(), model.load_weights, max_density=0.9)
     model.qkv = _param(*model.qkv.shape)  # what a reload that rebuilds parameters does
     model.qkv.weight_loader = model._column  # type: ignore[attr-defined]
     model.load_weights((n, old[n]) for n in "qkv")
     assert loader.map.stale(model)
-    loader(changes)
-    ref.load_weights((c.name, c.full) for c in changes)
+    loader(changes, new)
+    ref.load_weights(new.items())
     assert torch.equal(model.qkv, ref.qkv) and not loader.map.stale(model)
     assert loader.refresh() is False
 
 
 def test_changes_with_values_given_and_empty_positions() -> None:
     model, ref = Attention(), Attention()
-    old, changes = _update(model.layout(), 7)
+    old, new, changes = _update(model.layout(), 7)
     model.load_weights(old.items())
     ref.load_weights(old.items())
     loader = ScatterLoader(model, model.layout(), model.load_weights, max_density=0.9)
-    given = [Change(c.name, c.full, c.positions, c.full.view(-1)[c.positions]) for c in changes[:3]]
-    counts = loader([*given, ("o", old["o"], torch.empty(0, dtype=torch.int64))])
-    ref.load_weights([*((c.name, c.full) for c in changes[:3]), ("o", old["o"])])
+    # the new bits given as same-width ints (as a TensorChange carries them), read from copies: the scatter
+    # must take them, not gather from the new tensors
+    given = []
+    for c in changes[:3]:
+        assert c.positions is not None
+        vals = new[c.tensor].view(-1)[torch.from_numpy(c.positions)].view(torch.int16).numpy().copy()
+        given.append(TensorChange(c.tensor, c.positions, vals))
+    poisoned = {n: torch.zeros_like(t) if n in {c.tensor for c in given} else t for n, t in new.items()}
+    poisoned["o"] = old["o"]
+    counts = loader([*given, TensorChange("o", np.empty(0, dtype=np.int64))], poisoned)
+    ref.load_weights([*((c.tensor, new[c.tensor]) for c in changes[:3]), ("o", old["o"])])
     for name, bits in _bits(ref).items():
         assert torch.equal(_bits(model)[name], bits), name
-    assert counts.scattered == 4 and counts.elements == sum(int(c.positions.numel()) for c in given)
+    assert counts.scattered == 4 and counts.elements == sum(int(c.count or 0) for c in given)
+
+
+def test_the_tuple_form_scatters_the_same_bits() -> None:
+    """``(name, new tensor, positions[, values])`` tuples (torch positions) write what the changes write."""
+    model, ref = Attention(), Attention()
+    old, new, changes = _update(model.layout(), 9, {"o": None})
+    model.load_weights(old.items())
+    ref.load_weights(old.items())
+    loader = ScatterLoader(model, model.layout(), model.load_weights, max_density=0.9)
+    items = [(c.tensor, new[c.tensor], None if c.positions is None else torch.from_numpy(c.positions)) for c in changes]
+    tuples = loader(items)
+    ref_loader = ScatterLoader(ref, ref.layout(), ref.load_weights, max_density=0.9)
+    typed = ref_loader(changes, new)
+    assert tuples == typed
+    for name, bits in _bits(ref).items():
+        assert torch.equal(_bits(model)[name], bits), name
 
 
 def test_scatter_skips_positions_outside_its_segment() -> None:

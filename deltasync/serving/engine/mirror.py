@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,13 +39,14 @@ from deltasync.errors import (
     WorkerNeedsReplacement,
 )
 from deltasync.fetcher import DeltaFetcher, SyncStats, Verify
+from deltasync.protocol import TensorChange
 from deltasync.serving.engine.pinning import HostPins
 from deltasync.serving.node.mirror import NodeMirror
 from deltasync.serving.node.store import KEEP
 from deltasync.serving.node.versions import Version, populate
 from deltasync.signal import ReplicaState
 
-__all__ = ["Check", "CommitReport", "EngineMirror", "EngineStatus", "Loader"]
+__all__ = ["Check", "CommitReport", "EngineMirror", "EngineStatus", "Loader", "Scatter"]
 
 log = logging.getLogger("deltasync.mirror")
 
@@ -55,6 +56,9 @@ Loader = Callable[[Iterable[tuple[str, Any]]], Any]
 #: (torch dtype, shape)) in place; raises :class:`EngineIncompatible` when it does not. Returns the
 #: names the engine ties to another name of the layout (name -> that name; tied embeddings), or None
 Check = Callable[[Mapping[str, tuple[Any, tuple[int, ...]]]], Mapping[str, str] | None]
+#: writes what changed into the engine, in the pause: takes the changes (one per changed name, positions
+#: None where not known: the whole tensor) and the new tensors by name (``scatter.ScatterLoader``)
+Scatter = Callable[[Sequence[TensorChange], Mapping[str, Any]], Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,9 +124,10 @@ class EngineMirror:
     check: see :data:`Check`; called with the seed's layout, and with each version's layout when it
         differs from the one checked last.
     node_dir, spawn, keep: where the node mirror lives and how it builds (see ``NodeMirror``).
-    scatter: for a layout, a loader of ``(name, new tensor, changed flat positions or None)`` triples
-        that writes only the changed elements where it can (vLLM: ``scatter.ScatterLoader``); used in
-        the pause instead of ``load`` (an undo always uses ``load``).
+    scatter: for a layout, a :data:`Scatter`: a loader of the changes (the one change type,
+        :class:`~deltasync.protocol.TensorChange`, as the node's version keeps them) and the new
+        tensors by name, that writes only the changed elements where it can (vLLM:
+        ``scatter.ScatterLoader``); used in the pause instead of ``load`` (an undo always uses ``load``).
     pin: a :class:`~deltasync.serving.engine.pinning.HostPins` (GPU engines): the mapped tensors of
         the versions the engine serves and prepares are registered with it while they are (in the
         prepare, never in the pause), so that the pause copies them to the device by DMA.
@@ -144,14 +149,13 @@ class EngineMirror:
         node_dir: str | Path | None = None,
         spawn: bool | None = None,
         keep: int = KEEP,
-        scatter: Callable[[Mapping[str, tuple[Any, tuple[int, ...]]]], Callable[[Iterable[tuple[str, Any, Any]]], Any]]
-        | None = None,
+        scatter: Callable[[Mapping[str, tuple[Any, tuple[int, ...]]]], Scatter] | None = None,
         pin: HostPins | None = None,
     ) -> None:
         self.fetcher = fetcher
         self._pin = pin
         self._scatter_for = scatter
-        self._scatter: Callable[[Iterable[tuple[str, Any, Any]]], Any] | None = None
+        self._scatter: Scatter | None = None
         self.agree: Callable[[Any], list[Any]] = agree or (lambda mine: [mine])
         self._load = load
         self.metrics = metrics
@@ -351,15 +355,15 @@ class EngineMirror:
             names = [n for n in version.changed_from(self._served) if n not in self._tied]
             view = self._prepared_view
             nbytes = version.nbytes(names)
-            # the positions of what changed, where the engine holds the version this one was built from
-            positions = version.changed_positions(self._served) if self._scatter is not None else {}
+            # what changed (its positions, where the engine holds the version this one was built from)
+            changes = version.changes(self._served, names) if self._scatter is not None else {}
             # phase 2: the pause, every rank loads what changed
             t0 = self.clock()
             load_err: BaseException | None = None
             counts: dict[str, int] = {"loaded": len(names)}
             try:
                 if names and self._scatter is not None:
-                    done = self._scatter((n, view[n], positions.get(n)) for n in names)
+                    done = self._scatter([changes[n] for n in names], view)
                     counts = {
                         "loaded": done.loaded + done.copied,
                         "scattered": done.scattered,

@@ -31,11 +31,13 @@ engine serves the previous step, which the mirror's values differ from only at t
 Use::
 
     loader = ScatterLoader(model, layout, load)      # layout: name -> (dtype, shape); load: load_weights
-    counts = loader([Change(name, full, positions, values), ...])
+    counts = loader([TensorChange(name, positions, values), ...], tensors)
 
-``full`` is the new tensor in checkpoint coordinates (on the host: the mirror), ``positions`` the
-changed flat (row-major) indices, sorted int64 (None: copy the whole tensor), ``values`` the new
-bits there when the caller has them (a decoded patch; else gathered from ``full``). Parameters may
+Each change is the one change type (:class:`deltasync.protocol.TensorChange`: what the fetcher
+applied, as the node's version files keep it, :meth:`~deltasync.serving.node.versions.Version.changes`);
+``tensors[name]`` is the new tensor in checkpoint coordinates (on the host: the mirror). ``positions``
+are the changed flat (row-major) indices, sorted (None: copy the whole tensor), ``values`` the new
+bits there when the caller has them (a decoded patch; else gathered from the new tensor). Parameters may
 live anywhere: on CPU the write is numpy's fancy assignment on the parameter's bits, on an
 accelerator positions are sent as int32 and the indices computed there. The engine must hold the
 previous step's bits at every other position (a caller that does not know what the engine holds
@@ -48,14 +50,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
+import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from deltasync.protocol import TensorChange
+
 __all__ = [
     "STRIDED_COST",
-    "Change",
     "ScatterCounts",
     "ScatterLoader",
     "ScatterMap",
@@ -354,18 +358,6 @@ class ScatterCounts:
     loaded: int = 0
 
 
-class Change(NamedTuple):
-    """One tensor of an update: its new bits in checkpoint coordinates (``full``, on the host), the flat
-    positions that changed (sorted int64; None: unknown, the whole tensor is copied) and, when the
-    caller has them already (a decoded patch), the new values at those positions (else gathered from
-    ``full``)."""
-
-    name: str
-    full: torch.Tensor
-    positions: torch.Tensor | None = None
-    values: torch.Tensor | None = None
-
-
 #: a strided segment (a tensor-parallel shard of columns) decodes every position into indices, a few
 #: passes over them: it pays to scatter there below this fraction of the dense break-even density
 STRIDED_COST = 0.25
@@ -418,16 +410,20 @@ class ScatterLoader:
         self.map = ScatterMap.build(self.model, self.layout, load=self.load)
         return True
 
-    def __call__(self, items: Iterable[Change | tuple[Any, ...]]) -> ScatterCounts:
-        """Apply each :class:`Change` (or ``(name, full, positions[, values])`` tuple; positions may be
-        int32, widened only where they are scattered); one loader call for the tensors without a map.
-        Raises what the loader raises (the caller undoes)."""
+    def __call__(
+        self, changes: Iterable[TensorChange | tuple[Any, ...]], tensors: Mapping[str, torch.Tensor] | None = None
+    ) -> ScatterCounts:
+        """Apply each :class:`~deltasync.protocol.TensorChange` (the new tensor: ``tensors[name]``); one
+        loader call for the tensors without a map. An item may also be a ``(name, new tensor,
+        positions[, values])`` tuple (positions a torch tensor or numpy array, values the new tensor's
+        dtype). Positions may be int32, widened only where they are scattered. Raises what the loader
+        raises (the caller undoes)."""
         self.refresh()
         fallback: list[tuple[str, torch.Tensor]] = []
         scattered = elements = copied = 0
         with torch.no_grad():
-            for item in items:
-                name, full, pos, values = Change(*item)
+            for item in changes:
+                name, full, pos, values = _item(item, tensors)
                 segments = self.map.maps.get(name)
                 if segments is None or full.dtype != self.layout[name][0] or tuple(full.shape) != self.layout[name][1]:
                     fallback.append((name, full))
@@ -455,6 +451,30 @@ class ScatterLoader:
             if fallback:
                 self.load(iter(fallback))
         return ScatterCounts(scattered, elements, copied, len(fallback))
+
+
+def _item(
+    item: TensorChange | tuple[Any, ...], tensors: Mapping[str, torch.Tensor] | None
+) -> tuple[str, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(name, new tensor, positions, values)`` as torch tensors, from a change (and the new tensors) or a tuple."""
+    if isinstance(item, TensorChange):
+        if tensors is None:
+            raise TypeError("ScatterLoader: changes need the new tensors by name (the second argument)")
+        full = tensors[item.tensor]
+        values = None if item.values is None else _torch(item.values).view(full.dtype)
+        return item.tensor, full, None if item.positions is None else _torch(item.positions), values
+    name, full, pos, *rest = item
+    values = rest[0] if rest else None
+    return name, full, None if pos is None else _torch(pos), None if values is None else _torch(values)
+
+
+def _torch(a: Any) -> torch.Tensor:
+    """A torch tensor over ``a`` (a numpy array: shared, not copied; a read-only one is copied, torch
+    tensors are writable)."""
+    if not isinstance(a, np.ndarray):
+        return a  # type: ignore[no-any-return]
+    a = np.ascontiguousarray(a)
+    return torch.from_numpy(a if a.flags.writeable else a.copy())
 
 
 def scatter(seg: Segment, pos: torch.Tensor, values: torch.Tensor) -> None:

@@ -12,9 +12,10 @@ from typing import Any
 
 from deltasync.errors import InventoryMismatch
 from deltasync.fetcher import DeltaFetcher, SyncJournal
+from deltasync.protocol import TensorChange
 from deltasync.serving.node.lock import NodeLock
 from deltasync.serving.node.store import VersionStore
-from deltasync.serving.node.versions import VersionFile, changed_positions, step_id, trim_heap
+from deltasync.serving.node.versions import Version, VersionFile, changed_positions, step_id, trim_heap
 
 __all__ = ["POSITIONS_DENSITY", "SYNC_FIELDS", "build", "build_locked", "builder_fetcher"]
 
@@ -114,10 +115,10 @@ def build(
         tensor = view[name]
         had = None if base is None else base.files.get(name)
         if base is not None and had is not None and VersionFile.of(had.name, tensor) == had:  # same layout
-            changed = changed_positions(base.tensors([name])[name], tensor)
-            if changed.numel() == 0:
+            changed = _positions(journal.changes.get(name), base, name, tensor)
+            if changed.size == 0:
                 continue  # rewritten with the same bits (an anchor over a version that has them)
-            if changed.numel() <= POSITIONS_DENSITY * tensor.numel():
+            if changed.size <= POSITIONS_DENSITY * tensor.numel():
                 positions[name] = versions.write_positions(changed, tensor.numel())
         files[name] = versions.write_tensor(tensor)
         new += 1
@@ -139,3 +140,13 @@ def build(
     del view, journal
     trim_heap()
     return info
+
+
+def _positions(change: TensorChange | None, base: Version, name: str, tensor: Any) -> Any:
+    """The flat positions (sorted, numpy) of ``name`` that the sync wrote since ``base``: the ones the
+    fetcher reports it applied (the decoded patches' own, folded). Only where it wrote the whole
+    tensor (an anchor loaded over the base version: it cannot tell which elements differ) are they
+    found by comparing the tensor with the base's, bit by bit."""
+    if change is not None and change.positions is not None:
+        return change.positions
+    return changed_positions(base.tensors([name])[name], tensor).numpy()

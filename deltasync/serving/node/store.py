@@ -128,13 +128,17 @@ class VersionStore:
         return entry
 
     def write_positions(self, positions: Any, numel: int) -> str:
-        """A new data file holding the flat ``positions`` (sorted) of a tensor of ``numel`` elements
+        """A new data file holding the flat ``positions`` (sorted; a numpy array or a torch tensor, as
+        a :class:`~deltasync.protocol.TensorChange` carries them) of a tensor of ``numel`` elements
         (int32 where they fit); its name, for a version's ``positions``."""
+        import numpy as np
         import torch
 
         small = numel < 2**31
         name = secrets.token_hex(12) + (".i32" if small else ".i64")
-        self._write(name, positions.to(torch.int32) if small else positions)
+        if isinstance(positions, np.ndarray):
+            positions = torch.from_numpy(np.ascontiguousarray(positions))
+        self._write(name, positions.to(torch.int32 if small else torch.int64))
         return name
 
     def _write(self, name: str, tensor: Any) -> None:

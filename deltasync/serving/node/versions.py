@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deltasync.protocol import TensorChange
+
 __all__ = [
     "INDEX_FORMAT",
     "Version",
@@ -102,18 +104,26 @@ class Version:
             doc.get("positions", {}),
         )
 
-    def changed_positions(self, served: Version | None) -> dict[str, Any]:
-        """Flat positions of the elements that changed, by name, for the tensors changed sparsely
-        since ``served`` (only when this version was built straight from it; else ``{}``)."""
+    def changes(self, served: Version | None, names: Iterable[str] | None = None) -> dict[str, TensorChange]:
+        """What changed since ``served``, for ``names`` (default: :meth:`changed_from`): one
+        :class:`~deltasync.protocol.TensorChange` per name, with the flat positions (sorted; int32 or
+        int64 numpy arrays mapped from the node's positions files) of the tensors changed sparsely
+        since ``served`` when this version was built straight from it, and ``positions`` None (the
+        whole tensor) for the others."""
         import torch
 
-        if served is None or self.base != served.id:
-            return {}
-        out: dict[str, Any] = {}
-        for name, file in self.positions.items():
+        known = self.base is not None and served is not None and self.base == served.id
+        out: dict[str, TensorChange] = {}
+        for name in self.changed_from(served) if names is None else names:
+            file = self.positions.get(name) if known else None
+            if file is None:
+                out[name] = TensorChange(name)
+                continue
             size = (self.data / file).stat().st_size
             dtype = torch.int32 if file.endswith(".i32") else torch.int64
-            out[name] = map_tensor(torch, self.data / file, dtype, (size // dtype.itemsize,))
+            out[name] = TensorChange(
+                name, map_tensor(torch, self.data / file, dtype, (size // dtype.itemsize,)).numpy()
+            )
         return out
 
     def changed_from(self, other: Version | None) -> list[str]:
@@ -245,7 +255,8 @@ def write_tensor(path: Path, tensor: Any) -> None:
 
 
 def changed_positions(old: Any, new: Any) -> Any:
-    """Flat positions (int64, sorted) where ``new``'s bits differ from ``old``'s (same dtype and shape)."""
+    """Flat positions (int64, sorted) where ``new``'s bits differ from ``old``'s (same dtype and shape):
+    a full compare, which the build does only where the fetcher wrote a whole tensor (an anchor)."""
     import torch
 
     if new.numel() == 0:
