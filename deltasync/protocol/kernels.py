@@ -14,17 +14,18 @@ cached on disk under ``__pycache__`` or numba's user cache afterwards).
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
 from typing import Literal
 
+from deltasync._util.settings import KERNELS_VAR, kernels_choice
+
 __all__ = ["Backend", "available", "backend", "impl", "set_backend", "using"]
 
 Backend = Literal["numba", "numpy"]
-ENV = "DELTASYNC_KERNELS"  # "numba", "numpy" or "auto" (the default)
+ENV = KERNELS_VAR  # "numba", "numpy" or "auto" (the default)
 
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -57,7 +58,7 @@ def impl() -> ModuleType | None:
         pass
     with _lock:
         if "impl" not in _state:
-            want = os.environ.get(ENV, "auto").strip().lower() or "auto"
+            want = kernels_choice()  # DELTASYNC_KERNELS, read once at the codec's first use (its edge)
             if want not in ("auto", "numba", "numpy"):
                 raise ValueError(f"{ENV}={want!r}: expected auto, numba or numpy")
             _state["impl"] = _choose(want)

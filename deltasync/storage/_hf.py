@@ -30,7 +30,6 @@ connection errors and partial ``/batch`` failures -> TransientStorageError.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import tempfile
@@ -358,8 +357,8 @@ class HFBucketStore(Store):
                 self._tmp = None
 
 
-def open_hf_url(url: str) -> HFBucketStore:
-    """The store for an ``hf://buckets/...`` URL; endpoint from DELTASYNC_HF_ENDPOINT or HF_ENDPOINT."""
+def open_hf_url(url: str, *, endpoint: str | None = None) -> HFBucketStore:
+    """The store for an ``hf://buckets/...`` URL at ``endpoint`` (None: the public Hub);
+    :func:`~deltasync.storage.open_store` passes the one from the environment."""
     bucket_id, prefix = parse_hf_url(url)
-    endpoint = os.environ.get("DELTASYNC_HF_ENDPOINT") or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT
-    return HFBucketStore(bucket_id, prefix, endpoint=endpoint)
+    return HFBucketStore(bucket_id, prefix, endpoint=endpoint or DEFAULT_ENDPOINT)

@@ -14,6 +14,7 @@ import os
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+from deltasync._util.settings import hf_endpoint
 from deltasync.errors import StorageError
 from deltasync.storage._hf import open_hf_url
 from deltasync.storage._local import LocalStore
@@ -104,7 +105,7 @@ def open_store(url: str | os.PathLike[str], **options: Any) -> Store:
     if scheme == "memory":
         return MemoryStore(url[len("memory://") :])
     if scheme == "hf":
-        return open_hf_url(url)
+        return open_hf_url(url, endpoint=hf_endpoint())  # the environment is read here, at the edge
     parsed = urlsplit(url)
     if parsed.netloc not in ("", "localhost") or parsed.query or parsed.fragment:
         raise StorageError(f"{url}: file:// URLs must name a local path (file:///abs/path)")

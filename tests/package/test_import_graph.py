@@ -199,7 +199,7 @@ OURS = {"__init__", "protocol", "storage", "run", "signal", "uploader", "fetcher
 OURS |= {"serving"}
 OURS |= {"testing", "errors", "_util", "_util.tensors", "_util.checkpoint_io"}
 #: the shared private machinery any layer may use (it imports nothing of ours but errors)
-MACHINERY = {"_util.worker", "_util.retry", "_util.prometheus"}
+MACHINERY = {"_util.worker", "_util.retry", "_util.prometheus", "_util.settings"}
 OURS |= MACHINERY
 
 
@@ -208,8 +208,9 @@ def test_every_area_is_named_above() -> None:
     assert {area(m) for m in import_graph()} <= OURS
 
 
-def test_protocol_imports_nothing_of_ours_but_errors() -> None:
-    assert _offending("protocol", OURS - {"errors"}) == {}
+def test_protocol_imports_nothing_of_ours_but_errors_and_the_settings() -> None:
+    """``_util.settings`` is where ``kernels`` reads ``DELTASYNC_KERNELS`` (it imports nothing of ours)."""
+    assert _offending("protocol", OURS - {"errors", "_util.settings"}) == {}
 
 
 def test_storage_imports_only_protocol_errors_and_the_shared_machinery() -> None:
@@ -310,3 +311,29 @@ def test_protocol_starts_no_threads() -> None:
             path = ROOT.parent.joinpath(*module.split(".")).with_suffix(".py")
             text = path.read_text(encoding="utf-8") if path.exists() else ""
             assert "Thread(" not in text, module
+
+
+#: where the package reads its environment: the entry points, and the one settings module
+ENV_READERS = {
+    "deltasync._util.settings",  # DELTASYNC_HF_ENDPOINT / HF_ENDPOINT, DELTASYNC_KERNELS
+    "deltasync.server._settings",  # Settings.from_env: the server's tokens
+    "deltasync.storage._s3",  # S3Store(environ=...): the AWS_* defaults, as obstore reads them
+    "deltasync.integrations.vllm.backend",  # the engine's init: DELTASYNC_NODE_DIR
+    "deltasync.serving.node._link",  # hands its environment on to the leader process it starts
+    "deltasync.testing.seaweedfs",  # the test server's PATH
+}
+
+
+def test_the_environment_is_read_at_the_edges_only() -> None:
+    """``os.environ`` / ``os.getenv`` appear only in the CLI and the modules named above."""
+    found = set()
+    for module in import_graph():
+        if area(module) == "cli":
+            continue
+        path = ROOT.parent.joinpath(*module.split(".")).with_suffix(".py")
+        if not path.exists():
+            path = ROOT.parent.joinpath(*module.split("."), "__init__.py")
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "environb"):
+                found.add(module)
+    assert "deltasync._util.settings" in found and found <= ENV_READERS, sorted(found - ENV_READERS)
