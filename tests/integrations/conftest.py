@@ -1,8 +1,9 @@
 """Fixtures of the integration tests: ``deltasync.integrations`` (vLLM and transformers).
 
-The area covers the vLLM backend, engine-core hook, prefetcher and EngineMirror (``integrations/vllm``), the
-transformers ``DeltaSyncCallback``, and real vLLM engines and ``vllm serve`` (marker ``vllm``,
-in their own cached venv; see ``tests/vllm_harness.py``).
+The area covers the vLLM adapter (``integrations/vllm``: backend, engine-core hook, engine check), the
+transformers ``DeltaSyncCallback``, TRL, and real vLLM engines and ``vllm serve`` (marker ``vllm``,
+in their own cached venv; see ``tests/vllm_harness.py``) running ``deltasync.serving`` inside them;
+the serving machinery's own unit tests are in ``tests/serving``.
 
 Fixtures defined here (all session scope except ``run_script``):
 
@@ -20,7 +21,7 @@ Fixtures defined here (all session scope except ``run_script``):
 
 No root fixture is used. Helper modules: ``vllm_harness``, ``qwen3`` (tiny model, training steps),
 ``tensors`` (bit-exact checks), ``spy_store`` (a store whose writes a test holds), ``server_harness`` (a
-real signal server on loopback: the fleet tests test_vllm_fleet, test_engine_reporter, test_trl_staleness
+real signal server on loopback: the fleet tests test_vllm_fleet, test_trl_staleness
 and the driver's reports); ``tests/vllm_support/`` holds what runs inside the vLLM venv.
 """
 
