@@ -102,3 +102,28 @@ def test_an_anchor_load_reports_whole_tensors(tmp_path: Path) -> None:
     assert journal.changes["a"].positions is None and journal.changes["a"].whole
     journal.rollback()
     assert dict(journal.changes) == {}
+
+
+def test_tied_names_report_the_change_written_into_their_shared_memory(tmp_path: Path) -> None:
+    """Names the target ties (one tensor under two names) are written once; both report that change."""
+
+    def tied(step: int) -> dict[str, Any]:
+        state = _state(step)
+        state["b"] = state["a"].clone()
+        return state
+
+    with ds.DeltaUploader(str(tmp_path / "run"), anchor_every=1000, anchor_bytes_fraction=0, span_levels=()) as up:
+        for s in range(3):
+            up.push(tied(s), s).result()
+    store = ds.open_store(str(tmp_path / "run"))
+    fetcher = ds.DeltaFetcher(store)
+    target = {n: t.clone() for n, t in tied(1).items()}
+    target["b"] = target["a"]
+    fetcher.sync(target, 1, have_step=1)
+    journal = SyncJournal()
+    fetcher.sync(target, 2, journal=journal)
+    carried = _carried(store, fetcher, 2)
+    a, b = journal.changes["a"], journal.changes["b"]
+    assert (a.tensor, b.tensor) == ("a", "b")
+    assert a.positions is not None and b.positions is not None
+    assert np.array_equal(a.positions, carried["a"]) and np.array_equal(b.positions, a.positions)
