@@ -136,7 +136,10 @@ class DeltaFetcher:
         left as it was. Returns the step reached.
 
         journal: a fresh :class:`SyncJournal` that records what this sync wrote,
-        so it can be undone later (a live engine that refused the new tensors).
+        so it can be undone later (a live engine that refused the new tensors), and
+        what it applied to each tensor (``journal.changes``: one
+        :class:`~deltasync.protocol.TensorChange` per tensor written, with the positions
+        the patches carried, folded; None where it wrote a whole tensor).
         Timings and bytes of the sync are left in :attr:`last_stats`.
         """
         sync = Sync(
