@@ -268,7 +268,7 @@ def _instrument(phases: Phases, up: Any, fetcher: Any, up_store: Any, fetch_stor
     import deltasync.fetcher._download as freader
     import deltasync.fetcher._execute as fexecute
     import deltasync.protocol.patchfile as fpatch
-    import deltasync.uploader._commit as ucommit
+    import deltasync.uploader._commit_step as ucommit
     import deltasync.uploader._snapshot as usnap
     import deltasync.uploader._uploader as uupl
 

@@ -1,7 +1,7 @@
 """Committing one step of a single-process uploader, and resolving pushed steps' Futures.
 
 :class:`StepCommitter` is the commit stage's work: write the step (files, manifest,
-HEAD; :func:`~deltasync.uploader._commit.write_step`), record the outcome in the
+HEAD; :func:`~deltasync.uploader._commit_step.write_step`), record the outcome in the
 :class:`~deltasync.uploader._chain.ChainState` (the steps folded into it in :class:`FoldLog`
 first), then tell the signal server, the span writer and retention, and resolve the step's
 Futures (:func:`resolve_committed`).
@@ -23,8 +23,9 @@ from deltasync.errors import CommitFailed
 from deltasync.protocol import Committed
 from deltasync.storage import Store
 from deltasync.uploader._chain import ChainState
-from deltasync.uploader._commit import StepJob, write_step
+from deltasync.uploader._commit_step import write_step
 from deltasync.uploader._config import CommitInfo, UploaderConfig
+from deltasync.uploader._job import StepJob
 from deltasync.uploader._spans import SpanWriter
 from deltasync.uploader._writer import WriterIdentity
 
@@ -44,7 +45,7 @@ class FoldLog:
     """Counts the pushed steps folded into a later committed step, and says so once.
 
     In ``on_backlog="coalesce"`` mode a step that finds ``max_pending`` steps waiting for the
-    store is merged into the newest waiting one (:func:`~deltasync.uploader._commit.merge_jobs`):
+    store is merged into the newest waiting one (:func:`~deltasync.uploader._job.merge_jobs`):
     the steps folded that way are never committed as their own. :meth:`record` runs on the
     commit stage when the step they were folded into is committed: the first fold of the
     uploader is a WARNING on ``deltasync.uploader`` that names it and what to do, every later

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from deltasync._util.worker import SerialWorker
-from deltasync.uploader._commit import StepJob, merge_jobs
+from deltasync.uploader._job import StepJob, merge_jobs
 from deltasync.uploader._snapshot import Snapshotter
 
 __all__ = ["CommitPipeline"]

@@ -19,8 +19,8 @@ import numpy as np
 from deltasync._util.tensors import flat_bits
 from deltasync.protocol import TensorInfo
 from deltasync.protocol.digests import xxh3_128_array
-from deltasync.uploader._commit import StepJob
 from deltasync.uploader._diff import Baseline, TensorChange, diff_tensor
+from deltasync.uploader._job import StepJob
 
 if TYPE_CHECKING:
     import torch

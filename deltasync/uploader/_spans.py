@@ -33,8 +33,9 @@ from deltasync.protocol import (
     xxh3_128,
 )
 from deltasync.storage import Store
-from deltasync.uploader._commit import StepJob, build_patch, merge_changes
+from deltasync.uploader._commit_step import build_patch
 from deltasync.uploader._diff import TensorChange
+from deltasync.uploader._job import StepJob, merge_changes
 from deltasync.uploader._writes import put_idempotent, with_retries
 
 __all__ = ["SpanWriter", "check_levels", "merge_change_sets"]

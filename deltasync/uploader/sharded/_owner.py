@@ -29,8 +29,9 @@ from deltasync.protocol.manifest import Writer
 from deltasync.protocol.patchfile import build_patch_file, patch_file_name
 from deltasync.protocol.safetensors_io import TensorBytes, to_bytes
 from deltasync.storage import Store
-from deltasync.uploader._commit import StepJob, make_manifest, publish_manifest, put_step_files
+from deltasync.uploader._commit_step import make_manifest, publish_manifest, put_step_files
 from deltasync.uploader._diff import TensorChange
+from deltasync.uploader._job import StepJob
 from deltasync.uploader.sharded._shardmap import AnchorPlan, Box, patch_file_names, write_box
 
 __all__ = ["OwnerCopies", "RankReport", "commit_on_rank0", "write_rank_files"]

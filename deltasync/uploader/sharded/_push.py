@@ -30,10 +30,10 @@ from deltasync.errors import CommitFailed, ProtocolError, WriterFenced
 from deltasync.protocol import Committed, TensorInfo, inventory_digest
 from deltasync.protocol.keys import manifest_key
 from deltasync.run.manifests import parse_committed
-from deltasync.uploader._commit import StepJob
 from deltasync.uploader._committer import CommitContext, resolve_committed
 from deltasync.uploader._config import CommitInfo, UploaderConfig
 from deltasync.uploader._diff import TensorChange, diff_tensor
+from deltasync.uploader._job import StepJob
 from deltasync.uploader.sharded._channel import ChannelError, RankChannel, next_uploader_number
 from deltasync.uploader.sharded._dtensor import local_shards
 from deltasync.uploader.sharded._owner import OwnerCopies, RankReport, commit_on_rank0, write_rank_files

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
-from concurrent.futures import Executor, Future
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from concurrent.futures import Executor
+from typing import Any
 
 import numpy as np
 
@@ -20,7 +19,6 @@ from deltasync.protocol import (
     Manifest,
     PatchEntry,
     Stats,
-    TensorInfo,
     encode_changes,
     file_key,
     inventory_digest,
@@ -33,38 +31,17 @@ from deltasync.protocol.manifest import Writer
 from deltasync.protocol.patchfile import build_patch_files
 from deltasync.storage import Store
 from deltasync.storage.base import Data
-from deltasync.uploader._diff import TensorChange
+from deltasync.uploader._job import StepJob
 from deltasync.uploader._writes import put_idempotent, with_retries
 
 __all__ = [
-    "StepJob",
     "build_patch",
     "make_manifest",
-    "merge_changes",
-    "merge_jobs",
     "publish_manifest",
     "put_step_files",
     "write_step",
 ]
 Bits = np.ndarray[Any, np.dtype[Any]]
-
-
-@dataclass(slots=True)
-class StepJob:
-    """One step on its way to the store. Owns all the memory it references."""
-
-    step: int
-    kind: Literal["anchor", "patch"]
-    inventory: tuple[TensorInfo, ...]
-    changes: dict[str, TensorChange] = field(default_factory=dict)
-    snapshot: dict[str, Bits] = field(default_factory=dict)
-    changed: int = 0
-    total: int = 0
-    digests: dict[str, str] = field(default_factory=dict)
-    digests_ready: threading.Event = field(default_factory=threading.Event)
-    staged: dict[str, Any] = field(default_factory=dict)  # patch: new flat bits, diffed in the background
-    error: BaseException | None = None
-    futures: list[tuple[int, Future[Any]]] = field(default_factory=list)
 
 
 def build_patch(
@@ -210,42 +187,3 @@ def publish_manifest(
     head = Head(manifest.step, digest, manifest.run_id).to_json()
     with_retries(lambda: store.put(HEAD_KEY, head), policy, f"{what}: writing HEAD.json", stop=stop)
     return Committed(manifest, digest)
-
-
-# ------------------------------------------------------------ coalescing
-
-
-def merge_changes(a: TensorChange, b: TensorChange) -> TensorChange | None:
-    """Change ``a`` then change ``b`` of one tensor as one change (None when nothing is left changed)."""
-    idx = np.concatenate([a.idx, b.idx])
-    order = np.argsort(idx, kind="stable")
-    idx_s = idx[order]
-    first = np.ones(idx_s.size, dtype=bool)
-    first[1:] = idx_s[1:] != idx_s[:-1]
-    last = np.ones(idx_s.size, dtype=bool)
-    last[:-1] = first[1:]
-    old = np.concatenate([a.old, b.old])[order][first]
-    new = np.concatenate([a.new, b.new])[order][last]
-    keep = old != new
-    if not keep.any():
-        return None
-    return TensorChange(idx_s[first][keep], old[keep], new[keep])
-
-
-def merge_jobs(a: StepJob, b: StepJob) -> StepJob:
-    """Fold waiting job ``a`` and newer job ``b`` into one job at ``b.step``."""
-    futures = a.futures + b.futures
-    if b.kind == "anchor":
-        return replace(b, futures=futures)
-    if a.kind == "anchor":
-        for name, c in b.changes.items():
-            a.snapshot[name][c.idx] = c.new
-        return replace(b, kind="anchor", snapshot=a.snapshot, changes={}, changed=b.total, futures=futures)
-    changes = dict(a.changes)
-    for name, c in b.changes.items():
-        merged = merge_changes(changes[name], c) if name in changes else c
-        if merged is None:
-            changes.pop(name, None)
-        else:
-            changes[name] = merged
-    return replace(b, changes=changes, changed=sum(int(c.idx.size) for c in changes.values()), futures=futures)

@@ -1,0 +1,71 @@
+"""One step on its way to the store (:class:`StepJob`), and folding a waiting step into a newer one
+(``on_backlog="coalesce"``: :func:`merge_jobs`)."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+import numpy as np
+
+from deltasync.protocol import TensorInfo
+from deltasync.uploader._diff import TensorChange
+
+__all__ = ["StepJob", "merge_changes", "merge_jobs"]
+Bits = np.ndarray[Any, np.dtype[Any]]
+
+
+@dataclass(slots=True)
+class StepJob:
+    """One step on its way to the store. Owns all the memory it references."""
+
+    step: int
+    kind: Literal["anchor", "patch"]
+    inventory: tuple[TensorInfo, ...]
+    changes: dict[str, TensorChange] = field(default_factory=dict)
+    snapshot: dict[str, Bits] = field(default_factory=dict)
+    changed: int = 0
+    total: int = 0
+    digests: dict[str, str] = field(default_factory=dict)
+    digests_ready: threading.Event = field(default_factory=threading.Event)
+    staged: dict[str, Any] = field(default_factory=dict)  # patch: new flat bits, diffed in the background
+    error: BaseException | None = None
+    futures: list[tuple[int, Future[Any]]] = field(default_factory=list)
+
+
+def merge_changes(a: TensorChange, b: TensorChange) -> TensorChange | None:
+    """Change ``a`` then change ``b`` of one tensor as one change (None when nothing is left changed)."""
+    idx = np.concatenate([a.idx, b.idx])
+    order = np.argsort(idx, kind="stable")
+    idx_s = idx[order]
+    first = np.ones(idx_s.size, dtype=bool)
+    first[1:] = idx_s[1:] != idx_s[:-1]
+    last = np.ones(idx_s.size, dtype=bool)
+    last[:-1] = first[1:]
+    old = np.concatenate([a.old, b.old])[order][first]
+    new = np.concatenate([a.new, b.new])[order][last]
+    keep = old != new
+    if not keep.any():
+        return None
+    return TensorChange(idx_s[first][keep], old[keep], new[keep])
+
+
+def merge_jobs(a: StepJob, b: StepJob) -> StepJob:
+    """Fold waiting job ``a`` and newer job ``b`` into one job at ``b.step``."""
+    futures = a.futures + b.futures
+    if b.kind == "anchor":
+        return replace(b, futures=futures)
+    if a.kind == "anchor":
+        for name, c in b.changes.items():
+            a.snapshot[name][c.idx] = c.new
+        return replace(b, kind="anchor", snapshot=a.snapshot, changes={}, changed=b.total, futures=futures)
+    changes = dict(a.changes)
+    for name, c in b.changes.items():
+        merged = merge_changes(changes[name], c) if name in changes else c
+        if merged is None:
+            changes.pop(name, None)
+        else:
+            changes[name] = merged
+    return replace(b, changes=changes, changed=sum(int(c.idx.size) for c in changes.values()), futures=futures)
