@@ -1,16 +1,36 @@
-"""Turning one step's changes into files + a manifest, and writing them in commit order."""
+"""Committing a step: from a :class:`~deltasync.uploader._job.StepJob` to a committed manifest, and
+the step's Futures resolved.
+
+The single-process uploader's commit stage runs :func:`commit_step` with the uploader's one
+:class:`CommitContext`; a sharded push (:class:`~deltasync.uploader.sharded.ShardedPush`) builds on
+the same pieces. In order:
+
+1. :func:`write_step`: encode the patch files (:func:`build_patch`) or the anchor shards, write
+   them create-only (:func:`put_step_files`), check the writer fence and write ``manifest.json``,
+   the commit point, then ``HEAD.json`` (:func:`publish_manifest`);
+2. every store write goes through :func:`with_retries` (transient errors only, a backoff the
+   uploader's stop event cuts short) and :func:`put_idempotent` (a repeated create-only write that
+   finds its own bytes counts as written);
+3. the outcome goes to the :class:`~deltasync.uploader._chain.ChainState` (the steps folded into it
+   to the :class:`FoldLog` first), then :class:`AfterCommit` tells the signal server, the span
+   writer and retention, and :func:`resolve_committed` resolves the step's Futures.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
-from collections.abc import Callable, Mapping
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-import numpy as np
-
-from deltasync._util.retry import RetryPolicy
-from deltasync.errors import AlreadyExists
+from deltasync._util.retry import RetryPolicy, retry_call
+from deltasync.errors import AlreadyExists, CommitFailed, TransientStorageError
 from deltasync.protocol import (
     AnchorEntry,
     Committed,
@@ -31,17 +51,185 @@ from deltasync.protocol.manifest import Writer
 from deltasync.protocol.patchfile import build_patch_files
 from deltasync.storage import Store
 from deltasync.storage.base import Data
+from deltasync.uploader._chain import ChainState
+from deltasync.uploader._config import CommitInfo, UploaderConfig
+from deltasync.uploader._diff import TensorChange
 from deltasync.uploader._job import StepJob
-from deltasync.uploader._writes import put_idempotent, with_retries
+from deltasync.uploader._writer import WriterIdentity
+
+if TYPE_CHECKING:
+    from deltasync.run.gc import RetentionWorker
+    from deltasync.signal import Notifier
 
 __all__ = [
+    "AfterCommit",
+    "CommitContext",
+    "FoldLog",
     "build_patch",
+    "commit_step",
     "make_manifest",
     "publish_manifest",
+    "put_idempotent",
     "put_step_files",
+    "resolve_committed",
+    "with_retries",
     "write_step",
 ]
-Bits = np.ndarray[Any, np.dtype[Any]]
+
+#: a failed commit is logged on this child of ``deltasync.uploader``, then raised into the step's futures;
+#: a caller that reports every future's error itself (the CLI) quiets it, so the error is told once
+failures = logging.getLogger("deltasync.uploader.commits")
+log = logging.getLogger("deltasync.uploader")
+T = TypeVar("T")
+
+
+class FoldLog:
+    """Counts the pushed steps folded into a later committed step, and says so once.
+
+    In ``on_backlog="coalesce"`` mode a step that finds ``max_pending`` steps waiting for the
+    store is merged into the newest waiting one (:func:`~deltasync.uploader._job.merge_jobs`):
+    the steps folded that way are never committed as their own. :meth:`record` runs on the
+    commit stage when the step they were folded into is committed: the first fold of the
+    uploader is a WARNING on ``deltasync.uploader`` that names it and what to do, every later
+    one a DEBUG line with the count. ``recent`` keeps the newest ``keep`` (step, committed step)
+    pairs.
+    """
+
+    def __init__(self, max_pending: int, *, keep: int = 256) -> None:
+        self.max_pending = max_pending
+        self._lock = threading.Lock()
+        self._count = 0
+        self._recent: deque[tuple[int, int]] = deque(maxlen=keep)
+
+    @property
+    def count(self) -> int:
+        """Pushed steps folded into a later committed step so far."""
+        with self._lock:
+            return self._count
+
+    @property
+    def recent(self) -> tuple[tuple[int, int], ...]:
+        """The newest folds, oldest first, as (folded step, the committed step holding its changes)."""
+        with self._lock:
+            return tuple(self._recent)
+
+    def record(self, steps: Sequence[int], into: int) -> None:
+        """``steps`` were folded into ``into``, which has just been committed."""
+        for step in steps:
+            with self._lock:
+                self._count += 1
+                self._recent.append((step, into))
+                count = self._count
+            if count == 1:
+                log.warning(
+                    "deltasync: step %d was folded into step %d: the store fell behind (the commit of an earlier "
+                    "step was still running and max_pending=%d steps were already waiting for it; "
+                    "on_backlog='coalesce'), so step %d is not committed as its own step and no engine can be "
+                    "updated to exactly it (its Future resolves with kind='skipped', committed_step=%d). To "
+                    "commit every step: push less often, raise max_pending, use a faster store, or pass "
+                    "on_backlog='block' (DeltaSyncCallback: keep_every_step=True; push() then waits for the store "
+                    "while it is behind). Further folds are logged at DEBUG and counted in DeltaUploader.folded.",
+                    step,
+                    into,
+                    self.max_pending,
+                    step,
+                    into,
+                )
+            else:
+                log.debug("deltasync: step %d was folded into step %d (%d steps folded so far)", step, into, count)
+
+
+@dataclass(slots=True)
+class AfterCommit:
+    """Who hears of a committed step: the fold log (steps folded into it), the signal server, the
+    span writer (its ``submit``: the span writer writes with this module's functions), retention
+    (each optional)."""
+
+    folds: FoldLog | None = None
+    notifier: Notifier | None = None
+    write_spans: Callable[[Committed, dict[str, TensorChange] | None], None] | None = None
+    retention: RetentionWorker | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CommitContext:
+    """What a commit stage works with, single-process (:func:`commit_step`) or sharded
+    (:class:`~deltasync.uploader.sharded.ShardedPush`): the store and config, the chain state it
+    records outcomes in, the writer identity (fence), the encode pool, who hears of a commit, and
+    the uploader's stop event (retry backoffs wait on it)."""
+
+    store: Store
+    config: UploaderConfig
+    chain: ChainState
+    writer: WriterIdentity
+    pool: Executor
+    after: AfterCommit
+    stop: threading.Event
+
+
+def resolve_committed(job: StepJob, committed: Committed, seconds: float, *, skipped: bool = True) -> None:
+    """Resolve the job's Futures with ``committed``: steps folded into it resolve as "skipped", with
+    ``committed_step`` the committed step and its numbers (``skipped=False``: every step of the job
+    is the committed one, a sharded push)."""
+    m = committed.manifest
+    for step, fut in job.futures:
+        kind: Literal["anchor", "patch", "skipped"] = m.kind if step == m.step or not skipped else "skipped"
+        st = m.stats
+        done = m.step if skipped else step
+        fut.set_result(
+            CommitInfo(step, kind, st.nbytes, st.changed, st.total, m.anchor_step, committed.digest, done, seconds)
+        )
+
+
+def commit_step(ctx: CommitContext, job: StepJob) -> None:
+    """The commit stage's work in a single-process uploader: write one step (:func:`write_step`),
+    record the outcome in the chain state (the steps folded into it in the fold log first), tell
+    who hears of a commit, and resolve the step's Futures (a failure goes to them, never raised)."""
+    cfg = ctx.config
+    t0 = time.perf_counter()
+    try:
+        if job.kind == "patch" and ctx.chain.failed:
+            raise CommitFailed(f"step {job.step}: its parent step was not committed; the next push will be an anchor")
+        if job.error is not None or (cfg.tensor_digests and len(job.digests) != len(job.inventory)):
+            raise CommitFailed(f"step {job.step}: diffing or hashing the state failed: {job.error}")
+        last = ctx.chain.last_committed
+        committed = write_step(
+            ctx.store,
+            job,
+            run_id=ctx.writer.run_id,
+            parent=last,
+            anchor_step=last.manifest.anchor_step if last else job.step,
+            shard_bytes=cfg.shard_bytes,
+            pool=ctx.pool,
+            signing_key=cfg.signing_key,
+            writer=ctx.writer.writer,
+            fence=ctx.writer.check_fence,
+            retry=RetryPolicy(cfg.retries, cfg.retry_backoff),
+            stop=ctx.stop,
+        )
+    except Exception as exc:  # noqa: BLE001 - re-raised into the futures
+        failures.error("commit of step %d failed: %s", job.step, exc)
+        err = exc if isinstance(exc, CommitFailed) else CommitFailed(f"step {job.step}: commit failed: {exc}")
+        if err is not exc:
+            err.__cause__ = exc
+        ctx.chain.failed_step(job.futures, err)
+        return
+    m = committed.manifest
+    if ctx.after.folds is not None:  # before the chain hears of it: flush() then sees every fold
+        ctx.after.folds.record([s for s, _ in job.futures if s != m.step], m.step)
+    ctx.chain.committed(committed, len(job.futures))
+    if ctx.after.notifier is not None:
+        ctx.after.notifier.notify(m.step, committed.digest, run_id=ctx.writer.run_id, kind=m.kind)
+    if ctx.after.write_spans is not None:
+        ctx.after.write_spans(committed, job.changes if m.kind == "patch" else None)
+    # the job stays referenced until the next push (coalescing): let go of its arrays now
+    job.changes, job.snapshot, job.staged = {}, {}, {}
+    if m.kind == "anchor" and ctx.after.retention is not None:
+        ctx.after.retention.trigger()
+    resolve_committed(job, committed, time.perf_counter() - t0)
+
+
+# ------------------------------------------------------------ writing a step
 
 
 def build_patch(
@@ -187,3 +375,55 @@ def publish_manifest(
     head = Head(manifest.step, digest, manifest.run_id).to_json()
     with_retries(lambda: store.put(HEAD_KEY, head), policy, f"{what}: writing HEAD.json", stop=stop)
     return Committed(manifest, digest)
+
+
+# ------------------------------------------------------------ store writes: retried, harmless when repeated
+
+
+def with_retries(
+    fn: Callable[[], T],
+    policy: RetryPolicy,
+    what: str,
+    *,
+    stop: threading.Event | None = None,
+    wait: Callable[[float], object] | None = None,
+) -> T:
+    """Call ``fn``; on TransientStorageError wait and call again, up to ``policy.retries`` times.
+
+    Gives up with :class:`CommitFailed` naming ``what``, the attempts and the last cause; when
+    ``stop`` is set (the uploader is closing) it gives up at once instead of waiting out a backoff.
+    ``wait`` replaces the Event wait in tests.
+    """
+
+    def give_up(exc: BaseException, attempts: int, stopped: bool) -> BaseException:
+        if stopped:
+            return CommitFailed(f"{what}: stopped after {attempts} attempts (the uploader is closing): {exc}")
+        return CommitFailed(f"{what}: gave up after {attempts} attempts: {exc}")
+
+    return retry_call(
+        fn, policy, what, retry_on=(TransientStorageError,), stop=stop, give_up=give_up, logger=log, wait=wait
+    )
+
+
+def _payload_bytes(data: Data) -> bytes:
+    return data.read_bytes() if isinstance(data, Path) else memoryview(data).cast("B").tobytes()
+
+
+def put_idempotent(store: Store, items: Mapping[str, Data]) -> None:
+    """Create-only write of ``items``; objects already holding exactly these bytes count as written."""
+    try:
+        store.put_many(items, mode="create")
+        return
+    except AlreadyExists:
+        pass
+    keys = list(items)
+    common = os.path.commonprefix(keys)
+    present = {o.key for o in store.list(common)} & set(keys)
+    if present:
+        stored = store.get_many(sorted(present))
+        clash = sorted(k for k in present if stored[k] != _payload_bytes(items[k]))
+        if clash:
+            raise AlreadyExists(f"{store.url}: {clash[0]} already exists with other content")
+    rest = {k: v for k, v in items.items() if k not in present}
+    if rest:
+        store.put_many(rest, mode="create")

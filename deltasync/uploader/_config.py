@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from deltasync._util.retry import RetryPolicy
-from deltasync.uploader._spans import check_levels
 
-__all__ = ["CommitInfo", "UploaderConfig"]
+__all__ = ["CommitInfo", "UploaderConfig", "check_levels"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,3 +134,17 @@ class CommitInfo:
     def folded(self) -> bool:
         """True when this step was folded into the later step ``committed_step`` (never committed on its own)."""
         return self.kind == "skipped" and self.committed_step != self.step
+
+
+def check_levels(levels: Sequence[int]) -> tuple[int, ...]:
+    """Validate span levels: increasing, the first >= 2, each a multiple of the one before."""
+    out = tuple(levels)
+    prev = 1
+    for n in out:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 2 or n <= prev or n % prev:
+            raise ValueError(
+                f"span_levels must be increasing integers >= 2, each a multiple of the one before "
+                f"(e.g. (4, 16, 64)); got {levels!r}"
+            )
+        prev = n
+    return out

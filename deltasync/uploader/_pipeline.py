@@ -2,8 +2,8 @@
 
 The digest stage finishes what push() started (the deferred diff, the copies of the
 changes off the device, the tensor digests) and hands the step to the backlog; the commit
-stage takes the backlog's steps in order and commits each (files, manifest, HEAD) through
-the committer it was given. The backlog holds the steps waiting for the store: when it is
+stage takes the backlog's steps in order and commits each (files, manifest, HEAD) with the
+``commit`` it was given (:func:`~deltasync.uploader._commit_step.commit_step`, or a sharded push's). The backlog holds the steps waiting for the store: when it is
 full, "coalesce" folds a new step into the newest waiting one, and "block" makes the next
 push wait (:meth:`CommitPipeline.wait_for_room`).
 """
@@ -51,8 +51,8 @@ class CommitPipeline:
         self._commit = commit
         self._room = threading.Condition()
         self._backlog: deque[StepJob] = deque()
-        self._digester = SerialWorker("deltasync-digest", stop=stop)
-        self._committer = SerialWorker("deltasync-commit", stop=stop)
+        self._digest_stage = SerialWorker("deltasync-digest", stop=stop)
+        self._commit_stage = SerialWorker("deltasync-commit", stop=stop)
         #: test seam: called on the digest stage right after it lets the next push go on
         #: (``job.digests_ready`` set), which it does only once ``job`` is in the backlog
         self.after_release: Callable[[StepJob], None] | None = None
@@ -61,18 +61,18 @@ class CommitPipeline:
 
     def submit(self, job: StepJob) -> Future[None]:
         """Queue a pushed step for the digest stage (then the backlog, then the commit stage)."""
-        return self._digester.submit(lambda: self._digest(job))
+        return self._digest_stage.submit(lambda: self._digest(job))
 
     def enqueue(self, job: StepJob) -> None:
         """Put a step whose digests are ready straight into the backlog (a sharded push)."""
         with self._room:
             self._backlog.append(job)
             self._room.notify_all()
-        self._committer.submit(self._commit_next)
+        self._commit_stage.submit(self._commit_next)
 
     def digesting(self) -> int:
         """Steps in the digest stage (queued or running)."""
-        return self._digester.pending()
+        return self._digest_stage.pending()
 
     def waiting(self) -> int:
         """Steps in the backlog (digested, not yet being committed)."""
@@ -126,7 +126,7 @@ class CommitPipeline:
                 return  # the merged job takes the waiting one's place: no new commit
             self._backlog.append(job)
             self._room.notify_all()
-        self._committer.submit(self._commit_next)
+        self._commit_stage.submit(self._commit_next)
 
     # ------------------------------------------------------------------ commit stage
 
@@ -141,5 +141,5 @@ class CommitPipeline:
 
     def close(self, timeout: float | None = None) -> None:
         """Stop both stages: steps already queued still run (with the stop event set)."""
-        self._digester.close(timeout=timeout)
-        self._committer.close(timeout=timeout)
+        self._digest_stage.close(timeout=timeout)
+        self._commit_stage.close(timeout=timeout)

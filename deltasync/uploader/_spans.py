@@ -33,12 +33,12 @@ from deltasync.protocol import (
     xxh3_128,
 )
 from deltasync.storage import Store
-from deltasync.uploader._commit_step import build_patch
+from deltasync.uploader._commit_step import build_patch, put_idempotent, with_retries
+from deltasync.uploader._config import check_levels
 from deltasync.uploader._diff import TensorChange
 from deltasync.uploader._job import StepJob, merge_changes
-from deltasync.uploader._writes import put_idempotent, with_retries
 
-__all__ = ["SpanWriter", "check_levels", "merge_change_sets"]
+__all__ = ["SpanWriter", "merge_change_sets"]
 
 log = logging.getLogger("deltasync.uploader")
 
@@ -48,20 +48,6 @@ Changes = dict[str, TensorChange]
 #: memory (12 bytes per changed bf16 element) would pass the state's, and an anchor is close in size
 SPAN_MAX_DENSITY = 0.125
 SPAN_MEMORY_FLOOR = 64 << 20  # bytes: below this a composition is kept whatever its density
-
-
-def check_levels(levels: Sequence[int]) -> tuple[int, ...]:
-    """Validate span levels: increasing, the first >= 2, each a multiple of the one before."""
-    out = tuple(levels)
-    prev = 1
-    for n in out:
-        if isinstance(n, bool) or not isinstance(n, int) or n < 2 or n <= prev or n % prev:
-            raise ValueError(
-                f"span_levels must be increasing integers >= 2, each a multiple of the one before "
-                f"(e.g. (4, 16, 64)); got {levels!r}"
-            )
-        prev = n
-    return out
 
 
 def merge_change_sets(a: Changes, b: Changes) -> Changes:

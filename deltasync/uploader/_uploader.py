@@ -5,7 +5,8 @@ The facade composes the uploader's parts, each the one owner of its state:
 :class:`~deltasync.uploader._snapshot.Snapshotter` (the baseline push() diffs against),
 :class:`~deltasync.uploader._writer.WriterIdentity` (run id, writer id, epoch),
 :class:`~deltasync.uploader._pipeline.CommitPipeline` (digest and commit stages),
-:class:`~deltasync.uploader._committer.StepCommitter` or, under torch.distributed,
+:func:`~deltasync.uploader._commit_step.commit_step` (the commit stage's work, with the uploader's
+one :class:`~deltasync.uploader._commit_step.CommitContext`) or, under torch.distributed,
 :class:`~deltasync.uploader.sharded.ShardedPush`, and :class:`~deltasync.uploader._resume.Resumer`.
 """
 
@@ -25,7 +26,7 @@ from deltasync.run import RunReader
 from deltasync.run.gc import RetentionWorker
 from deltasync.storage import Store, open_store
 from deltasync.uploader._chain import ChainState
-from deltasync.uploader._committer import AfterCommit, CommitContext, FoldLog, StepCommitter
+from deltasync.uploader._commit_step import AfterCommit, CommitContext, FoldLog, commit_step
 from deltasync.uploader._config import CommitInfo, UploaderConfig
 from deltasync.uploader._diff import inventory_of
 from deltasync.uploader._dtypes import warn_dtype_change
@@ -69,21 +70,15 @@ class DeltaUploader:
         self._pool = ThreadPoolExecutor(max(1, cfg.encode_threads), thread_name_prefix="deltasync-encode")
         self._snapshots = Snapshotter(self._pool, cfg.cast_dtype)
         self._folds = FoldLog(cfg.max_pending)  # steps folded into later ones ("coalesce"): counted, told once
-        self._after = AfterCommit(folds=self._folds)
+        self._after = AfterCommit(folds=self._folds)  # the listeners below join it once they exist
+        #: what the commit stage works with (single-process or sharded): built once
+        self._ctx = CommitContext(
+            self.store, cfg, chain=self._chain, writer=self._writer, pool=self._pool, after=self._after, stop=self._stop
+        )
         # under torch.distributed (world > 1) every rank pushes its own shards (a collective here)
         self._sharded: ShardedPush | None = None
         if sharded_wanted(cfg):
-            self._sharded = ShardedPush(
-                CommitContext(
-                    self.store,
-                    cfg,
-                    chain=self._chain,
-                    writer=self._writer,
-                    pool=self._pool,
-                    after=self._after,
-                    stop=self._stop,
-                )
-            )
+            self._sharded = ShardedPush(self._ctx)
         rank0 = self._sharded is None or self._sharded.rank == 0  # only rank 0 commits and signals
         self.notifier: Notifier | None = None  # counts sent / failed signals
         if cfg.signal_url and rank0:
@@ -104,8 +99,10 @@ class DeltaUploader:
                 signing_key=cfg.signing_key,
                 retry=RetryPolicy(cfg.retries, cfg.retry_backoff),
             )
-        self._after.notifier, self._after.spans, self._after.retention = self.notifier, self.spans, self.retention
-        commit = self._sharded.commit if self._sharded is not None else self._single_committer().commit
+        self._after.notifier, self._after.retention = self.notifier, self.retention
+        self._after.write_spans = self.spans.submit if self.spans is not None else None
+        ctx = self._ctx
+        commit = self._sharded.commit if self._sharded is not None else lambda job: commit_step(ctx, job)
         self._pipeline = CommitPipeline(
             self._snapshots,
             commit,
@@ -123,19 +120,6 @@ class DeltaUploader:
             snapshots=self._snapshots,
             writer=self._writer,
             spans=self.spans,
-        )
-
-    def _single_committer(self) -> StepCommitter:
-        return StepCommitter(
-            CommitContext(
-                self.store,
-                self.config,
-                chain=self._chain,
-                writer=self._writer,
-                pool=self._pool,
-                after=self._after,
-                stop=self._stop,
-            )
         )
 
     # ------------------------------------------------------------ identity

@@ -15,7 +15,7 @@ import deltasync as ds
 from deltasync._util.retry import RetryPolicy
 from deltasync.errors import AlreadyExists, CommitFailed, StorageError, TransientStorageError
 from deltasync.storage.base import Data, PutMode
-from deltasync.uploader._writes import put_idempotent, with_retries
+from deltasync.uploader._commit_step import put_idempotent, with_retries
 
 torch = pytest.importorskip("torch")
 WAIT = 30.0

@@ -19,8 +19,9 @@ from deltasync.errors import ChecksumMismatch, ObjectNotFound, StorageError, Tra
 from deltasync.protocol import SPAN_OF, Manifest, parse_span_key, span_manifest_key  # noqa: E402
 from deltasync.storage.base import Data, PutMode  # noqa: E402
 from deltasync.testing.counting import CountingStore  # noqa: E402
+from deltasync.uploader._config import check_levels  # noqa: E402
 from deltasync.uploader._diff import TensorChange  # noqa: E402
-from deltasync.uploader._spans import SpanWriter, check_levels  # noqa: E402
+from deltasync.uploader._spans import SpanWriter  # noqa: E402
 
 LEVELS = (4, 16)
 

@@ -30,7 +30,7 @@ from deltasync.errors import CommitFailed, ProtocolError, WriterFenced
 from deltasync.protocol import Committed, TensorInfo, inventory_digest
 from deltasync.protocol.keys import manifest_key
 from deltasync.run.manifests import parse_committed
-from deltasync.uploader._committer import CommitContext, resolve_committed
+from deltasync.uploader._commit_step import CommitContext, resolve_committed
 from deltasync.uploader._config import CommitInfo, UploaderConfig
 from deltasync.uploader._diff import TensorChange, diff_tensor
 from deltasync.uploader._job import StepJob
