@@ -10,7 +10,7 @@ Needs a CUDA device (exits with a message otherwise). For a bf16 state of
 - times (medians) one device compare pass (``torch.ne(...).any()`` per tensor,
   synchronised), the device diff of all tensors until it returns (what push()
   pays: the copies of the sparse changes to pinned memory are still in flight),
-  and until every change is readable on the host (``TensorChange.wait``);
+  and until every change is readable on the host (``TensorDiff.wait``);
 - times a full DeltaUploader push (defer_diff=False: the diff in push) and its commit
   on a memory store.
 """

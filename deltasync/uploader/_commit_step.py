@@ -53,7 +53,7 @@ from deltasync.storage import Store
 from deltasync.storage.base import Data
 from deltasync.uploader._chain import ChainState
 from deltasync.uploader._config import CommitInfo, UploaderConfig
-from deltasync.uploader._diff import TensorChange
+from deltasync.uploader._diff import TensorDiff
 from deltasync.uploader._job import StepJob
 from deltasync.uploader._writer import WriterIdentity
 
@@ -147,7 +147,7 @@ class AfterCommit:
 
     folds: FoldLog | None = None
     notifier: Notifier | None = None
-    write_spans: Callable[[Committed, dict[str, TensorChange] | None], None] | None = None
+    write_spans: Callable[[Committed, dict[str, TensorDiff] | None], None] | None = None
     retention: RetentionWorker | None = None
 
 

@@ -14,15 +14,17 @@ from deltasync.protocol import TensorInfo, kernels
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Baseline", "TensorChange", "diff_tensor", "inventory_of"]
+__all__ = ["Baseline", "TensorDiff", "diff_tensor", "inventory_of"]
 
 CHUNK = 1 << 21  # elements per compare chunk: keeps the mask in cache
 Bits = np.ndarray[Any, np.dtype[Any]]
 
 
 @dataclass(slots=True)
-class TensorChange:
-    """Changed flat positions of one tensor with their old and new bits (host memory, owned).
+class TensorDiff:
+    """The trainer side's diff of one tensor against the baseline: changed flat positions with their
+    old and new bits (host memory, owned), what the encoder needs (XOR against the old bits). What a
+    step changed, as receivers see it, is :class:`deltasync.protocol.TensorChange`.
 
     From a CUDA tensor the arrays are pinned host buffers still being filled by
     asynchronous copies: call :meth:`wait` before reading them.
@@ -61,7 +63,7 @@ def _diff_numpy(base: Bits, new: Bits) -> Bits:
     return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
 
-def _diff_kernel(kern: ModuleType, base: Bits, new: Bits) -> TensorChange | None:
+def _diff_kernel(kern: ModuleType, base: Bits, new: Bits) -> TensorDiff | None:
     """Compare, collect and update in one compiled pass (the GIL released)."""
     n = int(kern.count_changed(base, new))  # a vectorised pass sizes the outputs exactly
     if not n:
@@ -71,10 +73,10 @@ def _diff_kernel(kern: ModuleType, base: Bits, new: Bits) -> TensorChange | None
     vals = np.empty(n, dtype=base.dtype)
     if kern.diff_words(base, new, idx, old, vals, kern.DEBRUIJN_POS) != n:  # base and new are ours
         raise RuntimeError("the state changed while it was being diffed")
-    return TensorChange(idx, old, vals)
+    return TensorDiff(idx, old, vals)
 
 
-def diff_tensor(base: torch.Tensor, new: torch.Tensor) -> TensorChange | None:
+def diff_tensor(base: torch.Tensor, new: torch.Tensor) -> TensorDiff | None:
     """Changed positions of ``new`` against ``base`` (both flat bit views), and update ``base``.
 
     CPU tensors are compared chunk-wise with numpy on shared memory; other
@@ -91,13 +93,13 @@ def diff_tensor(base: torch.Tensor, new: torch.Tensor) -> TensorChange | None:
         old = b[idx]
         vals = n[idx]
         b[idx] = vals
-        return TensorChange(idx.astype(np.int64, copy=False), old, vals)
+        return TensorDiff(idx.astype(np.int64, copy=False), old, vals)
     return _diff_torch(base, flat_bits(new))
 
 
-def _diff_torch(base: torch.Tensor, nb: torch.Tensor) -> TensorChange | None:
+def _diff_torch(base: torch.Tensor, nb: torch.Tensor) -> TensorDiff | None:
     """The device path: compare, gather the changed elements and update ``base`` on the device; only
-    the sparse result crosses to the host (pinned, asynchronously: :meth:`TensorChange.wait`)."""
+    the sparse result crosses to the host (pinned, asynchronously: :meth:`TensorDiff.wait`)."""
     import torch
 
     idx_t = (base != nb).nonzero().squeeze(1)  # sizing the result is the one host sync
@@ -108,10 +110,10 @@ def _diff_torch(base: torch.Tensor, nb: torch.Tensor) -> TensorChange | None:
     new_t = nb[idx_t]
     base[idx_t] = new_t
     if base.device.type != "cuda":
-        return TensorChange(idx_t.cpu().numpy(), old_t.cpu().numpy(), new_t.cpu().numpy())
+        return TensorDiff(idx_t.cpu().numpy(), old_t.cpu().numpy(), new_t.cpu().numpy())
     host = [torch.empty(n, dtype=t.dtype, pin_memory=True) for t in (idx_t, old_t, new_t)]
     for h, t in zip(host, (idx_t, old_t, new_t), strict=True):
         h.copy_(t, non_blocking=True)
     ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
     ready.record()  # on the current stream, after the copies
-    return TensorChange(host[0].numpy(), host[1].numpy(), host[2].numpy(), ready)
+    return TensorDiff(host[0].numpy(), host[1].numpy(), host[2].numpy(), ready)

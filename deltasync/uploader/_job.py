@@ -11,7 +11,7 @@ from typing import Any, Literal
 import numpy as np
 
 from deltasync.protocol import TensorInfo
-from deltasync.uploader._diff import TensorChange
+from deltasync.uploader._diff import TensorDiff
 
 __all__ = ["StepJob", "merge_changes", "merge_jobs"]
 Bits = np.ndarray[Any, np.dtype[Any]]
@@ -24,7 +24,7 @@ class StepJob:
     step: int
     kind: Literal["anchor", "patch"]
     inventory: tuple[TensorInfo, ...]
-    changes: dict[str, TensorChange] = field(default_factory=dict)
+    changes: dict[str, TensorDiff] = field(default_factory=dict)
     snapshot: dict[str, Bits] = field(default_factory=dict)
     changed: int = 0
     total: int = 0
@@ -35,7 +35,7 @@ class StepJob:
     futures: list[tuple[int, Future[Any]]] = field(default_factory=list)
 
 
-def merge_changes(a: TensorChange, b: TensorChange) -> TensorChange | None:
+def merge_changes(a: TensorDiff, b: TensorDiff) -> TensorDiff | None:
     """Change ``a`` then change ``b`` of one tensor as one change (None when nothing is left changed)."""
     idx = np.concatenate([a.idx, b.idx])
     order = np.argsort(idx, kind="stable")
@@ -49,7 +49,7 @@ def merge_changes(a: TensorChange, b: TensorChange) -> TensorChange | None:
     keep = old != new
     if not keep.any():
         return None
-    return TensorChange(idx_s[first][keep], old[keep], new[keep])
+    return TensorDiff(idx_s[first][keep], old[keep], new[keep])
 
 
 def merge_jobs(a: StepJob, b: StepJob) -> StepJob:

@@ -19,7 +19,7 @@ import numpy as np
 from deltasync._util.tensors import flat_bits
 from deltasync.protocol import TensorInfo
 from deltasync.protocol.digests import xxh3_128_array
-from deltasync.uploader._diff import Baseline, TensorChange, diff_tensor
+from deltasync.uploader._diff import Baseline, TensorDiff, diff_tensor
 from deltasync.uploader._job import StepJob
 
 if TYPE_CHECKING:
@@ -143,7 +143,7 @@ class Snapshotter:
         """Diff the job's staged bits against the baseline (which takes them): fills ``job.changes``."""
         names = list(job.staged)
 
-        def one(name: str) -> TensorChange | None:
+        def one(name: str) -> TensorDiff | None:
             return diff_tensor(self._baseline.tensors[name], job.staged[name])
 
         # tensors at once: the compiled diff releases the GIL (each updates its own baseline)

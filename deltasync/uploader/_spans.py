@@ -35,14 +35,14 @@ from deltasync.protocol import (
 from deltasync.storage import Store
 from deltasync.uploader._commit_step import build_patch, put_idempotent, with_retries
 from deltasync.uploader._config import check_levels
-from deltasync.uploader._diff import TensorChange
+from deltasync.uploader._diff import TensorDiff
 from deltasync.uploader._job import StepJob, merge_changes
 
 __all__ = ["SpanWriter", "merge_change_sets"]
 
 log = logging.getLogger("deltasync.uploader")
 
-Changes = dict[str, TensorChange]
+Changes = dict[str, TensorDiff]
 
 #: a level's composition is dropped once it changes more than this fraction of all elements: its
 #: memory (12 bytes per changed bf16 element) would pass the state's, and an anchor is close in size

@@ -194,7 +194,7 @@ def test_distributed_true_without_a_group_is_a_clear_error(tmp_path: Path) -> No
 
 
 def test_a_change_waits_for_its_device_copies_once() -> None:
-    from deltasync.uploader._diff import TensorChange
+    from deltasync.uploader._diff import TensorDiff
 
     calls: list[int] = []
 
@@ -202,7 +202,7 @@ def test_a_change_waits_for_its_device_copies_once() -> None:
         def synchronize(self) -> None:
             calls.append(1)
 
-    c = TensorChange(np.zeros(1, np.int64), np.zeros(1, np.int16), np.ones(1, np.int16), Event())
+    c = TensorDiff(np.zeros(1, np.int64), np.zeros(1, np.int16), np.ones(1, np.int16), Event())
     c.wait()
     c.wait()
     assert calls == [1] and c.ready is None

@@ -20,7 +20,7 @@ from deltasync.protocol import SPAN_OF, Manifest, parse_span_key, span_manifest_
 from deltasync.storage.base import Data, PutMode  # noqa: E402
 from deltasync.testing.counting import CountingStore  # noqa: E402
 from deltasync.uploader._config import check_levels  # noqa: E402
-from deltasync.uploader._diff import TensorChange  # noqa: E402
+from deltasync.uploader._diff import TensorDiff  # noqa: E402
 from deltasync.uploader._spans import SpanWriter  # noqa: E402
 
 LEVELS = (4, 16)
@@ -303,14 +303,14 @@ def _forge_span(store: ds.Store, start: int, end: int, history: Mapping[int, Map
     reader = ds.RunReader(store)
     lo, hi = reader.committed(start), reader.committed(end)
     store.delete_many([o.key for o in store.list(f"spans/{start:012d}-{end:012d}/")])
-    changes: dict[str, TensorChange] = {}
+    changes: dict[str, TensorDiff] = {}
     for name in history[end]:
         old = np.frombuffer(history[start][name], dtype=np.uint16)
         new = np.frombuffer(history[end][name], dtype=np.uint16).copy()
         new[0] ^= 0x0001  # the lie
         idx = np.flatnonzero(old != new).astype(np.int64)
         if idx.size:
-            changes[name] = TensorChange(idx, old[idx].copy(), new[idx].copy())
+            changes[name] = TensorDiff(idx, old[idx].copy(), new[idx].copy())
     writer = SpanWriter(store, (2,), shard_bytes=1 << 30, signing_key=None, retry=RetryPolicy(retries=0))
     try:
         writer._write(lo, hi, changes)

@@ -30,7 +30,7 @@ from deltasync.protocol.patchfile import build_patch_file, patch_file_name
 from deltasync.protocol.safetensors_io import TensorBytes, to_bytes
 from deltasync.storage import Store
 from deltasync.uploader._commit_step import make_manifest, publish_manifest, put_step_files
-from deltasync.uploader._diff import TensorChange
+from deltasync.uploader._diff import TensorDiff
 from deltasync.uploader._job import StepJob
 from deltasync.uploader.sharded._shardmap import AnchorPlan, Box, patch_file_names, write_box
 
@@ -83,7 +83,7 @@ class OwnerCopies:
         self.arrays[info.name] = full
         self.digests.pop(info.name, None)
 
-    def apply(self, name: str, parts: Sequence[tuple[Bits, Bits]]) -> TensorChange | None:
+    def apply(self, name: str, parts: Sequence[tuple[Bits, Bits]]) -> TensorDiff | None:
         """Apply the changes (global positions, new bits) the ranks sent for ``name``; return the merged change."""
         parts = [p for p in parts if p[0].size]
         if not parts:
@@ -101,7 +101,7 @@ class OwnerCopies:
         old = arr[idx]
         arr[idx] = new
         self.digests.pop(name, None)
-        return TensorChange(idx, old, new)
+        return TensorDiff(idx, old, new)
 
     def digest_all(self) -> dict[str, str]:
         """xxh3-128 of every owned tensor (cached until it changes)."""
@@ -115,7 +115,7 @@ def _patch_files(
     step: int,
     rank: int,
     world: int,
-    changes: dict[str, TensorChange],
+    changes: dict[str, TensorDiff],
     numel: dict[str, int],
     shard_bytes: int,
     pool: Executor | None,
@@ -165,7 +165,7 @@ def write_rank_files(
     rank: int,
     world: int,
     copies: OwnerCopies,
-    changes: dict[str, TensorChange],
+    changes: dict[str, TensorDiff],
     plan: AnchorPlan | None,
     shard_bytes: int,
     pool: Executor | None,

@@ -32,7 +32,7 @@ from deltasync.protocol.keys import manifest_key
 from deltasync.run.manifests import parse_committed
 from deltasync.uploader._commit_step import CommitContext, resolve_committed
 from deltasync.uploader._config import CommitInfo, UploaderConfig
-from deltasync.uploader._diff import TensorChange, diff_tensor
+from deltasync.uploader._diff import TensorDiff, diff_tensor
 from deltasync.uploader._job import StepJob
 from deltasync.uploader.sharded._channel import ChannelError, RankChannel, next_uploader_number
 from deltasync.uploader.sharded._dtensor import local_shards
@@ -87,7 +87,7 @@ class ShardedJob(StepJob):
     """A step on one rank: its local changes (local flat positions) and whether owners rebuild."""
 
     rebuild: bool = False
-    local: dict[str, TensorChange] = field(default_factory=dict)
+    local: dict[str, TensorDiff] = field(default_factory=dict)
     seq: int = 0
     pushed: Any = None  # the step argument as given to push()
     resume: bool = False
@@ -390,7 +390,7 @@ class ShardedPush:
     def _policy(self) -> RetryPolicy:
         return RetryPolicy(self.ctx.config.retries, self.ctx.config.retry_backoff)
 
-    def _to_owners(self, job: ShardedJob, rebuild: bool) -> dict[str, TensorChange]:
+    def _to_owners(self, job: ShardedJob, rebuild: bool) -> dict[str, TensorDiff]:
         """Move this step's data to the owners: whole shards when rebuilding, else sparse changes."""
         local_error: Exception | None = None
         if rebuild:
@@ -438,7 +438,7 @@ class ShardedPush:
         for r in sorted(got_s):
             for n, gidx, new in got_s[r]:
                 by_name.setdefault(n, []).append((gidx, new))
-        changes: dict[str, TensorChange] = {}
+        changes: dict[str, TensorDiff] = {}
         for n, parts in by_name.items():
             merged = self.copies.apply(n, parts)
             if merged is not None:
