@@ -14,18 +14,21 @@ cached on disk under ``__pycache__`` or numba's user cache afterwards).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
 from typing import Literal
 
-from deltasync._util.settings import KERNELS_VAR, kernels_choice
-
 __all__ = ["Backend", "available", "backend", "impl", "set_backend", "using"]
 
 Backend = Literal["numba", "numpy"]
-ENV = KERNELS_VAR  # "numba", "numpy" or "auto" (the default)
+#: "numba", "numpy" or "auto" (the default). A process-wide switch between two implementations that
+#: write the same bytes (as NUMBA_DISABLE_JIT), read once at the codec's first use: the codec runs in
+#: processes no deltasync entry point starts (a trainer's script, vLLM's workers), so that first use is
+#: its edge. protocol imports nothing of ours (DESIGN.md); code switches with set_backend / using.
+ENV = "DELTASYNC_KERNELS"
 
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -58,7 +61,7 @@ def impl() -> ModuleType | None:
         pass
     with _lock:
         if "impl" not in _state:
-            want = kernels_choice()  # DELTASYNC_KERNELS, read once at the codec's first use (its edge)
+            want = os.environ.get(ENV, "auto").strip().lower() or "auto"
             if want not in ("auto", "numba", "numpy"):
                 raise ValueError(f"{ENV}={want!r}: expected auto, numba or numpy")
             _state["impl"] = _choose(want)
