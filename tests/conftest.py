@@ -35,6 +35,19 @@ from deltasync.testing.seaweedfs import SeaweedFS, find_weed
 S3_BUCKETS = ["test", "cli"]
 
 
+# ------------------------------------------------------------------ scheduling
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``-n 2 --dist loadgroup``, pyproject.toml): every real-engine test (marker
+    ``vllm``) joins one group, so they run one after another on one worker (each engine takes the
+    machine's cores; their session fixtures, the vLLM venv and the trained runs, are built once),
+    while the other worker runs the rest of the suite beside them."""
+    for item in items:
+        if item.get_closest_marker("vllm") is not None:
+            item.add_marker(pytest.mark.xdist_group("engines"))
+
+
 # ------------------------------------------------------------------ node mirrors
 
 
