@@ -37,15 +37,33 @@ S3_BUCKETS = ["test", "cli"]
 
 # ------------------------------------------------------------------ scheduling
 
+#: modules of real-engine tests (marker ``vllm``): under pytest-xdist they run on one worker
+_ENGINE_MARK = "mark.vllm"
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``-n 2 --dist loadgroup``, pyproject.toml): every real-engine test (marker
-    ``vllm``) joins one group, so they run one after another on one worker (each engine takes the
-    machine's cores; their session fixtures, the vLLM venv and the trained runs, are built once),
-    while the other worker runs the rest of the suite beside them."""
-    for item in items:
-        if item.get_closest_marker("vllm") is not None:
-            item.add_marker(pytest.mark.xdist_group("engines"))
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Under pytest-xdist (``-n 2``, pyproject.toml): the modules of real-engine tests (marker ``vllm``)
+    are one scope, run one after another on one worker (each engine takes the machine's cores; the
+    vLLM venv and the trained runs are built once), while the other worker takes every other test,
+    one at a time, beside them. (pytest-xdist's own ``--dist loadgroup`` cannot see groups under
+    pytest 9.2, whose node ids it no longer rewrites.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    root = config.rootpath
+    engines: dict[str, bool] = {}
+
+    def uses_engines(path: str) -> bool:
+        if path not in engines:
+            file = root / path
+            engines[path] = file.suffix == ".py" and file.is_file() and _ENGINE_MARK in file.read_text()
+        return engines[path]
+
+    class EnginesTogether(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return "engines" if uses_engines(nodeid.split("::", 1)[0]) else nodeid
+
+    return EnginesTogether(config, log)
 
 
 # ------------------------------------------------------------------ node mirrors
