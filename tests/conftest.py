@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fakehub import TOKEN, FakeHub, new_bucket
@@ -43,27 +44,56 @@ _ENGINE_MARK = "mark.vllm"
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """Under pytest-xdist (``-n 2``, pyproject.toml): the modules of real-engine tests (marker ``vllm``)
-    are one scope, run one after another on one worker (each engine takes the machine's cores; the
-    vLLM venv and the trained runs are built once), while the other worker takes every other test,
-    one at a time, beside them. (pytest-xdist's own ``--dist loadgroup`` cannot see groups under
-    pytest 9.2, whose node ids it no longer rewrites.)"""
-    from xdist.scheduler import LoadScopeScheduling
+    """Under pytest-xdist (``-n 2``, pyproject.toml): the tests of real-engine modules (marker ``vllm``)
+    all go, in collection order, to the first worker (each engine takes the machine's cores; the vLLM
+    venv and the trained runs are built once), which takes nothing else until they are done, while the
+    other workers take every other test as xdist's load scheduling hands them out. Scheduled by index,
+    as xdist's own load scheduling is: items that share a node id (schemathesis's one per API
+    operation) each run. (xdist's ``--dist loadgroup`` cannot see groups under pytest 9.2, and its
+    scope scheduling keys tests by node id.)"""
+    from xdist.scheduler import LoadScheduling
 
     root = config.rootpath
-    engines: dict[str, bool] = {}
+    engine_files: dict[str, bool] = {}
 
-    def uses_engines(path: str) -> bool:
-        if path not in engines:
+    def uses_engines(nodeid: str) -> bool:
+        path = nodeid.split("::", 1)[0]
+        if path not in engine_files:
             file = root / path
-            engines[path] = file.suffix == ".py" and file.is_file() and _ENGINE_MARK in file.read_text()
-        return engines[path]
+            engine_files[path] = file.suffix == ".py" and file.is_file() and _ENGINE_MARK in file.read_text()
+        return engine_files[path]
 
-    class EnginesTogether(LoadScopeScheduling):  # type: ignore[misc]
-        def _split_scope(self, nodeid: str) -> str:
-            return "engines" if uses_engines(nodeid.split("::", 1)[0]) else nodeid
+    class EnginesFirst(LoadScheduling):  # type: ignore[misc]
+        engines: frozenset[int] = frozenset()
 
-    return EnginesTogether(config, log)
+        def schedule(self) -> None:
+            if self.collection is not None or len(self.nodes) < 2 or not self._check_nodes_have_same_collection():
+                super().schedule()
+                return
+            self.collection = next(iter(self.node2collection.values()))
+            order = range(len(self.collection))
+            self.engines = frozenset(i for i in order if uses_engines(self.collection[i]))
+            self.pending[:] = [i for i in order if i not in self.engines]
+            if self.maxschedchunk is None:
+                self.maxschedchunk = len(self.collection)
+            first, *others = self.nodes
+            if self.engines:
+                queue = sorted(self.engines)
+                self.node2pending[first].extend(queue)
+                first.send_runtest_some(queue)
+            chunk = max(2, len(self.pending) // max(1, len(others)) // 4)
+            for node in others if self.engines else self.nodes:
+                self._send_tests(node, chunk)
+            if not self.pending:
+                for node in self.nodes:
+                    node.shutdown()  # each ends once it has run what it was sent
+
+        def check_schedule(self, node: Any, duration: float = 0) -> None:
+            if self.engines and any(i in self.engines for i in self.node2pending[node]):
+                return  # the engine worker takes more only once its engine tests are done
+            super().check_schedule(node, duration)
+
+    return EnginesFirst(config, log)
 
 
 # ------------------------------------------------------------------ node mirrors
