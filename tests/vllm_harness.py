@@ -439,12 +439,26 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def wait_until_answering(proc: subprocess.Popen[bytes], base: str, log_path: Path, what: str) -> None:
+    """Until the OpenAI server at ``base`` lists its models (bounded: it starts in tens of seconds on 2
+    cores); raises naming ``what`` with the log's tail when ``proc`` exits or the server never answers."""
+    import httpx
+
+    for _ in range(300):
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited {proc.returncode}: {log_path.read_text()[-3000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base}/v1/models", timeout=2).status_code == 200:
+                return
+        time.sleep(1)
+    raise RuntimeError(f"{what} did not start: {log_path.read_text()[-3000:]}")
+
+
 @contextlib.contextmanager
 def vllm_server(python: Path, model: Path, log_path: Path, *, tp: int = 1) -> Iterator[str]:
     """A real ``vllm serve`` (OpenAI server) of ``model`` with deltasync's weight-transfer backend and
     worker extension, dev routes on (``VLLM_SERVER_DEV_MODE=1``), on 127.0.0.1; yields its base URL and
     kills its process group on exit. Waits (bounded) until ``/v1/models`` answers."""
-    import httpx
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -461,15 +475,7 @@ def vllm_server(python: Path, model: Path, log_path: Path, *, tp: int = 1) -> It
         start_new_session=True,
     )  # fmt: skip
     try:
-        for _ in range(300):  # bounded: the server starts in tens of seconds on 2 cores
-            if server.poll() is not None:
-                raise RuntimeError(f"vllm serve exited {server.returncode}: {log_path.read_text()[-3000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{base}/v1/models", timeout=2).status_code == 200:
-                    break
-            time.sleep(1)
-        else:
-            raise RuntimeError(f"vllm serve did not start: {log_path.read_text()[-3000:]}")
+        wait_until_answering(server, base, log_path, "vllm serve")
         yield base
     finally:
         with contextlib.suppress(ProcessLookupError):

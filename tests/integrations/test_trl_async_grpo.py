@@ -30,7 +30,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,7 @@ from typing import Any
 import httpx
 import pytest
 import trl_cpu
-from vllm_harness import SUPPORT, build_tiny_model, free_port, vllm_env
+from vllm_harness import SUPPORT, build_tiny_model, free_port, vllm_env, wait_until_answering
 
 from deltasync import RunReader, open_store
 from deltasync.integrations.trl import DeltaSyncWeightTransfer
@@ -142,15 +141,7 @@ def page_server(python: Path, model: Path, store: Path, workdir: Path) -> Iterat
         )
     base = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(300):  # bounded: the server starts in tens of seconds on 2 cores
-            if proc.poll() is not None:
-                raise RuntimeError(f"the page's server block exited {proc.returncode}: {log_path.read_text()[-3000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{base}/v1/models", timeout=2).status_code == 200:
-                    break
-            time.sleep(1)
-        else:
-            raise RuntimeError(f"the page's server did not start: {log_path.read_text()[-3000:]}")
+        wait_until_answering(proc, base, log_path, "the page's server block")
         yield base
     finally:
         with contextlib.suppress(ProcessLookupError):
