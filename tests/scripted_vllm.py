@@ -31,6 +31,8 @@ class ScriptedVLLM:
         self.status_down = False  # deltasync_status answers 503 (its workers cannot say)
         self.cache_failures = 0
         self.down = False
+        self.resume_drops = 0  # tries of /resume lost on a dropped connection
+        self.initialised = True  # False: a new process whose backend was never pointed at a store
         self._pending: int | None = None
 
     def transport(self) -> httpx.MockTransport:
@@ -46,6 +48,7 @@ class ScriptedVLLM:
         if self.journal is not None:
             self.journal.append(f"{request.url.host} {path}")
         if path == "/init_weight_transfer_engine":
+            self.initialised = True
             return httpx.Response(200, json={"message": "Weight transfer initialized"})
         if path == "/weight_info":
             return httpx.Response(200, json={"weight_version": self.version})
@@ -54,8 +57,13 @@ class ScriptedVLLM:
             self.paused = True
             return httpx.Response(200, json={"status": "paused"})
         if path == "/resume":
+            if self.resume_drops:  # vLLM drops the connection of a refused update: a request on it is lost
+                self.resume_drops -= 1
+                raise httpx.ReadError("[Errno 104] Connection reset by peer", request=request)
             self.paused = False
             return httpx.Response(200, json={"status": "resumed"})
+        if path == "/is_paused":
+            return httpx.Response(200, json={"is_paused": self.paused})
         if path == "/start_weight_update":
             assert self.paused, "updates run paused"
             return httpx.Response(200, json={"message": "Weight update started"})
@@ -64,6 +72,10 @@ class ScriptedVLLM:
             if step in self.broken:
                 self.lost = True  # its workers now report needs_replacement
                 return httpx.Response(500, json={"error": {"message": "rank 1: reload failed"}})
+            if not self.initialised:
+                return httpx.Response(
+                    500, json={"error": {"message": "name the run: {\"store\": URL} in init_info or in update_info"}}
+                )
             if step in self.rolled_back:
                 return httpx.Response(500, json={"error": {"message": f"UpdateRolledBack: step {step}: corrupt patch"}})
             self._pending = step
@@ -88,5 +100,8 @@ class ScriptedVLLM:
             return httpx.Response(503, json={"error": {"message": "engine dead"}})
         if path == "/collective_rpc":
             state = "needs_replacement" if self.lost else "serving"
-            return httpx.Response(200, json={"results": [{"rank": 0, "state": state, "step": self.version}]})
+            store = "s3://bucket/run" if self.initialised else None
+            return httpx.Response(
+                200, json={"results": [{"rank": 0, "state": state, "step": self.version, "store": store}]}
+            )
         return httpx.Response(404, json={"detail": "Not Found"})

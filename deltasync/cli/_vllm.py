@@ -1,65 +1,31 @@
 """``deltasync follow --vllm URL [URL ...]``: a sidecar keeping vLLM servers at the newest committed step.
 
 Each new committed step (SSE from ``--signal``, else polling the store) runs
-:class:`~deltasync.serving.driver.VLLMDriver`'s whole update sequence on every server
-(pause, the four weight-transfer phases with ``weight_version=str(step)``, prefix-cache reset,
-resume); one line per server and step; a step a server refused is retried with backoff. With
-``--signal``, each server is reported to the signal server's fleet view as one replica.
+:class:`~deltasync.serving.driver.VLLMDriver`'s whole update sequence on each server, every server
+on its own (one that hangs or is gone never holds back the others): prepare, pause, the four
+weight-transfer phases with ``weight_version=str(step)``, prefix-cache reset, resume; one line per
+server and step; a step a server refused is retried with backoff. A server that does not answer
+(at start, or later) is reported unreachable and set up once it answers (a restarted server is a
+new process: it is set up again). With ``--signal``, each server is reported to the signal
+server's fleet view as one replica, with its step's manifest digest.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import threading
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from deltasync.cli._common import announce_store
 
-__all__ = ["add_vllm_arguments", "run_vllm", "wait_until_answering"]
+if TYPE_CHECKING:
+    from deltasync.run import RunReader
 
-#: seconds between two tries of a server that does not answer yet
-START_POLL = 2.0
-
-
-def wait_until_answering(
-    urls: Sequence[str],
-    *,
-    get: Callable[[str], Any] | None = None,
-    wait: Callable[[float], object],
-    say: Callable[[str], None],
-) -> None:
-    """Return once every server in ``urls`` answers HTTP at all (``GET /health``, any status).
-
-    A sidecar started with its server (``vllm serve ... &`` then ``deltasync follow --vllm``) meets a
-    server that does not listen yet: a GPU server takes a minute or more to load. Connection errors
-    are waited out (one line says so, naming the URL, in case it has a typo); an answer, even an error
-    status, ends the wait, and setting up the backend then says what is wrong. ``wait(seconds)``
-    returns true when the caller stops (Ctrl-C): the wait ends then too.
-    """
-    import httpx
-
-    def fetch(url: str) -> Any:
-        return httpx.get(url, timeout=10.0)
-
-    getter = get if get is not None else fetch
-    for url in urls:
-        said = False
-        while True:
-            try:
-                getter(f"{url.rstrip('/')}/health")
-                break
-            except httpx.TransportError as exc:
-                if not said:
-                    say(
-                        f"waiting for the vLLM server at {url} to answer ({type(exc).__name__}: a server takes a "
-                        "minute or more to start; check the URL if this lasts; Ctrl-C stops)"
-                    )
-                    said = True
-            if wait(START_POLL):
-                return
+__all__ = ["add_vllm_arguments", "run_vllm"]
 
 
 def add_vllm_arguments(p: argparse.ArgumentParser) -> None:
@@ -84,8 +50,28 @@ def add_vllm_arguments(p: argparse.ArgumentParser) -> None:
         help="in-flight requests at each update: wait for them (default), abort them, or keep them frozen "
         "(they then finish on the new weights: mixed samples)",
     )
-    g.add_argument("--vllm-timeout", type=float, default=600.0, metavar="SECONDS", help="timeout of each HTTP call")
+    g.add_argument(
+        "--vllm-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="timeout of each call of an update, sized for one update: the pause waits for in-flight requests, the "
+        "prepare and update_weights download the step (default 600); a server that hangs holds only its own update",
+    )
+    g.add_argument(
+        "--probe-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="timeout of the quick calls (/weight_info, /is_paused, /resume); a server that does not answer one is "
+        "unreachable (default 10)",
+    )
     g.add_argument("--no-prefetch", action="store_true", help="do not prepare new steps in the background")
+    g.add_argument(
+        "--no-prepare",
+        action="store_true",
+        help="do not have each server prepare a step before pausing it (the pause then includes the download)",
+    )
     g.add_argument(
         "--all-or-nothing",
         action="store_true",
@@ -94,8 +80,30 @@ def add_vllm_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _digests(reader: RunReader) -> Callable[[int], str | None]:
+    """The manifest digest of a step, read once per step (None when it cannot be read)."""
+    from deltasync.errors import DeltaSyncError
+
+    cache: dict[int, str | None] = {}
+    lock = threading.Lock()
+
+    def digest(step: int) -> str | None:
+        with lock:
+            if step in cache:
+                return cache[step]
+        value = None
+        with contextlib.suppress(DeltaSyncError, OSError):
+            value = reader.committed(step).digest
+        with lock:
+            if value is not None:
+                cache[step] = value
+        return value
+
+    return digest
+
+
 def run_vllm(args: argparse.Namespace) -> int:
-    """Drive the servers until ``--until`` is served everywhere (exit 0) or Ctrl-C."""
+    """Drive the servers until ``--until`` is served by every server that answers (exit 0) or Ctrl-C."""
     from deltasync.run import RunReader
     from deltasync.serving.driver import ServerUpdate, VLLMDriver
     from deltasync.signal import StepWatcher
@@ -104,17 +112,17 @@ def run_vllm(args: argparse.Namespace) -> int:
     token = os.environ.get("DELTASYNC_SUBSCRIBE_TOKEN") or os.environ.get("DELTASYNC_PUBLISH_TOKEN") or None
     api_key = os.environ.get("VLLM_API_KEY") or None
     stop = threading.Event()
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
     with open_store(args.store) as store:
         announce_store(store)
         reader = RunReader(store)
         run = args.run or (reader.run_id() if args.signal else None)
         reporting = bool(args.signal) and not args.no_report
         if reporting and run is None:
-            print(
-                "not reporting to the fleet view: the run's name is not known yet (nothing committed); pass --run",
-                file=sys.stderr,
-                flush=True,
-            )
+            say("not reporting to the fleet view: the run's name is not known yet (nothing committed); pass --run")
             reporting = False
         replicas = [f"{args.replica}-{i}" for i in range(len(args.vllm))] if args.replica else None
         driver = VLLMDriver(
@@ -122,25 +130,34 @@ def run_vllm(args: argparse.Namespace) -> int:
             args.vllm_store or store.url,
             pause_mode=args.pause_mode,
             timeout=args.vllm_timeout,
+            probe_timeout=args.probe_timeout,
             api_key=api_key,
             prefetch=not args.no_prefetch,
+            prepare=not args.no_prepare,
             signal=args.signal if reporting else None,
             signal_token=os.environ.get("DELTASYNC_REPORT_TOKEN") or token,
             run=run if reporting else None,
             replicas=replicas,
             all_or_nothing=args.all_or_nothing,
+            digest=_digests(reader),
         )
         with driver:
-            wait_until_answering(args.vllm, wait=stop.wait, say=lambda line: print(line, file=sys.stderr, flush=True))
-            driver.init()
+            driver.init()  # a server that does not answer yet is set up once it does
+            down = set(driver.unreachable())
             for url, step in driver.serving().items():
-                print(f"{url}: serving step {step if step is not None else '(none yet)'}", file=sys.stderr, flush=True)
+                if url in down:
+                    say(f"{url}: unreachable (no answer yet): set up once it answers; the others are kept current")
+                else:
+                    say(f"{url}: serving step {step if step is not None else '(none yet)'}")
 
             def report(u: ServerUpdate) -> None:
+                prep = ""
+                if u.prepare_s is not None:
+                    prep = f"prepared in {u.prepare_s * 1000:.0f} ms, " if u.prepared else "not prepared, "
                 if u.ok:
-                    print(f"step {u.step} -> {u.url}: serving (paused {u.pause_s * 1000:.0f} ms)", flush=True)
+                    print(f"step {u.step} -> {u.url}: serving ({prep}paused {u.pause_s * 1000:.0f} ms)", flush=True)
                 else:
-                    print(f"step {u.step} -> {u.url}: {u.state}: {u.error}", file=sys.stderr, flush=True)
+                    say(f"step {u.step} -> {u.url}: {u.state}: {u.error}")
 
             watcher = StepWatcher(
                 reader.latest_step,
@@ -151,8 +168,15 @@ def run_vllm(args: argparse.Namespace) -> int:
                 poll_interval=args.poll_interval,
                 stop=stop,
             )
-            serving = driver.follow(watcher, until=args.until, on_update=report)
-    print("stopped; serving: " + ", ".join(f"{u} step {s}" for u, s in serving.items()))
+            serving = driver.follow(
+                watcher, until=args.until, on_update=report, on_change=lambda url, what: say(f"{url}: {what}")
+            )
+            down = set(driver.unreachable())
+    print(
+        "stopped; serving: "
+        + ", ".join(f"{u} unreachable (last step {s})" if u in down else f"{u} step {s}" for u, s in serving.items())
+    )
     if args.until is not None:
-        return 0 if all(s is not None and s >= args.until for s in serving.values()) else 1
+        live = [s for u, s in serving.items() if u not in down]
+        return 0 if live and all(s is not None and s >= args.until for s in live) else 1
     return 0

@@ -71,6 +71,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--min-replicas", type=int, default=1, metavar="N", help="with --wait: at least N replicas must report"
     )
+    p.add_argument(
+        "--unreachable",
+        choices=("exclude", "wait"),
+        default="exclude",
+        help="with --wait: a replica reported unreachable is left out of the live replicas (exclude, the default: "
+        "named in the report) or waited for (wait)",
+    )
     p.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS", help="with --wait: give up after this")
     p.add_argument("--poll", type=float, default=1.0, metavar="SECONDS", help="with --wait: seconds between reads")
     p.add_argument("--json", action="store_true", help="print the fleet as JSON instead of a table")
@@ -103,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
                 max_lag=args.max_lag,
                 quorum=args.quorum,
                 min_replicas=args.min_replicas,
+                unreachable=args.unreachable,
                 timeout=args.timeout,
                 poll=args.poll,
             )

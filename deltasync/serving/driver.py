@@ -32,15 +32,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import httpx
 
 from deltasync._util.retry import Backoff, RetryPolicy
 from deltasync.errors import DeltaSyncError
-from deltasync.signal import FleetReporter, FollowLoop, ReplicaState, StepWatcher, replica_name
+from deltasync.signal import FleetReporter, ReplicaState, StepWatcher, replica_name
 
 __all__ = ["PauseMode", "ServerUpdate", "UpdateOutcome", "VLLMDriver", "VLLMServer"]
 
@@ -50,6 +50,12 @@ PauseMode = Literal["wait", "abort", "keep"]
 PAUSE_MODES: tuple[str, ...] = ("wait", "abort", "keep")
 #: reads of the workers' states after a refused update before the server is left paused as unknown
 STATUS_TRIES = 3
+#: tries of ``POST /resume`` (each on a new connection: vLLM drops the connection of a refused update)
+#: before a server that cannot be resumed is reported ``needs_replacement``
+RESUME_TRIES = 5
+#: seconds the driver waits for a quick answer (``/weight_info``, ``/is_paused``, ``/resume``): a server
+#: that does not answer one within this is unreachable (stopped, hung or gone)
+PROBE_TIMEOUT = 10.0
 #: What one update sequence did to one server (see :attr:`ServerUpdate.state`). An outcome, not the
 #: server's state in the fleet view: :data:`FLEET_STATES` maps one to the other.
 UpdateOutcome = Literal["serving", "rolled_back", "held_back", "needs_replacement", "unreachable", "failed"]
@@ -62,7 +68,7 @@ FLEET_STATES: dict[UpdateOutcome, ReplicaState] = {
     "rolled_back": "failed",
     "held_back": "serving",
     "needs_replacement": "needs_replacement",
-    "unreachable": "failed",
+    "unreachable": "unreachable",
     "failed": "failed",
 }
 
@@ -87,6 +93,11 @@ class ServerUpdate:
     error: str | None = None
     #: ``deltasync_status`` of each worker after a failure (None without the worker extension)
     workers: list[dict[str, Any]] | None = None
+    #: whether every worker had the step prepared (downloaded, verified, decoded) before the pause, so
+    #: that the pause only committed it (False: not asked, or the prepare failed or timed out)
+    prepared: bool = False
+    #: seconds the prepare before the pause took (None: not asked): the server kept generating meanwhile
+    prepare_s: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -102,10 +113,16 @@ class VLLMServer:
         url: str,
         *,
         timeout: float = 600.0,
+        probe_timeout: float = PROBE_TIMEOUT,
         api_key: str | None = None,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.url = url.rstrip("/")
+        #: seconds of each call of an update (the pause waits for in-flight requests; ``update_weights``
+        #: and the prepare download a step): sized for one update
+        self.timeout = timeout
+        #: seconds of each quick call (``/weight_info``, ``/is_paused``, ``/resume``)
+        self.probe_timeout = min(probe_timeout, timeout)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(base_url=self.url, timeout=timeout, headers=headers, transport=transport)
 
@@ -130,8 +147,9 @@ class VLLMServer:
         return r
 
     def weight_version(self) -> str | None:
-        """The weight version the server reports (deltasync sets it to the step)."""
-        r = self._ok(self._http.get("/weight_info"), "GET /weight_info")
+        """The weight version the server reports (deltasync sets it to the step); a quick call (raises
+        ``httpx.HTTPError`` when the server does not answer within ``probe_timeout``)."""
+        r = self._ok(self._http.get("/weight_info", timeout=self.probe_timeout), "GET /weight_info")
         v = r.json().get("weight_version")
         return None if v is None else str(v)
 
@@ -155,11 +173,36 @@ class VLLMServer:
         results = body.get("results") if isinstance(body, dict) else body
         return [x for x in results if isinstance(x, dict)] if isinstance(results, list) else None
 
+    def is_paused(self) -> bool | None:
+        """Whether the server is paused (``GET /is_paused``; None when it has no such route)."""
+        r = self._http.get("/is_paused", timeout=self.probe_timeout)
+        if r.status_code == 404:
+            return None
+        return bool(self._ok(r, "GET /is_paused").json().get("is_paused"))
+
+    def resume(self, tries: int = RESUME_TRIES) -> None:
+        """``POST /resume`` until the server says it is not paused: each try on a new connection (vLLM
+        drops the connection of a refused ``update_weights``, and a request sent on it is lost), with a
+        short backoff. Raises the last error after ``tries``."""
+        last: Exception | None = None
+        for attempt in range(tries):
+            if attempt:
+                threading.Event().wait(min(0.1 * 2 ** (attempt - 1), 2.0))
+            try:
+                self._ok(self._post("/resume", timeout=self.probe_timeout), "resume")
+                if self.is_paused() is not True:
+                    return
+                last = DeltaSyncError(f"{self.url}: still paused after POST /resume")
+            except (httpx.HTTPError, DeltaSyncError) as exc:
+                last = exc  # httpx discards a broken connection: the next try opens a new one
+        assert last is not None
+        raise last
+
     def prepare(self, step: int) -> None:
         """Bring every worker's mirror to ``step`` (download, verify, decode) without touching the weights
         or pausing; returns once every worker has it. Raises :class:`DeltaSyncError` naming the failure
         (``httpx.HTTPError`` when the server does not answer). Needs ``/collective_rpc`` (dev mode) and
-        deltasync's worker methods (the plugin, or ``--worker-extension-cls``)."""
+        deltasync's worker methods (the plugin, or ``--worker-extension-cls``). Bounded by ``timeout``."""
         r = self._post("/collective_rpc", json={"method": "deltasync_prepare", "kwargs": {"step": step, "wait": True}})
         if r.status_code == 404:
             self._ok(r, "collective_rpc deltasync_prepare")
@@ -179,10 +222,28 @@ class VLLMServer:
         if errors:
             raise DeltaSyncError(f"{self.url}: step {step} could not be prepared: {'; '.join(errors)}")
 
-    def update(self, step: int, *, pause_mode: PauseMode = "wait", cache_retries: int = 20) -> ServerUpdate:
-        """Run the whole update sequence for ``step`` (see the module doc); never raises."""
+    def update(
+        self, step: int, *, pause_mode: PauseMode = "wait", cache_retries: int = 20, prepare: bool = False
+    ) -> ServerUpdate:
+        """Run the whole update sequence for ``step`` (see the module doc); never raises. ``prepare``: first
+        have every worker prepare the step (:meth:`prepare`, the server keeps generating), so that the
+        pause only commits it; a prepare that fails or times out is logged and the update goes on (the
+        backend then downloads in the pause, or refuses the step)."""
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
+        prepared, prepare_s = False, None
+        if prepare:
+            t_prep = time.perf_counter()
+            try:
+                self.prepare(step)
+                prepared = True
+            except (httpx.HTTPError, DeltaSyncError) as exc:
+                log.warning("%s: step %d not prepared before the pause: %s", self.url, step, _text(exc))
+            prepare_s = time.perf_counter() - t_prep
+        u = self._update(step, pause_mode, cache_retries)
+        return replace(u, prepared=prepared, prepare_s=prepare_s)
+
+    def _update(self, step: int, pause_mode: PauseMode, cache_retries: int) -> ServerUpdate:
         t0 = time.perf_counter()
         try:
             self._ok(
@@ -229,9 +290,12 @@ class VLLMServer:
         finally:
             if resume:
                 try:
-                    self._ok(self._post("/resume"), "resume")
+                    self.resume()
                 except (httpx.HTTPError, DeltaSyncError) as exc:
-                    state, error = "failed", f"{error + '; ' if error else ''}resume: {_text(exc)}"
+                    # no answer: it is gone (set up again if it comes back); an answer that leaves it paused:
+                    # it cannot be brought back to serving, out of the rotation until it is restarted
+                    state = "unreachable" if isinstance(exc, httpx.TransportError) else "needs_replacement"
+                    error = f"{error + '; ' if error else ''}resume ({RESUME_TRIES} tries): {_text(exc)}"
         pause_s = time.perf_counter() - t0
         version = None
         try:
@@ -268,8 +332,20 @@ class _Tracked:
     refused: int | None = None  # the step it refused last
     retry_at: float = 0.0
     backoff: Backoff = field(default_factory=lambda: Backoff(RetryPolicy(retries=0, backoff=2.0, max_backoff=60.0)))
-    replace: bool = False  # needs replacement: never updated again
+    replace: bool = False  # needs replacement: not updated again until it is restarted
     reporter: FleetReporter | None = None
+    digest: Callable[[int], str | None] | None = None  # the manifest digest of a step, for the fleet view
+    #: whether the last call reached it (None: not tried yet); an unreachable server is set up again
+    #: (``init``) once it answers: it may be a new process on the same URL
+    up: bool | None = None
+    #: whether this process of the server was pointed at the store (``init``)
+    initialised: bool = False
+    #: the weight version it reported last: another one means another process (or another driver)
+    version: str | None = None
+    #: the background job driving it (:meth:`VLLMDriver.follow`), one at a time
+    job: Future[None] | None = None
+    #: why it is unreachable, or why its set-up failed (None: neither)
+    why: str | None = None
 
     def report(self, u: ServerUpdate | None = None, *, brought_back: bool = False) -> None:
         """Tell the fleet view what this server serves now: after init, or after update ``u``
@@ -277,11 +353,18 @@ class _Tracked:
         and an all-or-nothing rollout brought it back to its previous one, where it is healthy."""
         if self.reporter is None:
             return
-        if u is None or u.ok:
-            self.reporter.update(self.serving, "serving" if self.serving is not None else "starting")
+        digest = None
+        if self.serving is not None and self.digest is not None:
+            digest = self.digest(self.serving)
+        if u is None and self.up is False:
+            self.reporter.update(self.serving, "unreachable", digest=digest, last_error=self.why)
+        elif u is None and self.why is not None:
+            self.reporter.update(self.serving, "failed", digest=digest, last_error=self.why)
+        elif u is None or u.ok:
+            self.reporter.update(self.serving, "serving" if self.serving is not None else "starting", digest=digest)
         else:
             state: ReplicaState = "serving" if brought_back else FLEET_STATES[u.state]
-            self.reporter.update(self.serving, state, last_error=f"step {u.step}: {u.state}: {u.error}")
+            self.reporter.update(self.serving, state, digest=digest, last_error=f"step {u.step}: {u.state}: {u.error}")
 
 
 class VLLMDriver:
@@ -289,10 +372,19 @@ class VLLMDriver:
 
     ``store``: the run's store URL as the servers reach it (they download the steps themselves;
     updates carry only a step number). ``clock``: for the retry backoff (tests inject one).
+    ``timeout``: seconds of each call of an update (sized for one: the pause waits for in-flight
+    requests, the prepare and ``update_weights`` download a step); ``probe_timeout``: seconds of the
+    quick calls (``/weight_info``, ``/is_paused``, ``/resume``); a server that does not answer one is
+    ``unreachable``. ``prepare``: have each server prepare a step before pausing for it (see
+    :meth:`VLLMServer.update`).
     ``signal`` / ``signal_token`` / ``run``: report each server to this signal server's fleet view of
     ``run`` (a report, subscribe or publish token), as replica ``replicas[i]`` (default: the server
-    URL's ``host:port``), every ``heartbeat`` seconds and at each change.
+    URL's ``host:port``), every ``heartbeat`` seconds and at each change, with the step's manifest
+    digest from ``digest(step)`` when given.
     ``all_or_nothing``: roll each step out to every server or to none (see :meth:`rollout`).
+
+    Servers are driven independently (:meth:`follow`): each by a job of its own, so that one that
+    hangs or is gone never holds back the others.
     """
 
     def __init__(
@@ -302,8 +394,10 @@ class VLLMDriver:
         *,
         pause_mode: PauseMode = "wait",
         timeout: float = 600.0,
+        probe_timeout: float = PROBE_TIMEOUT,
         api_key: str | None = None,
         prefetch: bool = True,
+        prepare: bool = True,
         clock: Callable[[], float] = time.monotonic,
         signal: str | None = None,
         signal_token: str | None = None,
@@ -311,6 +405,7 @@ class VLLMDriver:
         replicas: Sequence[str] | None = None,
         heartbeat: float = 10.0,
         all_or_nothing: bool = False,
+        digest: Callable[[int], str | None] | None = None,
     ) -> None:
         if not servers:
             raise ValueError("VLLMDriver needs at least one server URL")
@@ -320,11 +415,16 @@ class VLLMDriver:
             raise ValueError(f"replicas names {len(replicas)} replicas for {len(servers)} servers")
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
-        self.store, self.pause_mode, self.prefetch = store, pause_mode, prefetch
+        self.store, self.pause_mode, self.prefetch, self.prepare = store, pause_mode, prefetch, prepare
         self.all_or_nothing = all_or_nothing
         self._clock = clock
         self._servers = [
-            _Tracked(s if isinstance(s, VLLMServer) else VLLMServer(s, timeout=timeout, api_key=api_key))
+            _Tracked(
+                s
+                if isinstance(s, VLLMServer)
+                else VLLMServer(s, timeout=timeout, probe_timeout=probe_timeout, api_key=api_key),
+                digest=digest,
+            )
             for s in servers
         ]
         if signal is not None and run is not None:
@@ -332,6 +432,11 @@ class VLLMDriver:
                 name = replicas[i] if replicas is not None else replica_name(httpx.URL(t.server.url).netloc.decode())
                 t.reporter = FleetReporter(signal, run, signal_token, replica=name, heartbeat=heartbeat)
         self._pool = ThreadPoolExecutor(len(self._servers), thread_name_prefix="deltasync-vllm")
+        self._lock = threading.Lock()
+        self._newest: int | None = None  # the newest step :meth:`follow` has seen
+        self._on_update: Callable[[ServerUpdate], None] | None = None
+        self._on_change: Callable[[str, str], None] | None = None
+        self._until: int | None = None
         #: every update run, in order
         self.history: list[ServerUpdate] = []
 
@@ -345,8 +450,9 @@ class VLLMDriver:
         return all(t.reporter.wait_reported(timeout) for t in self._servers if t.reporter is not None)
 
     def close(self) -> None:
-        """Close the HTTP connections (the servers keep running) and leave the fleet view."""
-        self._pool.shutdown(wait=True)
+        """Close the HTTP connections (the servers keep running) and leave the fleet view. A server job
+        still waiting on a hung server is not waited for: its connection is closed under it."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
         for t in self._servers:
             t.server.close()
             if t.reporter is not None:
@@ -359,23 +465,77 @@ class VLLMDriver:
         self.close()
 
     def init(self) -> None:
-        """Point every server's backend at the store (raises DeltaSyncError naming each server that failed)."""
-
-        def one(t: _Tracked) -> str | None:
-            try:
-                t.server.init(self.store, prefetch=self.prefetch)
-                v = t.server.weight_version()
-                t.serving = int(v) if v is not None and v.isdigit() else None
-            except (httpx.HTTPError, DeltaSyncError) as exc:
-                if t.reporter is not None:
-                    t.reporter.update(None, "failed", last_error=f"init: {_text(exc)}")
-                return f"{t.server.url}: {_text(exc)}"
-            t.report()
-            return None
-
-        errors = [e for e in self._pool.map(one, self._servers) if e]
+        """Point every server's backend at the store. A server that does not answer is reported
+        ``unreachable`` and set up once it answers (:meth:`follow`); one that answers with an error
+        (no deltasync backend, no dev routes) raises DeltaSyncError naming each such server."""
+        errors = [e for e in self._pool.map(self._setup, self._servers) if e]
         if errors:
             raise DeltaSyncError("could not set up deltasync on every vLLM server: " + "; ".join(errors))
+
+    def unreachable(self) -> list[str]:
+        """The servers whose last call got no answer (they are set up again once they answer)."""
+        return [t.server.url for t in self._servers if t.up is False]
+
+    def _say(self, t: _Tracked, what: str) -> None:
+        if self._on_change is not None:
+            self._on_change(t.server.url, what)
+
+    def _lost(self, t: _Tracked, exc: BaseException) -> None:
+        """``t`` did not answer: unreachable, to be set up again (a new process) once it answers."""
+        was = t.up
+        t.up, t.initialised, t.why = False, False, f"unreachable: {_text(exc)}"
+        if was is not False:
+            log.warning("%s: %s; set up again once it answers", t.server.url, t.why)
+            self._say(t, f"{t.why}; set up again once it answers")
+        t.report()
+
+    def _setup(self, t: _Tracked) -> str | None:
+        """Point ``t`` at the store (init) and read its weight version; None, or the error of a server that
+        answered with one (one that does not answer is marked unreachable: None)."""
+        try:
+            t.server.init(self.store, prefetch=self.prefetch)
+            v = t.server.weight_version()
+        except httpx.TransportError as exc:
+            self._lost(t, exc)
+            return None
+        except (httpx.HTTPError, DeltaSyncError) as exc:
+            t.up, t.initialised, t.why = True, False, f"init: {_text(exc)}"
+            t.report()
+            return f"{t.server.url}: {_text(exc)}"
+        back = t.up is False or t.version is not None
+        t.up, t.initialised, t.why, t.version = True, True, None, v
+        t.serving = int(v) if v is not None and v.isdigit() else None
+        # a new process: whatever the old one refused or lost is history
+        t.replace, t.refused = False, None
+        t.backoff.reset()
+        if back:
+            self._say(t, f"set up again (it serves step {t.serving if t.serving is not None else '(none yet)'})")
+        t.report()
+        return None
+
+    def _check(self, t: _Tracked) -> bool:
+        """Whether ``t`` answers and is set up (setting it up when it is a new process: it was unreachable,
+        or its weight version is not the one it had)."""
+        if t.initialised:
+            try:
+                v = t.server.weight_version()
+            except httpx.TransportError as exc:
+                self._lost(t, exc)
+                return False
+            except (httpx.HTTPError, DeltaSyncError) as exc:
+                t.why = f"GET /weight_info: {_text(exc)}"
+                t.report()
+                return False
+            if v == t.version:
+                return True
+            log.warning(
+                "%s: weight version %r where it served %r: a new process (or another driver); setting it up again",
+                t.server.url,
+                v,
+                t.version,
+            )
+            t.initialised = False
+        return self._setup(t) is None and t.initialised
 
     def update(self, step: int) -> list[ServerUpdate]:
         """Update every server to ``step`` now, in parallel (servers already at it are left alone); one
@@ -390,21 +550,26 @@ class VLLMDriver:
             return ServerUpdate(t.server.url, step, "needs_replacement", None, 0.0, "restart this server")
         if t.serving == step:
             return ServerUpdate(t.server.url, step, "serving", str(step), 0.0)
-        u = t.server.update(step, pause_mode=self.pause_mode)
+        u = t.server.update(step, pause_mode=self.pause_mode, prepare=self.prepare)
         self.history.append(u)
         if u.ok:
-            t.serving, t.refused = step, None
+            t.serving, t.refused, t.version, t.why = step, None, u.version, None
             t.backoff.reset()
         else:
             t.refused = step
             t.retry_at = self._clock() + t.backoff.next_delay()
             t.replace = u.state == "needs_replacement"
+            if u.state == "unreachable":
+                t.up, t.initialised = False, False
+            elif u.workers and all(w.get("store") is None for w in u.workers):
+                t.initialised = False  # its backend was never pointed at the store: a new process
             log.warning("%s: step %d not served (%s): %s", t.server.url, step, u.state, u.error)
         t.report(u)
         return u
 
     def catch_up(self, newest: int) -> list[ServerUpdate]:
-        """Update each server that is behind ``newest`` and not waiting out a backoff on that very step."""
+        """Update each server that is behind ``newest`` and not waiting out a backoff on that very step,
+        and wait for them (:meth:`follow` does not wait: it drives each server on its own)."""
         now = self._clock()
         due = [
             t
@@ -417,6 +582,28 @@ class VLLMDriver:
             return self.rollout(newest) if due else []
         futs = [self._pool.submit(self._update_one, t, newest) for t in due]
         return [f.result() for f in futs]
+
+    def _drive(self, t: _Tracked) -> None:
+        """One server's job: check that it answers and is set up (setting up a new process), then bring it
+        to the newest step, and again while a newer one came meanwhile."""
+        try:
+            for _ in range(8):  # bounded: a newer step, or a re-init after a refusal of a new process
+                if not self._check(t):
+                    return
+                step = self._newest
+                if step is not None and self._until is not None:
+                    step = min(step, self._until)  # the caller stops there
+                if step is None or t.replace or (t.serving is not None and t.serving >= step):
+                    return
+                if t.refused == step and self._clock() < t.retry_at:
+                    return
+                u = self._update_one(t, step)
+                if self._on_update is not None:
+                    self._on_update(u)
+                if not u.ok and t.initialised:
+                    return  # refused: retried after its backoff
+        except Exception:  # a job must not die silently: the next tick starts another
+            log.exception("%s: driving this server failed", t.server.url)
 
     # ---------------------------------------------------------------- all or nothing
 
@@ -555,27 +742,77 @@ class VLLMDriver:
         *,
         until: int | None = None,
         on_update: Callable[[ServerUpdate], None] | None = None,
+        on_change: Callable[[str, str], None] | None = None,
     ) -> dict[str, int | None]:
-        """Catch the servers up with the newest step ``watcher`` sees (:class:`~deltasync.signal.FollowLoop`;
-        a server that refused a step is retried after its own backoff, see :meth:`catch_up`); returns
-        once every server serves ``until``, or the watcher's ``stop`` is set. Raises
-        :class:`DeltaSyncError` once every server needs replacement."""
+        """Keep the servers at the newest step ``watcher`` sees; returns once every server that answers
+        serves ``until`` (at least one), or the watcher's ``stop`` is set.
 
-        def act(step: int) -> None:
-            for u in self.catch_up(step):
-                if on_update is not None:
-                    on_update(u)
-            held = self._oldest_served()
-            if all(t.replace for t in self._servers) and (until is None or held is None or held < until):
-                raise DeltaSyncError("every vLLM server needs replacement; restart them")
-
-        FollowLoop(watcher, act, held=self._oldest_served, retry_on=(), until=until).run()
+        At each observation (a commit, a heartbeat of the signal stream, a store poll) every server
+        whose job is idle gets a new one (:meth:`_drive`): check that it answers (``GET /weight_info``),
+        set it up when it is a new process (it was unreachable, or its weight version changed: a
+        restarted server), then update it to the newest step, and again while a newer one came
+        meanwhile. A server that hangs holds only its own job; one that does not answer is reported
+        ``unreachable`` and set up again once it does. A server that refused a step is retried after
+        its own backoff. With ``all_or_nothing`` one job drives the whole fleet (:meth:`rollout`).
+        ``on_update``: each update's outcome (from the server's job); ``on_change(url, what)``: a server
+        became unreachable or was set up again. Raises :class:`DeltaSyncError` once every server needs
+        replacement."""
+        self._on_update, self._on_change, self._until = on_update, on_change, until
+        fleet_job: Future[None] | None = None
+        try:
+            for seen in watcher.watch(resume=self._oldest_served):
+                self._check_replaceable()
+                if watcher.stop.is_set():
+                    break
+                if seen.step is not None and (self._newest is None or seen.step > self._newest):
+                    self._newest = seen.step
+                if self.all_or_nothing:
+                    if fleet_job is None or fleet_job.done():
+                        fleet_job = self._pool.submit(self._drive_fleet)
+                else:
+                    with self._lock:
+                        for t in self._servers:
+                            if t.job is None or t.job.done():
+                                t.job = self._pool.submit(self._drive, t)
+                if until is not None and self._reached(until):
+                    break
+        finally:
+            watcher.close()
+        self._check_replaceable()
         return self.serving()
 
+    def _check_replaceable(self) -> None:
+        if all(t.replace for t in self._servers):
+            raise DeltaSyncError("every vLLM server needs replacement; restart them")
+
+    def settle(self, timeout: float | None = None) -> bool:
+        """Wait until no server job of :meth:`follow` is running; whether that happened within ``timeout``."""
+        with self._lock:
+            jobs = [t.job for t in self._servers if t.job is not None]
+        done, pending = wait(jobs, timeout)
+        return not pending
+
+    def _drive_fleet(self) -> None:
+        """The all-or-nothing job: set up the servers that are new processes, then roll the newest step out."""
+        try:
+            for t in self._servers:
+                self._check(t)
+            if self._newest is not None:
+                for u in self.catch_up(self._newest):
+                    if self._on_update is not None:
+                        self._on_update(u)
+        except Exception:
+            log.exception("driving the fleet failed")
+
+    def _reached(self, until: int) -> bool:
+        """Whether every server that answers serves ``until`` or newer, and at least one does."""
+        live = [t for t in self._servers if t.up is not False]
+        return bool(live) and all(t.serving is not None and t.serving >= until for t in live)
+
     def _oldest_served(self) -> int | None:
-        """The step every server serves at least (None while one serves no known step)."""
-        steps = [t.serving for t in self._servers]
-        return None if any(s is None for s in steps) else min(s for s in steps if s is not None)
+        """The step every server that answers serves at least (None while one serves no known step)."""
+        steps = [t.serving for t in self._servers if t.up is not False]
+        return None if not steps or any(s is None for s in steps) else min(s for s in steps if s is not None)
 
 
 def _agreed_step(server: VLLMServer) -> int | None:

@@ -5,8 +5,12 @@ until enough live replicas serve ``step - max_lag`` or newer: every one (default
 ``quorum`` of them (an integer), or that fraction of them (a float in (0, 1]); and only while at
 least ``min_replicas`` replicas report (a fleet nobody reports to is not "all caught up"). A replica serves a step
 when it reported that step or a newer one and its weights are intact (``serving``, or ``failed``:
-its last update failed and it still serves its step, bit-exact). On timeout it raises
-:class:`~deltasync.errors.StalenessTimeout` with who is behind and what to do.
+its last update failed and it still serves its step, bit-exact). A replica reported ``unreachable``
+(a sidecar gets no answer from its server: dead, hung or cut off) serves nobody: by default
+(``unreachable="exclude"``) it is left out of the live replicas, neither counted as serving nor
+waited for, and named in a warning and in the timeout's report; ``unreachable="wait"`` counts it as
+a live replica behind, so the gate waits until it answers and serves the step. On timeout it raises
+:class:`~deltasync.errors.StalenessTimeout` with who is behind, who was excluded and what to do.
 """
 
 from __future__ import annotations
@@ -16,14 +20,31 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from typing import Literal
 
 from deltasync.errors import SignalRejected, SignalUnavailable, StalenessTimeout
 from deltasync.signal._client import SignalClient
-from deltasync.signal._fleet import FleetView
+from deltasync.signal._fleet import FleetView, ReplicaStatus
 
-__all__ = ["fleet_ready", "wait_for_fleet"]
+__all__ = ["UNREACHABLE_POLICIES", "UnreachablePolicy", "fleet_ready", "wait_for_fleet"]
 
 log = logging.getLogger("deltasync.signal.fleet")
+
+#: What the gate does with a replica reported ``unreachable``: leave it out of the live replicas
+#: (``exclude``, named in the gate's warnings and report) or wait for it as a replica behind (``wait``).
+UnreachablePolicy = Literal["exclude", "wait"]
+UNREACHABLE_POLICIES: tuple[UnreachablePolicy, ...] = ("exclude", "wait")
+
+
+def _counted(view: FleetView, unreachable: UnreachablePolicy) -> list[ReplicaStatus]:
+    """The replicas the gate counts as live under ``unreachable``."""
+    if unreachable == "wait":
+        return list(view.replicas)
+    return [r for r in view.replicas if r.state != "unreachable"]
+
+
+def _excluded(view: FleetView, unreachable: UnreachablePolicy) -> list[ReplicaStatus]:
+    return [] if unreachable == "wait" else [r for r in view.replicas if r.state == "unreachable"]
 
 
 def _needed(live: int, quorum: int | float | None) -> int:
@@ -35,7 +56,9 @@ def _needed(live: int, quorum: int | float | None) -> int:
     return quorum
 
 
-def _check_quorum(quorum: int | float | None, min_replicas: int, max_lag: int) -> None:
+def _check_quorum(quorum: int | float | None, min_replicas: int, max_lag: int, unreachable: str = "exclude") -> None:
+    if unreachable not in UNREACHABLE_POLICIES:
+        raise ValueError(f"unreachable must be one of {UNREACHABLE_POLICIES}, got {unreachable!r}")
     if isinstance(quorum, bool) or not (
         quorum is None or (isinstance(quorum, int) and quorum >= 1) or (isinstance(quorum, float) and 0 < quorum <= 1)
     ):
@@ -47,13 +70,20 @@ def _check_quorum(quorum: int | float | None, min_replicas: int, max_lag: int) -
 
 
 def fleet_ready(
-    view: FleetView, step: int, *, max_lag: int = 0, quorum: int | float | None = None, min_replicas: int = 1
+    view: FleetView,
+    step: int,
+    *,
+    max_lag: int = 0,
+    quorum: int | float | None = None,
+    min_replicas: int = 1,
+    unreachable: UnreachablePolicy = "exclude",
 ) -> bool:
     """Whether ``view`` has enough live replicas serving ``step - max_lag`` or newer (see the module doc)."""
-    _check_quorum(quorum, min_replicas, max_lag)
+    _check_quorum(quorum, min_replicas, max_lag, unreachable)
     floor = step - max_lag
-    ready = sum(r.serves_at_least(floor) for r in view.replicas)
-    live = len(view.replicas)
+    counted = _counted(view, unreachable)
+    ready = sum(r.serves_at_least(floor) for r in counted)
+    live = len(counted)
     return live >= min_replicas and ready >= _needed(live, quorum)
 
 
@@ -66,9 +96,11 @@ def _report(
     timeout: float,
     view: FleetView | None,
     error: str | None,
+    unreachable: UnreachablePolicy = "exclude",
 ) -> str:
     floor = step - max_lag
-    live = len(view.replicas) if view is not None else 0
+    counted = _counted(view, unreachable) if view is not None else []
+    live = len(counted)
     need = _needed(live, quorum)
     who = "every live replica" if quorum is None else f"a quorum of {quorum}"
     lines = [
@@ -78,8 +110,8 @@ def _report(
     if view is None:
         lines.append(f"  the fleet could not be read from the signal server: {error}")
     else:
-        ready = [r for r in view.replicas if r.serves_at_least(floor)]
-        behind = view.behind(floor)
+        ready = [r for r in counted if r.serves_at_least(floor)]
+        behind = [r for r in counted if not r.serves_at_least(floor)]
         lines.append(
             f"  {len(ready)} of {live} live replicas ready, {need} needed; head {view.head if view.head is not None else '-'}"
         )
@@ -89,6 +121,14 @@ def _report(
                 lines.append(
                     f"    {r.replica}: step {'-' if r.step is None else r.step}, "
                     f"lag {'-' if r.lag is None else r.lag}, state {r.state}, "
+                    f"last seen {r.age_s:.1f} s ago, last error: {r.last_error or 'none'}"
+                )
+        excluded = _excluded(view, unreachable)
+        if excluded:
+            lines.append("  excluded (unreachable: not counted as live, unreachable='exclude'):")
+            for r in excluded:
+                lines.append(
+                    f"    {r.replica}: last step {'-' if r.step is None else r.step}, "
                     f"last seen {r.age_s:.1f} s ago, last error: {r.last_error or 'none'}"
                 )
         if live < min_replicas:
@@ -111,6 +151,7 @@ def wait_for_fleet(
     max_lag: int = 0,
     quorum: int | float | None = None,
     min_replicas: int = 1,
+    unreachable: UnreachablePolicy = "exclude",
     timeout: float = 600.0,
     poll: float = 0.5,
     clock: Callable[[], float] = time.monotonic,
@@ -121,9 +162,10 @@ def wait_for_fleet(
     Reads the fleet every ``poll`` seconds (``wait(seconds)`` waits; ``clock`` tells the time:
     tests inject both). A signal server that is down is retried until the timeout; one that
     refuses the request (a bad token, a bad run name) raises its SignalRejected at once.
+    ``unreachable``: what a replica reported ``unreachable`` counts for (see the module doc).
     Raises :class:`~deltasync.errors.StalenessTimeout` when ``timeout`` seconds pass first.
     """
-    _check_quorum(quorum, min_replicas, max_lag)
+    _check_quorum(quorum, min_replicas, max_lag, unreachable)
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an int >= 0, got {step!r}")
     if not timeout >= 0 or not poll > 0:
@@ -137,7 +179,17 @@ def wait_for_fleet(
         try:
             view = client.fleet(run)
             error = None
-            if fleet_ready(view, step, max_lag=max_lag, quorum=quorum, min_replicas=min_replicas):
+            if fleet_ready(
+                view, step, max_lag=max_lag, quorum=quorum, min_replicas=min_replicas, unreachable=unreachable
+            ):
+                excluded = _excluded(view, unreachable)
+                if excluded:
+                    log.warning(
+                        "run %r: released at step %d without the unreachable replica(s) %s (unreachable='exclude')",
+                        run,
+                        step - max_lag,
+                        ", ".join(f"{r.replica} (last step {r.step}: {r.last_error or 'no error'})" for r in excluded),
+                    )
                 gone = sorted(behind - {r.replica for r in view.replicas})
                 if gone:
                     log.warning(
@@ -148,12 +200,12 @@ def wait_for_fleet(
                         step - max_lag,
                     )
                 return view
-            behind.update(r.replica for r in view.behind(step - max_lag))
+            behind.update(r.replica for r in _counted(view, unreachable) if not r.serves_at_least(step - max_lag))
         except SignalRejected:
             raise
         except SignalUnavailable as exc:
             error = str(exc)
         left = deadline - clock()
         if left <= 0:
-            raise StalenessTimeout(_report(run, step, max_lag, quorum, min_replicas, timeout, view, error))
+            raise StalenessTimeout(_report(run, step, max_lag, quorum, min_replicas, timeout, view, error, unreachable))
         sleep(min(poll, left))

@@ -17,7 +17,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from deltasync._util.retry import RetryPolicy
 from deltasync._util.tensors import state_tensors
@@ -267,13 +267,16 @@ class DeltaUploader:
         max_lag: int = 0,
         quorum: int | float | None = None,
         min_replicas: int = 1,
+        unreachable: Literal["exclude", "wait"] = "exclude",
         timeout: float = 600.0,
         poll: float = 0.5,
     ) -> FleetView:
         """The staleness gate: wait until the run's live replicas serve ``step - max_lag`` or newer.
 
         ``step`` defaults to the newest committed step. Every live replica must (default), or
-        ``quorum`` of them (an int, or a fraction in (0, 1]), with at least ``min_replicas`` reporting. The
+        ``quorum`` of them (an int, or a fraction in (0, 1]), with at least ``min_replicas`` reporting; a
+        replica reported ``unreachable`` is left out (``"exclude"``, named in a warning) or waited for
+        (``"wait"``). The
         replicas report to the signal server of ``signal_url`` under ``signal_run`` (default: the
         run id); reading the fleet takes ``signal_token``. Returns the fleet that passed; raises
         :class:`~deltasync.errors.StalenessTimeout` after ``timeout`` seconds, naming who is behind.
@@ -301,6 +304,7 @@ class DeltaUploader:
                 max_lag=max_lag,
                 quorum=quorum,
                 min_replicas=min_replicas,
+                unreachable=unreachable,
                 timeout=timeout,
                 poll=poll,
             )

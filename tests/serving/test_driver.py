@@ -30,16 +30,19 @@ def _driver(*fakes: ScriptedVLLM, clock: Any = None, **kw: Any) -> VLLMDriver:
     return VLLMDriver(servers, "s3://bucket/run", clock=clock or (lambda: 0.0), **kw)
 
 
-def _seeing(*steps: int | None) -> StepWatcher:
-    """A watcher whose store polls answer ``steps`` in turn, without waiting; it stops after the last."""
+def _seeing(*steps: int | None, driver: VLLMDriver | None = None) -> StepWatcher:
+    """A watcher whose store polls answer ``steps`` in turn; between two it waits until ``driver``'s server
+    jobs are done (instead of a poll interval); it stops after the last."""
     answers = list(steps)
     stop = threading.Event()
 
     def wait(seconds: float) -> None:
+        if driver is not None:
+            assert driver.settle(30)
         if not answers:
             stop.set()
 
-    return StepWatcher(lambda: answers.pop(0), stop=stop, wait=wait)
+    return StepWatcher(lambda: answers.pop(0) if answers else None, stop=stop, wait=wait)
 
 
 def test_an_update_pauses_runs_the_four_phases_resets_the_prefix_cache_then_resumes() -> None:
@@ -53,6 +56,7 @@ def test_an_update_pauses_runs_the_four_phases_resets_the_prefix_cache_then_resu
         "/finish_weight_update",
         "/reset_prefix_cache",
         "/resume",
+        "/is_paused",
         "/weight_info",
     ]
     assert not fake.paused
@@ -66,7 +70,7 @@ def test_a_refused_step_is_not_finished_and_the_server_resumes_on_its_previous_s
     assert "UpdateRolledBack: step 4: corrupt patch" in (u.error or "")
     assert "/finish_weight_update" not in fake.calls
     assert fake.calls[3:5] == ["/collective_rpc", "/resume"]  # the workers' typed states decide: resume
-    assert u.workers == [{"rank": 0, "state": "serving", "step": "0"}]  # the backend's own account
+    assert u.workers == [{"rank": 0, "state": "serving", "step": "0", "store": "s3://bucket/run"}]  # its own account
 
 
 def test_a_refused_step_whose_outcome_cannot_be_read_leaves_the_server_paused() -> None:
@@ -100,7 +104,7 @@ def test_a_server_needing_replacement_stays_paused_and_is_never_updated_again() 
         assert len(fake.calls) == calls
         with pytest.raises(DeltaSyncError, match="every vLLM server needs replacement"):
             other.broken = {4}
-            d.follow(_seeing(4))
+            d.follow(_seeing(4, driver=d))
 
 
 def test_a_prefix_cache_that_will_not_reset_leaves_the_server_paused_rather_than_stale() -> None:
@@ -155,7 +159,7 @@ def test_follow_returns_once_every_server_serves_the_target_step() -> None:
     seen: list[tuple[str, int, str]] = []
     with _driver(a, b) as d:
         d.init()
-        out = d.follow(_seeing(1, None, 3, 4, 5), until=4, on_update=lambda u: seen.append((u.url, u.step, u.state)))
+        out = d.follow(_seeing(1, None, 3, 4, 5, driver=d), until=4, on_update=lambda u: seen.append((u.url, u.step, u.state)))
     assert out == {"http://vllm-0": 4, "http://vllm-1": 4}
     assert sorted(seen) == sorted(
         [(f"http://vllm-{i}", s, "serving") for i in (0, 1) for s in (1, 3, 4)]
