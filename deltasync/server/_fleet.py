@@ -9,18 +9,22 @@ write: a dead engine leaves the fleet by itself. The book is bounded (``max_repl
 by the next round of heartbeats.
 
 The lag of a replica is computed when the fleet is read, against the run's head (the newest
-signalled commit): ``head - step``.
+signalled commit): ``head - step``. So is the replicas' agreement: a report may carry the replica's
+last behavioural audit (fingerprint, divergence, audited step); :func:`shown` groups a run's replicas
+by (audited step, agreeing fingerprint) and shows a ``serving`` replica that is the odd one out as
+``diverged`` (docs/audit.md).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from deltasync.protocol.audit import AuditReport, FingerprintGroup, group_fingerprints
 from deltasync.signal import ReplicaState
 
-__all__ = ["FleetBook", "FleetFull", "Replica"]
+__all__ = ["FleetBook", "FleetFull", "Replica", "shown"]
 
 
 class FleetFull(Exception):
@@ -41,6 +45,8 @@ class Replica:
     #: when the server received the first report of this replica (since it last joined), and the last one
     since: float
     last_seen: float
+    #: its last behavioural audit (None: it reported none)
+    audit: AuditReport | None = None
 
     def alive(self, now: float) -> bool:
         """Whether the replica reported within its time to live."""
@@ -95,6 +101,7 @@ class FleetBook:
         state: ReplicaState,
         last_error: str | None,
         ttl_s: float | None,
+        audit: AuditReport | None = None,
     ) -> tuple[Replica, bool]:
         """Record a report; returns the replica's entry and whether it (re)joined the fleet with it.
 
@@ -125,6 +132,7 @@ class FleetBook:
                 self.ttl_s if ttl_s is None else ttl_s,
                 now if old is None else old.since,
                 now,
+                audit,
             )
             book[replica] = entry
             self._runs[run] = book
@@ -155,3 +163,16 @@ class FleetBook:
             now = self.clock()
             self._prune(now)
             return now, {run: list(book.values()) for run, book in sorted(self._runs.items())}
+
+
+def shown(replicas: Sequence[Replica]) -> list[tuple[Replica, ReplicaState, FingerprintGroup | None]]:
+    """Each replica with the state the fleet shows and its fingerprint group: the state it reported,
+    except that a ``serving`` replica whose fingerprint is the odd one out at its audited step shows
+    ``diverged``."""
+    groups = group_fingerprints({r.replica: r.audit for r in replicas if r.audit is not None})
+    out: list[tuple[Replica, ReplicaState, FingerprintGroup | None]] = []
+    for r in replicas:
+        g = groups.get(r.replica)
+        state: ReplicaState = "diverged" if g is not None and g.odd_one_out and r.state == "serving" else r.state
+        out.append((r, state, g))
+    return out

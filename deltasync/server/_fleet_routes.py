@@ -3,7 +3,8 @@
 ``PUT /v1/runs/{run}/replicas/{replica}`` (scope ``report``) records a replica's step, state
 digest, state and last error; ``DELETE`` of the same path removes it (a clean shutdown);
 ``GET /v1/runs/{run}/fleet`` (scope ``subscribe``) lists the live replicas with their lag behind
-the run's head. See :mod:`deltasync.server._fleet` for ageing and bounds.
+the run's head, their last behavioural audit and their fingerprint group (a ``serving`` replica that
+is the odd one out at its audited step is shown ``diverged``). See :mod:`deltasync.server._fleet` for ageing and bounds.
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Path, Response
 
+from deltasync.protocol.audit import FingerprintGroup
 from deltasync.server._auth import AUTH_RESPONSES, Report, Subscribe
 from deltasync.server._deps import FleetDep, MetricsDep, RelayDep
-from deltasync.server._fleet import FleetFull, Replica
+from deltasync.server._fleet import FleetFull, Replica, shown
 from deltasync.server._input import StrictRoute
-from deltasync.server._models import FleetOut, Problem, ReplicaIn, ReplicaOut
+from deltasync.server._models import AuditBody, FleetOut, Problem, ReplicaIn, ReplicaOut
 from deltasync.server._routes import RunName
-from deltasync.signal import REPLICA_PATTERN
+from deltasync.signal import REPLICA_PATTERN, ReplicaState
 
 __all__ = ["ReplicaName", "fleet_router"]
 
@@ -28,14 +30,21 @@ ReplicaName = Annotated[str, Path(pattern=REPLICA_PATTERN, max_length=128, descr
 fleet_router = APIRouter(route_class=StrictRoute)
 
 
-def _out(r: Replica, head: int | None, head_digest: str | None, now: float) -> ReplicaOut:
+def _out(
+    r: Replica,
+    head: int | None,
+    head_digest: str | None,
+    now: float,
+    state: ReplicaState | None = None,
+    group: FingerprintGroup | None = None,
+) -> ReplicaOut:
     lag = None if head is None or r.step is None else head - r.step
     digest_ok = None if r.digest is None or head_digest is None else r.digest == head_digest
     return ReplicaOut(
         replica=r.replica,
         step=r.step,
         lag=lag,
-        state=r.state,
+        state=r.state if state is None else state,
         digest=r.digest,
         digest_ok=digest_ok,
         last_error=r.last_error,
@@ -43,6 +52,9 @@ def _out(r: Replica, head: int | None, head_digest: str | None, now: float) -> R
         last_seen=r.last_seen,
         age_s=max(0.0, now - r.last_seen),
         ttl_s=r.ttl_s,
+        audit=None if r.audit is None else AuditBody.of(r.audit),
+        fingerprint_group=None if group is None else group.group,
+        odd_one_out=group is not None and group.odd_one_out,
     )
 
 
@@ -65,6 +77,7 @@ async def report(
             state=body.state,
             last_error=body.last_error,
             ttl_s=body.ttl_s,
+            audit=None if body.audit is None else body.audit.report(),
         )
     except FleetFull as exc:
         metrics.inc("deltasync_fleet_reports_refused_total")
@@ -110,7 +123,7 @@ async def fleet_view(run: RunName, fleet: FleetDep, relay: RelayDep) -> FleetOut
         head=head.step if head else None,
         time=now,
         replicas=[
-            _out(r, head.step if head else None, digests.get(r.step) if r.step is not None else None, now)
-            for r in replicas
+            _out(r, head.step if head else None, digests.get(r.step) if r.step is not None else None, now, state, group)
+            for r, state, group in shown(replicas)
         ],
     )

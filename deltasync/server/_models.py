@@ -7,12 +7,15 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
+from deltasync.errors import ProtocolError
+from deltasync.protocol.audit import MAX_FINGERPRINT, AuditReport, Divergence, check_fingerprint
 from deltasync.protocol.keys import MAX_STEP
 from deltasync.server._db import Commit, Webhook
 from deltasync.server._settings import DIGEST_PATTERN
 from deltasync.signal import ReplicaState
 
 __all__ = [
+    "AuditBody",
     "CommitIn",
     "CommitOut",
     "FleetOut",
@@ -90,6 +93,60 @@ class WebhookOut(BaseModel):
     created: float
 
 
+class DivergenceBody(BaseModel):
+    """An engine's probe logprobs against the trainer's reference (nats; docs/audit.md)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    mean_abs: float = Field(ge=0, allow_inf_nan=False, description="mean |reference - engine| over the probe tokens")
+    max_abs: float = Field(ge=0, allow_inf_nan=False, description="largest |reference - engine|")
+    kl: float = Field(ge=0, allow_inf_nan=False, description="k3 estimate mean(exp(r) - 1 - r), r = reference - engine")
+
+
+class AuditBody(BaseModel):
+    """A replica's last behavioural audit (``deltasync.protocol.audit.AuditReport``)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    audited_step: StepNo = Field(ge=0, le=MAX_STEP, description="the step whose weights were probed")
+    fingerprint: str = Field(max_length=MAX_FINGERPRINT, description="the engine's probe-logprob fingerprint")
+    divergence: DivergenceBody | None = Field(
+        default=None, description="against the trainer's reference of audited_step (null: none)"
+    )
+    tolerance: float | None = Field(
+        default=None, ge=0, le=100, allow_inf_nan=False, description="fingerprint tolerance (nats) of its policy"
+    )
+
+    @field_validator("fingerprint")
+    @classmethod
+    def _fingerprint(cls, v: str) -> str:
+        try:
+            return check_fingerprint(v)
+        except ProtocolError as exc:
+            raise ValueError(str(exc)) from None
+
+    def report(self) -> AuditReport:
+        """The typed report."""
+        d = self.divergence
+        return AuditReport.from_dict(
+            {
+                "audited_step": self.audited_step,
+                "fingerprint": self.fingerprint,
+                "divergence": None if d is None else Divergence(d.mean_abs, d.max_abs, d.kl).to_dict(),
+                "tolerance": self.tolerance,
+            }
+        )
+
+    @classmethod
+    def of(cls, a: AuditReport) -> AuditBody:
+        """The body of a typed report."""
+        d = a.divergence
+        return cls(
+            audited_step=a.audited_step,
+            fingerprint=a.fingerprint,
+            divergence=None if d is None else DivergenceBody(mean_abs=d.mean_abs, max_abs=d.max_abs, kl=d.kl),
+            tolerance=a.tolerance,
+        )
+
+
 class ReplicaIn(BaseModel):
     """Body of ``PUT /v1/runs/{run}/replicas/{replica}``: what the replica serves now."""
 
@@ -106,6 +163,7 @@ class ReplicaIn(BaseModel):
     ttl_s: float | None = Field(
         default=None, ge=1, le=86400, description="seconds it stays in the fleet without a report (default: server's)"
     )
+    audit: AuditBody | None = Field(default=None, description="its last behavioural audit (docs/audit.md)")
 
 
 class ReplicaOut(BaseModel):
@@ -125,6 +183,13 @@ class ReplicaOut(BaseModel):
     #: seconds since its last report, by the server's clock
     age_s: float
     ttl_s: float
+    #: its last behavioural audit (null: none reported)
+    audit: AuditBody | None = None
+    #: its group among the replicas audited at the same step (0: the largest; null: no audit)
+    fingerprint_group: int | None = None
+    #: a strict majority of the replicas audited at its step agree on another fingerprint (then a
+    #: ``serving`` replica is shown ``diverged``)
+    odd_one_out: bool = False
 
 
 class FleetOut(BaseModel):

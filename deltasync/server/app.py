@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 
 from deltasync.server._db import Database
-from deltasync.server._fleet import FleetBook
+from deltasync.server._fleet import FleetBook, shown
 from deltasync.server._fleet_routes import fleet_router
 from deltasync.server._input import validation_error_reply
 from deltasync.server._limits import BodyLimit, limit_body
@@ -80,13 +80,28 @@ def _metrics() -> Metrics:
 
 
 def _fleet_gauges(metrics: Metrics, fleet: FleetBook, relay: CommitRelay) -> None:
-    """``deltasync_fleet_replicas{run,state}`` and ``deltasync_fleet_max_lag{run}``, computed when scraped."""
+    """``deltasync_fleet_replicas{run,state}`` (the states the fleet view shows),
+    ``deltasync_fleet_max_lag{run}`` and ``deltasync_replica_divergence{run,replica,step,stat}``,
+    computed when scraped."""
 
     def by_state() -> dict[tuple[tuple[str, str], ...], float]:
         out: dict[tuple[tuple[str, str], ...], float] = {}
         for run, replicas in fleet.runs()[1].items():
+            states = [state for _, state, _ in shown(replicas)]
             for state in REPLICA_STATES:
-                out[(("run", run), ("state", state))] = sum(r.state == state for r in replicas)
+                out[(("run", run), ("state", state))] = sum(s == state for s in states)
+        return out
+
+    def divergence() -> dict[tuple[tuple[str, str], ...], float]:
+        out: dict[tuple[tuple[str, str], ...], float] = {}
+        for run, replicas in fleet.runs()[1].items():
+            for r in replicas:
+                d = r.audit.divergence if r.audit is not None else None
+                if r.audit is None or d is None:
+                    continue
+                for stat, v in d.to_dict().items():
+                    key = (("replica", r.replica), ("run", run), ("stat", stat), ("step", str(r.audit.audited_step)))
+                    out[key] = v
         return out
 
     def max_lag() -> dict[tuple[tuple[str, str], ...], float]:
@@ -99,6 +114,12 @@ def _fleet_gauges(metrics: Metrics, fleet: FleetBook, relay: CommitRelay) -> Non
         return out
 
     metrics.gauge_callback("deltasync_fleet_replicas", "Live replicas per run and state.", by_state)
+    metrics.gauge_callback(
+        "deltasync_replica_divergence",
+        "Each live replica's last audit against the trainer's reference, per audited step (nats; stat: "
+        "mean_abs, max_abs, kl).",
+        divergence,
+    )
     metrics.gauge_callback(
         "deltasync_fleet_max_lag", "Steps the most stale live replica of a run is behind its head.", max_lag
     )

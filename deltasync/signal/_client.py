@@ -21,6 +21,7 @@ import httpx
 from deltasync._util.retry import RetryPolicy
 from deltasync._util.worker import SerialWorker, WorkerClosed
 from deltasync.errors import SignalConflict, SignalError, SignalRejected, SignalUnavailable
+from deltasync.protocol.audit import AuditReport
 from deltasync.signal._fleet import FleetView, ReplicaStatus
 from deltasync.signal._names import check_replica, check_run
 
@@ -212,11 +213,15 @@ class SignalClient:
         digest: str | None = None,
         last_error: str | None = None,
         ttl_s: float | None = None,
+        audit: AuditReport | None = None,
     ) -> ReplicaStatus:
-        """Tell the server what ``replica`` of ``run`` serves now (scope ``report``); returns its entry."""
+        """Tell the server what ``replica`` of ``run`` serves now (scope ``report``), with its last
+        behavioural ``audit`` if any; returns its entry."""
         body: dict[str, Any] = {"step": step, "state": state, "digest": digest, "last_error": last_error}
         if ttl_s is not None:
             body["ttl_s"] = ttl_s
+        if audit is not None:
+            body["audit"] = audit.to_dict()
         r = self._request("PUT", f"/v1/runs/{check_run(run)}/replicas/{check_replica(replica)}", json=body)
         try:
             return ReplicaStatus.from_json(r.json())

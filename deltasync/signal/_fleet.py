@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from deltasync.errors import SignalUnavailable
+from deltasync.errors import ProtocolError, SignalUnavailable
+from deltasync.protocol.audit import AuditReport
 
 __all__ = ["REPLICA_STATES", "FleetView", "ReplicaState", "ReplicaStatus"]
 
@@ -13,8 +14,11 @@ __all__ = ["REPLICA_STATES", "FleetView", "ReplicaState", "ReplicaStatus"]
 #: the engine mirror share. ``starting``: serves no step yet; ``serving``: serves ``step``; ``failed``:
 #: its last update failed and it still serves ``step``, bit-exact; ``needs_replacement``: its weights
 #: are neither step: replace it; ``unreachable``: its reporter (a sidecar driving a server) gets no
-#: answer from it: it serves nothing to anyone that cannot reach it either (``step`` is the last known).
-ReplicaState = Literal["starting", "serving", "failed", "needs_replacement", "unreachable"]
+#: answer from it: it serves nothing to anyone that cannot reach it either (``step`` is the last known);
+#: ``diverged``: it holds ``step`` but its behavioural audit failed (its probe logprobs are over the
+#: run's thresholds against the trainer's reference, or disagree with the other replicas' at the same
+#: step): it serves outputs the trainer did not compute (docs/audit.md).
+ReplicaState = Literal["starting", "serving", "failed", "needs_replacement", "unreachable", "diverged"]
 #: every :data:`ReplicaState`, in that order
 REPLICA_STATES: tuple[ReplicaState, ...] = get_args(ReplicaState)
 
@@ -56,11 +60,21 @@ class ReplicaStatus:
     #: seconds since its last report, by the server's clock
     age_s: float = 0.0
     ttl_s: float = 0.0
+    #: its last behavioural audit (None: it reported none)
+    audit: AuditReport | None = None
+    #: whether its fingerprint disagrees with the majority of the replicas audited at the same step
+    #: (the server then shows it ``diverged``; see docs/audit.md)
+    odd_one_out: bool = False
 
     @classmethod
     def from_json(cls, raw: Any) -> ReplicaStatus:
         """Parse one replica of a fleet reply (a KeyError / TypeError / ValueError when malformed)."""
         ok = raw.get("digest_ok")
+        audit = raw.get("audit")
+        try:
+            parsed = None if audit is None else AuditReport.from_dict(audit)
+        except ProtocolError as exc:
+            raise ValueError(str(exc)) from None
         return cls(
             str(raw["replica"]),
             _opt_int(raw.get("step")),
@@ -73,12 +87,19 @@ class ReplicaStatus:
             float(raw.get("last_seen") or 0.0),
             float(raw.get("age_s") or 0.0),
             float(raw.get("ttl_s") or 0.0),
+            parsed,
+            bool(raw.get("odd_one_out") or False),
         )
 
-    def serves_at_least(self, step: int) -> bool:
+    def serves_at_least(self, step: int, *, healthy_only: bool = False) -> bool:
         """Whether this replica serves ``step`` or newer: a known step, weights not lost (a ``failed``
-        replica still serves its step, bit-exact)."""
-        return self.step is not None and self.step >= step and self.state in ("serving", "failed")
+        replica still serves its step, bit-exact; so does a ``diverged`` one, whose outputs are wrong).
+        With ``healthy_only``, only a ``serving`` replica counts."""
+        if self.step is None or self.step < step:
+            return False
+        if healthy_only:
+            return self.state == "serving"
+        return self.state in ("serving", "failed", "diverged")
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,9 +124,14 @@ class FleetView:
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise SignalUnavailable(f"malformed fleet from the signal server: {str(raw)[:200]}") from exc
 
-    def behind(self, step: int) -> list[ReplicaStatus]:
-        """The replicas that do not serve ``step`` or newer."""
-        return [r for r in self.replicas if not r.serves_at_least(step)]
+    def behind(self, step: int, *, healthy_only: bool = False) -> list[ReplicaStatus]:
+        """The replicas that do not serve ``step`` or newer (with ``healthy_only``: healthily, see
+        :meth:`ReplicaStatus.serves_at_least`)."""
+        return [r for r in self.replicas if not r.serves_at_least(step, healthy_only=healthy_only)]
+
+    def diverged(self) -> list[ReplicaStatus]:
+        """The replicas whose behavioural audit failed (state ``diverged``)."""
+        return [r for r in self.replicas if r.state == "diverged"]
 
     def table(self) -> str:
         """The fleet as a fixed-width text table (one line per replica)."""

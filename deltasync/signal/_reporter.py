@@ -21,6 +21,7 @@ import httpx
 from deltasync._util.retry import RetryPolicy
 from deltasync._util.worker import SerialWorker
 from deltasync.errors import SignalError
+from deltasync.protocol.audit import AuditReport
 from deltasync.signal._client import SignalClient
 from deltasync.signal._fleet import ReplicaState, check_state
 from deltasync.signal._names import check_replica, check_run, default_replica
@@ -35,12 +36,14 @@ MIN_TTL_S = 15.0
 
 @dataclass(frozen=True, slots=True)
 class Served:
-    """What a replica serves: its step (None: none yet), state, the step's manifest digest and last error."""
+    """What a replica serves: its step (None: none yet), state, the step's manifest digest, last error
+    and last behavioural audit (docs/audit.md)."""
 
     step: int | None
     state: ReplicaState = "serving"
     digest: str | None = None
     last_error: str | None = None
+    audit: AuditReport | None = None
 
 
 class FleetReporter:
@@ -103,13 +106,20 @@ class FleetReporter:
             raise ValueError(f"step must be None or >= 0, got {served.step!r}")
 
     def update(
-        self, step: int | None, state: str = "serving", *, digest: str | None = None, last_error: str | None = None
+        self,
+        step: int | None,
+        state: str = "serving",
+        *,
+        digest: str | None = None,
+        last_error: str | None = None,
+        audit: AuditReport | None = None,
     ) -> None:
         """Record what the replica serves now (``state``: a :data:`~deltasync.signal.ReplicaState`, else a
-        ValueError); it is reported in the background (returns at once)."""
+        ValueError; ``audit``: its last behavioural audit, kept until the next update); it is reported in
+        the background (returns at once)."""
         if last_error is not None and len(last_error) > _MAX_ERROR:
             last_error = last_error[: _MAX_ERROR - 3] + "..."
-        served = Served(step, check_state(state), digest, last_error)
+        served = Served(step, check_state(state), digest, last_error, audit)
         self._check(served)
         with self._cond:
             if self._closing or served == self._served:
@@ -144,6 +154,7 @@ class FleetReporter:
                     digest=served.digest,
                     last_error=served.last_error,
                     ttl_s=self.ttl_s,
+                    audit=served.audit,
                 )
             except SignalError as exc:
                 delay = min(backoff.next_delay(), self.heartbeat)
