@@ -9,7 +9,10 @@ its last update failed and it still serves its step, bit-exact). A replica repor
 (a sidecar gets no answer from its server: dead, hung or cut off) serves nobody: by default
 (``unreachable="exclude"``) it is left out of the live replicas, neither counted as serving nor
 waited for, and named in a warning and in the timeout's report; ``unreachable="wait"`` counts it as
-a live replica behind, so the gate waits until it answers and serves the step. On timeout it raises
+a live replica behind, so the gate waits until it answers and serves the step. A ``diverged``
+replica (its behavioural audit failed, docs/audit.md) still holds its step and counts by default;
+with ``healthy_only=True`` only ``serving`` replicas count as serving (``failed`` and ``diverged``
+ones are waited for like replicas behind). On timeout it raises
 :class:`~deltasync.errors.StalenessTimeout` with who is behind, who was excluded and what to do.
 """
 
@@ -77,12 +80,13 @@ def fleet_ready(
     quorum: int | float | None = None,
     min_replicas: int = 1,
     unreachable: UnreachablePolicy = "exclude",
+    healthy_only: bool = False,
 ) -> bool:
     """Whether ``view`` has enough live replicas serving ``step - max_lag`` or newer (see the module doc)."""
     _check_quorum(quorum, min_replicas, max_lag, unreachable)
     floor = step - max_lag
     counted = _counted(view, unreachable)
-    ready = sum(r.serves_at_least(floor) for r in counted)
+    ready = sum(r.serves_at_least(floor, healthy_only=healthy_only) for r in counted)
     live = len(counted)
     return live >= min_replicas and ready >= _needed(live, quorum)
 
@@ -97,12 +101,15 @@ def _report(
     view: FleetView | None,
     error: str | None,
     unreachable: UnreachablePolicy = "exclude",
+    healthy_only: bool = False,
 ) -> str:
     floor = step - max_lag
     counted = _counted(view, unreachable) if view is not None else []
     live = len(counted)
     need = _needed(live, quorum)
     who = "every live replica" if quorum is None else f"a quorum of {quorum}"
+    if healthy_only:
+        who += " (healthy ones only: serving, not failed or diverged)"
     lines = [
         f"timed out after {timeout:g} s waiting for run {run!r} to be served at step {floor} or newer "
         f"(step {step}, max lag {max_lag}; {who}, with at least {min_replicas} reporting):"
@@ -110,8 +117,8 @@ def _report(
     if view is None:
         lines.append(f"  the fleet could not be read from the signal server: {error}")
     else:
-        ready = [r for r in counted if r.serves_at_least(floor)]
-        behind = [r for r in counted if not r.serves_at_least(floor)]
+        ready = [r for r in counted if r.serves_at_least(floor, healthy_only=healthy_only)]
+        behind = [r for r in counted if not r.serves_at_least(floor, healthy_only=healthy_only)]
         lines.append(
             f"  {len(ready)} of {live} live replicas ready, {need} needed; head {view.head if view.head is not None else '-'}"
         )
@@ -137,8 +144,9 @@ def _report(
             lines.append(f"  (the last read of the fleet failed: {error})")
     lines.append(
         "what to do: look at the replicas behind (a needs_replacement one must be restarted; a failed one "
-        "retries, see its last error); check that every engine reports to this signal server with this run "
-        "name; or allow more staleness (max_lag), a quorum, or a longer timeout"
+        "retries, see its last error; a diverged one serves outputs the trainer did not compute: docs/audit.md); "
+        "check that every engine reports to this signal server with this run name; or allow more staleness "
+        "(max_lag), a quorum, or a longer timeout"
     )
     return "\n".join(lines)
 
@@ -152,6 +160,7 @@ def wait_for_fleet(
     quorum: int | float | None = None,
     min_replicas: int = 1,
     unreachable: UnreachablePolicy = "exclude",
+    healthy_only: bool = False,
     timeout: float = 600.0,
     poll: float = 0.5,
     clock: Callable[[], float] = time.monotonic,
@@ -162,7 +171,8 @@ def wait_for_fleet(
     Reads the fleet every ``poll`` seconds (``wait(seconds)`` waits; ``clock`` tells the time:
     tests inject both). A signal server that is down is retried until the timeout; one that
     refuses the request (a bad token, a bad run name) raises its SignalRejected at once.
-    ``unreachable``: what a replica reported ``unreachable`` counts for (see the module doc).
+    ``unreachable``: what a replica reported ``unreachable`` counts for (see the module doc);
+    ``healthy_only``: count only ``serving`` replicas as serving the step.
     Raises :class:`~deltasync.errors.StalenessTimeout` when ``timeout`` seconds pass first.
     """
     _check_quorum(quorum, min_replicas, max_lag, unreachable)
@@ -180,7 +190,13 @@ def wait_for_fleet(
             view = client.fleet(run)
             error = None
             if fleet_ready(
-                view, step, max_lag=max_lag, quorum=quorum, min_replicas=min_replicas, unreachable=unreachable
+                view,
+                step,
+                max_lag=max_lag,
+                quorum=quorum,
+                min_replicas=min_replicas,
+                unreachable=unreachable,
+                healthy_only=healthy_only,
             ):
                 excluded = _excluded(view, unreachable)
                 if excluded:
@@ -200,12 +216,18 @@ def wait_for_fleet(
                         step - max_lag,
                     )
                 return view
-            behind.update(r.replica for r in _counted(view, unreachable) if not r.serves_at_least(step - max_lag))
+            behind.update(
+                r.replica
+                for r in _counted(view, unreachable)
+                if not r.serves_at_least(step - max_lag, healthy_only=healthy_only)
+            )
         except SignalRejected:
             raise
         except SignalUnavailable as exc:
             error = str(exc)
         left = deadline - clock()
         if left <= 0:
-            raise StalenessTimeout(_report(run, step, max_lag, quorum, min_replicas, timeout, view, error, unreachable))
+            raise StalenessTimeout(
+                _report(run, step, max_lag, quorum, min_replicas, timeout, view, error, unreachable, healthy_only)
+            )
         sleep(min(poll, left))

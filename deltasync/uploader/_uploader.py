@@ -268,6 +268,7 @@ class DeltaUploader:
         quorum: int | float | None = None,
         min_replicas: int = 1,
         unreachable: Literal["exclude", "wait"] = "exclude",
+        healthy_only: bool = False,
         timeout: float = 600.0,
         poll: float = 0.5,
     ) -> FleetView:
@@ -276,7 +277,8 @@ class DeltaUploader:
         ``step`` defaults to the newest committed step. Every live replica must (default), or
         ``quorum`` of them (an int, or a fraction in (0, 1]), with at least ``min_replicas`` reporting; a
         replica reported ``unreachable`` is left out (``"exclude"``, named in a warning) or waited for
-        (``"wait"``). The
+        (``"wait"``); with ``healthy_only`` only ``serving`` replicas count (not ``failed`` or
+        ``diverged`` ones, whose behavioural audit failed: docs/audit.md). The
         replicas report to the signal server of ``signal_url`` under ``signal_run`` (default: the
         run id); reading the fleet takes ``signal_token``. Returns the fleet that passed; raises
         :class:`~deltasync.errors.StalenessTimeout` after ``timeout`` seconds, naming who is behind.
@@ -305,6 +307,7 @@ class DeltaUploader:
                 quorum=quorum,
                 min_replicas=min_replicas,
                 unreachable=unreachable,
+                healthy_only=healthy_only,
                 timeout=timeout,
                 poll=poll,
             )
