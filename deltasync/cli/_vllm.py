@@ -24,6 +24,8 @@ from deltasync.cli._common import announce_store
 
 if TYPE_CHECKING:
     from deltasync.run import RunReader
+    from deltasync.serving.audit import AuditSource
+    from deltasync.storage import Store
 
 __all__ = ["add_vllm_arguments", "run_vllm"]
 
@@ -73,6 +75,26 @@ def add_vllm_arguments(p: argparse.ArgumentParser) -> None:
         help="do not have each server prepare a step before pausing it (the pause then includes the download)",
     )
     g.add_argument(
+        "--no-audit",
+        action="store_true",
+        help="do not audit what each server computes after each update (probe logprobs, prefix-cache canary; "
+        "docs/audit.md)",
+    )
+    g.add_argument(
+        "--audit-action",
+        choices=("report", "pause", "rollback"),
+        default="report",
+        help="what to do with a server whose audit fails: report it diverged (default), pause it (out of the "
+        "rotation until it is restarted), or roll it back to the step it served before",
+    )
+    g.add_argument(
+        "--audit-params-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="every N updates, also re-hash each server's parameters against the step's digests (0: never)",
+    )
+    g.add_argument(
         "--all-or-nothing",
         action="store_true",
         help="roll each step out to every server or to none: prepare it everywhere first, and bring the servers "
@@ -100,6 +122,15 @@ def _digests(reader: RunReader) -> Callable[[int], str | None]:
         return value
 
     return digest
+
+
+def _audit_source(store: Store, args: argparse.Namespace) -> AuditSource:
+    """The driver's audit of ``store``'s probes (``deltasync.serving.audit``), with the CLI's options."""
+    from deltasync.serving.audit import AuditConfig, AuditSource
+
+    if args.audit_params_every < 0:
+        raise SystemExit("deltasync follow: error: --audit-params-every must be >= 0")
+    return AuditSource(store, AuditConfig(action=args.audit_action, params_every=args.audit_params_every))
 
 
 def run_vllm(args: argparse.Namespace) -> int:
@@ -140,6 +171,7 @@ def run_vllm(args: argparse.Namespace) -> int:
             replicas=replicas,
             all_or_nothing=args.all_or_nothing,
             digest=_digests(reader),
+            audit=None if args.no_audit else _audit_source(store, args),
         )
         with driver:
             driver.init()  # a server that does not answer yet is set up once it does
@@ -156,6 +188,8 @@ def run_vllm(args: argparse.Namespace) -> int:
                     prep = f"prepared in {u.prepare_s * 1000:.0f} ms, " if u.prepared else "not prepared, "
                 if u.ok:
                     print(f"step {u.step} -> {u.url}: serving ({prep}paused {u.pause_s * 1000:.0f} ms)", flush=True)
+                    if u.audit is not None:
+                        print(f"{u.url}: {u.audit.summary()}", flush=True)
                 else:
                     say(f"step {u.step} -> {u.url}: {u.state}: {u.error}")
 

@@ -34,13 +34,16 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
 
 from deltasync._util.retry import Backoff, RetryPolicy
 from deltasync.errors import DeltaSyncError
 from deltasync.signal import FleetReporter, ReplicaState, StepWatcher, replica_name
+
+if TYPE_CHECKING:
+    from deltasync.serving.audit import AuditResult, AuditSource, ReplicaAuditor
 
 __all__ = ["PauseMode", "ServerUpdate", "UpdateOutcome", "VLLMDriver", "VLLMServer"]
 
@@ -98,6 +101,8 @@ class ServerUpdate:
     prepared: bool = False
     #: seconds the prepare before the pause took (None: not asked): the server kept generating meanwhile
     prepare_s: float | None = None
+    #: the behavioural audit after the update (``VLLMDriver(audit=...)``; None: not audited)
+    audit: AuditResult | None = None
 
     @property
     def ok(self) -> bool:
@@ -125,6 +130,18 @@ class VLLMServer:
         self.probe_timeout = min(probe_timeout, timeout)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(base_url=self.url, timeout=timeout, headers=headers, transport=transport)
+        self._model: str | None = None
+
+    @property
+    def http(self) -> httpx.Client:
+        """The HTTP client of this server (its base URL and API key)."""
+        return self._http
+
+    def model(self) -> str:
+        """The served model's id (``GET /v1/models``, read once)."""
+        if self._model is None:
+            self._model = str(self._ok(self._http.get("/v1/models"), "GET /v1/models").json()["data"][0]["id"])
+        return self._model
 
     def __repr__(self) -> str:
         return f"VLLMServer({self.url!r})"
@@ -346,6 +363,10 @@ class _Tracked:
     job: Future[None] | None = None
     #: why it is unreachable, or why its set-up failed (None: neither)
     why: str | None = None
+    auditor: ReplicaAuditor | None = None
+    #: its last behavioural audit, and the updates it took (for ``AuditConfig.params_every``)
+    audit: AuditResult | None = None
+    updates: int = 0
 
     def report(self, u: ServerUpdate | None = None, *, brought_back: bool = False) -> None:
         """Tell the fleet view what this server serves now: after init, or after update ``u``
@@ -356,12 +377,17 @@ class _Tracked:
         digest = None
         if self.serving is not None and self.digest is not None:
             digest = self.digest(self.serving)
-        if u is None and self.up is False:
+        a = self.audit if self.audit is not None and self.audit.step == self.serving else None
+        if a is not None and a.diverged and self.up is not False and (u is None or u.ok or brought_back):
+            why = f"step {a.step}: " + "; ".join(a.problems)
+            self.reporter.update(self.serving, "diverged", digest=digest, last_error=why, audit=a.report())
+        elif u is None and self.up is False:
             self.reporter.update(self.serving, "unreachable", digest=digest, last_error=self.why)
         elif u is None and self.why is not None:
             self.reporter.update(self.serving, "failed", digest=digest, last_error=self.why)
         elif u is None or u.ok:
-            self.reporter.update(self.serving, "serving" if self.serving is not None else "starting", digest=digest)
+            now: ReplicaState = "serving" if self.serving is not None else "starting"
+            self.reporter.update(self.serving, now, digest=digest, audit=None if a is None else a.report())
         else:
             state: ReplicaState = "serving" if brought_back else FLEET_STATES[u.state]
             self.reporter.update(self.serving, state, digest=digest, last_error=f"step {u.step}: {u.state}: {u.error}")
@@ -406,6 +432,7 @@ class VLLMDriver:
         heartbeat: float = 10.0,
         all_or_nothing: bool = False,
         digest: Callable[[int], str | None] | None = None,
+        audit: AuditSource | None = None,
     ) -> None:
         if not servers:
             raise ValueError("VLLMDriver needs at least one server URL")
@@ -427,6 +454,11 @@ class VLLMDriver:
             )
             for s in servers
         ]
+        if audit is not None:
+            from deltasync.serving.audit import ReplicaAuditor
+
+            for t in self._servers:
+                t.auditor = ReplicaAuditor(audit)
         if signal is not None and run is not None:
             for i, t in enumerate(self._servers):
                 name = replicas[i] if replicas is not None else replica_name(httpx.URL(t.server.url).netloc.decode())
@@ -510,6 +542,7 @@ class VLLMDriver:
         t.backoff.reset()
         if back:
             self._say(t, f"set up again (it serves step {t.serving if t.serving is not None else '(none yet)'})")
+        self._audit(t)
         t.report()
         return None
 
@@ -550,11 +583,14 @@ class VLLMDriver:
             return ServerUpdate(t.server.url, step, "needs_replacement", None, 0.0, "restart this server")
         if t.serving == step:
             return ServerUpdate(t.server.url, step, "serving", str(step), 0.0)
+        before = t.serving
         u = t.server.update(step, pause_mode=self.pause_mode, prepare=self.prepare)
         self.history.append(u)
         if u.ok:
             t.serving, t.refused, t.version, t.why = step, None, u.version, None
             t.backoff.reset()
+            t.updates += 1
+            u = _with_audit(u, self._audit(t, before=before))
         else:
             t.refused = step
             t.retry_at = self._clock() + t.backoff.next_delay()
@@ -566,6 +602,68 @@ class VLLMDriver:
             log.warning("%s: step %d not served (%s): %s", t.server.url, step, u.state, u.error)
         t.report(u)
         return u
+
+    # ---------------------------------------------------------------- the audit
+
+    def audit(self, *, params: bool = False) -> list[AuditResult | None]:
+        """Audit every server at the step it serves now (on demand; ``params``: with the workers'
+        parameter audit), report each, and take the policy's action on a diverged one; one result per
+        server, in the order given (None: not audited: no ``audit=`` source, no known step, or it failed)."""
+        futs = [self._pool.submit(self._audit_and_report, t, params) for t in self._servers]
+        return [f.result() for f in futs]
+
+    def _audit_and_report(self, t: _Tracked, params: bool) -> AuditResult | None:
+        result = self._audit(t, params=params)
+        t.report()
+        return result
+
+    def _audit(self, t: _Tracked, *, before: int | None = None, params: bool | None = None) -> AuditResult | None:
+        """Audit ``t`` at the step it serves (``serving.audit``), keep the result for its reports, and
+        act on a diverged one (``AuditConfig.action``; ``before``: the step it served before this update,
+        where ``rollback`` brings it back). An audit that cannot run is logged, never raised."""
+        if t.auditor is None or t.serving is None:
+            return None
+        from deltasync.serving.audit import audit_server
+
+        config = t.auditor.source.config
+        if params is None:
+            params = config.params_every > 0 and t.updates % config.params_every == 0
+        try:
+            result = audit_server(t.server, t.auditor, t.serving, params=params)
+        except (httpx.HTTPError, DeltaSyncError, ValueError) as exc:
+            log.warning("%s: the audit of step %s could not run: %s", t.server.url, t.serving, _text(exc))
+            t.audit = None
+            return None
+        t.audit = result
+        if not result.diverged or config.action == "report":
+            return result
+        if config.action == "pause":
+            try:
+                self._pause_diverged(t)
+            except (httpx.HTTPError, DeltaSyncError) as exc:
+                log.error("%s: diverged, and it could not be paused: %s", t.server.url, _text(exc))
+        elif config.action == "rollback" and before is not None and before != t.serving:
+            step = t.serving
+            b = t.server.update(before, pause_mode=self.pause_mode, prepare=self.prepare)
+            self.history.append(b)
+            if b.ok:
+                log.warning("%s: diverged at step %s: rolled back to step %d", t.server.url, step, before)
+                t.serving, t.version, t.refused = before, b.version, step
+                t.retry_at = self._clock() + t.backoff.next_delay()
+                self._audit(t)
+            else:
+                log.error("%s: diverged at step %s; rolling back to %d failed: %s", t.server.url, step, before, b.error)
+        return result
+
+    def _pause_diverged(self, t: _Tracked) -> None:
+        """Take a diverged server out of the rotation: paused, and not updated again until it is restarted."""
+        self._ok_pause(t.server)
+        t.replace = True
+        log.error("%s: diverged: paused and left out of the rotation until it is restarted", t.server.url)
+
+    @staticmethod
+    def _ok_pause(server: VLLMServer) -> None:
+        server._ok(server._post("/pause", params={"mode": "abort", "clear_cache": "true"}), "pause (diverged)")
 
     def catch_up(self, newest: int) -> list[ServerUpdate]:
         """Update each server that is behind ``newest`` and not waiting out a backoff on that very step,
@@ -656,8 +754,11 @@ class VLLMDriver:
         refused = [t for t in todo if not took[id(t)].ok]
         if not refused:
             for t in todo:
+                before = t.serving
                 t.serving, t.refused = step, None
                 t.backoff.reset()
+                t.updates += 1
+                took[id(t)] = _with_audit(took[id(t)], self._audit(t, before=before))
                 t.report(took[id(t)])
             return self._in_order(step, took)
         # 3. bring back every server that took it
@@ -813,6 +914,10 @@ class VLLMDriver:
         """The step every server that answers serves at least (None while one serves no known step)."""
         steps = [t.serving for t in self._servers if t.up is not False]
         return None if not steps or any(s is None for s in steps) else min(s for s in steps if s is not None)
+
+
+def _with_audit(u: ServerUpdate, audit: AuditResult | None) -> ServerUpdate:
+    return replace(u, audit=audit)
 
 
 def _agreed_step(server: VLLMServer) -> int | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from deltasync._util.worker import SerialWorker, WorkerClosed
@@ -22,6 +23,7 @@ from deltasync.serving.engine.mirror import EngineStatus
 from deltasync.signal import FleetReporter, ReplicaState, default_replica
 
 if TYPE_CHECKING:
+    from deltasync.protocol.audit import AuditReport
     from deltasync.run import RunReader
 
 __all__ = ["EngineReporter", "replica_state"]
@@ -71,12 +73,14 @@ class EngineReporter:
             self._reader, self._store_url = RunReader(open_store(store_url)), store_url
         return self._reader
 
-    def report(self, status: EngineStatus) -> None:
-        """Report the engine's ``status`` (returns at once, never raises)."""
+    def report(self, status: EngineStatus, audit: AuditReport | None = None, problems: Sequence[str] = ()) -> None:
+        """Report the engine's ``status`` (returns at once, never raises), with its last behavioural
+        ``audit`` (``deltasync.serving.audit``) and, when that audit failed, its ``problems``: a serving
+        engine is then reported ``diverged``."""
         if self._off:
             return
         with contextlib.suppress(WorkerClosed):
-            self._worker.submit(lambda: self._send(status), coalesce="report")
+            self._worker.submit(lambda: self._send(status, audit, tuple(problems)), coalesce="report")
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until the statuses given so far are handed to the reporter (tests, shutdown)."""
@@ -86,7 +90,7 @@ class EngineReporter:
         """Wait until the last status reached the signal server (False while none could be sent)."""
         return self.flush(timeout) and self._reporter is not None and self._reporter.wait_reported(timeout)
 
-    def _send(self, status: EngineStatus) -> None:
+    def _send(self, status: EngineStatus, audit: AuditReport | None = None, problems: tuple[str, ...] = ()) -> None:
         if self._off:
             return
         try:
@@ -99,11 +103,13 @@ class EngineReporter:
                     self.url, run, self.token, replica=self.replica, heartbeat=self.heartbeat
                 )
             step, state, error = replica_state(status)
+            if problems and state == "serving":
+                state, error = "diverged", "; ".join(problems)
             digest = None
             if step is not None and reader is not None:
                 with contextlib.suppress(DeltaSyncError):  # the digest is a nicety: the step is what counts
                     digest = reader.committed(step).digest
-            self._reporter.update(step, state, digest=digest, last_error=error)
+            self._reporter.update(step, state, digest=digest, last_error=error, audit=audit)
         except SignalRejected as exc:  # a bad run name or replica id: it would never work
             self._off = True
             log.warning("not reporting this engine to the fleet view: %s", exc)

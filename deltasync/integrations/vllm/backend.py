@@ -221,6 +221,8 @@ class WorkerSync:
         self.metrics = SyncMetrics(labels={"rank": str(rank)})
         self._metrics_server: Any = None
         self._reporter: EngineReporter | None = None  # rank 0 with the ``signal`` option
+        self._audit: dict[str, Any] = {}  # the last behavioural audit's report (deltasync_audit_report)
+        self._params_audit: Any = None  # serving.engine.params_audit.ParamsAuditor, made on first use
         #: where the node mirror lives when init_info names no ``node_dir``: ``$DELTASYNC_NODE_DIR``, else
         #: the node's default (None: ``/dev/shm``)
         self.default_node_dir = _env_node_dir()
@@ -253,7 +255,11 @@ class WorkerSync:
     def _report(self) -> None:
         """Tell the fleet view what this engine serves now (rank 0 with ``signal``; never raises)."""
         if self._reporter is not None:
-            self._reporter.report(self.status().engine)
+            from deltasync.protocol.audit import AuditReport
+
+            a = self._audit
+            audit = AuditReport.from_dict(a["audit"]) if a else None
+            self._reporter.report(self.status().engine, audit, a.get("problems", ()))
 
     def _serve_metrics(self, port: int) -> None:
         if self._metrics_server is None:
@@ -383,9 +389,18 @@ class WorkerSync:
             self.metrics.observe_head(step)
         try:
             report = self.mirror_for(store).commit(step)
+            self._audit = {}  # the new step is not audited yet
         finally:
             self._report()
         return replace(self.status(), report=report)
+
+    def audit_params(self, start: int, max_bytes: int) -> dict[str, Any]:
+        """One chunk of the parameter audit (``serving.engine.params_audit``)."""
+        if self._params_audit is None:
+            from deltasync.serving.engine.params_audit import ParamsAuditor
+
+            self._params_audit = ParamsAuditor(self.model, self._load)
+        return {**self._params_audit.chunk(self.mirror_for(None), start, max_bytes), "rank": self.rank}
 
     def status(self) -> WorkerStatus:
         if self.mirror is None:
@@ -541,6 +556,18 @@ class DeltasyncWorkerExtension:
     def deltasync_status(self) -> dict[str, Any]:
         """``{"step", "prepared", "state", "last_error", "store", "node_dir", "rank"}``."""
         return _state_of(self).status().to_json()
+
+    def deltasync_audit_params(self, start: int | str = 0, max_bytes: int | str = 64 << 20) -> dict[str, Any]:
+        """Re-hash the served parameters against the step's digests from the ``start``-th tensor, up to
+        ``max_bytes``: ``{"step", "checked", "nbytes", "mismatched", "unchecked", "next", "rank"}``."""
+        return _state_of(self).audit_params(int(start), int(max_bytes))
+
+    def deltasync_audit_report(self, audit: dict[str, Any], problems: list[str] | None = None) -> None:
+        """Record the engine's behavioural audit (``serving.audit``) for its fleet reports: ``diverged``
+        while ``problems``, until the next update."""
+        sync = _state_of(self)
+        sync._audit = {"audit": audit, "problems": list(problems or ())}
+        sync._report()
 
     def deltasync_metrics(self) -> str:
         """Prometheus text of this worker's sync metrics (staleness, bytes, verify/apply/pause seconds)."""

@@ -43,7 +43,10 @@ log = logging.getLogger("deltasync.vllm")
 #: the weight-transfer backend's name (``--weight-transfer-config '{"backend": "deltasync"}'``)
 BACKEND = "deltasync"
 #: deltasync's worker methods, callable with ``collective_rpc`` on any engine once :func:`install` ran
-RPCS = frozenset({"deltasync_init", "deltasync_prepare", "deltasync_update", "deltasync_status", "deltasync_metrics"})
+RPCS = frozenset(
+    {"deltasync_init", "deltasync_prepare", "deltasync_update", "deltasync_status", "deltasync_metrics"}
+    | {"deltasync_audit_params", "deltasync_audit_report"}
+)
 _MARK = "__deltasync_engine_core__"
 
 #: ``worker_call(worker, name, args, kwargs)``: runs deltasync's worker method ``name`` on a vLLM worker

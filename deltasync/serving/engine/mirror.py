@@ -22,10 +22,11 @@ Failure states, for an orchestrator:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -197,6 +198,13 @@ class EngineMirror:
         return EngineStatus(
             self.serving, self.prepared, self.state, self.last_error, self.fetcher.store.url, str(self.node.dir)
         )
+
+    @contextlib.contextmanager
+    def served_state(self) -> Iterator[tuple[int | None, Mapping[str, Any], Scatter | None]]:
+        """Under the mirror's lock (no update meanwhile): the step the engine serves, that version's
+        tensors by checkpoint name (mapped) and the scatter loader (None: whole tensors go to ``load``)."""
+        with self._lock:
+            yield self.serving, self._served_view, self._scatter
 
     def _require_usable(self) -> None:
         if self.state == "needs_replacement":

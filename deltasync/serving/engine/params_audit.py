@@ -1,0 +1,97 @@
+"""Re-hash the parameters an engine worker serves against the step's tensor digests.
+
+The sync proves each tensor bit-exact when it is written. Nothing proves it stays so: a second
+writer (another process or library writing into the engine's parameters), or memory corruption,
+changes what the engine computes while every manifest is still right. :class:`ParamsAuditor`
+reads the engine's parameters back in checkpoint coordinates and hashes them against the manifest:
+
+* where elements go is the model's own loader, traced once (:class:`~deltasync.serving.engine.scatter.ScatterMap`:
+  the strided copies each checkpoint name's load does, the fused ``qkv_proj`` and tensor-parallel shards included);
+* for each checkpoint name, the node mirror's tensor of the served step is copied, the elements this
+  worker's parameters hold are copied over it from the parameters, and the whole is hashed with
+  xxh3-128: it equals the manifest's digest of the tensor only if the parameters hold the step's bits
+  (and the mirror the rest of the tensor: a tensor-parallel rank holds a shard);
+* names the loader does not copy plainly (it transforms them) or the manifest has no digest for are
+  listed as ``unchecked``.
+
+It runs in chunks (:meth:`ParamsAuditor.chunk`: at most ``max_bytes`` of tensors per call, under the
+mirror's lock so no update interleaves), because the engine does not generate during a worker call.
+Mismatches are reported, never repaired here.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from deltasync._util.tensors import numpy_bits
+from deltasync.errors import DeltaSyncError
+from deltasync.protocol.digests import xxh3_128_array
+from deltasync.serving.engine.mirror import EngineMirror, Loader
+from deltasync.serving.engine.scatter import ScatterMap
+
+__all__ = ["ParamsAuditor"]
+
+
+class ParamsAuditor:
+    """One worker's parameter audit: ``model`` (its parameters) and ``load`` (its loader, traced)."""
+
+    def __init__(self, model: torch.nn.Module, load: Loader) -> None:
+        self.model = model
+        self.load = load
+        self._map: ScatterMap | None = None
+
+    def _map_for(self, scatter: Any, view: Any) -> ScatterMap:
+        own = getattr(scatter, "map", None)
+        if isinstance(own, ScatterMap) and not own.stale(self.model):
+            return own
+        if self._map is None or self._map.stale(self.model):
+            layout = {n: (t.dtype, tuple(t.shape)) for n, t in view.items()}
+            self._map = ScatterMap.build(self.model, layout, load=self.load)
+        return self._map
+
+    def chunk(self, mirror: EngineMirror, start: int = 0, max_bytes: int = 64 << 20) -> dict[str, Any]:
+        """Audit the served tensors from the ``start``-th (by name) until ``max_bytes`` are hashed.
+
+        Returns ``{"step", "checked", "nbytes", "mismatched", "unchecked", "next", "seconds"}``; ``next``
+        is the ``start`` of the next chunk (None: done).
+        """
+        t0 = time.perf_counter()
+        with mirror.served_state() as (step, view, scatter):
+            if step is None or not view:
+                raise DeltaSyncError("this worker serves no step known to deltasync: nothing to audit against")
+            digests = mirror.fetcher.manifest(step).tensor_digests
+            smap = self._map_for(scatter, view)
+            names = sorted(view)
+            checked, nbytes = 0, 0
+            mismatched: list[str] = []
+            unchecked: list[str] = []
+            nxt: int | None = None
+            with torch.no_grad():
+                for i in range(max(0, start), len(names)):
+                    name = names[i]
+                    want, segments = digests.get(name), smap.maps.get(name)
+                    if want is None or not segments:
+                        unchecked.append(name)
+                        continue
+                    buf = view[name].detach().to("cpu", copy=True).contiguous()
+                    for seg in segments:
+                        seg.src_view(buf).copy_(seg.dst_view())
+                    if xxh3_128_array(numpy_bits(buf)) != want:
+                        mismatched.append(name)
+                    checked += 1
+                    nbytes += buf.numel() * buf.element_size()
+                    if nbytes >= max_bytes and i + 1 < len(names):
+                        nxt = i + 1
+                        break
+        return {
+            "step": step,
+            "checked": checked,
+            "nbytes": nbytes,
+            "mismatched": mismatched,
+            "unchecked": unchecked,
+            "next": nxt,
+            "seconds": time.perf_counter() - t0,
+        }
