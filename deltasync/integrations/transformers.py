@@ -23,6 +23,7 @@ from deltasync.errors import DeltaSyncError, WriterFenced
 if TYPE_CHECKING:
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
+    from deltasync.protocol.probes import ProbeSet, Reference
     from deltasync.storage import Store
     from deltasync.uploader import CommitInfo, DeltaUploader
 
@@ -59,13 +60,33 @@ class DeltaSyncCallback(TrainerCallback):
     goes on with patches; otherwise the next push is an anchor. When the store is
     ahead of the checkpoint, steps up to the store's head are not pushed (a warning
     says so): committed steps are never rewritten.
+
+    References (docs/audit.md): with ``references=N`` (``True``: every pushed step), every N-th
+    pushed step also gets the trainer's reference logprobs of the run's probes
+    (:meth:`DeltaUploader.attach_reference`: one small no-grad forward of the model right after the
+    push, written in the background), which receivers compare their engines with. ``probes`` sets
+    the run's probe set (default: derived from the run). Stored references are listed in
+    ``self.references``; a failed one is logged and listed in ``self.errors``, never raised. Only
+    the process that pushes replicated weights computes them (not under FSDP2).
     """
 
     def __init__(
-        self, store: Store | str, *, every: int = 1, keep_every_step: bool = False, **uploader_options: Any
+        self,
+        store: Store | str,
+        *,
+        every: int = 1,
+        keep_every_step: bool = False,
+        references: bool | int = False,
+        probes: ProbeSet | None = None,
+        **uploader_options: Any,
     ) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be a positive integer, got {every!r}")
+        if not isinstance(references, int) or (not isinstance(references, bool) and references < 1):
+            raise ValueError(
+                f"references must be a bool or a positive integer (every N pushed steps), got {references!r}"
+            )
+        self.reference_every = int(references)  # 0: none; True is 1
         if keep_every_step:
             if uploader_options.get("on_backlog", "block") != "block":
                 raise ValueError(
@@ -81,6 +102,10 @@ class DeltaSyncCallback(TrainerCallback):
         self.errors: list[BaseException] = []
         #: steps folded into a later one (committed only as part of it), in the order they resolved
         self.folded: list[CommitInfo] = []
+        #: references stored (attach_reference), in the order they were written
+        self.references: list[Reference] = []
+        self.probes = probes
+        self._sharded = False
         self._lock = threading.Lock()
         self._skip_until: int | None = None
         self._last_pushed: int | None = None
@@ -107,6 +132,7 @@ class DeltaSyncCallback(TrainerCallback):
         # replicated weights: the main process pushes alone, so its uploader must not wait for the other
         # ranks (a multi-rank uploader's constructor is a collective); DTensor shards: every rank pushes
         options.setdefault("distributed", sharded)
+        self._sharded = sharded
         self.uploader = up = DeltaUploader(self.store, **options)
         head, step = up.last_committed_step, state.global_step
         if head is None or step > head:
@@ -174,6 +200,29 @@ class DeltaSyncCallback(TrainerCallback):
             return
         self._last_pushed = step
         fut.add_done_callback(lambda f: self._resolved(step, f))
+        if self.reference_every and not self._sharded and step % self.reference_every == 0:
+            self._attach_reference(up, model, step)
+
+    def _attach_reference(self, up: DeltaUploader, model: Any, step: int) -> None:
+        try:
+            ref = up.attach_reference(step, _unwrap(model), probes=self.probes)
+        except (DeltaSyncError, ValueError) as exc:
+            with self._lock:
+                self.errors.append(exc)
+            log.error("deltasync: no reference for step %d: %s", step, exc)
+            return
+
+        def stored(f: Future[Reference]) -> None:
+            exc = f.exception()
+            with self._lock:
+                if exc is None:
+                    self.references.append(f.result())
+                else:
+                    self.errors.append(exc)
+            if exc is not None:
+                log.error("deltasync: the reference of step %d was not stored: %s", step, exc)
+
+        ref.add_done_callback(stored)
 
     def _resolved(self, step: int, fut: Future[CommitInfo]) -> None:
         exc = fut.exception()

@@ -38,7 +38,9 @@ from deltasync.uploader._writer import WriterIdentity
 from deltasync.uploader.sharded import ShardedPush, sharded_wanted
 
 if TYPE_CHECKING:
+    from deltasync.protocol.probes import ProbeSet, Reference
     from deltasync.signal import FleetView, Notifier
+    from deltasync.uploader._reference import ReferenceWriter
 
 __all__ = ["CommitInfo", "DeltaUploader", "UploaderConfig"]
 
@@ -112,6 +114,8 @@ class DeltaUploader:
             tensor_digests=cfg.tensor_digests,
             stop=self._stop,
         )
+        self._probes: ProbeSet | None = None  # the run's probe set, once asked for (probes())
+        self._references: ReferenceWriter | None = None  # writes attach_reference()'s objects
         self._resumer = Resumer(
             self.store,
             self._reader,
@@ -312,12 +316,77 @@ class DeltaUploader:
                 poll=poll,
             )
 
+    # ------------------------------------------------------------ audit
+
+    def probes(self, probes: ProbeSet | None = None) -> ProbeSet:
+        """The run's probe set (``probes.json``, docs/audit.md), stored once.
+
+        The store's when it holds one (``probes``, if given, must be the same set: AlreadyExists
+        otherwise); else ``probes``, or the default derived from the run
+        (:func:`deltasync.run.probes.default_probes` of the pushed inventory and the run id), written
+        now. Without ``probes``, needs a pushed or committed step (ValueError otherwise).
+        """
+        from deltasync.run.probes import default_probes, read_probes, write_probes
+
+        if self._probes is not None and (probes is None or probes == self._probes):
+            return self._probes
+        stored = read_probes(self.store)
+        if stored is None or (probes is not None and probes != stored):
+            if probes is None:
+                head = self._chain.last_committed
+                inventory = self._snapshots.inventory or (head.manifest.inventory if head else ())
+                if not inventory:
+                    raise ValueError(
+                        "probes(): the run has no probe set and nothing is pushed yet to derive one from: "
+                        "push a step first, or pass a ProbeSet"
+                    )
+                probes = default_probes(inventory, self.run_id)
+            write_probes(self.store, probes)  # AlreadyExists when the run holds another set
+            stored = probes
+        self._probes = stored
+        return stored
+
+    def attach_reference(
+        self, step: int, model_or_logprobs: Any, *, probes: ProbeSet | None = None, dtype: str | None = None
+    ) -> Future[Reference]:
+        """Attach the trainer's reference logprobs of the run's probes at ``step`` (docs/audit.md).
+
+        ``model_or_logprobs``: the model holding ``step``'s weights (an HF-style causal LM: one small
+        batched no-grad forward runs here, on the caller's thread, in the model's own numerics), or
+        the logprobs already computed (one row of ``len(probe) - 1`` floats per probe; ``dtype`` names
+        the numerics they were computed in, default the model's parameter dtype, else ``unknown``). The object
+        ``references/{step:012d}.json`` is written once in the background; the returned Future
+        resolves to the :class:`~deltasync.protocol.probes.Reference` when it is stored (it raises
+        CommitFailed / AlreadyExists / ProtocolError when it could not be). Receivers compare their
+        engines' probe logprobs of ``step`` with it. The first call stores the run's probe set
+        (:meth:`probes`).
+        """
+        from deltasync.protocol.probes import Reference
+        from deltasync.uploader._reference import ReferenceWriter, model_dtype, probe_logprobs, rows_of
+
+        if self._closed:
+            raise RuntimeError("attach_reference() on a closed DeltaUploader")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ProtocolError(f"step must be a non-negative integer, got {step!r}")
+        ps = self.probes(probes)
+        if hasattr(model_or_logprobs, "parameters"):
+            rows, dtype = probe_logprobs(model_or_logprobs, ps), dtype or model_dtype(model_or_logprobs)
+        else:
+            rows, dtype = rows_of(model_or_logprobs), dtype or "unknown"
+        ref = Reference(step, ps.digest, ps.check_logprobs(rows, f"reference of step {step}"), dtype)
+        if self._references is None:
+            cfg = self.config
+            self._references = ReferenceWriter(self.store, RetryPolicy(cfg.retries, cfg.retry_backoff), self._stop)
+        return self._references.submit(ref, ps)
+
     def flush(self, timeout: float | None = None) -> None:
-        """Wait until every pushed step is committed, skipped or failed (and its spans written)."""
+        """Wait until every pushed step is committed, skipped or failed (and its spans and references written)."""
         if not self._chain.wait_until_idle(timeout):
             raise TimeoutError(f"flush: {self._chain.inflight} steps still pending after {timeout} s")
         if self.spans is not None and not self.spans.flush(timeout):
             raise TimeoutError(f"flush: spans still being written after {timeout} s")
+        if self._references is not None and not self._references.flush(timeout):
+            raise TimeoutError(f"flush: references still being written after {timeout} s")
 
     def close(self, timeout: float | None = None) -> None:
         """Flush, then stop the background workers. Idempotent.
@@ -336,6 +405,8 @@ class DeltaUploader:
             self._pipeline.close(timeout)
             if self.spans is not None:
                 self.spans.close(timeout)
+            if self._references is not None:
+                self._references.close(timeout)
             self._pool.shutdown(wait=True)
             if self.retention is not None:
                 self.retention.close(timeout)

@@ -109,6 +109,35 @@ def test_every_n_with_cast_dtype_pushes_the_final_state_at_train_end(tmp_path: P
         DeltaSyncCallback(store, every=0)
 
 
+def test_references_are_the_trainers_logprobs_of_the_stored_probes_at_each_nth_step(tmp_path: Path) -> None:
+    from deltasync.protocol.audit import divergence
+    from deltasync.run.probes import default_probes, list_references, read_probes, read_reference
+    from deltasync.uploader._reference import probe_logprobs
+
+    store = ds.open_store(tmp_path / "store")
+    cb = DeltaSyncCallback(store, references=2, anchor_every=100)
+    tr = trainer(tmp_path / "out", cb, max_steps=4)
+    tr.train()
+    assert cb.errors == [] and sorted(r.step for r in cb.references) == [2, 4]
+    run_id = ds.RunReader(store).manifest(4).run_id
+    probes = read_probes(store)
+    assert probes is not None and probes == default_probes(QWEN3_KW["vocab_size"], run_id)  # derived from the run
+    assert list_references(store) == [2, 4]
+    for step in (2, 4):
+        ref = read_reference(store, step)
+        assert ref is not None and ref.probes_digest == probes.digest and ref.dtype == "float32"
+        # the reference is what the model computes on the weights the store holds at that step
+        model = make_qwen3(0)
+        model.load_state_dict(fetched(store, model_state(tr), step=step))
+        assert probe_logprobs(model, probes) == ref.logprobs
+        assert model.training  # the forward left the mode as it was
+    # the two steps' weights differ, and so do their references
+    two, four = read_reference(store, 2), read_reference(store, 4)
+    assert two is not None and four is not None and divergence(two.logprobs, four.logprobs).max_abs > 0
+    with pytest.raises(ValueError, match="references"):
+        DeltaSyncCallback(store, references=0)
+
+
 def test_resume_from_a_trainer_checkpoint_continues_the_chain(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     store = ds.open_store(tmp_path / "store")
     out = tmp_path / "out"
