@@ -35,6 +35,15 @@ after a sync come from weights at most ``k`` syncs older than its model version 
 After ``staleness_timeout`` seconds it raises :class:`~deltasync.errors.StalenessTimeout` naming
 who is behind.
 
+Behavioural audit (docs/audit.md): with ``references=True`` (or every N syncs), each sync also
+attaches the trainer's reference logprobs of the run's probes for its step
+(:meth:`DeltaUploader.attach_reference`: one small no-grad forward of ``model``, run while the step
+commits, stored before the servers update, so their audit of the step finds it). With
+``signal_url``, after each sync the transfer reads the fleet view and records the replicas'
+per-version mismatch against those references (``self.audits``); after :meth:`attach`, the figures
+also join TRL's own logged metrics as ``deltasync/audit/*`` (mean and max |delta logprob|, the k3
+KL estimate, the audited step, the diverged replicas).
+
 Steps are numbered by sync: the first sync (TRL's cold sync at train begin) is ``first_step``
 (default: the store's newest step + 1, so 1 after a pushed step 0; 0 on an empty store), then one
 more per sync.
@@ -54,16 +63,20 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from deltasync.errors import DeltaSyncError
+from deltasync.errors import DeltaSyncError, SignalError
 from deltasync.serving.driver import PauseMode, ServerUpdate, VLLMDriver
 from deltasync.storage import Store, open_store
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     import torch
 
+    from deltasync.protocol.probes import ProbeSet, Reference
+    from deltasync.signal import FleetView
     from deltasync.uploader import DeltaUploader
 
-__all__ = ["DeltaSyncWeightTransfer", "SyncRecord"]
+__all__ = ["DeltaSyncWeightTransfer", "SyncRecord", "audit_metrics"]
 
 log = logging.getLogger("deltasync.trl")
 
@@ -91,7 +104,8 @@ class DeltaSyncWeightTransfer:
     ``uploader_options`` go to :class:`~deltasync.DeltaUploader` (``anchor_every``, ``signal_url``...);
     with ``signal_url`` the driven servers also report to its fleet view. ``max_staleness``,
     ``staleness_quorum``, ``staleness_timeout``: the staleness gate after each sync (see the module doc;
-    :meth:`DeltaUploader.wait_for_replicas`).
+    :meth:`DeltaUploader.wait_for_replicas`). ``references``, ``probes``: the behavioural audit's
+    trainer-side references (see the module doc); call :meth:`attach` with the trainer.
     """
 
     def __init__(
@@ -110,8 +124,20 @@ class DeltaSyncWeightTransfer:
         max_staleness: int | None = None,
         staleness_quorum: int | float | None = None,
         staleness_timeout: float = 600.0,
+        references: bool | int = False,
+        probes: ProbeSet | None = None,
         **uploader_options: Any,
     ) -> None:
+        if not isinstance(references, int) or (not isinstance(references, bool) and references < 1):
+            raise ValueError(f"references must be a bool or a positive integer (every N syncs), got {references!r}")
+        self.reference_every = int(references)
+        self.probes = probes
+        #: the audit figures read from the fleet view after each sync: audited step -> metrics (see
+        #: :func:`audit_metrics`), in the order they were first seen
+        self.audits: dict[int, dict[str, float]] = {}
+        #: where the figures join TRL's metrics (TRL's per-key lists; set by :meth:`attach`)
+        self.metrics: dict[str, list[Any]] | None = None
+        self._syncs = 0
         if max_staleness is not None:
             if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
                 raise ValueError(f"max_staleness must be None or an int >= 0, got {max_staleness!r}")
@@ -137,6 +163,17 @@ class DeltaSyncWeightTransfer:
         #: one record per sync, in order
         self.history: list[SyncRecord] = []
         self._t_pause: float | None = None
+
+    def attach(self, trainer: Any) -> None:
+        """Join ``trainer`` (TRL's ``AsyncGRPOTrainer``): its model's frozen parameters go into each step
+        (``self.model``), its model computes the references, and the audit figures join the metrics
+        TRL logs (its ``_metrics["train"]`` lists, where TRL's own weight-sync timings go)."""
+        self.model = trainer.model
+        metrics = getattr(trainer, "_metrics", None)
+        if isinstance(metrics, dict) and isinstance(metrics.get("train"), dict):
+            self.metrics = metrics["train"]
+        else:
+            log.warning("deltasync: %s keeps no TRL metrics dict; the audit figures are only logged", type(trainer))
 
     # ----------------------------------------------------------- the protocol
 
@@ -177,9 +214,17 @@ class DeltaSyncWeightTransfer:
         self._t_pause = None
         state = self._state(iterator)
         step = self.next_step
-        info = self.uploader.push(state, step).result()
+        pushed = self.uploader.push(state, step)
         del state
+        reference = self._attach_reference(step)  # the forward runs while the step commits
+        info = pushed.result()
+        if reference is not None:
+            try:
+                reference.result(self.timeout)
+            except (DeltaSyncError, TimeoutError) as exc:
+                log.error("deltasync: the reference of step %d was not stored (no divergence for it): %s", step, exc)
         self.next_step = step + 1
+        self._syncs += 1
         t_commit = time.perf_counter()
         updates: list[ServerUpdate] = self.driver.update(step) if self.driver is not None else []
         record = SyncRecord(step, t_commit - t0, time.perf_counter() - t0, tuple(updates))
@@ -208,6 +253,56 @@ class DeltaSyncWeightTransfer:
                 step, max_lag=self.max_staleness, quorum=self.staleness_quorum, timeout=self.staleness_timeout
             )
             log.info("step %d: %d replicas serve step %d or newer", step, len(view.replicas), step - self.max_staleness)
+        self._record_audits()
+
+    # ------------------------------------------------------------------ audit
+
+    def _attach_reference(self, step: int) -> Future[Reference] | None:
+        if not self.reference_every or (self._syncs % self.reference_every):
+            return None
+        assert self.uploader is not None
+        model = self.model
+        if model is None:
+            if self._syncs == 0:
+                log.warning("deltasync: references=... needs the trainer's model: call transfer.attach(trainer)")
+            return None
+        if any(hasattr(p, "full_tensor") for p in model.parameters()):
+            if self._syncs == 0:
+                log.warning("deltasync: no references from a sharded (FSDP2) model: its forward is a collective")
+            return None
+        try:
+            return self.uploader.attach_reference(step, model, probes=self.probes)
+        except (DeltaSyncError, ValueError) as exc:
+            log.error("deltasync: no reference for step %d: %s", step, exc)
+            return None
+
+    def _record_audits(self) -> None:
+        """Read the fleet view (with a signal server) and record each audited step's figures once."""
+        assert self.uploader is not None
+        url = self.uploader_options.get("signal_url")
+        if not url:
+            return
+        from deltasync.signal import SignalClient
+
+        run = self.uploader_options.get("signal_run") or self.uploader.run_id
+        try:
+            with SignalClient(url, self.uploader_options.get("signal_token")) as client:
+                view = client.fleet(run)
+        except SignalError as exc:
+            log.debug("deltasync: no fleet view for the audit figures: %s", exc)
+            return
+        for audited, figures in sorted(audit_metrics(view).items()):
+            if audited in self.audits:
+                continue
+            self.audits[audited] = figures
+            log.info(
+                "deltasync audit of step %d: %s",
+                audited,
+                ", ".join(f"{k.removeprefix('deltasync/audit/')} {v:.4g}" for k, v in figures.items()),
+            )
+            if self.metrics is not None:
+                for k, v in figures.items():
+                    self.metrics.setdefault(k, []).append(v)
 
     def resume(self) -> None:
         """Nothing left to do: each server was resumed by its update sequence."""
@@ -251,3 +346,28 @@ def checkpoint_name(name: str) -> str:
     """A parameter's checkpoint name, cleaned as TRL cleans the names it sends (DDP/FSDP wrappers,
     activation checkpointing)."""
     return name.removeprefix("module.").replace("_checkpoint_wrapped_module.", "")
+
+
+def audit_metrics(view: FleetView) -> dict[int, dict[str, float]]:
+    """The fleet's audit figures per audited step: over the replicas that reported a divergence against
+    the trainer's reference of that step, ``deltasync/audit/mismatch_mean_abs`` (the mean of their mean
+    |delta logprob|), ``deltasync/audit/mismatch_max_abs`` (the largest), ``deltasync/audit/kl`` (the mean
+    k3 estimate), and over every replica audited at that step, ``deltasync/audit/replicas`` and
+    ``deltasync/audit/diverged`` (how many the fleet shows ``diverged``)."""
+    by_step: dict[int, list[Any]] = {}
+    for r in view.replicas:
+        if r.audit is not None:
+            by_step.setdefault(r.audit.audited_step, []).append(r)
+    out: dict[int, dict[str, float]] = {}
+    for step, replicas in by_step.items():
+        divs = [r.audit.divergence for r in replicas if r.audit.divergence is not None]
+        figures: dict[str, float] = {
+            "deltasync/audit/replicas": float(len(replicas)),
+            "deltasync/audit/diverged": float(sum(r.state == "diverged" for r in replicas)),
+        }
+        if divs:
+            figures["deltasync/audit/mismatch_mean_abs"] = sum(d.mean_abs for d in divs) / len(divs)
+            figures["deltasync/audit/mismatch_max_abs"] = max(d.max_abs for d in divs)
+            figures["deltasync/audit/kl"] = sum(d.kl for d in divs) / len(divs)
+        out[step] = figures
+    return out
