@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import sys
 import threading
@@ -143,6 +144,8 @@ def run_vllm(args: argparse.Namespace) -> int:
     token = os.environ.get("DELTASYNC_SUBSCRIBE_TOKEN") or os.environ.get("DELTASYNC_PUBLISH_TOKEN") or None
     api_key = os.environ.get("VLLM_API_KEY") or None
     stop = threading.Event()
+    # the sidecar prints each outcome and change itself (one line each): the driver's log lines would repeat them
+    logging.getLogger("deltasync.vllm.driver").setLevel(logging.ERROR)
 
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)

@@ -29,6 +29,7 @@ This module talks HTTP only: it imports neither vLLM nor torch.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -181,7 +182,7 @@ class VLLMServer:
         (no worker extension: start it with ``--worker-extension-cls
         deltasync.integrations.vllm.backend.DeltasyncWorkerExtension``)."""
         try:
-            r = self._post("/collective_rpc", json={"method": "deltasync_status"})
+            r = self._post("/collective_rpc", json={"method": "deltasync_status"}, headers=_CLOSE)
         except httpx.HTTPError:
             return None
         if r.status_code != 200:
@@ -220,7 +221,11 @@ class VLLMServer:
         or pausing; returns once every worker has it. Raises :class:`DeltaSyncError` naming the failure
         (``httpx.HTTPError`` when the server does not answer). Needs ``/collective_rpc`` (dev mode) and
         deltasync's worker methods (the plugin, or ``--worker-extension-cls``). Bounded by ``timeout``."""
-        r = self._post("/collective_rpc", json={"method": "deltasync_prepare", "kwargs": {"step": step, "wait": True}})
+        r = self._post(
+            "/collective_rpc",
+            json={"method": "deltasync_prepare", "kwargs": {"step": step, "wait": True}},
+            headers=_CLOSE,
+        )
         if r.status_code == 404:
             self._ok(r, "collective_rpc deltasync_prepare")
         if r.status_code != 200:
@@ -275,7 +280,7 @@ class VLLMServer:
         asked = False  # the workers' states were read already
         try:
             self._ok(self._post("/start_weight_update"), "start_weight_update")
-            r = self._post("/update_weights", json={"update_info": {"step": step}})
+            r = self._post("/update_weights", json={"update_info": {"step": step}}, headers=_CLOSE)
             if r.status_code != 200:
                 # the backend closed the update itself: no finish_weight_update. Whether the engine's
                 # weights were put back is read from its workers' states, never from the error's text
@@ -931,17 +936,33 @@ def _agreed_step(server: VLLMServer) -> int | None:
     return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
+#: calls that may answer an error, after which vLLM drops the connection: not kept alive, so that the
+#: next request (the pause after a failed prepare, the status read and resume after a refused update)
+#: goes out on a new connection instead of being lost on the dropped one
+_CLOSE = {"Connection": "close"}
+#: how vLLM wraps a worker's error in a ``/collective_rpc`` or weight-transfer answer
+_VLLM_WRAPPED = re.compile(
+    r"^Call to collective_rpc method failed: Worker failed with error '(?P<inner>.*)', please check the stack trace "
+    r"above for the root cause\.?$",
+    re.DOTALL,
+)
+
+
 def _detail(r: httpx.Response) -> str:
+    """The error an HTTP answer carries: the worker's own error, unwrapped from vLLM's text around it."""
     try:
         body = r.json()
     except ValueError:
         return r.text[:500]
+    text = str(body)
     if isinstance(body, dict):
         for k in ("error", "detail", "message"):
             if k in body:
                 v = body[k]
-                return str(v["message"] if isinstance(v, dict) and "message" in v else v)[:500]
-    return str(body)[:500]
+                text = str(v["message"] if isinstance(v, dict) and "message" in v else v)
+                break
+    m = _VLLM_WRAPPED.match(text)
+    return (m.group("inner") if m else text)[:1000]
 
 
 def _text(exc: BaseException) -> str:

@@ -354,3 +354,145 @@ def test_follow_all_or_nothing_reaches_the_driver(tmp_path: Any, monkeypatch: py
         (["http://a:8000", "http://b:8000"], True),
         (["http://a:8000", "http://b:8000"], False),
     ]
+
+
+# ------------------------------------------------------------------------------- faults (issue 34)
+
+
+class HangingVLLM(ScriptedVLLM):
+    """A server whose ``/pause`` does not answer until ``release`` is set (a SIGSTOPped server)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/pause":
+            assert self.release.wait(60), "never released"
+        return super().handle(request)
+
+
+def test_a_refused_update_is_resumed_on_a_new_connection_when_vllm_dropped_the_old_one() -> None:
+    fake = ScriptedVLLM()
+    fake.rolled_back, fake.resume_drops = {2}, 2  # the first two /resume are lost on the dropped connection
+    u = _server(fake).update(2)
+    assert u.state == "rolled_back" and u.version == "0"
+    assert not fake.paused
+    assert fake.calls.count("/resume") == 3 and fake.calls[-2:] == ["/is_paused", "/weight_info"]
+
+
+def test_a_server_that_cannot_be_resumed_is_not_reported_as_serving_its_previous_step() -> None:
+    fake = ScriptedVLLM()
+    fake.rolled_back, fake.resume_drops = {2}, 10**6
+    u = _server(fake).update(2)
+    assert u.state == "unreachable" and "resume (5 tries)" in (u.error or "")
+    assert fake.paused and fake.calls.count("/resume") == 5
+
+
+def test_the_driver_prepares_each_step_before_it_pauses() -> None:
+    fake, unpreparable = ScriptedVLLM(), ScriptedVLLM()
+    unpreparable.unpreparable = {1}
+    with _driver(fake, unpreparable) as d:
+        d.init()
+        ok, late = d.update(1)
+    assert fake.prepared == [1]
+    i = fake.calls.index("/collective_rpc")
+    assert fake.calls[i + 1] == "/pause?mode=wait&clear_cache=true"
+    assert ok.ok and ok.prepared and ok.prepare_s is not None
+    assert late.ok and not late.prepared and late.prepare_s is not None  # updated anyway, downloading in the pause
+    with _driver(ScriptedVLLM(), prepare=False) as d:
+        d.init()
+        (u,) = d.update(1)
+    assert u.ok and not u.prepared and u.prepare_s is None
+
+
+def test_a_hung_server_holds_back_none_of_the_others() -> None:
+    hung, ok = HangingVLLM(), ScriptedVLLM()
+    answers = [1, 2]
+    stop = threading.Event()
+
+    def wait(seconds: float) -> None:  # the next poll once the healthy server serves the last step seen
+        for _ in range(600):
+            if ok.version == str(seen[-1]):
+                break
+            threading.Event().wait(0.01)
+        if not answers:
+            stop.set()
+
+    seen: list[int] = []
+
+    def poll() -> int | None:
+        if answers:
+            seen.append(answers.pop(0))
+        return seen[-1] if seen else None
+
+    with _driver(hung, ok) as d:
+        d.init()
+        d.follow(StepWatcher(poll, stop=stop, wait=wait))
+        assert ok.version == "2" and hung.version == "0"  # server 1 took steps 1 and 2 while server 0 hung
+        hung.release.set()
+        assert d.settle(30)
+        d.follow(_seeing(2, driver=d))
+        assert hung.version == "2" and d.serving() == {"http://vllm-0": 2, "http://vllm-1": 2}
+
+
+def test_a_restarted_server_is_set_up_again_and_brought_to_the_newest_step() -> None:
+    a, b = ScriptedVLLM(), ScriptedVLLM()
+    changes: list[tuple[str, str]] = []
+    with _driver(a, b) as d:
+        d.init()
+        d.follow(_seeing(1, driver=d))
+        assert (a.version, b.version) == ("1", "1")
+        # b dies: unreachable until it answers again
+        b.down = True
+        d.follow(_seeing(2, driver=d), on_change=lambda url, what: changes.append((url, what)))
+        assert d.unreachable() == ["http://vllm-1"] and a.version == "2"
+        assert changes[0][0] == "http://vllm-1" and changes[0][1].startswith("unreachable: ConnectError")
+        # ... and a new process answers on its URL: booted from a step 0 dir, its backend never set up
+        b.down, b.initialised, b.version = False, False, "0"
+        d.follow(_seeing(2, driver=d), on_change=lambda url, what: changes.append((url, what)))
+        assert b.version == "2" and d.unreachable() == []
+        assert changes[-1] == ("http://vllm-1", "set up again (it serves step 0)")
+        # restarted between two polls, with the version the old process had: its refusal says it is new
+        b.initialised, b.version = False, "2"
+        d.follow(_seeing(3, driver=d))
+        assert b.version == "3"
+        i = b.calls.index("/update_weights", len(b.calls) - 30)
+        assert "/init_weight_transfer_engine" in b.calls[i:]  # set up again after the refusal, then updated
+        assert [u.state for u in d.history if u.url == "http://vllm-1" and u.step == 3] == ["rolled_back", "serving"]
+
+
+def test_the_sidecar_starts_with_the_servers_it_can_reach_and_sets_up_the_others_when_they_answer() -> None:
+    late, up = ScriptedVLLM(), ScriptedVLLM()
+    late.down = True
+    with _driver(late, up) as d:
+        d.init()  # no error: the sidecar starts with what it can reach
+        assert d.unreachable() == ["http://vllm-0"]
+        assert d.follow(_seeing(1, driver=d), until=1) == {"http://vllm-0": None, "http://vllm-1": 1}
+        late.down = False
+        d.follow(_seeing(1, driver=d))
+        assert late.version == "1" and d.unreachable() == []
+
+
+def test_the_fleet_view_shows_an_unreachable_server_and_the_digest_of_each_step() -> None:
+    from server_harness import ThreadServer
+
+    from deltasync.server import Settings, create_app
+    from deltasync.signal import SignalClient
+
+    dead, ok = ScriptedVLLM(), ScriptedVLLM()
+    dead.down = True
+    tok = "publish-token-driver"
+    with ThreadServer(create_app(Settings(publish_token=tok))) as signal, SignalClient(signal.url, tok) as trainer:
+        for step in (0, 1):
+            trainer.publish("run-u", step, f"{step:032x}")
+        with _driver(
+            dead, ok, signal=signal.url, signal_token=tok, run="run-u", digest=lambda s: f"{s:032x}"
+        ) as d:
+            d.init()
+            d.update(1)
+            assert d.reports_delivered(30)
+            rows = {r.replica: r for r in trainer.fleet("run-u").replicas}
+    assert rows["vllm-0"].state == "unreachable" and "ConnectError" in (rows["vllm-0"].last_error or "")
+    assert (rows["vllm-1"].state, rows["vllm-1"].step, rows["vllm-1"].digest) == ("serving", 1, f"{1:032x}")
+    assert rows["vllm-1"].digest_ok is True
