@@ -18,7 +18,8 @@ PACKAGE = Path(deltasync.__file__).parent
 
 
 def test_the_states_are_the_four_the_fleet_view_documents() -> None:
-    assert REPLICA_STATES == get_args(ReplicaState) == ("starting", "serving", "failed", "needs_replacement", "unreachable")
+    states = ("starting", "serving", "failed", "needs_replacement", "unreachable", "diverged")
+    assert REPLICA_STATES == get_args(ReplicaState) == states
 
 
 def test_the_server_the_reporters_and_the_mirror_hold_the_signal_type() -> None:
