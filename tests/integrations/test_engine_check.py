@@ -140,6 +140,18 @@ def test_a_layer_computing_from_a_copy_is_refused_even_with_its_weight_in_place(
         check_engine(model, _layout())
 
 
+def test_vllm_s_fallback_lambda_is_accepted_and_any_closure_refused_as_docs_vllm_md_says() -> None:
+    """docs/vllm.md: a function without free variables is accepted (vLLM's fallback computes from the weight
+    it is passed); every closure is refused, even one that reads the layer's own weight."""
+    model = Model()
+    model.lm_head.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
+    check_engine(model, _layout())
+    layer = model.lm_head
+    model.lm_head.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, layer.weight, bias)
+    with pytest.raises(EngineIncompatible, match=r"lm_head\.weight"):
+        check_engine(model, _layout())
+
+
 def test_parameters_in_another_form_than_the_checkpoint_are_refused() -> None:
     model = Model()
     model.o_proj.weight = torch.nn.Parameter(torch.zeros(H, H, dtype=torch.int8), requires_grad=False)

@@ -122,9 +122,10 @@ def _module_of(model: torch.nn.Module, param_name: str) -> torch.nn.Module | Non
 def _computes_from_a_copy(module: torch.nn.Module | None) -> bool:
     """Whether vLLM's CPU GEMM dispatch gave this layer a kernel bound to a copy of its weight.
 
-    ``dispatch_cpu_unquantized_gemm`` sets ``layer.cpu_linear``: ``torch.nn.functional.linear`` or a
-    plain lambda over it read the layer's weight at each call; the packed kernels (oneDNN, SGL,
-    zentorch) are closures over the copy they made.
+    ``dispatch_cpu_unquantized_gemm`` sets ``layer.cpu_linear``. Accepted: ``torch.nn.functional.linear``
+    and any function without free variables (vLLM's fallback ``lambda x, weight, bias: F.linear(x, weight,
+    bias)`` computes from the weight it is passed). Refused: every closure, whatever it holds (the packed
+    kernels, oneDNN, SGL and zentorch, close over the copy they made; what a closure reads cannot be told).
     """
     fn = getattr(module, "cpu_linear", None)
     return fn is not None and fn is not torch.nn.functional.linear and bool(getattr(fn, "__closure__", None))
