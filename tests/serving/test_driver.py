@@ -159,7 +159,9 @@ def test_follow_returns_once_every_server_serves_the_target_step() -> None:
     seen: list[tuple[str, int, str]] = []
     with _driver(a, b) as d:
         d.init()
-        out = d.follow(_seeing(1, None, 3, 4, 5, driver=d), until=4, on_update=lambda u: seen.append((u.url, u.step, u.state)))
+        out = d.follow(
+            _seeing(1, None, 3, 4, 5, driver=d), until=4, on_update=lambda u: seen.append((u.url, u.step, u.state))
+        )
     assert out == {"http://vllm-0": 4, "http://vllm-1": 4}
     assert sorted(seen) == sorted(
         [(f"http://vllm-{i}", s, "serving") for i in (0, 1) for s in (1, 3, 4)]
@@ -486,9 +488,7 @@ def test_the_fleet_view_shows_an_unreachable_server_and_the_digest_of_each_step(
     with ThreadServer(create_app(Settings(publish_token=tok))) as signal, SignalClient(signal.url, tok) as trainer:
         for step in (0, 1):
             trainer.publish("run-u", step, f"{step:032x}")
-        with _driver(
-            dead, ok, signal=signal.url, signal_token=tok, run="run-u", digest=lambda s: f"{s:032x}"
-        ) as d:
+        with _driver(dead, ok, signal=signal.url, signal_token=tok, run="run-u", digest=lambda s: f"{s:032x}") as d:
             d.init()
             d.update(1)
             assert d.reports_delivered(30)
@@ -496,3 +496,57 @@ def test_the_fleet_view_shows_an_unreachable_server_and_the_digest_of_each_step(
     assert rows["vllm-0"].state == "unreachable" and "ConnectError" in (rows["vllm-0"].last_error or "")
     assert (rows["vllm-1"].state, rows["vllm-1"].step, rows["vllm-1"].digest) == ("serving", 1, f"{1:032x}")
     assert rows["vllm-1"].digest_ok is True
+
+
+def test_a_signal_server_restart_while_following_loses_no_step_and_the_fleet_view_comes_back() -> None:
+    """The signal server dies and a new one starts on its URL while the driver follows: the steps committed
+    meanwhile are found by polling the store, the stream is picked up again, and the new server's fleet
+    view is rebuilt by the driver's heartbeats."""
+    from server_harness import ThreadServer, free_port
+
+    from deltasync.server import Settings, create_app
+    from deltasync.signal import SignalClient
+
+    tok, port = "publish-token-restart", free_port()
+    fake = ScriptedVLLM()
+    store = [0]  # the newest committed step, as the store's poll sees it
+    stop = threading.Event()
+    pause = threading.Event()
+
+    def until(pred: Any) -> None:
+        for _ in range(600):  # bounded
+            if pred():
+                return
+            pause.wait(0.05)
+        raise AssertionError("not reached")
+
+    first = ThreadServer(create_app(Settings(publish_token=tok)), port=port).__enter__()
+    d = _driver(fake, signal=first.url, signal_token=tok, run="run-s", heartbeat=0.2)
+    watcher = StepWatcher(
+        lambda: store[-1], signal_url=first.url, token=tok, run="run-s", heartbeat=0.2, poll_interval=0.2, stop=stop
+    )
+    follower = threading.Thread(target=d.follow, args=(watcher,), kwargs={"until": 3})
+    try:
+        d.init()
+        follower.start()
+        with SignalClient(first.url, tok) as trainer:
+            store.append(1)
+            trainer.publish("run-s", 1, f"{1:032x}")
+        until(lambda: fake.version == "1")
+        first.__exit__(None, None, None)  # the signal server goes away
+        store.append(2)  # a commit while it is down: found by polling the store
+        until(lambda: fake.version == "2")
+        with (
+            ThreadServer(create_app(Settings(publish_token=tok)), port=port) as second,
+            SignalClient(second.url, tok) as trainer,
+        ):
+            until(lambda: [r.replica for r in trainer.fleet("run-s").replicas] == ["vllm-0"])  # rebuilt
+            store.append(3)
+            trainer.publish("run-s", 3, f"{3:032x}")
+            follower.join(30)
+            assert not follower.is_alive() and fake.version == "3"
+            until(lambda: [(r.step, r.state) for r in trainer.fleet("run-s").replicas] == [(3, "serving")])
+    finally:
+        stop.set()
+        follower.join(30)
+        d.close()
