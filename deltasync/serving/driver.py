@@ -474,6 +474,7 @@ class VLLMDriver:
         self._on_update: Callable[[ServerUpdate], None] | None = None
         self._on_change: Callable[[str, str], None] | None = None
         self._until: int | None = None
+        self._closing = False
         #: every update run, in order
         self.history: list[ServerUpdate] = []
 
@@ -489,6 +490,7 @@ class VLLMDriver:
     def close(self) -> None:
         """Close the HTTP connections (the servers keep running) and leave the fleet view. A server job
         still waiting on a hung server is not waited for: its connection is closed under it."""
+        self._closing = True
         self._pool.shutdown(wait=False, cancel_futures=True)
         for t in self._servers:
             t.server.close()
@@ -519,6 +521,8 @@ class VLLMDriver:
 
     def _lost(self, t: _Tracked, exc: BaseException) -> None:
         """``t`` did not answer: unreachable, to be set up again (a new process) once it answers."""
+        if self._closing:
+            return  # its connection was closed under it by close()
         was = t.up
         t.up, t.initialised, t.why = False, False, f"unreachable: {_text(exc)}"
         if was is not False:
@@ -546,7 +550,7 @@ class VLLMDriver:
         t.replace, t.refused = False, None
         t.backoff.reset()
         if back:
-            self._say(t, f"set up again (it serves step {t.serving if t.serving is not None else '(none yet)'})")
+            self._say(t, f"set up again (it serves {'no step yet' if t.serving is None else f'step {t.serving}'})")
         self._audit(t)
         t.report()
         return None

@@ -454,7 +454,7 @@ def test_a_restarted_server_is_set_up_again_and_brought_to_the_newest_step() -> 
         b.down, b.initialised, b.version = False, False, "0"
         d.follow(_seeing(2, driver=d), on_change=lambda url, what: changes.append((url, what)))
         assert b.version == "2" and d.unreachable() == []
-        assert changes[-1] == ("http://vllm-1", "set up again (it serves step 0)")
+        assert changes[-1] == ("http://vllm-1", "set up again (it serves step 0)")  # its weight version "0"
         # restarted between two polls, with the version the old process had: its refusal says it is new
         b.initialised, b.version = False, "2"
         d.follow(_seeing(3, driver=d))
