@@ -107,7 +107,11 @@ class AuditBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
     audited_step: StepNo = Field(ge=0, le=MAX_STEP, description="the step whose weights were probed")
-    fingerprint: str = Field(max_length=MAX_FINGERPRINT, description="the engine's probe-logprob fingerprint")
+    fingerprint: str = Field(
+        max_length=MAX_FINGERPRINT,
+        pattern=r"^fp1-[0-9a-f]{8}-(?:[0-9a-f]{24})+$",
+        description="the engine's probe-logprob fingerprint",
+    )
     divergence: DivergenceBody | None = Field(
         default=None, description="against the trainer's reference of audited_step (null: none)"
     )
