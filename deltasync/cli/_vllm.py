@@ -159,6 +159,11 @@ def run_vllm(args: argparse.Namespace) -> int:
             say("not reporting to the fleet view: the run's name is not known yet (nothing committed); pass --run")
             reporting = False
         replicas = [f"{args.replica}-{i}" for i in range(len(args.vllm))] if args.replica else None
+        metrics = None
+        if args.metrics_port is not None:
+            from deltasync.serving.driver_metrics import DriverMetrics
+
+            metrics = DriverMetrics()
         driver = VLLMDriver(
             args.vllm,
             args.vllm_store or store.url,
@@ -175,8 +180,12 @@ def run_vllm(args: argparse.Namespace) -> int:
             all_or_nothing=args.all_or_nothing,
             digest=_digests(reader),
             audit=None if args.no_audit else _audit_source(store, args),
+            metrics=metrics,
         )
-        with driver:
+        with driver, contextlib.ExitStack() as scope:
+            if metrics is not None:
+                endpoint = scope.enter_context(metrics.serve(args.metrics_port, args.metrics_host))
+                say(f"metrics at {endpoint.url}")
             driver.init()  # a server that does not answer yet is set up once it does
             down = set(driver.unreachable())
             for url, step in driver.serving().items():

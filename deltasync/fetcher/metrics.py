@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from deltasync._util.prometheus import CONTENT_TYPE, LABEL_NAME, Histogram, family, sample
 from deltasync._util.worker import SerialWorker
@@ -278,8 +278,14 @@ class SyncMetrics:
         return MetricsServer(self, port, host)
 
 
+class Renders(Protocol):
+    """What :class:`MetricsServer` serves: anything that renders its metrics as Prometheus text."""
+
+    def render(self) -> str: ...
+
+
 class _Handler(BaseHTTPRequestHandler):
-    metrics: SyncMetrics
+    metrics: Renders
     protocol_version = "HTTP/1.1"
 
     def _reply(self, head_only: bool) -> None:
@@ -312,7 +318,7 @@ class _Server(ThreadingHTTPServer):
 class MetricsServer:
     """A running ``/metrics`` endpoint: ``host``, ``port`` (the bound one), ``url``; :meth:`close`."""
 
-    def __init__(self, metrics: SyncMetrics, port: int, host: str = "127.0.0.1") -> None:
+    def __init__(self, metrics: Renders, port: int, host: str = "127.0.0.1") -> None:
         handler = type("MetricsHandler", (_Handler,), {"metrics": metrics})
         server = type("MetricsHTTPServer", (_Server,), {"address_family": socket.AF_INET6}) if ":" in host else _Server
         self._httpd = server((host, port), handler)

@@ -45,6 +45,7 @@ from deltasync.signal import FleetReporter, ReplicaState, StepWatcher, replica_n
 
 if TYPE_CHECKING:
     from deltasync.serving.audit import AuditResult, AuditSource, ReplicaAuditor
+    from deltasync.serving.driver_metrics import DriverMetrics
 
 __all__ = ["PauseMode", "ServerUpdate", "UpdateOutcome", "VLLMDriver", "VLLMServer"]
 
@@ -438,6 +439,7 @@ class VLLMDriver:
         all_or_nothing: bool = False,
         digest: Callable[[int], str | None] | None = None,
         audit: AuditSource | None = None,
+        metrics: DriverMetrics | None = None,
     ) -> None:
         if not servers:
             raise ValueError("VLLMDriver needs at least one server URL")
@@ -474,6 +476,8 @@ class VLLMDriver:
         self._on_update: Callable[[ServerUpdate], None] | None = None
         self._on_change: Callable[[str, str], None] | None = None
         self._until: int | None = None
+        #: Prometheus metrics of the updates (``follow --vllm --metrics-port``), when given
+        self.metrics = metrics
         self._closing = False
         #: every update run, in order
         self.history: list[ServerUpdate] = []
@@ -525,6 +529,8 @@ class VLLMDriver:
             return  # its connection was closed under it by close()
         was = t.up
         t.up, t.initialised, t.why = False, False, f"unreachable: {_text(exc)}"
+        if self.metrics is not None:
+            self.metrics.observe_server(t.server.url, up=False, serving=t.serving)
         if was is not False:
             log.warning("%s: %s; set up again once it answers", t.server.url, t.why)
             self._say(t, f"{t.why}; set up again once it answers")
@@ -546,6 +552,8 @@ class VLLMDriver:
         back = t.up is False or t.version is not None
         t.up, t.initialised, t.why, t.version = True, True, None, v
         t.serving = int(v) if v is not None and v.isdigit() else None
+        if self.metrics is not None:
+            self.metrics.observe_server(t.server.url, up=True, serving=t.serving)
         # a new process: whatever the old one refused or lost is history
         t.replace, t.refused = False, None
         t.backoff.reset()
@@ -595,6 +603,8 @@ class VLLMDriver:
         before = t.serving
         u = t.server.update(step, pause_mode=self.pause_mode, prepare=self.prepare)
         self.history.append(u)
+        if self.metrics is not None:
+            self.metrics.observe_update(u)
         if u.ok:
             t.serving, t.refused, t.version, t.why = step, None, u.version, None
             t.backoff.reset()

@@ -550,3 +550,26 @@ def test_a_signal_server_restart_while_following_loses_no_step_and_the_fleet_vie
         stop.set()
         follower.join(30)
         d.close()
+
+
+def test_the_driver_s_metrics_say_the_pause_of_prepared_updates_and_the_prepare_latency() -> None:
+    from deltasync.serving.driver_metrics import DriverMetrics
+
+    metrics = DriverMetrics()
+    ok, unpreparable, dead = ScriptedVLLM(), ScriptedVLLM(), ScriptedVLLM()
+    unpreparable.unpreparable, dead.down = {1}, True
+    with _driver(ok, unpreparable, dead, metrics=metrics) as d:
+        d.init()
+        d.update(1)
+        with metrics.serve(0) as endpoint:
+            text = httpx.get(endpoint.url, timeout=10).text
+    assert text == metrics.render()
+    lines = text.splitlines()
+    assert 'deltasync_vllm_updates_total{server="http://vllm-0",state="serving"} 1' in lines
+    assert 'deltasync_vllm_updates_total{server="http://vllm-2",state="unreachable"} 1' in lines
+    assert 'deltasync_vllm_pause_seconds_count{server="http://vllm-0",prepared="true"} 1' in lines
+    assert 'deltasync_vllm_pause_seconds_count{server="http://vllm-1",prepared="false"} 1' in lines
+    assert 'deltasync_vllm_prepare_seconds_count{server="http://vllm-0"} 1' in lines
+    assert 'deltasync_vllm_serving_step{server="http://vllm-1"} 1' in lines
+    assert 'deltasync_vllm_server_up{server="http://vllm-2"} 0' in lines
+    assert "# TYPE deltasync_vllm_pause_seconds histogram" in lines
