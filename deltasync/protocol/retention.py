@@ -17,6 +17,7 @@ from deltasync.errors import ProtocolError
 from deltasync.protocol.canonical import FORMAT_VERSION, canonical_json, check_version, json_int, json_object, load_json
 from deltasync.protocol.chain import Committed, superseded_by, walk_chain
 from deltasync.protocol.keys import MANIFEST_NAME, check_file_name
+from deltasync.protocol.probes import PROBES_KEY, parse_reference_key
 from deltasync.protocol.writers import WriterClaim
 
 __all__ = [
@@ -221,7 +222,9 @@ def plan_retention(
     always stays. Other committed steps below the floor (superseded ones included) go.
     A span stays while both its ends stay. Step and span folders without a manifest go when
     every file in them is older than ``grace`` seconds and they lie below the newest anchor.
-    Expired leases go. HEAD, ``writers/`` and keys outside this layout are never touched.
+    Expired leases go. A step's reference (``references/{step}.json``) goes with its step, or as an
+    orphan when the step has no manifest, lies below the newest anchor and the reference is older
+    than ``grace``. HEAD, ``writers/``, ``probes.json`` and keys outside this layout are never touched.
     """
     if isinstance(keep_anchors, bool) or not isinstance(keep_anchors, int) or keep_anchors < 1:
         raise ValueError(f"keep_anchors must be an integer >= 1, got {keep_anchors!r}")
@@ -233,9 +236,13 @@ def plan_retention(
     notes: list[str] = []
     unknown = 0
     listed_leases: list[Listed] = []
+    references: dict[int, Listed] = {}
     for o in listing:
         if parse_lease_key(o.key) is not None:
             listed_leases.append(o)
+            continue
+        if (ref := parse_reference_key(o.key)) is not None:
+            references[ref] = o
             continue
         if m := _STEP_KEY.fullmatch(o.key):
             name = m.group(2)
@@ -247,7 +254,7 @@ def plan_retention(
             if int(m.group(1)) < int(m.group(2)) and (name == MANIFEST_NAME or _valid_name(name)):
                 spans.setdefault((int(m.group(1)), int(m.group(2))), []).append(o)
                 continue
-        if o.key != "HEAD.json" and not o.key.startswith(("writers/", LEASES_PREFIX)):
+        if o.key not in ("HEAD.json", PROBES_KEY) and not o.key.startswith(("writers/", LEASES_PREFIX)):
             unknown += 1
     if unknown:
         notes.append(f"{unknown} key(s) outside the run's layout: left alone")
@@ -347,6 +354,14 @@ def plan_retention(
         for o in objs:
             orphan_keys.append(o.key)
             sizes[o.key] = o.size
+    for ref_step, o in sorted(references.items()):
+        if ref_step in deleted_steps:
+            then.append(o.key)
+        elif ref_step not in listed and newest_anchor is not None and ref_step < newest_anchor and old([o]):
+            orphan_keys.append(o.key)
+        else:
+            continue
+        sizes[o.key] = o.size
     expired = [k for k, lease in sorted(leases.items()) if lease is not None and lease.expires <= now]
     lease_sizes = {o.key: o.size for o in listed_leases}
     sizes.update((k, lease_sizes.get(k, 0)) for k in expired)

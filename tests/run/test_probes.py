@@ -232,3 +232,28 @@ def test_a_hostile_reference_is_a_protocol_error_naming_the_key(body: bytes, mat
     with pytest.raises(ProtocolError, match=match) as info:
         read_reference(s, 5)
     assert "references/000000000005.json" in str(info.value)
+
+
+# ------------------------------------------------------------------ gc
+
+
+def test_gc_deletes_a_steps_reference_with_the_step_and_keeps_the_probes(tmp_path: Path) -> None:
+    import torch
+
+    from deltasync.run.gc import collect_garbage
+
+    store = ds.open_store(tmp_path / "run")
+    state = {"model.embed_tokens.weight": torch.zeros(100, 4)}
+    with ds.DeltaUploader(store, anchor_every=2) as up:
+        for step in range(6):
+            state["model.embed_tokens.weight"][step] = step + 1
+            up.push(state, step).result()
+            n = up.probes().scored
+            up.attach_reference(step, [[-1.0 - step] * k for k in n]).result(30)
+    assert list_references(store) == [0, 1, 2, 3, 4, 5]
+    report = collect_garbage(store, keep_anchors=1, grace=0)
+    kept = ds.RunReader(store).steps()
+    assert kept and min(kept) > 0 and report.plan.deleted_steps
+    assert list_references(store) == kept  # each deleted step's reference went with it
+    assert read_probes(store) is not None
+    assert not [n for n in report.plan.notes if "outside the run's layout" in n]
