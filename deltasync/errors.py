@@ -17,6 +17,7 @@ builtin exception means the same thing, the class also subclasses it, so
     ├── ChecksumMismatch                  a file or tensor digest does not match its manifest
     │   └── SignatureMismatch             the manifest's HMAC signature is missing or wrong
     ├── InventoryMismatch                 (also ValueError) target tensors differ from the manifest
+    ├── AllocationFailed                  (also MemoryError) the host could not allocate a run's tensor
     ├── ChainBroken                       no path of committed steps leads to the requested step
     ├── CommitFailed                      the uploader's background commit gave up
     │   └── WriterFenced                  another uploader took over the run prefix
@@ -43,6 +44,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 __all__ = [
+    "AllocationFailed",
     "AlreadyExists",
     "ChainBroken",
     "ChecksumMismatch",
@@ -160,6 +162,13 @@ class InventoryMismatch(DeltaSyncError, ValueError):
     """The target's tensors (names, dtypes, shapes) differ from the manifest's inventory."""
 
     code = "inventory_mismatch"
+
+
+class AllocationFailed(DeltaSyncError, MemoryError):
+    """The host could not allocate a tensor of the run (its size proven by the run's files): the message
+    names the tensor, its bytes and the option that bounds what is allocated. Nothing was changed."""
+
+    code = "allocation_failed"
 
 
 class ChainBroken(DeltaSyncError):

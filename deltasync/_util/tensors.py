@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from deltasync.errors import InventoryMismatch
+from deltasync.errors import AllocationFailed, InventoryMismatch
 from deltasync.protocol.manifest import TensorInfo
 
 if TYPE_CHECKING:
@@ -149,4 +149,16 @@ def allocate(
             f"{option} (a run of another model, or a manifest that lies; raise {option} if it is right)"
         )
     make = torch.zeros if zeroed else torch.empty
-    return {t.name: make(t.shape, dtype=torch_dtype(t.dtype)) for t in infos}
+    out: dict[str, Any] = {}
+    for t in infos:
+        try:
+            out[t.name] = make(t.shape, dtype=torch_dtype(t.dtype))
+        except (RuntimeError, MemoryError) as exc:  # the allocator's own error: the host is out of room
+            out.clear()  # what was allocated is given back
+            raise AllocationFailed(
+                f"cannot allocate tensor {t.name!r} ({inventory_nbytes([t]):,} bytes; {total:,} bytes for the whole "
+                f"run, within the {limit_bytes:,} bytes {option} allows): {type(exc).__name__}: "
+                f"{(str(exc).splitlines() or [''])[0][:200]}. Free memory (or address space: ulimit -v), or lower "
+                f"{option} to refuse such runs before allocating"
+            ) from exc
+    return out

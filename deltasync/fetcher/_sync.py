@@ -35,7 +35,7 @@ from deltasync.fetcher._lease import LeaseWriter, still_committed, unreachable_a
 from deltasync.fetcher._source import DATA_ERRORS, Source
 from deltasync.fetcher._stats import SyncStats
 from deltasync.fetcher._target import TargetTensor, live_tensors, target_tensors
-from deltasync.protocol import Committed, FetchPlan, Manifest, TensorInfo
+from deltasync.protocol import Committed, FetchPlan, Manifest, TensorInfo, file_key, step_prefix
 
 __all__ = ["Sync"]
 
@@ -219,11 +219,39 @@ class Sync:
         self._filling = isinstance(self.target, MutableMapping) and len(self.target) == 0
         if not self._filling:
             return
-        inventory = self.reader.manifest(self.target_step).inventory
+        inventory = self._proven_inventory()
         tensors = allocate(inventory, self.max_alloc_bytes, option="DeltaFetcher(max_alloc_bytes=...)")
         for name, t in tensors.items():
             self.target[name] = t
             self._added.append(name)
+
+    def _proven_inventory(self) -> tuple[TensorInfo, ...]:
+        """The target step's inventory, its sizes proven by the files of the plan that fills it, before
+        anything is allocated (a manifest's shapes are claims): the plan from nothing walks from an anchor
+        with the same inventory (a patch cannot declare tensors its anchor did not hold), every anchor
+        entry is exactly its tensor's bytes within its file (checked when the manifest is read), and the
+        anchor's files are as big in the store as its manifest says. So a run allocates at most the bytes
+        its anchor's objects hold."""
+        target = self.reader.manifest(self.target_step)
+        plan = self.reader.plan(self.target_step, None)  # ChainBroken: nothing can fill the dict
+        anchor = self.reader.manifest(plan.steps[0]) if plan.steps else target
+        if anchor.kind != "anchor" or anchor.inventory_digest != target.inventory_digest:
+            raise InventoryMismatch(
+                f"step {self.target_step} declares an inventory that its anchor (step {anchor.step}) does not hold; "
+                "its tensor sizes are not proven, nothing was allocated"
+            )
+        listed = {o.key: o.size for o in self.source.store.list(step_prefix(anchor.step))}
+        for f in anchor.files:
+            key = file_key(anchor.step, f.path)
+            size = listed.get(key)
+            if size is None:
+                raise PlanFilesGone(f"step {anchor.step}: file {f.path} is missing from the store", plan.steps)
+            if size != f.size:
+                raise ChecksumMismatch(
+                    f"step {anchor.step}: file {f.path} is {size:,} bytes in the store, its manifest says {f.size:,} "
+                    "(a manifest that lies about its sizes, or a replaced file); nothing was allocated"
+                )
+        return target.inventory
 
     def _drop_allocated(self) -> None:
         """All or nothing: an empty dict that was filled is empty again."""

@@ -90,3 +90,143 @@ def test_a_run_declaring_more_than_the_cap_is_refused_before_allocating(
     assert "pass an empty dict" not in str(info.value)  # it was one
     assert target == {} and made == []
     assert ds.DeltaFetcher(run, max_alloc_bytes=4200).sync(target) == 3 and _same(target, _state(3))
+
+
+# ------------------------------------------------------------------ allocation bounded by proof (issue 34)
+
+#: run in a child whose address space is limited to 3 GiB: ``sync({})`` of the store at argv[1], what it
+#: raised (class, deltasync or not, message) and the peak address space it reached, as JSON on stdout
+_LIMITED = """
+import json, resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+import deltasync as ds
+from deltasync.errors import DeltaSyncError
+target = {}
+try:
+    ds.DeltaFetcher(ds.open_store(sys.argv[1]), verify=sys.argv[2] == "1").sync(target)
+    out = {"error": None}
+except BaseException as exc:
+    out = {"error": type(exc).__name__, "ours": isinstance(exc, DeltaSyncError), "message": str(exc)}
+peak = [ln for ln in open("/proc/self/status") if ln.startswith("VmPeak:")][0].split()[1]
+out.update(target=len(target), peak_kib=int(peak))
+print(json.dumps(out))
+"""
+
+
+def _sync_limited(store_dir: Any, verify: bool = True) -> dict[str, Any]:
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _LIMITED, str(store_dir), "1" if verify else "0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+def _lie(path: Any, name: str, shape: list[int], dtype: str, *, grow_file: bool) -> None:
+    """Rewrite the manifest at ``path``: tensor ``name`` declared as ``shape``/``dtype``, the inventory
+    digest and the stats fixed up; with ``grow_file`` the lie is consistent all through the manifest (the
+    entry's byte range holds the declared bytes at the end of its file, whose declared size, and the
+    stats, grow to match), so only the store's own object says otherwise."""
+    import json
+
+    from deltasync.protocol import TensorInfo, inventory_digest
+    from deltasync.protocol.dtypes import dtype_info
+
+    o = json.loads(path.read_text())
+    t = next(t for t in o["inventory"] if t["name"] == name)
+    t["shape"], t["dtype"] = shape, dtype
+    inv = [TensorInfo(x["name"], x["dtype"], tuple(x["shape"])) for x in o["inventory"]]
+    o["inventory_digest"] = inventory_digest(inv)
+    if grow_file:
+        numel = 1
+        for d in shape:
+            numel *= d
+        entry = next(e for e in o["entries"] if e["tensor"] == name)
+        f = next(f for f in o["files"] if f["path"] == entry["file"])
+        entry["range"] = [f["size"], f["size"] + numel * dtype_info(dtype).itemsize]
+        f["size"] = entry["range"][1]
+        o["stats"]["nbytes"] = sum(x["size"] for x in o["files"])
+    o["stats"]["total"] = sum(_numel(x["shape"]) for x in o["inventory"])
+    o["tensor_digests"] = {}  # the liar drops what it cannot fake
+    path.write_text(json.dumps(o))
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+@pytest.fixture
+def local_run(tmp_path: Any) -> Any:
+    """A local run of one anchor (step 0) of ``_state(0)``."""
+    with ds.DeltaUploader(ds.open_store(tmp_path / "run"), anchor_every=100) as up:
+        up.push(_state(0), 0).result()
+    return tmp_path / "run"
+
+
+def _anchor_manifest(run_dir: Any) -> Any:
+    return next(p for p in run_dir.rglob("manifest.json") if f"{0:012d}" in str(p))
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_consistent_lying_manifest_is_refused_before_allocating_under_3_gib(local_run: Any, verify: bool) -> None:
+    """Issue 34: an anchor manifest that declares ``layer.w`` as 2**31 fp32 (8 GiB) and says so
+    consistently (inventory digest, byte range, file size, stats) is refused from the store's own
+    object size before anything is allocated: a deltasync error, not torch's allocator's RuntimeError,
+    in a process that could not allocate it, with the dict left empty."""
+    _lie(_anchor_manifest(local_run), "layer.w", [2**31], "F32", grow_file=True)
+    out = _sync_limited(local_run, verify)
+    assert out["ours"] and out["error"] == "ChecksumMismatch", out
+    assert "bytes in the store, its manifest says" in out["message"] and "nothing was allocated" in out["message"]
+    assert out["target"] == 0
+    assert out["peak_kib"] < 3 << 20  # never tried the 8 GiB
+
+
+def test_a_lying_patch_at_the_head_allocates_nothing_under_3_gib(tmp_path: Any) -> None:
+    """A patch whose inventory declares a tensor its anchor never held (2**31 fp32, digest fixed up): a
+    patch may only reference tensors whose sizes its chain's anchor proved, so nothing fills the dict."""
+    local_run = tmp_path / "run"
+    with ds.DeltaUploader(ds.open_store(local_run), anchor_every=100, anchor_bytes_fraction=0) as up:
+        assert [up.push(_state(s), s).result().kind for s in (0, 1)] == ["anchor", "patch"]
+    patch = next(p for p in local_run.rglob("manifest.json") if f"{1:012d}" in str(p))
+    _lie(patch, "layer.w", [2**31], "F32", grow_file=False)
+    out = _sync_limited(local_run)
+    assert out["ours"], out
+    assert out["error"] in ("ChainBroken", "InventoryMismatch"), out
+    assert out["target"] == 0 and out["peak_kib"] < 3 << 20
+
+
+def test_an_allocation_the_host_cannot_make_names_the_tensor_the_bytes_and_the_option() -> None:
+    """What the allocator cannot give (here: 4 GiB in a process limited to 3 GiB, within the cap) is an
+    AllocationFailed (also a MemoryError) naming the tensor, its bytes and the cap's option."""
+    import json
+    import subprocess
+    import sys
+
+    code = """
+import json, resource
+resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+from deltasync._util.tensors import allocate
+from deltasync.errors import AllocationFailed
+from deltasync.protocol import TensorInfo
+try:
+    allocate([TensorInfo("small", "F32", (4,)), TensorInfo("big", "F32", (1 << 30,))], 8 << 30, option="OPT")
+    print(json.dumps({"error": None}))
+except AllocationFailed as exc:
+    print(json.dumps({"error": type(exc).__name__, "memory": isinstance(exc, MemoryError), "message": str(exc)}))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["error"] == "AllocationFailed" and out["memory"], out
+    assert "'big'" in out["message"] and "4,294,967,296 bytes" in out["message"] and "OPT" in out["message"]
