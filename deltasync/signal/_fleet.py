@@ -65,6 +65,8 @@ class ReplicaStatus:
     #: whether its fingerprint disagrees with the majority of the replicas audited at the same step
     #: (the server then shows it ``diverged``; see docs/audit.md)
     odd_one_out: bool = False
+    #: its group among the replicas audited at the same step (0: the largest; None: no audit)
+    fingerprint_group: int | None = None
 
     @classmethod
     def from_json(cls, raw: Any) -> ReplicaStatus:
@@ -89,6 +91,7 @@ class ReplicaStatus:
             float(raw.get("ttl_s") or 0.0),
             parsed,
             bool(raw.get("odd_one_out") or False),
+            _opt_int(raw.get("fingerprint_group")),
         )
 
     def serves_at_least(self, step: int, *, healthy_only: bool = False) -> bool:
@@ -135,7 +138,7 @@ class FleetView:
 
     def table(self) -> str:
         """The fleet as a fixed-width text table (one line per replica)."""
-        rows = [("replica", "step", "lag", "state", "last seen", "last error")]
+        rows = [("replica", "step", "lag", "state", "last seen", "audit", "last error")]
         for r in self.replicas:
             rows.append(
                 (
@@ -144,11 +147,27 @@ class FleetView:
                     "-" if r.lag is None else str(r.lag),
                     r.state,
                     f"{r.age_s:.1f} s ago",
+                    _audit_cell(r),
                     (r.last_error or "").replace("\n", " ")[:120],
                 )
             )
-        widths = [max(len(row[i]) for row in rows) for i in range(5)]
+        widths = [max(len(row[i]) for row in rows) for i in range(6)]
         return "\n".join(
-            "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:5])) + ("  " + row[5] if row[5] else "")
+            "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:6])).rstrip()
+            + ("  " + row[6] if row[6] else "")
             for row in rows
         )
+
+
+def _audit_cell(r: ReplicaStatus) -> str:
+    """``step 7 group 0, |d| 0.0016/0.0053 kl 2e-06`` (``-``: no audit; ``odd one out`` when it is)."""
+    a = r.audit
+    if a is None:
+        return "-"
+    cell = f"step {a.audited_step} group {'-' if r.fingerprint_group is None else r.fingerprint_group}"
+    if r.odd_one_out:
+        cell += " odd one out"
+    d = a.divergence
+    if d is not None:
+        cell += f", |d| {d.mean_abs:.2g}/{d.max_abs:.2g} kl {d.kl:.2g}"
+    return cell

@@ -78,7 +78,7 @@ def test_fleet_prints_the_table_and_waits(
             assert main(base) == 0
             out = capsys.readouterr().out.splitlines()
             assert out[0] == f"run {run}: head 3, 2 live replicas"
-            assert out[1].split() == ["replica", "step", "lag", "state", "last", "seen", "last", "error"]
+            assert out[1].split() == ["replica", "step", "lag", "state", "last", "seen", "audit", "last", "error"]
             assert out[2].split()[:4] == ["engine-a", "3", "0", "serving"]
             assert out[3].split()[:4] == ["engine-b", "1", "2", "failed"]
             assert out[3].endswith("UpdateRolledBack: step 2 refused")

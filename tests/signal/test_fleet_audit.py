@@ -99,3 +99,16 @@ def test_readiness_with_healthy_only_counts_serving_replicas_only() -> None:
     assert fleet_ready(fleet, 5, healthy_only=True, quorum=1)
     assert not fleet_ready(fleet, 5, healthy_only=True, quorum=2)
     assert [r.replica for r in fleet.behind(5, healthy_only=True)] == ["e1", "e2"] and fleet.behind(5) == []
+
+
+def test_the_fleet_table_shows_each_replicas_audit(server: ThreadServer, trainer: SignalClient, run: str) -> None:
+    with reporter(server, run, "a") as a, reporter(server, run, "b") as b, reporter(server, run, "c") as c:
+        a.update(2, audit=audit(2, div=Divergence(0.0016, 0.0053, 2e-6)))
+        b.update(2, audit=audit(2))
+        c.update(2, audit=audit(2, 0.4))
+        assert a.wait_reported(WAIT) and b.wait_reported(WAIT) and c.wait_reported(WAIT)
+        lines = trainer.fleet(run).table().splitlines()
+    assert lines[0].split() == ["replica", "step", "lag", "state", "last", "seen", "audit", "last", "error"]
+    assert lines[1].endswith("step 2 group 0, |d| 0.0016/0.0053 kl 2e-06")
+    assert lines[2].endswith("step 2 group 0")
+    assert "diverged" in lines[3] and lines[3].endswith("step 2 group 1 odd one out")
