@@ -1,5 +1,6 @@
 """The wire format, protocol v1 (see SPEC.md). Pure: no I/O, no threads, no torch."""
 
+from deltasync.protocol.audit import AuditPolicy, AuditReport, Divergence
 from deltasync.protocol.canonical import FORMAT_VERSION
 from deltasync.protocol.chain import (
     ChainWalk,
@@ -38,6 +39,7 @@ from deltasync.protocol.patchfile import (
     patch_entry_names,
 )
 from deltasync.protocol.positions import decode_positions
+from deltasync.protocol.probes import PROBES_KEY, ProbeSet, Reference, reference_key
 from deltasync.protocol.spans import (
     SPAN_OF,
     SPANS_PREFIX,
@@ -54,10 +56,13 @@ __all__ = [
     "FORMAT_VERSION",
     "HEAD_KEY",
     "AnchorEntry",
+    "AuditPolicy",
+    "AuditReport",
     "ByteRange",
     "ChainWalk",
     "Committed",
     "DecodedEntry",
+    "Divergence",
     "EncodedTensor",
     "FetchPlan",
     "FileInfo",
@@ -65,6 +70,9 @@ __all__ = [
     "Manifest",
     "PatchEntry",
     "PlanStep",
+    "PROBES_KEY",
+    "ProbeSet",
+    "Reference",
     "SPANS_PREFIX",
     "SPAN_OF",
     "Stats",
@@ -89,6 +97,7 @@ __all__ = [
     "patch_entry_names",
     "parse_span_key",
     "plan_fetch",
+    "reference_key",
     "span_file_key",
     "span_manifest_key",
     "span_prefix",
