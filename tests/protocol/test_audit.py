@@ -5,6 +5,7 @@ only under a strict majority. Hostile input is a ProtocolError."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -212,3 +213,60 @@ def test_without_a_strict_majority_nobody_is_singled_out_but_the_groups_show_the
     # a larger tolerance reported by either side makes them agree
     groups = group_fingerprints({"a": report(3, lp), "b": report(3, shift(lp, 1.0), tol=1.5)})
     assert {g.group for g in groups.values()} == {0} and group_fingerprints({}) == {}
+
+
+# ------------------------------------------------------------------ fuzz
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=12), inner, max_size=6),
+    max_leaves=40,
+)
+
+
+@given(st.binary(max_size=300))
+def test_garbage_bytes_are_only_ever_protocol_errors(data: bytes) -> None:
+    from deltasync.protocol.probes import ProbeSet, Reference
+
+    for parse in (ProbeSet.from_json, Reference.from_json):
+        with pytest.raises(ProtocolError):
+            parse(data)
+
+
+@given(json_values)
+def test_garbage_json_is_only_ever_a_protocol_error(value: Any) -> None:
+    import json
+
+    from deltasync.protocol.probes import ProbeSet, Reference
+
+    body = json.dumps(value).encode()
+    for parse in (ProbeSet.from_json, Reference.from_json):
+        with pytest.raises(ProtocolError):
+            parse(body)
+    for parse_dict in (AuditReport.from_dict, AuditPolicy.from_dict, Divergence.from_dict):
+        with contextlib.suppress(ProtocolError):  # anything but a ProtocolError fails the test
+            parse_dict(value)
+
+
+@given(
+    st.fixed_dictionaries(
+        {
+            "format_version": st.just(1) | json_values,
+            "vocab_size": st.integers(-5, 2**32) | json_values,
+            "probes": st.lists(st.lists(st.integers(-3, 60), max_size=8), max_size=4) | json_values,
+            "policy": st.just(AuditPolicy().to_dict()) | json_values,
+        }
+    )
+)
+def test_nearly_valid_probe_sets_parse_or_are_protocol_errors(raw: dict[str, Any]) -> None:
+    import json
+
+    from deltasync.protocol.probes import ProbeSet
+
+    try:
+        p = ProbeSet.from_json(json.dumps(raw).encode())
+    except ProtocolError:
+        return
+    assert all(0 <= t < p.vocab_size for row in p.tokens for t in row)
+    assert ProbeSet.from_json(p.to_json()) == p
