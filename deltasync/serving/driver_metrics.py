@@ -10,18 +10,36 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from deltasync._util.prometheus import Histogram, family, sample
 
 if TYPE_CHECKING:
     from deltasync.fetcher.metrics import MetricsServer
-    from deltasync.serving.driver import ServerUpdate
 
-__all__ = ["DriverMetrics"]
+__all__ = ["DriverMetrics", "Update"]
 
 #: seconds: a pause that only commits takes tens of milliseconds, one that downloads takes seconds
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+class Update(Protocol):
+    """What the metrics read of an update's outcome (a :class:`~deltasync.serving.driver.ServerUpdate`)."""
+
+    @property
+    def url(self) -> str: ...
+    @property
+    def step(self) -> int: ...
+    @property
+    def state(self) -> str: ...
+    @property
+    def pause_s(self) -> float: ...
+    @property
+    def prepared(self) -> bool: ...
+    @property
+    def prepare_s(self) -> float | None: ...
+    @property
+    def ok(self) -> bool: ...
 
 
 class DriverMetrics:
@@ -35,7 +53,7 @@ class DriverMetrics:
         self._serving: dict[str, int] = {}
         self._up: dict[str, bool] = {}
 
-    def observe_update(self, u: ServerUpdate) -> None:
+    def observe_update(self, u: Update) -> None:
         """Count one update's outcome, its pause (by prepared or not) and its prepare; a served step is the
         server's step."""
         with self._lock:
