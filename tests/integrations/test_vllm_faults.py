@@ -247,7 +247,7 @@ def car(fleet: Fleet) -> Iterator[Sidecar]:
     s1, s2 = fleet.s1, fleet.s2
     sidecar = Sidecar.start(
         "--store", str(fleet.live), "--vllm", s1.url, s2.url, "--signal", fleet.signal_url, "--run", RUN,
-        "--poll-interval", str(POLL), "--probe-timeout", "3",
+        "--poll-interval", str(POLL),
     )  # fmt: skip
     try:
         fleet.commit(1)
@@ -282,7 +282,7 @@ def _state(fleet: Fleet, replica: str) -> str | None:
 
 def test_a_dead_server_is_reported_unreachable_and_does_not_satisfy_the_gate(fleet: Fleet, car: Sidecar) -> None:
     s1, s2 = fleet.s1, fleet.s2
-    wait_for("both servers at step 3", lambda: s1.version() == "3" and s2.version() == "3", car)
+    wait_for("both servers at step 3", lambda: s1.version() == "3" and s2.version() == "3", car, 600)
     s2.kill()
     name1, name2 = f"127.0.0.1:{s1.port}", f"127.0.0.1:{s2.port}"
     wait_for("server 2 reported unreachable", lambda: _state(fleet, name2) == "unreachable", car, 600)
@@ -311,7 +311,7 @@ def test_a_refused_update_leaves_both_servers_resumed_on_their_previous_step(
     fleet: Fleet, car: Sidecar, tmp_path: Path
 ) -> None:
     s1, s2 = fleet.s1, fleet.s2
-    wait_for("both servers at step 4", lambda: s1.version() == "4" and s2.version() == "4", car)
+    wait_for("both servers at step 4", lambda: s1.version() == "4" and s2.version() == "4", car, 600)
     fleet.commit(5, _corrupt_copy(fleet.run, 5, tmp_path / "corrupt"))
     for s in (s1, s2):
         car.wait_line(lambda x, s=s: x.startswith(f"step 5 -> {s.url}: ") and "serving" not in x)
