@@ -69,6 +69,11 @@ class SyncMetrics:
         self._last_pause: float | None = None
         self._engine: dict[str, int] | None = None  # a live engine's loads (observe_load)
         self._node: dict[str, int] | None = None  # a node mirror's size and builds (observe_node)
+        self._prepare = Histogram(DURATION_BUCKETS)  # a live engine's prepares: step heard of -> prepared
+        self._last_prepare: float | None = None
+        self._starved = 0
+        self._updates: dict[bool, int] | None = None  # a live engine's updates, by prepared before the pause
+        self._prepared_pause = Histogram(DURATION_BUCKETS)
 
     # ------------------------------------------------------------ observe
 
@@ -130,6 +135,24 @@ class SyncMetrics:
             if pinned is not None:
                 n["pinned"] = pinned
             self._node = n
+
+    def observe_prepare(self, seconds: float, *, starved: bool = False) -> None:
+        """A live engine prepared a step ``seconds`` after it first heard of its commit; ``starved``: the
+        prepare took far longer than its build's own work (it waited for CPU, a lock or a leader)."""
+        with self._lock:
+            self._prepare.observe(seconds)
+            self._last_prepare = seconds
+            self._starved += int(starved)
+
+    def observe_update(self, *, prepared: bool, pause_s: float) -> None:
+        """A live engine committed an update; ``prepared``: the step was prepared before the pause (the
+        pause only committed it), else the pause built it too."""
+        with self._lock:
+            u = self._updates or {True: 0, False: 0}
+            u[prepared] += 1
+            self._updates = u
+            if prepared:
+                self._prepared_pause.observe(pause_s)
 
     def observe_pause(self, seconds: float) -> None:
         """A live engine paused serving ``seconds`` to load new weights."""
@@ -236,6 +259,34 @@ class SyncMetrics:
         yield family("deltasync_last_pause_seconds", "gauge", "Seconds of the last pause of a live engine.")
         if self._last_pause is not None:
             yield one("deltasync_last_pause_seconds", self._last_pause)
+        if self._updates is not None or self._prepare.count:
+            yield from self._prepare.render(
+                "deltasync_prepare_seconds",
+                "Seconds from a step's commit first heard of (poll, signal or request) to prepared on this worker.",
+                const,
+            )
+            yield family(
+                "deltasync_last_prepare_seconds", "gauge", "Seconds the last prepare took from commit heard of."
+            )
+            if self._last_prepare is not None:
+                yield one("deltasync_last_prepare_seconds", self._last_prepare)
+            yield family(
+                "deltasync_prepare_starved_total",
+                "counter",
+                "Prepares that took far longer than their build's own work (CPU, lock or leader waits).",
+            )
+            yield one("deltasync_prepare_starved_total", self._starved)
+            u = self._updates or {True: 0, False: 0}
+            yield family(
+                "deltasync_engine_updates_total",
+                "counter",
+                "Updates a live engine committed, by whether the step was prepared before the pause.",
+            )
+            yield one("deltasync_engine_updates_total", u[True], prepared="true")
+            yield one("deltasync_engine_updates_total", u[False], prepared="false")
+            yield from self._prepared_pause.render(
+                "deltasync_prepared_pause_seconds", "Seconds a live engine paused for an update prepared before.", const
+            )
         if self._engine is not None:
             e = self._engine
             yield family(

@@ -40,6 +40,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("deltasync.vllm")
+
+#: seconds ``deltasync_prepare(wait=True)`` waits at most unless told (``timeout``)
+PREPARE_TIMEOUT = 600.0
 
 
 def register() -> None:
@@ -179,14 +183,23 @@ class WorkerStatus:
     rank: int
     report: CommitReport | None = None
     error: str | None = None
+    #: a prepare's answer: the step it prepares, and the file where this worker reports each prepare
+    #: that settles (what the engine core's wait reads: see ``engine_core``)
+    preparing: int | None = None
+    prepared_file: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """The RPC's JSON answer: the engine's status, ``rank``, then ``report`` or ``error`` when set."""
+        """The RPC's JSON answer: the engine's status, ``rank``, then ``report``, ``error``, ``preparing``
+        and ``prepared_file`` when set."""
         out = {**self.engine.to_json(), "rank": self.rank}
         if self.report is not None:
             out["report"] = asdict(self.report)
         if self.error is not None:
             out["error"] = self.error
+        if self.preparing is not None:
+            out["preparing"] = self.preparing
+        if self.prepared_file is not None:
+            out["prepared_file"] = self.prepared_file
         return out
 
 
@@ -221,6 +234,7 @@ class WorkerSync:
         self.metrics = SyncMetrics(labels={"rank": str(rank)})
         self._metrics_server: Any = None
         self._reporter: EngineReporter | None = None  # rank 0 with the ``signal`` option
+        self._prepared_file: Path | None = None  # where this worker reports its prepares (``_write_prepared``)
         self._audit: dict[str, Any] = {}  # the last behavioural audit's report (deltasync_audit_report)
         self._params_audit: Any = None  # serving.engine.params_audit.ParamsAuditor, made on first use
         #: where the node mirror lives when init_info names no ``node_dir``: ``$DELTASYNC_NODE_DIR``, else
@@ -315,7 +329,22 @@ class WorkerSync:
                     raise
                 log.warning("cannot seed the mirror from %s (%s): the first update loads every tensor", seed.dir, exc)
                 self.mirror = new_mirror(None)
+            self._prepared_file = self.mirror.node.dir / "prepared" / f"{os.getpid()}-r{self.rank}.json"
+            self.mirror.on_prepared = self._write_prepared
+            self._write_prepared(None)
             return self.mirror
+
+    def _write_prepared(self, report: dict[str, Any] | None) -> None:
+        """Report a prepare that settled (or, with None, this worker's state) in :attr:`_prepared_file`,
+        for a wait in the engine core (``engine_core``) that must not ask the workers while they serve."""
+        mirror, path = self.mirror, self._prepared_file
+        if mirror is None or path is None:
+            return
+        doc = {**(report or {}), "prepared": mirror.prepared, "serving": mirror.serving}
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, path)
 
     def _check(self, layout: Any) -> dict[str, str]:
         """Refuse (once and for all) an engine whose parameters are not what it computes with; return the
@@ -378,11 +407,27 @@ class WorkerSync:
 
     # ------------------------------------------------------------- phases
 
-    def prepare(self, store: str | None, step: int | None, wait: bool = False) -> WorkerStatus:
-        prepared = self.mirror_for(store).prepare(step)
+    def prepare(
+        self, store: str | None, step: int | None, wait: bool = False, timeout: float | None = None
+    ) -> WorkerStatus:
+        """Start preparing ``step`` (None: the newest, resolved now); with ``wait``, until it is prepared,
+        at most ``timeout`` seconds (default :data:`PREPARE_TIMEOUT`), raising its error or, past the
+        timeout, a :class:`DeltaSyncError` (the prepare goes on)."""
+        mirror = self.mirror_for(store)
+        if step is None:
+            step = mirror.latest_step()
+        prepared = mirror.prepare(step)
         if wait:
-            prepared.result()  # raises the prepare's error
-        return self.status()
+            limit = PREPARE_TIMEOUT if timeout is None else timeout
+            try:
+                prepared.result(timeout=limit)  # raises the prepare's error
+            except FutureTimeout:
+                raise DeltaSyncError(
+                    f"step {step} was not prepared within {limit:g} s (it goes on preparing in the background; an "
+                    "update now builds it in the pause)"
+                ) from None
+        path = None if self._prepared_file is None else str(self._prepared_file)
+        return replace(self.status(), preparing=step, prepared_file=path)
 
     def update(self, store: str | None, step: int | None) -> WorkerStatus:
         if step is not None:
@@ -423,6 +468,8 @@ class WorkerSync:
             self._metrics_server = None
         if self.mirror is not None:
             self.mirror.close()
+        if self._prepared_file is not None:
+            self._prepared_file.unlink(missing_ok=True)
 
 
 def _normalise(url: str) -> str:
@@ -538,15 +585,34 @@ class DeltasyncWorkerExtension:
         return sync.call(lambda: sync.configure(DeltasyncInitInfo(**init_info))).to_json()
 
     def deltasync_prepare(
-        self, store: str | None = None, step: int | str | None = None, wait: bool | str = False
+        self,
+        store: str | None = None,
+        step: int | str | None = None,
+        wait: bool | str = False,
+        timeout: float | str | None = None,
     ) -> dict[str, Any]:
-        """Start bringing the mirror to ``step`` in the background; returns at once, or with ``wait`` once
-        it is prepared (raising its error: an all-or-nothing rollout prepares every server first).
-        ``step`` and ``wait`` may come as strings (vLLM's HTTP ``/collective_rpc`` passes strings)."""
+        """Start bringing the mirror to ``step`` (default: the newest) in the background, while the engine
+        serves; returns at once, or with ``wait`` once it is prepared, so that the update that follows only
+        commits it (a driver calls this before pausing; an all-or-nothing rollout prepares every server
+        first). A failed prepare raises its error.
+
+        ``wait`` is bounded: at most ``timeout`` seconds (default :data:`PREPARE_TIMEOUT`, 600), then a
+        :class:`DeltaSyncError` says the step was not prepared in time (it goes on preparing; an update
+        now builds the rest in its pause). Sent through ``collective_rpc`` to an engine whose core runs in
+        its own process (``vllm serve``, an ``LLM`` with multiprocessing), the wait is the engine core's,
+        not the workers': they start the prepare and answer at once, the engine keeps scheduling and
+        generating, and the core answers the call when every worker reported the step prepared (no RPC
+        to the workers while it waits, see :mod:`deltasync.integrations.vllm.engine_core`). In an
+        in-process engine the worker waits.
+
+        Contract (the HTTP driver relies on it): the method's name, and ``step``, ``wait`` and
+        ``timeout`` may come as strings (vLLM's HTTP ``/collective_rpc`` passes strings). Answers one
+        status per worker, with ``preparing`` (the step) and ``prepared`` (the step prepared ahead)."""
         sync = _state_of(self)
         number = None if step is None else int(step)
         flag = wait if isinstance(wait, bool) else str(wait).lower() in ("1", "true", "yes")
-        return sync.call(sync.prepare, store, number, flag).to_json()
+        limit = None if timeout is None or timeout == "" else float(timeout)
+        return sync.call(sync.prepare, store, number, flag, limit).to_json()
 
     def deltasync_update(self, store: str | None = None, step: int | None = None) -> dict[str, Any]:
         """Make the engine serve ``step`` (default: newest); raises UpdateRolledBack / WorkerNeedsReplacement."""

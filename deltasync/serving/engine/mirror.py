@@ -51,6 +51,12 @@ __all__ = ["Check", "CommitReport", "EngineMirror", "EngineStatus", "Loader", "S
 
 log = logging.getLogger("deltasync.mirror")
 
+#: a prepare is reported as starved (a warning and ``deltasync_prepare_starved_total``) when it took
+#: more than this many times its build's own work, plus :data:`STARVED_SLACK` seconds: the build waited
+#: for CPU, a lock or a leader instead of working
+STARVED_FACTOR = 4.0
+STARVED_SLACK = 2.0
+
 #: the engine's loader: takes ``(checkpoint name, host tensor)`` pairs and copies them into the live weights
 Loader = Callable[[Iterable[tuple[str, Any]]], Any]
 #: checks, before anything is loaded, that the engine takes tensors of this layout (checkpoint name ->
@@ -184,6 +190,16 @@ class EngineMirror:
         self.last_error: str | None = None
         self._lock = threading.RLock()
         self._preparer = SerialWorker("deltasync-prepare")
+        #: when each step not served yet was first heard of (a prefetch poll or signal, a prepare or an
+        #: update asking for it): the start of its prepare latency
+        self._seen: dict[int, float] = {}
+        #: the last prepare that settled: ``{"step", "ok", "error", "latency_s", "starved"}`` (None: none yet)
+        self.last_prepare: dict[str, Any] | None = None
+        #: called with :attr:`last_prepare` each time a prepare settles (from the preparing thread)
+        self.on_prepared: Callable[[dict[str, Any]], None] | None = None
+        #: what the last ``_advance`` spent: (getting the node's version, the build's own seconds when
+        #: this worker's request built it, all of it)
+        self._work: tuple[float | None, float | None, float | None] = (None, None, None)
 
     # ---------------------------------------------------------------- state
 
@@ -241,7 +257,9 @@ class EngineMirror:
         reuse = {} if self._served is None else self._served.by_file(self._served_view)
         if self._prepared is not None:
             reuse.update(self._prepared.by_file(self._prepared_view))
+        t0 = self.clock()
         version, view = self.node.mapped(lambda: self.node.ensure(target), reuse=reuse, read_only=self._pinned())
+        got = self.clock() - t0
         built = next((b for b in self.node.built if b.id == version.id), None)
         if built is not None:  # this worker's leader read the store for it: its sync is this worker's to report
             self.node.built.remove(built)
@@ -252,6 +270,8 @@ class EngineMirror:
         populate(t for t in view.values() if id(t) not in mapped_before)  # page faults here, not in the pause
         self._hold(view)
         self._release(self._prepared_view)
+        work = None if built is None else built.stats.get("cpu_s", built.stats.get("seconds"))
+        self._work = (got, None if work is None else float(work), self.clock() - t0)
         if self.metrics is not None and hasattr(self.metrics, "observe_node"):
             pinned = {} if self._pin is None else {"pinned": self._pin.nbytes}
             self.metrics.observe_node(nbytes=self.node.versions.nbytes_on_disk(), built=built is not None, **pinned)
@@ -288,27 +308,86 @@ class EngineMirror:
         """The run's newest committed step (None for an empty run)."""
         return self.fetcher.latest_step()
 
+    def seen(self, step: int, at: float | None = None) -> None:
+        """Note that ``step`` was committed and heard of at ``at`` (this mirror's clock; default now),
+        unless it was heard of before: its prepare latency counts from there."""
+        if step not in self._seen and (self.serving is None or step > self.serving):
+            self._seen[step] = self.clock() if at is None else at
+            for old in [s for s in self._seen if s < step - 64]:  # never grows without bound
+                del self._seen[old]
+
     def prepare(self, step: int | None = None, *, coalesce: Hashable | None = None) -> Future[int | None]:
         """Start bringing the node's mirror to ``step`` (default: the newest) in the background; the
         engine keeps serving. Returns a future of the step prepared. Errors are kept for the commit.
 
         ``coalesce``: a prepare queued with the same key and not started yet is superseded (its
-        future cancelled), as the prefetcher does with each newer step."""
+        future cancelled), as the prefetcher does with each newer step.
+
+        Each prepare that settles is reported (:attr:`last_prepare`, :attr:`on_prepared`, the metrics'
+        ``observe_prepare``): its latency from when the step was first heard of (:meth:`seen`) to
+        prepared, and whether it was starved: far longer than its build's own work
+        (:data:`STARVED_FACTOR`), which is also logged as a warning."""
         with self._lock:
             self._require_usable()
+        if step is not None:
+            self.seen(step)
 
         def run() -> int | None:
+            t0 = self.clock()
             with self._lock:
+                self._work = (None, None, None)
                 try:
                     v = self._advance(step)
-                    return None if v is None else v.step
                 except DeltaSyncError as exc:
                     self.last_error = f"{type(exc).__name__}: {exc}"
                     if self.metrics is not None:
                         self.metrics.observe_failure("prepare")
+                    self._settled(step, None, t0, self.last_error)
                     raise
+                self._settled(step, None if v is None else v.step, t0, None)
+                return None if v is None else v.step
 
         return self._preparer.submit(run, coalesce=coalesce)
+
+    def _settled(self, asked: int | None, step: int | None, t0: float, error: str | None) -> None:
+        """Report a prepare that ended (under the lock): its latency, and whether its build was starved."""
+        now = self.clock()
+        target = step if step is not None else asked
+        since = self._seen.get(target, t0) if target is not None else t0
+        latency, took = now - since, now - t0
+        got, build_s, _ = self._work if error is None else (None, None, None)
+        starved = False
+        if error is None and build_s is not None and took > STARVED_FACTOR * build_s + STARVED_SLACK:
+            starved = True
+            log.warning(
+                "the prepare of step %s was starved: %.2f s (%.2f s from first heard of), of which the node's "
+                "build worked %.2f CPU s and getting it took %.2f s: the leader or this worker waited for CPU "
+                "(a busy engine on few cores), the node lock or a leader start (deltasync_prepare_starved_total)",
+                target,
+                took,
+                latency,
+                build_s,
+                got if got is not None else float("nan"),
+            )
+        self._work = (None, None, None)
+        report = {
+            "step": target,
+            "ok": error is None,
+            "error": error,
+            "latency_s": round(latency, 4),
+            "build_s": build_s,
+            "starved": starved,
+        }
+        self.last_prepare = report
+        if error is None:
+            log.info("step %s prepared %.3f s after it was first heard of (build %s s)", target, latency, build_s)
+            if self.metrics is not None and hasattr(self.metrics, "observe_prepare"):
+                self.metrics.observe_prepare(latency, starved=starved)
+        if self.on_prepared is not None:
+            try:
+                self.on_prepared(report)
+            except Exception:  # noqa: BLE001 - a report must not fail the prepare
+                log.warning("reporting a prepare failed", exc_info=True)
 
     def wait_prepared(self, timeout: float | None = None) -> bool:
         """Wait until every prepare started so far has finished; False when ``timeout`` passed first."""
@@ -386,6 +465,8 @@ class EngineMirror:
             if refused:
                 self._undo(names, load_err, "; ".join(refused), step, previous)
             if self.metrics is not None:
+                if hasattr(self.metrics, "observe_update"):
+                    self.metrics.observe_update(prepared=was_prepared, pause_s=pause)
                 if hasattr(self.metrics, "observe_load"):
                     self.metrics.observe_load(**counts)
                 if self._prepared_stats is not None:
@@ -402,6 +483,8 @@ class EngineMirror:
             self._served, self._served_view = version, view
             self._prepared, self._prepared_view = None, {}
             self.serving, self.last_error = step, None
+            for held in [s for s in self._seen if s <= step]:
+                del self._seen[held]
             log.info(
                 "engine serves step %d (%d tensors, %.1f MiB loaded in %.3f s)", step, len(names), nbytes / 2**20, pause
             )

@@ -91,7 +91,7 @@ def build(
     """Build the node's version of ``step`` from its newest version, reading the run with ``fetcher``
     (the build's own: see :func:`builder_fetcher`); the caller holds the lock. Only the tensors the
     step changed get new data files. ``phase`` hears of each phase."""
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     candidates = [v for v in versions.all_versions() if v.step is None or (v.step <= step and versions.current(v))]
     base = max(candidates, key=lambda v: (v.step is not None, v.step or 0), default=None)
     phase("start")
@@ -133,6 +133,8 @@ def build(
         "store_bytes": 0 if stats is None else stats.nbytes,
         "sync": {} if stats is None else {f: getattr(stats, f) for f in SYNC_FIELDS},
         "seconds": round(time.perf_counter() - t0, 4),
+        # the build's own work: CPU seconds of this process (all its threads) while it built
+        "cpu_s": round(time.process_time() - cpu0, 4),
         "pid": os.getpid(),
     }
     phase("publish")
