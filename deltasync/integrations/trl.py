@@ -42,7 +42,10 @@ commits, stored before the servers update, so their audit of the step finds it).
 ``signal_url``, after each sync the transfer reads the fleet view and records the replicas'
 per-version mismatch against those references (``self.audits``); after :meth:`attach`, the figures
 also join TRL's own logged metrics as ``deltasync/audit/*`` (mean and max |delta logprob|, the k3
-KL estimate, the audited step, the diverged replicas).
+KL estimate, the audited step, the diverged replicas). ``audit=True`` (or a
+:class:`~deltasync.serving.audit.AuditConfig`) has the driven servers audited right after each
+update (:class:`~deltasync.serving.driver.VLLMDriver`'s ``audit``): their results feed the same
+figures without a signal server, and a diverged server is reported (its policy's action taken).
 
 Steps are numbered by sync: the first sync (TRL's cold sync at train begin) is ``first_step``
 (default: the store's newest step + 1, so 1 after a pushed step 0; 0 on an empty store), then one
@@ -72,11 +75,13 @@ if TYPE_CHECKING:
 
     import torch
 
+    from deltasync.protocol.audit import AuditReport
     from deltasync.protocol.probes import ProbeSet, Reference
+    from deltasync.serving.audit import AuditConfig
     from deltasync.signal import FleetView
     from deltasync.uploader import DeltaUploader
 
-__all__ = ["DeltaSyncWeightTransfer", "SyncRecord", "audit_metrics"]
+__all__ = ["DeltaSyncWeightTransfer", "SyncRecord", "audit_figures", "audit_metrics"]
 
 log = logging.getLogger("deltasync.trl")
 
@@ -105,7 +110,8 @@ class DeltaSyncWeightTransfer:
     with ``signal_url`` the driven servers also report to its fleet view. ``max_staleness``,
     ``staleness_quorum``, ``staleness_timeout``: the staleness gate after each sync (see the module doc;
     :meth:`DeltaUploader.wait_for_replicas`). ``references``, ``probes``: the behavioural audit's
-    trainer-side references (see the module doc); call :meth:`attach` with the trainer.
+    trainer-side references (see the module doc); call :meth:`attach` with the trainer. ``audit``:
+    audit the driven servers after each update (True, or an ``AuditConfig``).
     """
 
     def __init__(
@@ -126,12 +132,18 @@ class DeltaSyncWeightTransfer:
         staleness_timeout: float = 600.0,
         references: bool | int = False,
         probes: ProbeSet | None = None,
+        audit: bool | AuditConfig = False,
         **uploader_options: Any,
     ) -> None:
         if not isinstance(references, int) or (not isinstance(references, bool) and references < 1):
             raise ValueError(f"references must be a bool or a positive integer (every N syncs), got {references!r}")
         self.reference_every = int(references)
         self.probes = probes
+        self.audit: AuditConfig | None = None
+        if audit is not False:
+            from deltasync.serving.audit import AuditConfig
+
+            self.audit = audit if isinstance(audit, AuditConfig) else AuditConfig(probes=probes)
         #: the audit figures read from the fleet view after each sync: audited step -> metrics (see
         #: :func:`audit_metrics`), in the order they were first seen
         self.audits: dict[int, dict[str, float]] = {}
@@ -198,6 +210,7 @@ class DeltaSyncWeightTransfer:
                 signal=signal,
                 signal_token=self.uploader_options.get("signal_token"),
                 run=(self.uploader_options.get("signal_run") or self.uploader.run_id) if signal else None,
+                audit=self._audit_source(),
             )
             self.driver.init()
 
@@ -253,9 +266,16 @@ class DeltaSyncWeightTransfer:
                 step, max_lag=self.max_staleness, quorum=self.staleness_quorum, timeout=self.staleness_timeout
             )
             log.info("step %d: %d replicas serve step %d or newer", step, len(view.replicas), step - self.max_staleness)
-        self._record_audits()
+        self._record_audits(updates)
 
     # ------------------------------------------------------------------ audit
+
+    def _audit_source(self) -> Any:
+        if self.audit is None:
+            return None
+        from deltasync.serving.audit import AuditSource
+
+        return AuditSource(self.store, self.audit)
 
     def _attach_reference(self, step: int) -> Future[Reference] | None:
         if not self.reference_every or (self._syncs % self.reference_every):
@@ -276,22 +296,24 @@ class DeltaSyncWeightTransfer:
             log.error("deltasync: no reference for step %d: %s", step, exc)
             return None
 
-    def _record_audits(self) -> None:
-        """Read the fleet view (with a signal server) and record each audited step's figures once."""
+    def _record_audits(self, updates: Sequence[ServerUpdate]) -> None:
+        """Record each audited step's figures once: from the fleet view (with a signal server: every
+        replica that reports there), else from the driven servers' audits of this sync."""
         assert self.uploader is not None
+        found: dict[int, dict[str, float]] = {}
         url = self.uploader_options.get("signal_url")
-        if not url:
-            return
-        from deltasync.signal import SignalClient
+        if url:
+            from deltasync.signal import SignalClient
 
-        run = self.uploader_options.get("signal_run") or self.uploader.run_id
-        try:
-            with SignalClient(url, self.uploader_options.get("signal_token")) as client:
-                view = client.fleet(run)
-        except SignalError as exc:
-            log.debug("deltasync: no fleet view for the audit figures: %s", exc)
-            return
-        for audited, figures in sorted(audit_metrics(view).items()):
+            run = self.uploader_options.get("signal_run") or self.uploader.run_id
+            try:
+                with SignalClient(url, self.uploader_options.get("signal_token")) as client:
+                    found = audit_metrics(client.fleet(run))
+            except SignalError as exc:
+                log.debug("deltasync: no fleet view for the audit figures: %s", exc)
+        if not found:
+            found = audit_figures([(u.audit.report(), u.audit.diverged) for u in updates if u.audit is not None])
+        for audited, figures in sorted(found.items()):
             if audited in self.audits:
                 continue
             self.audits[audited] = figures
@@ -349,21 +371,26 @@ def checkpoint_name(name: str) -> str:
 
 
 def audit_metrics(view: FleetView) -> dict[int, dict[str, float]]:
-    """The fleet's audit figures per audited step: over the replicas that reported a divergence against
-    the trainer's reference of that step, ``deltasync/audit/mismatch_mean_abs`` (the mean of their mean
-    |delta logprob|), ``deltasync/audit/mismatch_max_abs`` (the largest), ``deltasync/audit/kl`` (the mean
-    k3 estimate), and over every replica audited at that step, ``deltasync/audit/replicas`` and
-    ``deltasync/audit/diverged`` (how many the fleet shows ``diverged``)."""
-    by_step: dict[int, list[Any]] = {}
-    for r in view.replicas:
-        if r.audit is not None:
-            by_step.setdefault(r.audit.audited_step, []).append(r)
+    """The fleet's audit figures per audited step (:func:`audit_figures` of every replica that reported
+    an audit, ``diverged`` as the fleet shows it)."""
+    return audit_figures([(r.audit, r.state == "diverged") for r in view.replicas if r.audit is not None])
+
+
+def audit_figures(audits: Sequence[tuple[AuditReport, bool]]) -> dict[int, dict[str, float]]:
+    """Audit figures per audited step from (report, diverged) pairs: over the reports with a divergence
+    against the trainer's reference of that step, ``deltasync/audit/mismatch_mean_abs`` (the mean of
+    their mean |delta logprob|), ``deltasync/audit/mismatch_max_abs`` (the largest),
+    ``deltasync/audit/kl`` (the mean k3 estimate); over every report of that step,
+    ``deltasync/audit/replicas`` and ``deltasync/audit/diverged`` (how many are diverged)."""
+    by_step: dict[int, list[tuple[AuditReport, bool]]] = {}
+    for report, diverged in audits:
+        by_step.setdefault(report.audited_step, []).append((report, diverged))
     out: dict[int, dict[str, float]] = {}
-    for step, replicas in by_step.items():
-        divs = [r.audit.divergence for r in replicas if r.audit.divergence is not None]
+    for step, reports in by_step.items():
+        divs = [r.divergence for r, _ in reports if r.divergence is not None]
         figures: dict[str, float] = {
-            "deltasync/audit/replicas": float(len(replicas)),
-            "deltasync/audit/diverged": float(sum(r.state == "diverged" for r in replicas)),
+            "deltasync/audit/replicas": float(len(reports)),
+            "deltasync/audit/diverged": float(sum(d for _, d in reports)),
         }
         if divs:
             figures["deltasync/audit/mismatch_mean_abs"] = sum(d.mean_abs for d in divs) / len(divs)

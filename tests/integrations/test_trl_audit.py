@@ -108,3 +108,26 @@ def test_audit_metrics_of_a_fleet_without_divergences_count_replicas_only(tmp_pa
 def test_references_need_a_positive_every(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="references"):
         DeltaSyncWeightTransfer(tmp_path / "run", references=0)
+
+
+def test_audit_figures_per_audited_step() -> None:
+    from deltasync.integrations.trl import audit_figures
+
+    fp = fingerprint("ab" * 16, [[-3.0] * 4])
+    figures = audit_figures(
+        [
+            (AuditReport(3, fp, Divergence(0.01, 0.1, 0.002)), False),
+            (AuditReport(3, fp, Divergence(0.03, 0.5, 0.004)), True),
+            (AuditReport(3, fp), False),  # no reference: counted, no mismatch
+            (AuditReport(2, fp), False),
+        ]
+    )
+    assert figures[2] == {"deltasync/audit/replicas": 1.0, "deltasync/audit/diverged": 0.0}
+    assert figures[3] == {
+        "deltasync/audit/replicas": 3.0,
+        "deltasync/audit/diverged": 1.0,
+        "deltasync/audit/mismatch_mean_abs": pytest.approx(0.02),
+        "deltasync/audit/mismatch_max_abs": 0.5,
+        "deltasync/audit/kl": pytest.approx(0.003),
+    }
+    assert audit_figures([]) == {}
