@@ -7,6 +7,7 @@ the same prompts are served before and after real updates and must come out as a
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -76,3 +77,61 @@ def test_a_cache_that_cannot_be_dropped_is_an_error_naming_the_call_to_retry(out
     assert "restart the engine" in str(info.value)
     if isinstance(outcome, Exception):
         assert "remote KV transfer" in str(info.value)
+
+
+# ------------------------------------------------------------------ a prepare's wait in the engine core (issue 34)
+
+
+def _answers(tmp_path: Any, docs: list[dict[str, Any]], step: int) -> list[dict[str, Any]]:
+    """Two workers' answers to ``deltasync_prepare`` of ``step``, and the files they report in."""
+    import json
+
+    out = []
+    for rank, doc in enumerate(docs):
+        path = tmp_path / f"r{rank}.json"
+        path.write_text(json.dumps(doc))
+        out.append({"rank": rank, "step": 0, "prepared": None, "preparing": step, "prepared_file": str(path)})
+    return out
+
+
+def test_the_wait_ends_when_every_worker_reported_the_step_prepared(tmp_path: Any) -> None:
+    import json
+    import threading
+
+    from deltasync.integrations.vllm.engine_core import wait_prepared
+
+    answers = _answers(tmp_path, [{"prepared": None, "serving": 0}, {"prepared": None, "serving": 0}], 3)
+    reads = threading.Event()
+
+    class Stop(threading.Event):
+        """A stop event whose waits make the workers' reports arrive (no sleeping)."""
+
+        def wait(self, timeout: float | None = None) -> bool:
+            if not reads.is_set():
+                reads.set()
+                for a in answers:
+                    doc = {"step": 3, "ok": True, "error": None, "prepared": 3, "serving": 0}
+                    Path(a["prepared_file"]).write_text(json.dumps(doc))
+            return False
+
+    out = wait_prepared(answers, 60.0, stop=Stop())
+    assert [(a["rank"], a["prepared"], a["step"]) for a in out] == [(0, 3, 0), (1, 3, 0)]
+
+
+def test_the_wait_raises_a_worker_s_prepare_error_and_is_bounded(tmp_path: Any) -> None:
+    import threading
+
+    from deltasync.integrations.vllm.engine_core import wait_prepared
+
+    failed = {"step": 3, "ok": False, "error": "ChecksumMismatch: bad patch", "prepared": None, "serving": 0}
+    answers = _answers(tmp_path, [{"prepared": 3, "serving": 0}, failed], 3)
+    with pytest.raises(DeltaSyncError, match="rank 1: step 3 could not be prepared: ChecksumMismatch: bad patch"):
+        wait_prepared(answers, 60.0)
+    # still preparing on rank 1: a bounded wait (a clock that runs out, no sleeping)
+    answers = _answers(tmp_path, [{"prepared": 3, "serving": 0}, {"prepared": None, "serving": 0}], 3)
+    now = iter([0.0, 0.0, 10.0, 100.0])
+    with pytest.raises(DeltaSyncError, match=r"step 3 was not prepared within 50 s on rank\(s\) 1"):
+        wait_prepared(answers, 50.0, stop=threading.Event(), clock=lambda: next(now))
+    # a worker that serves the step already (or a newer one prepared) needs no wait
+    answers = _answers(tmp_path, [{"prepared": None, "serving": 3}, {"prepared": 4, "serving": 0}], 3)
+    assert [a["prepared"] for a in wait_prepared(answers, 1.0)] == [None, 4]

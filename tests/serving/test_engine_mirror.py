@@ -473,3 +473,61 @@ def test_a_run_whose_tied_names_part_is_refused_before_the_engine_is_touched() -
     with pytest.raises(EngineIncompatible):
         m.prepare(4).result()
     assert m.status().state == "serving" and m.serving == 2
+
+
+# ------------------------------------------------------------------ prepare latency and starved builds (issue 34)
+
+
+class _Clock:
+    """A mirror's clock that a test moves (no sleeping)."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_each_prepare_reports_its_latency_and_each_update_whether_it_was_prepared(run: ds.MemoryStore) -> None:
+    from deltasync.fetcher.metrics import SyncMetrics
+
+    clock, metrics = _Clock(), SyncMetrics()
+    m = _mirror(run, Engine(_state(0)), metrics=metrics, clock=clock)
+    reports: list[dict[str, Any]] = []
+    m.on_prepared = reports.append
+    m.seen(1)  # the commit is heard of (a poll or a signal)
+    clock.now += 3.0  # the prefetch asks 3 s later
+    assert m.prepare(1).result() == 1
+    assert reports == [m.last_prepare] and reports[0]["step"] == 1 and reports[0]["ok"]
+    assert reports[0]["latency_s"] == 3.0 and not reports[0]["starved"]
+    assert m.commit(1).prepared
+    m.commit(2)  # not prepared: built in the pause
+    text = metrics.render()
+    assert "deltasync_prepare_seconds_count 1" in text and "deltasync_last_prepare_seconds 3.0" in text
+    assert 'deltasync_engine_updates_total{prepared="true"} 1' in text
+    assert 'deltasync_engine_updates_total{prepared="false"} 1' in text
+    assert "deltasync_prepared_pause_seconds_count 1" in text
+    assert "deltasync_prepare_starved_total 0" in text
+
+
+def test_a_prepare_far_longer_than_its_build_is_reported_as_starved(
+    run: ds.MemoryStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The build's own work is its CPU seconds; a prepare whose wall time is far beyond them waited for
+    CPU, a lock or a leader: a warning and ``deltasync_prepare_starved_total``."""
+    from deltasync.fetcher.metrics import SyncMetrics
+
+    clock, metrics = _Clock(), SyncMetrics()
+    m = _mirror(run, Engine(_state(0)), metrics=metrics, clock=clock)
+    ensure = m.node.ensure
+
+    def slow_ensure(step: int) -> Any:
+        clock.now += 60.0  # what a build starved of CPU looks like from the worker
+        return ensure(step)
+
+    m.node.ensure = slow_ensure  # type: ignore[method-assign]
+    with caplog.at_level("WARNING", logger="deltasync.mirror"):
+        assert m.prepare(1).result() == 1
+    assert m.last_prepare is not None and m.last_prepare["starved"], m.last_prepare
+    assert "deltasync_prepare_starved_total 1" in metrics.render()
+    assert any("was starved" in r.getMessage() for r in caplog.records)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Any
 
 from deltasync.errors import ChecksumMismatch
 from deltasync.serving.engine.prefetch import Prefetcher
@@ -19,10 +20,14 @@ class FakeMirror:
         self.latest = 0
         self.broken: set[int] = set()
         self.asked: list[tuple[float, int]] = []
+        self.heard: list[int] = []  # steps the prefetcher told the mirror it saw committed
         self.clock = 0.0
 
     def latest_step(self) -> int | None:
         return self.latest
+
+    def seen(self, step: int, at: float | None = None) -> None:
+        self.heard.append(step)
 
     def prepare(self, step: int | None = None, *, coalesce: str | None = None) -> Future[int | None]:
         assert step is not None and coalesce == "prefetch"
@@ -104,3 +109,38 @@ def test_close_cuts_the_poll_wait_short() -> None:
     p.start()
     assert p.close(timeout=30)  # the watch ended: its hour-long wait was cut short
     assert p.stop.is_set()
+
+
+def test_a_commit_the_signal_server_announces_is_prepared_without_waiting_for_a_poll(tmp_path: Any) -> None:
+    """Issue 34: with a signal server the prefetch wakes on each commit it announces. The store poll here
+    comes once an hour (and never sees step 1), so only the real server's SSE event can ask for step 1."""
+    from server_harness import ThreadServer
+
+    from deltasync.server import Settings, create_app
+    from deltasync.signal import SignalClient
+
+    app = create_app(
+        Settings(publish_token="pub-token-1", subscribe_token="sub-token-1", db_path=str(tmp_path / "s.db"))
+    )
+    mirror = FakeMirror()
+    asked = threading.Event()
+    real_prepare = mirror.prepare
+
+    def prepare(step: int | None = None, *, coalesce: str | None = None) -> Future[int | None]:
+        fut = real_prepare(step, coalesce=coalesce)
+        asked.set()
+        return fut
+
+    mirror.prepare = prepare  # type: ignore[method-assign]
+    with ThreadServer(app) as srv:
+        p = Prefetcher(
+            lambda: mirror, poll_interval=3600.0, signal_url=srv.url, signal_token="sub-token-1", run="r", heartbeat=0.5
+        )
+        p.start()
+        try:
+            SignalClient(srv.url, "pub-token-1").publish("r", 1, "0" * 32)
+            assert asked.wait(60), "the prefetch did not wake on the signal"
+        finally:
+            assert p.close(timeout=30)
+    assert [s for _, s in mirror.asked] == [1]
+    assert 1 in mirror.heard  # its prepare latency counts from the signal

@@ -94,7 +94,8 @@ class DeltasyncInitInfo(WeightTransferInitInfo):  # type: ignore[misc]
     store: the run's URL (``hf://buckets/...``, ``s3://...``, a local dir); updates may name it instead.
     verify: ``True`` (checksums and digests of every changed tensor), ``"full"`` or ``False``.
     signing_key: require manifests signed with this HMAC key (UTF-8).
-    prefetch: prepare each new committed step in the background as soon as it lands.
+    prefetch: prepare each new committed step in the background as soon as it lands (woken by the
+        ``signal`` server's stream when there is one, else at the next store poll).
     poll_interval: seconds between store polls while prefetching.
     metrics_port: serve Prometheus metrics on 127.0.0.1 at this port plus the worker's rank.
     node_dir: where the node's shared mirror lives (default ``$DELTASYNC_NODE_DIR``, else ``/dev/shm``);
@@ -400,10 +401,24 @@ class WorkerSync:
     def _start_prefetch(self) -> None:
         if self._prefetcher is not None:
             return
+        o = self.options
         self._prefetcher = Prefetcher(
-            lambda: self.mirror_for(None), metrics=self.metrics, poll_interval=self.options.poll_interval
+            lambda: self.mirror_for(None),
+            metrics=self.metrics,
+            poll_interval=o.poll_interval,
+            # with a signal server, each commit it announces is prepared at once, not at the next poll
+            signal_url=o.signal,
+            signal_token=o.signal_token,
+            run=o.signal_run if o.signal_run is not None else self._run_name,
         )
         self._prefetcher.start()
+
+    def _run_name(self) -> str | None:
+        """The run's name at the signal server when init_info names none: the run id its store records."""
+        try:
+            return self.mirror_for(None).fetcher.reader.run_id()
+        except (DeltaSyncError, ValueError):
+            return None
 
     # ------------------------------------------------------------- phases
 

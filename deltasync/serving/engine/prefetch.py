@@ -1,7 +1,7 @@
 """Prepare each new committed step of a run in the background, as soon as it lands.
 
 :class:`Prefetcher` runs the one :class:`~deltasync.signal.FollowLoop` over a
-:class:`~deltasync.signal.StepWatcher` (store polling) from its own
+:class:`~deltasync.signal.StepWatcher` (store polling, and a signal server's stream when given one) from its own
 :class:`~deltasync._util.worker.SerialWorker`, and asks the mirror to prepare each newer step; the
 mirror's preparer coalesces, so a newer step supersedes one still queued. A step that fails to
 prepare is tried again after the loop's backoff (longer after each failure of the same step, reset
@@ -11,6 +11,7 @@ it into a worker.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -39,6 +40,8 @@ class _Mirror(Protocol):
 
     def latest_step(self) -> int | None: ...
 
+    def seen(self, step: int, at: float | None = None) -> None: ...
+
     def prepare(self, step: int | None = None, *, coalesce: str | None = None) -> Future[int | None]: ...
 
 
@@ -50,6 +53,10 @@ class Prefetcher:
     metrics: a ``SyncMetrics``-like recorder (``observe_head``), optional.
     poll_interval: seconds between store polls. retry: the backoff of a failing step (default:
         one poll interval after the first failure, then doubling, at most 60 s).
+    signal_url, signal_token, run: a signal server to wake on: each commit it announces is prepared
+        at once instead of at the next poll (the store is still polled, at least every
+        ``poll_interval`` while the stream is down, and with each heartbeat while it is up). ``run``:
+        the run's name there, or a callable giving it (None: not known yet, poll meanwhile).
     clock, wait, stop: injectable for tests (monotonic seconds; ``wait(seconds)`` pauses between
         polls, by default on ``stop``, which :meth:`close` sets).
     """
@@ -64,8 +71,13 @@ class Prefetcher:
         clock: Callable[[], float] = time.monotonic,
         wait: Callable[[float], object] | None = None,
         stop: threading.Event | None = None,
+        signal_url: str | None = None,
+        signal_token: str | None = None,
+        run: str | Callable[[], str | None] | None = None,
+        heartbeat: float = 5.0,
     ) -> None:
         self.mirror = mirror
+        self.signal_url, self.signal_token, self.run_name, self.heartbeat = signal_url, signal_token, run, heartbeat
         self.metrics = metrics
         self.poll_interval = poll_interval
         self.retry = retry or RetryPolicy(
@@ -90,8 +102,18 @@ class Prefetcher:
 
     def run(self) -> None:
         """Watch the store until :attr:`stop` is set (what :meth:`start` runs in the background)."""
+        signal = self.signal_url is not None and self.run_name is not None
         watcher = StepWatcher(
-            self._latest, poll_interval=self.poll_interval, stop=self.stop, wait=self._wait, clock=self.clock
+            self._latest,
+            signal_url=self.signal_url if signal else None,
+            token=self.signal_token,
+            run=self.run_name if signal else None,
+            heartbeat=self.heartbeat,
+            poll_interval=self.poll_interval,
+            store_check_interval=self.poll_interval,  # checked at each event or heartbeat while the stream is up
+            stop=self.stop,
+            wait=self._wait,
+            clock=self.clock,
         )
         FollowLoop(
             watcher,
@@ -121,8 +143,12 @@ class Prefetcher:
             return None
 
     def _observe(self, seen: StepSeen) -> None:
-        if self.metrics is not None and seen.step is not None:
-            self.metrics.observe_head(seen.step)
+        if seen.step is None:
+            return
+        if self.metrics is not None:
+            self.metrics.observe_head(seen.step, seen.committed_at)
+        with contextlib.suppress(DeltaSyncError, ValueError):
+            self.mirror().seen(seen.step)  # its prepare latency counts from here
 
     def _prepare(self, step: int) -> Future[int | None] | None:
         """Ask the mirror to prepare ``step`` (a newer step supersedes one still queued)."""
