@@ -61,8 +61,8 @@ class DeltaSyncCallback(TrainerCallback):
     ahead of the checkpoint, steps up to the store's head are not pushed (a warning
     says so): committed steps are never rewritten.
 
-    References (docs/audit.md): with ``references=N`` (``True``: every pushed step), every N-th
-    pushed step also gets the trainer's reference logprobs of the run's probes
+    References (docs/audit.md): with ``references=N`` (``True``: every pushed step), each pushed
+    step whose number is a multiple of N also gets the trainer's reference logprobs of the run's probes
     (:meth:`DeltaUploader.attach_reference`: one small no-grad forward of the model right after the
     push, written in the background), which receivers compare their engines with. ``probes`` sets
     the run's probe set (default: derived from the run). Stored references are listed in
