@@ -655,3 +655,21 @@ def test_a_build_over_an_anchor_load_compares_the_tensors_it_wrote(
         assert _equal(version.tensors(), _state(1))
     finally:
         node.close()
+
+
+def test_the_leader_starts_and_warms_up_before_the_first_step_is_asked_for(tmp_path: Path) -> None:
+    """Issue 34: ``EngineMirror.warm`` (an engine's init) starts the node's leader while nothing is asked
+    yet, and the leader compiles what a build runs at once; the first step is built by that leader."""
+    from deltasync.serving.node import _link
+
+    url = _push(tmp_path / "run", range(2))
+    worker = _worker(url, tmp_path / "node", Engine(_state(0)))
+    before = {p.pid for p in _link._children}
+    assert worker.warm().result(timeout=300) is None
+    (leader,) = [p for p in _link._children if p.pid not in before]
+    assert leader.poll() is None  # running, with no step asked for
+    pids: list[int] = []
+    worker.node.on_phase = lambda pid, phase: pids.append(pid)
+    worker.commit(1)
+    assert set(pids) == {leader.pid} and worker.node.versions.version(1) is not None
+    worker.close()

@@ -138,7 +138,11 @@ def test_a_commit_the_signal_server_announces_is_prepared_without_waiting_for_a_
         )
         p.start()
         try:
-            SignalClient(srv.url, "pub-token-1").publish("r", 1, "0" * 32)
+            publisher = SignalClient(srv.url, "pub-token-1")
+            try:
+                publisher.publish("r", 1, "0" * 32)
+            finally:
+                publisher.close()
             assert asked.wait(60), "the prefetch did not wake on the signal"
         finally:
             assert p.close(timeout=30)

@@ -330,6 +330,7 @@ class WorkerSync:
                     raise
                 log.warning("cannot seed the mirror from %s (%s): the first update loads every tensor", seed.dir, exc)
                 self.mirror = new_mirror(None)
+            self.mirror.warm()  # the node's leader starts and compiles while the engine serves
             self._prepared_file = self.mirror.node.dir / "prepared" / f"{os.getpid()}-r{self.rank}.json"
             self.mirror.on_prepared = self._write_prepared
             self._write_prepared(None)

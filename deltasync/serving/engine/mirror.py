@@ -304,6 +304,11 @@ class EngineMirror:
         if self._pin is not None:
             self._pin.release(view.values())
 
+    def warm(self) -> Future[None]:
+        """Start the node's leader in the background (it warms up while the engine serves), ahead of the
+        first step: the first prepare then pays only its build. Queued before any prepare."""
+        return self._preparer.submit(self.node.start_leader)
+
     def latest_step(self) -> int | None:
         """The run's newest committed step (None for an empty run)."""
         return self.fetcher.latest_step()

@@ -40,8 +40,6 @@ class _Mirror(Protocol):
 
     def latest_step(self) -> int | None: ...
 
-    def seen(self, step: int, at: float | None = None) -> None: ...
-
     def prepare(self, step: int | None = None, *, coalesce: str | None = None) -> Future[int | None]: ...
 
 
@@ -148,7 +146,9 @@ class Prefetcher:
         if self.metrics is not None:
             self.metrics.observe_head(seen.step, seen.committed_at)
         with contextlib.suppress(DeltaSyncError, ValueError):
-            self.mirror().seen(seen.step)  # its prepare latency counts from here
+            heard = getattr(self.mirror(), "seen", None)  # EngineMirror.seen; optional for other mirrors
+            if heard is not None:
+                heard(seen.step)  # its prepare latency counts from here
 
     def _prepare(self, step: int) -> Future[int | None] | None:
         """Ask the mirror to prepare ``step`` (a newer step supersedes one still queued)."""

@@ -24,7 +24,7 @@ from deltasync._util.worker import run_in_background
 from deltasync.errors import DeltaSyncError, from_code
 from deltasync.fetcher import Verify
 
-__all__ = ["LeaderConfig", "peer", "request", "socket_name"]
+__all__ = ["LeaderConfig", "ensure_leader", "peer", "request", "socket_name"]
 
 #: seconds a new leader may take to import and say it is ready
 START_TIMEOUT = 300.0
@@ -138,6 +138,12 @@ def _start(config: LeaderConfig) -> socket.socket:
                 f"the node mirror's leader started but does not answer (see {node_dir / 'leader.log'})"
             )
         return sock
+
+
+def ensure_leader(config: LeaderConfig) -> None:
+    """Start the leader of ``config.dir`` now when there is none (it then warms up: imports and compiles
+    what a build needs), so that the first step a worker asks for pays only its build."""
+    _start(config).close()
 
 
 def request(

@@ -29,6 +29,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 from typing import Any
 
 from deltasync.errors import DeltaSyncError, error_code
@@ -134,6 +135,40 @@ def _unpin() -> None:
             log.debug("cannot widen the leader's CPU affinity", exc_info=True)
 
 
+def warm_up() -> None:
+    """Compile what a build runs (the codec's kernels are compiled at their first use in a process, a few
+    seconds on a busy machine) by fetching a tiny run in memory: the leader does it as soon as it
+    starts, so that the first step it builds pays only its own work."""
+    import torch
+
+    import deltasync as ds
+
+    g = torch.Generator().manual_seed(0)
+    state = {"w": torch.randn(256, 256, generator=g).to(torch.bfloat16), "b": torch.randn(4096, generator=g)}
+    store = ds.MemoryStore("deltasync-leader-warm-up")
+    with ds.DeltaUploader(store, anchor_every=100, anchor_bytes_fraction=0) as up:
+        up.push(state, 0).result()
+        for step, density in ((1, 0.01), (2, 0.2)):
+            mask = torch.rand(state["w"].shape, generator=g) < density
+            state["w"] = torch.where(mask, state["w"] + 0.5, state["w"])
+            state["b"][: int(4096 * density)] += 1.0
+            up.push(state, step).result()
+    target: dict[str, Any] = {}
+    fetcher = ds.DeltaFetcher(store)
+    fetcher.sync(target, step=0)
+    fetcher.sync(target)
+
+
+def _warm_in_background() -> None:
+    def run() -> None:
+        try:
+            warm_up()
+        except Exception:  # noqa: BLE001 - only a head start: a build compiles what it needs anyway
+            log.warning("the leader's warm-up failed", exc_info=True)
+
+    threading.Thread(target=run, name="deltasync-leader-warm-up", daemon=True).start()
+
+
 def main() -> int:
     """The leader process (see the module docstring)."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -159,6 +194,7 @@ def main() -> int:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)  # the starter stops reading: nothing else may go to that pipe
     os.close(devnull)
+    _warm_in_background()  # the first build, often requested within seconds, need not compile
     idle_checks = 0
     while True:
         try:

@@ -224,6 +224,17 @@ class NodeMirror:
             self.built.append(have)
         return have
 
+    def start_leader(self) -> None:
+        """Start the node's leader now when it builds in one (:func:`_link.ensure_leader`), so that the
+        first step asked for does not wait for it to start and compile; a failure is logged (the first
+        request starts one)."""
+        if self._builder is not None:
+            return
+        try:
+            _link.ensure_leader(self.leader)
+        except (OSError, DeltaSyncError) as exc:
+            log.warning("cannot start the node mirror's leader yet (%s): the first update starts it", exc)
+
     def _tidy(self, keep: int | None = None) -> None:
         """Collect now (keeping ``keep`` versions) if nobody holds the lock (else its holder collects)."""
         lock = NodeLock(self.dir / "lock")
