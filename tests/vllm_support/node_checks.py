@@ -56,15 +56,13 @@ def memory(node_dir: str) -> dict[str, int]:
 
 
 def prepare(llm: Any, url: str, step: int, timeout: float = 600.0) -> float:
+    # a bounded wait that never polls the workers (polling keeps vLLM's CPU workers spinning and starves
+    # the build); a prepare that failed or timed out is the update's to report
     t0 = time.monotonic()
-    llm.collective_rpc("deltasync_prepare", kwargs={"store": url, "step": step})
-    while time.monotonic() - t0 < timeout:
-        status = llm.collective_rpc("deltasync_status")
-        if all(s["prepared"] == step for s in status):
-            return time.monotonic() - t0
-        if any(s["last_error"] for s in status):
-            break  # the update reports it
-        time.sleep(0.1)  # each look is an RPC through the engine to every worker: not too often
+    try:
+        llm.collective_rpc("deltasync_prepare", kwargs={"store": url, "step": step, "wait": True, "timeout": timeout})
+    except Exception as exc:  # noqa: BLE001 - the update that follows raises what matters
+        print(f"step {step} not prepared: {exc}", flush=True)
     return time.monotonic() - t0
 
 
