@@ -90,7 +90,16 @@ def _answers(tmp_path: Any, docs: list[dict[str, Any]], step: int) -> list[dict[
     for rank, doc in enumerate(docs):
         path = tmp_path / f"r{rank}.json"
         path.write_text(json.dumps(doc))
-        out.append({"rank": rank, "step": 0, "prepared": None, "preparing": step, "prepared_file": str(path)})
+        out.append(
+            {
+                "rank": rank,
+                "step": 0,
+                "prepared": None,
+                "preparing": step,
+                "prepared_file": str(path),
+                "prepare_id": "a",
+            }
+        )
     return out
 
 
@@ -123,12 +132,14 @@ def test_the_wait_raises_a_worker_s_prepare_error_and_is_bounded(tmp_path: Any) 
 
     from deltasync.integrations.vllm.engine_core import wait_prepared
 
-    failed = {"step": 3, "ok": False, "error": "ChecksumMismatch: bad patch", "prepared": None, "serving": 0}
+    failed = {"prepared": None, "serving": 0, "outcomes": {"a": "ChecksumMismatch: bad patch"}}
     answers = _answers(tmp_path, [{"prepared": 3, "serving": 0}, failed], 3)
     with pytest.raises(DeltaSyncError, match="rank 1: step 3 could not be prepared: ChecksumMismatch: bad patch"):
         wait_prepared(answers, 60.0)
-    # still preparing on rank 1: a bounded wait (a clock that runs out, no sleeping)
-    answers = _answers(tmp_path, [{"prepared": 3, "serving": 0}, {"prepared": None, "serving": 0}], 3)
+    # still preparing on rank 1 (what failed there was another prepare: not this call's): a bounded
+    # wait (a clock that runs out, no sleeping)
+    other = {"prepared": None, "serving": 0, "outcomes": {"b": "ChecksumMismatch: bad patch"}}
+    answers = _answers(tmp_path, [{"prepared": 3, "serving": 0}, other], 3)
     now = iter([0.0, 0.0, 10.0, 100.0])
     with pytest.raises(DeltaSyncError, match=r"step 3 was not prepared within 50 s on rank\(s\) 1"):
         wait_prepared(answers, 50.0, stop=threading.Event(), clock=lambda: next(now))

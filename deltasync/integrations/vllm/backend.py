@@ -37,6 +37,7 @@ import functools
 import json
 import logging
 import os
+import secrets
 import sys
 import threading
 from collections.abc import Callable
@@ -188,10 +189,11 @@ class WorkerStatus:
     #: that settles (what the engine core's wait reads: see ``engine_core``)
     preparing: int | None = None
     prepared_file: str | None = None
+    prepare_id: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """The RPC's JSON answer: the engine's status, ``rank``, then ``report``, ``error``, ``preparing``
-        and ``prepared_file`` when set."""
+        """The RPC's JSON answer: the engine's status, ``rank``, then ``report``, ``error``, ``preparing``,
+        ``prepared_file`` and ``prepare_id`` when set."""
         out = {**self.engine.to_json(), "rank": self.rank}
         if self.report is not None:
             out["report"] = asdict(self.report)
@@ -201,6 +203,8 @@ class WorkerStatus:
             out["preparing"] = self.preparing
         if self.prepared_file is not None:
             out["prepared_file"] = self.prepared_file
+        if self.prepare_id is not None:
+            out["prepare_id"] = self.prepare_id
         return out
 
 
@@ -236,6 +240,7 @@ class WorkerSync:
         self._metrics_server: Any = None
         self._reporter: EngineReporter | None = None  # rank 0 with the ``signal`` option
         self._prepared_file: Path | None = None  # where this worker reports its prepares (``_write_prepared``)
+        self._outcomes: dict[str, str | None] = {}  # the last asked prepares' errors (None: prepared), by id
         self._audit: dict[str, Any] = {}  # the last behavioural audit's report (deltasync_audit_report)
         self._params_audit: Any = None  # serving.engine.params_audit.ParamsAuditor, made on first use
         #: where the node mirror lives when init_info names no ``node_dir``: ``$DELTASYNC_NODE_DIR``, else
@@ -342,7 +347,11 @@ class WorkerSync:
         mirror, path = self.mirror, self._prepared_file
         if mirror is None or path is None:
             return
-        doc = {**(report or {}), "prepared": mirror.prepared, "serving": mirror.serving}
+        if report is not None and report.get("tag"):  # the outcome of an asked prepare, kept for its waiter
+            self._outcomes[report["tag"]] = report.get("error")
+            while len(self._outcomes) > 16:
+                del self._outcomes[next(iter(self._outcomes))]
+        doc = {**(report or {}), "prepared": mirror.prepared, "serving": mirror.serving, "outcomes": self._outcomes}
         path.parent.mkdir(mode=0o700, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(json.dumps(doc))
@@ -432,7 +441,8 @@ class WorkerSync:
         mirror = self.mirror_for(store)
         if step is None:
             step = mirror.latest_step()
-        prepared = mirror.prepare(step)
+        tag = secrets.token_hex(8)
+        prepared = mirror.prepare(step, tag=tag)
         if wait:
             limit = PREPARE_TIMEOUT if timeout is None else timeout
             try:
@@ -443,7 +453,7 @@ class WorkerSync:
                     "update now builds it in the pause)"
                 ) from None
         path = None if self._prepared_file is None else str(self._prepared_file)
-        return replace(self.status(), preparing=step, prepared_file=path)
+        return replace(self.status(), preparing=step, prepared_file=path, prepare_id=tag)
 
     def update(self, store: str | None, step: int | None) -> WorkerStatus:
         if step is not None:

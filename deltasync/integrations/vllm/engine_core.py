@@ -140,10 +140,9 @@ def wait_prepared(
             if step is None or (serving is not None and serving >= step) or (prepared is not None and prepared >= step):
                 out[i].update(prepared=prepared, step=serving)
                 del pending[i]
-            elif doc.get("step") == step and doc.get("ok") is False:
-                raise DeltaSyncError(
-                    f"rank {answer.get('rank')}: step {step} could not be prepared: {doc.get('error')}"
-                )
+            elif (doc.get("outcomes") or {}).get(answer.get("prepare_id")) is not None:  # this call's prepare failed
+                error = doc["outcomes"][answer["prepare_id"]]
+                raise DeltaSyncError(f"rank {answer.get('rank')}: step {step} could not be prepared: {error}")
         if not pending:
             return out
         if clock() >= deadline or waiter.wait(pause):

@@ -321,12 +321,15 @@ class EngineMirror:
             for old in [s for s in self._seen if s < step - 64]:  # never grows without bound
                 del self._seen[old]
 
-    def prepare(self, step: int | None = None, *, coalesce: Hashable | None = None) -> Future[int | None]:
+    def prepare(
+        self, step: int | None = None, *, coalesce: Hashable | None = None, tag: str | None = None
+    ) -> Future[int | None]:
         """Start bringing the node's mirror to ``step`` (default: the newest) in the background; the
         engine keeps serving. Returns a future of the step prepared. Errors are kept for the commit.
 
         ``coalesce``: a prepare queued with the same key and not started yet is superseded (its
-        future cancelled), as the prefetcher does with each newer step.
+        future cancelled), as the prefetcher does with each newer step. ``tag``: names this prepare in
+        its report (``tag``), so that a waiter tells its own outcome from another prepare's.
 
         Each prepare that settles is reported (:attr:`last_prepare`, :attr:`on_prepared`, the metrics'
         ``observe_prepare``): its latency from when the step was first heard of (:meth:`seen`) to
@@ -347,14 +350,16 @@ class EngineMirror:
                     self.last_error = f"{type(exc).__name__}: {exc}"
                     if self.metrics is not None:
                         self.metrics.observe_failure("prepare")
-                    self._settled(step, None, t0, self.last_error)
+                    self._settled(step, None, t0, self.last_error, tag)
                     raise
-                self._settled(step, None if v is None else v.step, t0, None)
+                self._settled(step, None if v is None else v.step, t0, None, tag)
                 return None if v is None else v.step
 
         return self._preparer.submit(run, coalesce=coalesce)
 
-    def _settled(self, asked: int | None, step: int | None, t0: float, error: str | None) -> None:
+    def _settled(
+        self, asked: int | None, step: int | None, t0: float, error: str | None, tag: str | None = None
+    ) -> None:
         """Report a prepare that ended (under the lock): its latency, and whether its build was starved."""
         now = self.clock()
         target = step if step is not None else asked
@@ -382,6 +387,7 @@ class EngineMirror:
             "latency_s": round(latency, 4),
             "build_s": build_s,
             "starved": starved,
+            "tag": tag,
         }
         self.last_prepare = report
         if error is None:
