@@ -455,10 +455,19 @@ def wait_until_answering(proc: subprocess.Popen[bytes], base: str, log_path: Pat
 
 
 @contextlib.contextmanager
-def vllm_server(python: Path, model: Path, log_path: Path, *, tp: int = 1) -> Iterator[str]:
+def vllm_server(
+    python: Path,
+    model: Path,
+    log_path: Path,
+    *,
+    tp: int = 1,
+    worker_extension: str = "deltasync.integrations.vllm.backend.DeltasyncWorkerExtension",
+    env: Mapping[str, str] | None = None,
+) -> Iterator[str]:
     """A real ``vllm serve`` (OpenAI server) of ``model`` with deltasync's weight-transfer backend and
-    worker extension, dev routes on (``VLLM_SERVER_DEV_MODE=1``), on 127.0.0.1; yields its base URL and
-    kills its process group on exit. Waits (bounded) until ``/v1/models`` answers."""
+    worker extension (or ``worker_extension``, e.g. a test-only subclass in ``tests/vllm_support``), dev
+    routes on (``VLLM_SERVER_DEV_MODE=1``), on 127.0.0.1; yields its base URL and kills its process group
+    on exit. Waits (bounded) until ``/v1/models`` answers. ``env``: more environment of the server."""
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -468,8 +477,8 @@ def vllm_server(python: Path, model: Path, log_path: Path, *, tp: int = 1) -> It
          "--enforce-eager", "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20), "--host", "127.0.0.1",
          "--port", str(port), "--tensor-parallel-size", str(tp),
          "--weight-transfer-config", json.dumps({"backend": "deltasync"}),
-         "--worker-extension-cls", "deltasync.integrations.vllm.backend.DeltasyncWorkerExtension"],
-        env=vllm_env(tp=tp, multiprocessing=True, extra={"VLLM_SERVER_DEV_MODE": "1"}),
+         "--worker-extension-cls", worker_extension],
+        env=vllm_env(tp=tp, multiprocessing=True, extra={"VLLM_SERVER_DEV_MODE": "1", **(env or {})}),
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,

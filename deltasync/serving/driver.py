@@ -640,7 +640,7 @@ class VLLMDriver:
         """Audit ``t`` at the step it serves (``serving.audit``), keep the result for its reports, and
         act on a diverged one (``AuditConfig.action``; ``before``: the step it served before this update,
         where ``rollback`` brings it back). An audit that cannot run is logged, never raised."""
-        if t.auditor is None or t.serving is None:
+        if t.auditor is None:
             return None
         from deltasync.serving.audit import audit_server
 
@@ -648,7 +648,12 @@ class VLLMDriver:
         if params is None:
             params = config.params_every > 0 and t.updates % config.params_every == 0
         try:
-            result = audit_server(t.server, t.auditor, t.serving, params=params)
+            # a server booted from a step's checkpoint dir reports no weight version before its first
+            # update; its workers know the step
+            step = t.serving if t.serving is not None else _agreed_step(t.server)
+            if step is None:
+                return None
+            result = audit_server(t.server, t.auditor, step, params=params)
         except (httpx.HTTPError, DeltaSyncError, ValueError) as exc:
             log.warning("%s: the audit of step %s could not run: %s", t.server.url, t.serving, _text(exc))
             t.audit = None

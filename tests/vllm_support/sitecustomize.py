@@ -45,27 +45,53 @@ def _patch(utils: Any) -> None:
 
 
 class _Loader(importlib.abc.Loader):
-    def __init__(self, inner: importlib.abc.Loader) -> None:
+    def __init__(self, inner: importlib.abc.Loader, patch: Any = None) -> None:
         self.inner = inner
+        self.patch = patch or _patch
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
         return self.inner.create_module(spec)
 
     def exec_module(self, module: Any) -> None:
         self.inner.exec_module(module)
-        _patch(module)
+        self.patch(module)
 
 
 class _Finder(importlib.abc.MetaPathFinder):
+    def __init__(self, target: str = TARGET, patch: Any = None) -> None:
+        self.target = target
+        self.patch = patch
+
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname != TARGET:
+        if fullname != self.target:
             return None
         sys.meta_path.remove(self)  # once; also keeps the lookup below from finding us again
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is not None and spec.loader is not None:
-            spec.loader = _Loader(spec.loader)
+            spec.loader = _Loader(spec.loader, self.patch)
         return spec
 
 
 if os.environ.get("DELTASYNC_TEST_NO_CPU_GEMM_PATCH") != "1":
     sys.meta_path.insert(0, _Finder())
+
+
+def _patch_engine_core(module: Any) -> None:
+    """TEST-ONLY fault of the audit tests (tests/vllm_support/audit_faults.py): while the file
+    ``$DELTASYNC_TEST_FAULTS/skip_cache_reset`` exists, the engine core's ``reset_prefix_cache`` drops
+    nothing and says it succeeded."""
+    from pathlib import Path
+
+    switch = Path(os.environ["DELTASYNC_TEST_FAULTS"]) / "skip_cache_reset"
+    original = module.EngineCore.reset_prefix_cache
+
+    def reset_prefix_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if switch.exists():
+            return True
+        return original(self, *args, **kwargs)
+
+    module.EngineCore.reset_prefix_cache = reset_prefix_cache
+
+
+if os.environ.get("DELTASYNC_TEST_FAULTS"):  # a dir of switches: see audit_faults.py
+    sys.meta_path.insert(0, _Finder("vllm.v1.engine.core", _patch_engine_core))
