@@ -276,6 +276,16 @@ def test_async_grpo_syncs_reach_a_real_vllm_server_through_the_store_bit_exact(
     print(f"TRL audit: engine at step 4 vs trainer's reference of step 4 {healthy}, of step 1 {older}")
     assert probes.policy.breaches(healthy) == (), healthy
     assert older.mean_abs > healthy.mean_abs
+    # the page's audit=True: the server was audited right after each update, against that step's reference,
+    # and the per-version figures were logged next to TRL's own metrics
+    assert sorted(transfer.audits) == [1, 2, 3, 4]
+    for step, figures in transfer.audits.items():
+        assert figures["deltasync/audit/replicas"] == 1 and figures["deltasync/audit/diverged"] == 0, (step, figures)
+        assert 0 <= figures["deltasync/audit/mismatch_mean_abs"] <= probes.policy.max_mean_abs, (step, figures)  # type: ignore[operator]
+    for rec in transfer.history:
+        assert rec.updates[0].audit is not None and rec.updates[0].audit.step == rec.step
+    assert any("deltasync/audit/mismatch_mean_abs" in h for h in trainer.state.log_history)
+    print(f"TRL audit per version: {transfer.audits}")
 
     steps = [r.step for r in transfer.history]
     assert steps == [1, 2, 3, 4]  # the cold sync at train begin (after the page's step 0), then one per optimizer step
