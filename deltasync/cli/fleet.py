@@ -78,6 +78,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with --wait: a replica reported unreachable is left out of the live replicas (exclude, the default: "
         "named in the report) or waited for (wait)",
     )
+    p.add_argument(
+        "--healthy-only",
+        action="store_true",
+        help="with --wait: count only serving replicas (not failed or diverged ones: docs/audit.md)",
+    )
     p.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS", help="with --wait: give up after this")
     p.add_argument("--poll", type=float, default=1.0, metavar="SECONDS", help="with --wait: seconds between reads")
     p.add_argument("--json", action="store_true", help="print the fleet as JSON instead of a table")
@@ -111,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
                 quorum=args.quorum,
                 min_replicas=args.min_replicas,
                 unreachable=args.unreachable,
+                healthy_only=args.healthy_only,
                 timeout=args.timeout,
                 poll=args.poll,
             )

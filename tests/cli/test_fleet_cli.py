@@ -116,3 +116,26 @@ def test_fleet_refuses_bad_arguments(extra: list[str], message: str, capsys: pyt
         main(["fleet", "--signal", "http://127.0.0.1:9", "--run", "r", *extra])
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_fleet_wait_healthy_only_waits_for_a_diverged_replica(
+    signal: ThreadServer, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from deltasync.protocol.audit import AuditReport, Divergence, fingerprint
+
+    for var in ("DELTASYNC_SUBSCRIBE_TOKEN", "DELTASYNC_PUBLISH_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    run = "cli-healthy"
+    base = ["fleet", "--signal", signal.url, "--run", run, "--wait", "1", "--timeout", "0"]
+    fp = fingerprint("ab" * 16, [[-2.0] * 4])
+    with SignalClient(signal.url) as trainer:
+        trainer.publish(run, 1, "1" * 32)
+        with FleetReporter(signal.url, run, replica="engine-a") as a:
+            a.update(1, "diverged", audit=AuditReport(1, fp, Divergence(3.0, 9.0, 2.0)), last_error="mean_abs 3 > 0.1")
+            assert a.wait_reported(WAIT)
+            assert main(base) == 0  # it holds step 1
+            out = capsys.readouterr().out
+            assert "diverged" in out and "step 1 group 0, |d| 3/9 kl 2" in out
+            assert main([*base, "--healthy-only"]) == 1
+            err = capsys.readouterr().err
+            assert "healthy ones only" in err and "engine-a: step 1, lag 0, state diverged" in err
