@@ -108,7 +108,8 @@ class DeltaSyncWeightTransfer:
     (its rollouts would come from older weights than TRL believes); False only logs it.
     ``uploader_options`` go to :class:`~deltasync.DeltaUploader` (``anchor_every``, ``signal_url``...);
     with ``signal_url`` the driven servers also report to its fleet view. ``max_staleness``,
-    ``staleness_quorum``, ``staleness_timeout``: the staleness gate after each sync (see the module doc;
+    ``staleness_quorum``, ``staleness_timeout``, ``staleness_healthy_only`` (count only ``serving``
+    replicas, not ``failed`` or ``diverged`` ones): the staleness gate after each sync (see the module doc;
     :meth:`DeltaUploader.wait_for_replicas`). ``references``, ``probes``: the behavioural audit's
     trainer-side references (see the module doc); call :meth:`attach` with the trainer. ``audit``:
     audit the driven servers after each update (True, or an ``AuditConfig``).
@@ -130,6 +131,7 @@ class DeltaSyncWeightTransfer:
         max_staleness: int | None = None,
         staleness_quorum: int | float | None = None,
         staleness_timeout: float = 600.0,
+        staleness_healthy_only: bool = False,
         references: bool | int = False,
         probes: ProbeSet | None = None,
         audit: bool | AuditConfig = False,
@@ -160,6 +162,7 @@ class DeltaSyncWeightTransfer:
         self.max_staleness = max_staleness
         self.staleness_quorum = staleness_quorum
         self.staleness_timeout = staleness_timeout
+        self.staleness_healthy_only = staleness_healthy_only
         self.store = store if isinstance(store, Store) else open_store(store)
         self.servers = list(servers)
         self.model = model
@@ -263,7 +266,11 @@ class DeltaSyncWeightTransfer:
             log.warning("%s", msg)
         if self.max_staleness is not None:
             view = self.uploader.wait_for_replicas(
-                step, max_lag=self.max_staleness, quorum=self.staleness_quorum, timeout=self.staleness_timeout
+                step,
+                max_lag=self.max_staleness,
+                quorum=self.staleness_quorum,
+                timeout=self.staleness_timeout,
+                healthy_only=self.staleness_healthy_only,
             )
             log.info("step %d: %d replicas serve step %d or newer", step, len(view.replicas), step - self.max_staleness)
         self._record_audits(updates)

@@ -131,3 +131,25 @@ def test_audit_figures_per_audited_step() -> None:
         "deltasync/audit/kl": pytest.approx(0.003),
     }
     assert audit_figures([]) == {}
+
+
+def test_the_staleness_gate_can_count_only_healthy_replicas(tmp_path: Path) -> None:
+    from deltasync.errors import StalenessTimeout
+
+    model = TinyLM()
+    with ThreadServer(create_app(Settings(publish_token=TOKEN))) as signal:
+        opts: dict[str, Any] = dict(signal_url=signal.url, signal_token=TOKEN, signal_run="trl", run_id="trl")
+        transfer = DeltaSyncWeightTransfer(
+            tmp_path / "run", max_staleness=1, staleness_timeout=0, staleness_healthy_only=True, **opts
+        )
+        fp = fingerprint("ab" * 16, [[-3.0] * 4])
+        with FleetReporter(signal.url, "trl", TOKEN, replica="e0") as e0:
+            e0.update(0, "diverged", audit=AuditReport(0, fp, Divergence(1.0, 5.0, 1.0)))
+            assert e0.wait_reported(WAIT)
+            with pytest.raises(StalenessTimeout, match="e0: step 0, lag 0, state diverged"):
+                sync(transfer, model)  # step 0: e0 holds it, but diverged
+            e0.update(0, audit=AuditReport(0, fp, Divergence(0.001, 0.01, 0.0)))
+            assert e0.wait_reported(WAIT)
+            sync(transfer, model)  # step 1: e0 healthy at step 0, at most one behind
+        transfer.destroy()
+    assert [r.step for r in transfer.history] == [0, 1]
