@@ -74,7 +74,7 @@ class ScriptedVLLM:
                 return httpx.Response(500, json={"error": {"message": "rank 1: reload failed"}})
             if not self.initialised:
                 return httpx.Response(
-                    500, json={"error": {"message": "name the run: {\"store\": URL} in init_info or in update_info"}}
+                    500, json={"error": {"message": 'name the run: {"store": URL} in init_info or in update_info'}}
                 )
             if step in self.rolled_back:
                 return httpx.Response(500, json={"error": {"message": f"UpdateRolledBack: step {step}: corrupt patch"}})
@@ -90,7 +90,7 @@ class ScriptedVLLM:
                 return httpx.Response(200, json={"success": False})
             return httpx.Response(200, json={"success": True})
         if path == "/collective_rpc" and body["method"] == "deltasync_prepare":
-            assert body["kwargs"]["wait"] is True
+            assert body["kwargs"]["wait"] is True and body["kwargs"]["timeout"] > 0
             step = int(body["kwargs"]["step"])
             if step in self.unpreparable:
                 return httpx.Response(500, json={"error": {"message": f"UpdateRolledBack: step {step}: checksum"}})

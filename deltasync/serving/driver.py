@@ -222,11 +222,9 @@ class VLLMServer:
         or pausing; returns once every worker has it. Raises :class:`DeltaSyncError` naming the failure
         (``httpx.HTTPError`` when the server does not answer). Needs ``/collective_rpc`` (dev mode) and
         deltasync's worker methods (the plugin, or ``--worker-extension-cls``). Bounded by ``timeout``."""
-        r = self._post(
-            "/collective_rpc",
-            json={"method": "deltasync_prepare", "kwargs": {"step": step, "wait": True}},
-            headers=_CLOSE,
-        )
+        # the engine bounds its own wait a little inside ours, so that it answers with its error first
+        kwargs = {"step": step, "wait": True, "timeout": max(1.0, self.timeout - 5.0)}
+        r = self._post("/collective_rpc", json={"method": "deltasync_prepare", "kwargs": kwargs}, headers=_CLOSE)
         if r.status_code == 404:
             self._ok(r, "collective_rpc deltasync_prepare")
         if r.status_code != 200:
