@@ -83,7 +83,7 @@ def test_follow_vllm_keeps_a_server_at_the_newest_step_with_no_stale_prefix_cach
                 sidecar.communicate()
     assert sidecar.returncode == 0, out
     for step in run.steps[1:]:
-        assert f"step {step} -> {base}: serving (paused " in out, out
+        assert f"step {step} -> {base}: serving (prepared in " in out, out  # prepared before its pause
     assert f"stopped; serving: {base} step {last}" in out
 
 
