@@ -107,7 +107,7 @@ def test_the_wait_ends_when_every_worker_reported_the_step_prepared(tmp_path: An
     import json
     import threading
 
-    from deltasync.integrations.vllm.engine_core import wait_prepared
+    from deltasync.serving.engine.prepared import wait_prepared
 
     answers = _answers(tmp_path, [{"prepared": None, "serving": 0}, {"prepared": None, "serving": 0}], 3)
     reads = threading.Event()
@@ -130,7 +130,7 @@ def test_the_wait_ends_when_every_worker_reported_the_step_prepared(tmp_path: An
 def test_the_wait_raises_a_worker_s_prepare_error_and_is_bounded(tmp_path: Any) -> None:
     import threading
 
-    from deltasync.integrations.vllm.engine_core import wait_prepared
+    from deltasync.serving.engine.prepared import wait_prepared
 
     failed = {"prepared": None, "serving": 0, "outcomes": {"a": "ChecksumMismatch: bad patch"}}
     answers = _answers(tmp_path, [{"prepared": 3, "serving": 0}, failed], 3)

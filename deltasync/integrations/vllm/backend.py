@@ -37,11 +37,9 @@ import functools
 import json
 import logging
 import os
-import secrets
 import sys
 import threading
 from collections.abc import Callable
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -60,6 +58,7 @@ from deltasync.integrations.vllm.engine_check import check_engine
 from deltasync.integrations.vllm.engine_core import BACKEND
 from deltasync.serving.engine.mirror import CommitReport, EngineMirror, EngineStatus
 from deltasync.serving.engine.prefetch import Prefetcher
+from deltasync.serving.engine.prepared import truthy
 from deltasync.serving.fleet import EngineReporter
 
 __all__ = [
@@ -72,9 +71,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("deltasync.vllm")
-
-#: seconds ``deltasync_prepare(wait=True)`` waits at most unless told (``timeout``)
-PREPARE_TIMEOUT = 600.0
 
 
 def register() -> None:
@@ -95,8 +91,7 @@ class DeltasyncInitInfo(WeightTransferInitInfo):  # type: ignore[misc]
     store: the run's URL (``hf://buckets/...``, ``s3://...``, a local dir); updates may name it instead.
     verify: ``True`` (checksums and digests of every changed tensor), ``"full"`` or ``False``.
     signing_key: require manifests signed with this HMAC key (UTF-8).
-    prefetch: prepare each new committed step in the background as soon as it lands (woken by the
-        ``signal`` server's stream when there is one, else at the next store poll).
+    prefetch: prepare each new committed step in the background as soon as it lands (polled, and signalled by ``signal``).
     poll_interval: seconds between store polls while prefetching.
     metrics_port: serve Prometheus metrics on 127.0.0.1 at this port plus the worker's rank.
     node_dir: where the node's shared mirror lives (default ``$DELTASYNC_NODE_DIR``, else ``/dev/shm``);
@@ -185,27 +180,16 @@ class WorkerStatus:
     rank: int
     report: CommitReport | None = None
     error: str | None = None
-    #: a prepare's answer: the step it prepares, and the file where this worker reports each prepare
-    #: that settles (what the engine core's wait reads: see ``engine_core``)
-    preparing: int | None = None
-    prepared_file: str | None = None
-    prepare_id: str | None = None
+    extra: dict[str, Any] | None = None  # a prepare's step, report file and id (EngineMirror.ask)
 
     def to_json(self) -> dict[str, Any]:
-        """The RPC's JSON answer: the engine's status, ``rank``, then ``report``, ``error``, ``preparing``,
-        ``prepared_file`` and ``prepare_id`` when set."""
+        """The RPC's JSON answer: the engine's status, ``rank``, then ``report``, ``error``, ``extra``."""
         out = {**self.engine.to_json(), "rank": self.rank}
         if self.report is not None:
             out["report"] = asdict(self.report)
         if self.error is not None:
             out["error"] = self.error
-        if self.preparing is not None:
-            out["preparing"] = self.preparing
-        if self.prepared_file is not None:
-            out["prepared_file"] = self.prepared_file
-        if self.prepare_id is not None:
-            out["prepare_id"] = self.prepare_id
-        return out
+        return {**out, **(self.extra or {})}
 
 
 def _env_node_dir() -> Path | None:
@@ -239,8 +223,6 @@ class WorkerSync:
         self.metrics = SyncMetrics(labels={"rank": str(rank)})
         self._metrics_server: Any = None
         self._reporter: EngineReporter | None = None  # rank 0 with the ``signal`` option
-        self._prepared_file: Path | None = None  # where this worker reports its prepares (``_write_prepared``)
-        self._outcomes: dict[str, str | None] = {}  # the last asked prepares' errors (None: prepared), by id
         self._audit: dict[str, Any] = {}  # the last behavioural audit's report (deltasync_audit_report)
         self._params_audit: Any = None  # serving.engine.params_audit.ParamsAuditor, made on first use
         #: where the node mirror lives when init_info names no ``node_dir``: ``$DELTASYNC_NODE_DIR``, else
@@ -336,26 +318,8 @@ class WorkerSync:
                 log.warning("cannot seed the mirror from %s (%s): the first update loads every tensor", seed.dir, exc)
                 self.mirror = new_mirror(None)
             self.mirror.warm()  # the node's leader starts and compiles while the engine serves
-            self._prepared_file = self.mirror.node.dir / "prepared" / f"{os.getpid()}-r{self.rank}.json"
-            self.mirror.on_prepared = self._write_prepared
-            self._write_prepared(None)
+            self.mirror.report_to(f"{os.getpid()}-r{self.rank}")  # for a wait in the engine core
             return self.mirror
-
-    def _write_prepared(self, report: dict[str, Any] | None) -> None:
-        """Report a prepare that settled (or, with None, this worker's state) in :attr:`_prepared_file`,
-        for a wait in the engine core (``engine_core``) that must not ask the workers while they serve."""
-        mirror, path = self.mirror, self._prepared_file
-        if mirror is None or path is None:
-            return
-        if report is not None and report.get("tag"):  # the outcome of an asked prepare, kept for its waiter
-            self._outcomes[report["tag"]] = report.get("error")
-            while len(self._outcomes) > 16:
-                del self._outcomes[next(iter(self._outcomes))]
-        doc = {**(report or {}), "prepared": mirror.prepared, "serving": mirror.serving, "outcomes": self._outcomes}
-        path.parent.mkdir(mode=0o700, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(doc))
-        os.replace(tmp, path)
 
     def _check(self, layout: Any) -> dict[str, str]:
         """Refuse (once and for all) an engine whose parameters are not what it computes with; return the
@@ -411,49 +375,16 @@ class WorkerSync:
     def _start_prefetch(self) -> None:
         if self._prefetcher is not None:
             return
-        o = self.options
-        self._prefetcher = Prefetcher(
-            lambda: self.mirror_for(None),
-            metrics=self.metrics,
-            poll_interval=o.poll_interval,
-            # with a signal server, each commit it announces is prepared at once, not at the next poll
-            signal_url=o.signal,
-            signal_token=o.signal_token,
-            run=o.signal_run if o.signal_run is not None else self._run_name,
-        )
+        o, mirror = self.options, lambda: self.mirror_for(None)
+        signal: dict[str, Any] = {"signal_url": o.signal, "signal_token": o.signal_token, "run": o.signal_run}
+        self._prefetcher = Prefetcher(mirror, metrics=self.metrics, poll_interval=o.poll_interval, **signal)
         self._prefetcher.start()
-
-    def _run_name(self) -> str | None:
-        """The run's name at the signal server when init_info names none: the run id its store records."""
-        try:
-            return self.mirror_for(None).fetcher.reader.run_id()
-        except (DeltaSyncError, ValueError):
-            return None
 
     # ------------------------------------------------------------- phases
 
-    def prepare(
-        self, store: str | None, step: int | None, wait: bool = False, timeout: float | None = None
-    ) -> WorkerStatus:
-        """Start preparing ``step`` (None: the newest, resolved now); with ``wait``, until it is prepared,
-        at most ``timeout`` seconds (default :data:`PREPARE_TIMEOUT`), raising its error or, past the
-        timeout, a :class:`DeltaSyncError` (the prepare goes on)."""
-        mirror = self.mirror_for(store)
-        if step is None:
-            step = mirror.latest_step()
-        tag = secrets.token_hex(8)
-        prepared = mirror.prepare(step, tag=tag)
-        if wait:
-            limit = PREPARE_TIMEOUT if timeout is None else timeout
-            try:
-                prepared.result(timeout=limit)  # raises the prepare's error
-            except FutureTimeout:
-                raise DeltaSyncError(
-                    f"step {step} was not prepared within {limit:g} s (it goes on preparing in the background; an "
-                    "update now builds it in the pause)"
-                ) from None
-        path = None if self._prepared_file is None else str(self._prepared_file)
-        return replace(self.status(), preparing=step, prepared_file=path, prepare_id=tag)
+    def prepare(self, store: str | None, step: int | None, wait: bool = False, timeout: Any = None) -> WorkerStatus:
+        """``EngineMirror.ask``: start preparing ``step``, with ``wait`` until prepared (bounded)."""
+        return replace(self.status(), extra=self.mirror_for(store).ask(step, wait=wait, timeout=timeout))
 
     def update(self, store: str | None, step: int | None) -> WorkerStatus:
         if step is not None:
@@ -494,8 +425,6 @@ class WorkerSync:
             self._metrics_server = None
         if self.mirror is not None:
             self.mirror.close()
-        if self._prepared_file is not None:
-            self._prepared_file.unlink(missing_ok=True)
 
 
 def _normalise(url: str) -> str:
@@ -611,34 +540,18 @@ class DeltasyncWorkerExtension:
         return sync.call(lambda: sync.configure(DeltasyncInitInfo(**init_info))).to_json()
 
     def deltasync_prepare(
-        self,
-        store: str | None = None,
-        step: int | str | None = None,
-        wait: bool | str = False,
-        timeout: float | str | None = None,
+        self, store: str | None = None, step: int | str | None = None, wait: bool | str = False, timeout: Any = None
     ) -> dict[str, Any]:
-        """Start bringing the mirror to ``step`` (default: the newest) in the background, while the engine
-        serves; returns at once, or with ``wait`` once it is prepared, so that the update that follows only
-        commits it (a driver calls this before pausing; an all-or-nothing rollout prepares every server
-        first). A failed prepare raises its error.
-
-        ``wait`` is bounded: at most ``timeout`` seconds (default :data:`PREPARE_TIMEOUT`, 600), then a
-        :class:`DeltaSyncError` says the step was not prepared in time (it goes on preparing; an update
-        now builds the rest in its pause). Sent through ``collective_rpc`` to an engine whose core runs in
-        its own process (``vllm serve``, an ``LLM`` with multiprocessing), the wait is the engine core's,
-        not the workers': they start the prepare and answer at once, the engine keeps scheduling and
-        generating, and the core answers the call when every worker reported the step prepared (no RPC
-        to the workers while it waits, see :mod:`deltasync.integrations.vllm.engine_core`). In an
-        in-process engine the worker waits.
-
-        Contract (the HTTP driver relies on it): the method's name, and ``step``, ``wait`` and
-        ``timeout`` may come as strings (vLLM's HTTP ``/collective_rpc`` passes strings). Answers one
-        status per worker, with ``preparing`` (the step) and ``prepared`` (the step prepared ahead)."""
+        """Start bringing the mirror to ``step`` (default: the newest) in the background while the engine
+        serves; returns at once, or with ``wait`` once it is prepared (raising a failed prepare's error), at
+        most ``timeout`` seconds (default 600; then a DeltaSyncError, the prepare goes on), so that the
+        pause that follows only commits. In an engine core of its own process the core waits, not the
+        workers: the engine keeps generating (``engine_core``, docs/vllm.md). Contract (the HTTP driver
+        relies on it): this name; ``step``, ``wait`` and ``timeout`` may be strings (HTTP
+        ``/collective_rpc``); one answer per worker, with ``preparing`` and ``prepared``."""
         sync = _state_of(self)
         number = None if step is None else int(step)
-        flag = wait if isinstance(wait, bool) else str(wait).lower() in ("1", "true", "yes")
-        limit = None if timeout is None or timeout == "" else float(timeout)
-        return sync.call(sync.prepare, store, number, flag, limit).to_json()
+        return sync.call(sync.prepare, store, number, truthy(wait), timeout).to_json()
 
     def deltasync_update(self, store: str | None = None, step: int | None = None) -> dict[str, Any]:
         """Make the engine serve ``step`` (default: newest); raises UpdateRolledBack / WorkerNeedsReplacement."""

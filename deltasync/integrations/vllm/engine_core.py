@@ -23,16 +23,9 @@ entry point, which vLLM loads in every process, engine core included) wraps that
   otherwise: an engine started with only ``--weight-transfer-config '{"backend": "deltasync"}'``
   (or with nothing of deltasync's) answers them.
 
-* **A prepare's wait does not stop the engine.** ``collective_rpc("deltasync_prepare", kwargs={"step": N,
-  "wait": True})`` on an engine core in its own process (``vllm serve``, an ``LLM`` with
-  multiprocessing) starts the prepare on every worker without waiting (they answer at once), then
-  answers the call only once every worker reported the step prepared, through a future that vLLM's
-  engine core resolves when it is done (``EngineCoreProc`` defers a utility's answer until a returned
-  future completes): the engine keeps scheduling and generating meanwhile, and nothing asks the
-  workers while they build (:func:`wait_prepared` reads the file each worker writes when a prepare
-  settles, ``prepared_file`` in its answer). Bounded by ``timeout`` (default 600 s). An in-process
-  engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) serves nothing while a call runs: there the
-  workers wait.
+* **A prepare's wait does not stop the engine.** ``deltasync_prepare`` with ``wait`` on an engine core in
+  its own process answers through a future vLLM's ``EngineCoreProc`` resolves later: the engine keeps
+  generating, the workers are not asked meanwhile (:mod:`deltasync.serving.engine.prepared`).
 
 Everything else passes through untouched. Without the plugin (``VLLM_PLUGINS`` set without
 ``deltasync``) nothing of this runs: the backend is not registered either.
@@ -41,18 +34,14 @@ Everything else passes through untouched. Without the plugin (``VLLM_PLUGINS`` s
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import threading
-import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
-from pathlib import Path
 from typing import Any
 
 from deltasync.errors import DeltaSyncError
+from deltasync.serving.engine.prepared import deferred_prepare, truthy
 
-__all__ = ["BACKEND", "RPCS", "WorkerCall", "changes_weights", "install", "reset_caches", "wait_prepared"]
+__all__ = ["BACKEND", "RPCS", "WorkerCall", "changes_weights", "install", "reset_caches"]
 
 log = logging.getLogger("deltasync.vllm")
 
@@ -105,84 +94,10 @@ def reset_caches(core: Any) -> None:
         core.reset_encoder_cache()
 
 
-#: seconds a ``deltasync_prepare`` with ``wait`` waits unless told (the workers' default too)
-PREPARE_TIMEOUT = 600.0
-
-
-def _flag(value: Any) -> bool:
-    return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
-
-
-def wait_prepared(
-    answers: list[Any],
-    timeout: float,
-    *,
-    stop: threading.Event | None = None,
-    clock: Callable[[], float] = time.monotonic,
-) -> list[Any]:
-    """Wait until every worker whose ``deltasync_prepare`` answer is in ``answers`` reported its step
-    (``preparing``) prepared in its ``prepared_file``; returns the answers with ``prepared`` and
-    ``last_error`` as the workers last reported them. Raises the error of a worker whose prepare of
-    the step failed, or a :class:`DeltaSyncError` once ``timeout`` seconds passed (or ``stop`` is set).
-    Reads a small file per worker, every 10 ms at first, then less often (at most every 0.2 s)."""
-    deadline = clock() + timeout
-    pending = {i: a for i, a in enumerate(answers) if isinstance(a, Mapping) and a.get("prepared_file")}
-    out = [dict(a) if isinstance(a, Mapping) else a for a in answers]
-    pause, waiter = 0.01, stop or threading.Event()
-    while True:
-        for i, answer in list(pending.items()):
-            step = answer.get("preparing")
-            try:
-                doc = json.loads(Path(answer["prepared_file"]).read_text())
-            except (OSError, ValueError):
-                continue  # being replaced, or not written yet
-            serving, prepared = doc.get("serving"), doc.get("prepared")
-            if step is None or (serving is not None and serving >= step) or (prepared is not None and prepared >= step):
-                out[i].update(prepared=prepared, step=serving)
-                del pending[i]
-            elif (doc.get("outcomes") or {}).get(answer.get("prepare_id")) is not None:  # this call's prepare failed
-                error = doc["outcomes"][answer["prepare_id"]]
-                raise DeltaSyncError(f"rank {answer.get('rank')}: step {step} could not be prepared: {error}")
-        if not pending:
-            return out
-        if clock() >= deadline or waiter.wait(pause):
-            ranks = sorted(str(a.get("rank")) for a in pending.values())
-            raise DeltaSyncError(
-                f"step {next(iter(pending.values())).get('preparing')} was not prepared within {timeout:g} s on "
-                f"rank(s) {', '.join(ranks)} (it goes on preparing in the background; an update now builds it in "
-                "the pause)"
-            )
-        pause = min(pause * 1.5, 0.2)
-
-
-def _deferred_prepare(
-    original: Any, core: Any, worker_call: WorkerCall, rpc_timeout: float | None, kwargs: dict[str, Any]
-) -> Future[Any]:
-    """``deltasync_prepare`` with ``wait`` in an engine core that runs in its own process: start it on
-    every worker without waiting, answer through a future completed by a thread of the engine core."""
-    limit = kwargs.get("timeout")
-    timeout = PREPARE_TIMEOUT if limit is None or limit == "" else float(limit)
-    started = dict(kwargs, wait=False)
-    answers = original(core, worker_call, rpc_timeout, ("deltasync_prepare", (), started), None)
-    out: Future[Any] = Future()
-
-    def wait() -> None:
-        try:
-            out.set_result(wait_prepared(list(answers), timeout))
-        except BaseException as exc:  # noqa: BLE001 - the caller gets it
-            out.set_exception(exc)
-
-    threading.Thread(target=wait, name="deltasync-prepare-wait", daemon=True).start()
-    return out
-
-
 def _defers(core: Any) -> bool:
-    """Whether ``core`` answers a utility call when a future it returned completes (an engine core in
-    its own process does; an in-process one returns the future itself to the caller)."""
-    try:
-        from vllm.v1.engine.core import EngineCoreProc
-    except ImportError:
-        return False
+    """Whether ``core`` answers a utility call once a future it returned completes (not in-process)."""
+    from vllm.v1.engine.core import EngineCoreProc
+
     return isinstance(core, EngineCoreProc)
 
 
@@ -223,8 +138,9 @@ def install(worker_call: WorkerCall) -> bool:
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         resets = changes_weights(method, args, kwargs, _backend_of(self))
-        if method == "deltasync_prepare" and not args and _flag((kwargs or {}).get("wait", False)) and _defers(self):
-            return _deferred_prepare(original, self, worker_call, timeout, dict(kwargs or {}))
+        if method == "deltasync_prepare" and not args and truthy((kwargs or {}).get("wait")) and _defers(self):
+            rpc = functools.partial(original, self, worker_call, timeout)
+            return deferred_prepare(lambda kw: rpc(("deltasync_prepare", (), kw), None), kwargs or {})
         if isinstance(method, str) and method in RPCS:
             method, args, kwargs = worker_call, (method, tuple(args), dict(kwargs or {})), None
         try:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
@@ -42,6 +43,7 @@ from deltasync.errors import (
 from deltasync.fetcher import DeltaFetcher, SyncStats, Verify
 from deltasync.protocol import TensorChange
 from deltasync.serving.engine.pinning import HostPins
+from deltasync.serving.engine.prepared import PreparedFile, result_within
 from deltasync.serving.node.mirror import NodeMirror
 from deltasync.serving.node.store import KEEP
 from deltasync.serving.node.versions import Version, populate
@@ -197,6 +199,8 @@ class EngineMirror:
         self.last_prepare: dict[str, Any] | None = None
         #: called with :attr:`last_prepare` each time a prepare settles (from the preparing thread)
         self.on_prepared: Callable[[dict[str, Any]], None] | None = None
+        #: where prepares are reported for a waiter (:meth:`report_to`; None: nowhere)
+        self.reported: PreparedFile | None = None
         #: what the last ``_advance`` spent: (getting the node's version, the build's own seconds when
         #: this worker's request built it, all of it)
         self._work: tuple[float | None, float | None, float | None] = (None, None, None)
@@ -357,6 +361,19 @@ class EngineMirror:
 
         return self._preparer.submit(run, coalesce=coalesce)
 
+    def ask(self, step: int | None, *, wait: bool = False, timeout: Any = None) -> dict[str, Any]:
+        """A prepare someone asked for (``deltasync_prepare``): ``step`` (None: the newest, resolved now)
+        is prepared in the background; with ``wait`` this returns once it is, raising its error, at most
+        ``timeout`` seconds (:func:`~deltasync.serving.engine.prepared.result_within`). Returns what a
+        waiter elsewhere needs: ``{"preparing": step, "prepared_file", "prepare_id"}``."""
+        step = self.latest_step() if step is None else step
+        tag = secrets.token_hex(8)
+        prepared = self.prepare(step, tag=tag)
+        if wait:
+            result_within(prepared, step, timeout)
+        path = None if self.reported is None else str(self.reported.path)
+        return {"preparing": step, "prepared_file": path, "prepare_id": tag}
+
     def _settled(
         self, asked: int | None, step: int | None, t0: float, error: str | None, tag: str | None = None
     ) -> None:
@@ -394,11 +411,24 @@ class EngineMirror:
             log.info("step %s prepared %.3f s after it was first heard of (build %s s)", target, latency, build_s)
             if self.metrics is not None and hasattr(self.metrics, "observe_prepare"):
                 self.metrics.observe_prepare(latency, starved=starved)
-        if self.on_prepared is not None:
-            try:
-                self.on_prepared(report)
-            except Exception:  # noqa: BLE001 - a report must not fail the prepare
-                log.warning("reporting a prepare failed", exc_info=True)
+        for hook in (self._write_report, self.on_prepared):
+            if hook is not None:
+                try:
+                    hook(report)
+                except Exception:  # noqa: BLE001 - a report must not fail the prepare
+                    log.warning("reporting a prepare failed", exc_info=True)
+
+    def report_to(self, name: str) -> PreparedFile:
+        """Report each prepare that settles, and this worker's state, in the node folder's
+        ``prepared/<name>.json`` (:class:`~deltasync.serving.engine.prepared.PreparedFile`): what a wait
+        that must not ask the worker reads. Written now, then at each prepare."""
+        self.reported = PreparedFile(self.node.dir / "prepared" / f"{name}.json")
+        self._write_report(None)
+        return self.reported
+
+    def _write_report(self, report: dict[str, Any] | None) -> None:
+        if self.reported is not None:
+            self.reported.write(report, prepared=self.prepared, serving=self.serving)
 
     def wait_prepared(self, timeout: float | None = None) -> bool:
         """Wait until every prepare started so far has finished; False when ``timeout`` passed first."""
@@ -532,6 +562,8 @@ class EngineMirror:
 
     def close(self) -> None:
         """Stop the background preparer (waits for a running prepare)."""
+        if self.reported is not None:
+            self.reported.remove()
         self.node.close()
         self._preparer.close(cancel_pending=True)
         if self._pin is not None:

@@ -54,7 +54,8 @@ class Prefetcher:
     signal_url, signal_token, run: a signal server to wake on: each commit it announces is prepared
         at once instead of at the next poll (the store is still polled, at least every
         ``poll_interval`` while the stream is down, and with each heartbeat while it is up). ``run``:
-        the run's name there, or a callable giving it (None: not known yet, poll meanwhile).
+        the run's name there, or a callable giving it (None: not known yet, poll meanwhile); default:
+        the run id its store records.
     clock, wait, stop: injectable for tests (monotonic seconds; ``wait(seconds)`` pauses between
         polls, by default on ``stop``, which :meth:`close` sets).
     """
@@ -100,12 +101,11 @@ class Prefetcher:
 
     def run(self) -> None:
         """Watch the store until :attr:`stop` is set (what :meth:`start` runs in the background)."""
-        signal = self.signal_url is not None and self.run_name is not None
         watcher = StepWatcher(
             self._latest,
-            signal_url=self.signal_url if signal else None,
+            signal_url=self.signal_url,
             token=self.signal_token,
-            run=self.run_name if signal else None,
+            run=(self.run_name if self.run_name is not None else self._run_id) if self.signal_url else None,
             heartbeat=self.heartbeat,
             poll_interval=self.poll_interval,
             store_check_interval=self.poll_interval,  # checked at each event or heartbeat while the stream is up
@@ -133,6 +133,14 @@ class Prefetcher:
             return None
         self._poll_failing = False
         return latest
+
+    def _run_id(self) -> str | None:
+        """The run id the store records (the run's default name at a signal server)."""
+        try:
+            run_id: str | None = getattr(self.mirror(), "fetcher").reader.run_id()  # noqa: B009
+        except (DeltaSyncError, ValueError, AttributeError):
+            return None
+        return run_id
 
     def _serving(self) -> int | None:
         try:

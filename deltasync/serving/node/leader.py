@@ -29,9 +29,9 @@ import logging
 import os
 import socket
 import sys
-import threading
 from typing import Any
 
+from deltasync._util.worker import run_in_background
 from deltasync.errors import DeltaSyncError, error_code
 from deltasync.fetcher import DeltaFetcher
 from deltasync.serving.node._build import build_locked, builder_fetcher
@@ -137,26 +137,30 @@ def _unpin() -> None:
 
 def warm_up() -> None:
     """Compile what a build runs (the codec's kernels are compiled at their first use in a process, a few
-    seconds on a busy machine) by fetching a tiny run in memory: the leader does it as soon as it
-    starts, so that the first step it builds pays only its own work."""
-    import torch
+    seconds on a busy machine, tens on a starved one) by coding and decoding a few made-up changes at
+    the densities patches have: the leader does it as soon as it starts, so that the first step it
+    builds pays only its own work."""
+    import numpy as np
 
-    import deltasync as ds
+    from deltasync.protocol import kernels
+    from deltasync.protocol.encoding import encode_changes
+    from deltasync.protocol.positions import decode_positions
+    from deltasync.protocol.values import decode_values
 
-    g = torch.Generator().manual_seed(0)
-    state = {"w": torch.randn(256, 256, generator=g).to(torch.bfloat16), "b": torch.randn(4096, generator=g)}
-    store = ds.MemoryStore("deltasync-leader-warm-up")
-    with ds.DeltaUploader(store, anchor_every=100, anchor_bytes_fraction=0) as up:
-        up.push(state, 0).result()
-        for step, density in ((1, 0.01), (2, 0.2)):
-            mask = torch.rand(state["w"].shape, generator=g) < density
-            state["w"] = torch.where(mask, state["w"] + 0.5, state["w"])
-            state["b"][: int(4096 * density)] += 1.0
-            up.push(state, step).result()
-    target: dict[str, Any] = {}
-    fetcher = ds.DeltaFetcher(store)
-    fetcher.sync(target, step=0)
-    fetcher.sync(target)
+    rng = np.random.default_rng(0)
+    numel = 1 << 18
+    base = rng.integers(-(1 << 15), 1 << 15, numel, dtype=np.int16)
+    for density in (0.001, 0.05, 0.3, 0.7):
+        idx = np.sort(rng.choice(numel, int(numel * density), replace=False)).astype(np.int64)
+        old = base[idx]
+        new = (old ^ rng.integers(1, 1 << 7, idx.size, dtype=np.int16)).astype(np.int16)
+        e = encode_changes(numel, idx, old, new)
+        got = decode_positions(e.pos_blob, e.positions, e.rice_k, e.count, numel, "warm-up")
+        vals = decode_values(e.val_blob, e.values, e.count, np.dtype(np.int16), "warm-up")
+        kern = kernels.impl()
+        if kern is not None and e.positions != "dense":
+            arr, keep = base.copy(), np.empty(got.size, dtype=np.int16)
+            (kern.xor_apply if e.values == "xor-rank" else kern.set_apply)(arr, got, vals, keep)
 
 
 def _warm_in_background() -> None:
@@ -166,7 +170,7 @@ def _warm_in_background() -> None:
         except Exception:  # noqa: BLE001 - only a head start: a build compiles what it needs anyway
             log.warning("the leader's warm-up failed", exc_info=True)
 
-    threading.Thread(target=run, name="deltasync-leader-warm-up", daemon=True).start()
+    run_in_background(run, "deltasync-leader-warm-up")
 
 
 def main() -> int:
