@@ -587,11 +587,27 @@ class VLLMDriver:
 
     def update(self, step: int) -> list[ServerUpdate]:
         """Update every server to ``step`` now, in parallel (servers already at it are left alone); one
-        outcome per server, in the order given. With ``all_or_nothing``: :meth:`rollout`."""
+        outcome per server, in the order given. Each server is checked first, as :meth:`follow` does: one
+        that is a new process (restarted) is set up again, one that does not answer is ``unreachable``.
+        With ``all_or_nothing``: :meth:`rollout`."""
         if self.all_or_nothing:
             return self.rollout(step)
-        futs = [self._pool.submit(self._update_one, t, step) for t in self._servers]
+        futs = [self._pool.submit(self._update_checked, t, step) for t in self._servers]
         return [f.result() for f in futs]
+
+    def _update_checked(self, t: _Tracked, step: int) -> ServerUpdate:
+        """:meth:`_check`, then :meth:`_update_one`; once more when the refusal said it was a new process."""
+        u: ServerUpdate | None = None
+        for _ in range(2):
+            if not self._check(t):
+                state: UpdateOutcome = "unreachable" if t.up is False else "failed"
+                version = None if t.serving is None else str(t.serving)
+                return ServerUpdate(t.server.url, step, state, version, 0.0, t.why)
+            u = self._update_one(t, step)
+            if u.ok or t.initialised:
+                return u
+        assert u is not None
+        return u
 
     def _update_one(self, t: _Tracked, step: int) -> ServerUpdate:
         if t.replace:

@@ -566,10 +566,24 @@ def test_the_driver_s_metrics_say_the_pause_of_prepared_updates_and_the_prepare_
     assert text == metrics.render()
     lines = text.splitlines()
     assert 'deltasync_vllm_updates_total{server="http://vllm-0",state="serving"} 1' in lines
-    assert 'deltasync_vllm_updates_total{server="http://vllm-2",state="unreachable"} 1' in lines
     assert 'deltasync_vllm_pause_seconds_count{server="http://vllm-0",prepared="true"} 1' in lines
     assert 'deltasync_vllm_pause_seconds_count{server="http://vllm-1",prepared="false"} 1' in lines
     assert 'deltasync_vllm_prepare_seconds_count{server="http://vllm-0"} 1' in lines
     assert 'deltasync_vllm_serving_step{server="http://vllm-1"} 1' in lines
     assert 'deltasync_vllm_server_up{server="http://vllm-2"} 0' in lines
     assert "# TYPE deltasync_vllm_pause_seconds histogram" in lines
+
+
+def test_update_sets_a_restarted_server_up_again_before_updating_it() -> None:
+    """``driver.update(step)`` (TRL's transfer) checks each server first, as ``follow`` does."""
+    fake, same = ScriptedVLLM(), ScriptedVLLM()
+    with _driver(fake, same) as d:
+        d.init()
+        assert all(u.ok for u in d.update(1))
+        fake.initialised, fake.version = False, "0"  # restarted from a step 0 dir: a new weight version
+        same.initialised = False  # restarted between two updates, with the version the old one had
+        got = d.update(2)
+    assert [u.state for u in got] == ["serving", "serving"] and (fake.version, same.version) == ("2", "2")
+    assert (
+        fake.calls.count("/init_weight_transfer_engine") == 2 and same.calls.count("/init_weight_transfer_engine") == 2
+    )
