@@ -244,3 +244,49 @@ def test_the_audit_passes_healthy_updates_and_catches_each_fault_on_its_replica_
             assert [r.replica for r in view.behind(5, healthy_only=True)] == ["replica-b"]
     (tmp_path / "audit-figures.json").write_text(json.dumps(figures, indent=1))
     print("\naudit figures:\n" + "\n".join(json.dumps(f) for f in figures))
+
+
+LLM_SCRIPT = """
+import time
+import engine_checks as ec
+import deltasync as ds
+from deltasync.serving.audit import AuditConfig, AuditSource, ReplicaAuditor, llm_audit
+
+def check(p):
+    llm = ec.make_llm(p["model"], weight_transfer_config={"backend": "deltasync"})
+    llm.init_weight_transfer_engine({"init_info": {"store": p["store"]}})
+    auditor = ReplicaAuditor(AuditSource(ds.open_store(p["store"]), AuditConfig()))
+    out = {"audits": [], "update_s": []}
+    for step in range(p["steps"]):
+        if step:
+            t0 = time.perf_counter()
+            llm.start_weight_update()
+            llm.update_weights({"update_info": {"step": step}})
+            llm.finish_weight_update(weight_version=str(step))
+            out["update_s"].append(time.perf_counter() - t0)
+        a = llm_audit(llm, auditor, step, params=True)
+        d = a.divergence
+        out["audits"].append({
+            "step": a.step, "problems": list(a.problems), "canary": a.cache_delta, "probe_s": a.seconds,
+            "params_s": a.params.seconds, "checked": a.params.checked, "mismatched": list(a.params.mismatched),
+            "mean_abs": d.mean_abs, "max_abs": d.max_abs, "kl": d.kl,
+        })
+    return out
+
+if __name__ == "__main__":
+    ec.main(check)
+"""
+
+
+def test_the_in_process_backend_audits_each_update_with_its_parameters(
+    audited_run: AuditedRun, run_script: Any, tmp_path: Path
+) -> None:
+    fetcher = ds.DeltaFetcher(ds.open_store(audited_run.store_dir))
+    model = Path(fetcher.materialize(tmp_path / "step-0", 0, config_from=audited_run.model_dir))
+    out = run_script(LLM_SCRIPT, {"model": model, "store": audited_run.store_dir.as_uri(), "steps": STEPS}, timeout=600)
+    assert [a["step"] for a in out["audits"]] == list(range(STEPS))
+    for a in out["audits"]:
+        assert a["problems"] == [] and a["canary"] == 0.0 and a["mismatched"] == [] and a["checked"] == 25, a
+        assert a["mean_abs"] <= POLICY.max_mean_abs  # type: ignore[operator]
+    print("\nin-process audits:\n" + "\n".join(json.dumps(a) for a in out["audits"]))
+    print("update_s:", [round(s, 4) for s in out["update_s"]])
