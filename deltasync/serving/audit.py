@@ -311,8 +311,9 @@ class ReplicaAuditor:
             if params.mismatched:
                 names = ", ".join(params.mismatched[:5]) + (" ..." if len(params.mismatched) > 5 else "")
                 problems.append(
-                    f"{len(params.mismatched)} served tensors do not hash to step {step}'s digests ({names}): written "
-                    "behind the sync's back"
+                    f"{len(params.mismatched)} served tensors do not hash to step {step}'s digests ({names}): the "
+                    "engine does not hold the step's weights (a second writer, memory corruption, or an update that "
+                    "did not land)"
                 )
         self._last = (step, rows)
         result = AuditResult(
