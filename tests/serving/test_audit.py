@@ -1,0 +1,247 @@
+"""The receivers' audit without an engine: how a replica's answers are judged (``serving.audit``), and
+a worker's parameter audit (``serving.engine.params_audit``) over a real node mirror and a stand-in
+model whose loader the scatter map traces. The same code against real vLLM servers, with faults
+injected, is tests/integrations/test_vllm_audit.py.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import httpx
+import pytest
+from scripted_vllm import ScriptedVLLM
+
+torch = pytest.importorskip("torch")
+
+import deltasync as ds  # noqa: E402
+from deltasync.errors import DeltaSyncError  # noqa: E402
+from deltasync.protocol.audit import AuditPolicy  # noqa: E402
+from deltasync.protocol.probes import ProbeSet, Reference  # noqa: E402
+from deltasync.run.probes import write_probes, write_reference  # noqa: E402
+from deltasync.serving.audit import (  # noqa: E402
+    AuditConfig,
+    AuditSource,
+    ProbeOutput,
+    ReplicaAuditor,
+    canary_tokens,
+    http_probe,
+    run_params_audit,
+)
+from deltasync.serving.driver import VLLMDriver, VLLMServer  # noqa: E402
+from deltasync.serving.engine.mirror import EngineMirror  # noqa: E402
+from deltasync.serving.engine.params_audit import ParamsAuditor  # noqa: E402
+from deltasync.serving.engine.scatter import ScatterLoader  # noqa: E402
+
+NAMES = ["a.w", "b.w", "c.w", "d.w"]
+PROBES = ProbeSet(
+    ((1, 2, 3, 4, 5, 6), (7, 8, 9, 10, 11, 12)), 16, AuditPolicy(max_mean_abs=0.01, max_max_abs=0.1, max_kl=None)
+)
+
+
+def _state(step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(5)
+    out = {n: torch.randn(32, 8, generator=g).to(torch.bfloat16) for n in NAMES}
+    for s in range(1, step + 1):
+        out[NAMES[s % len(NAMES)]][s, :4] += 0.25
+    return out
+
+
+def _rows(shift: float = 0.0) -> tuple[tuple[float, ...], ...]:
+    return tuple(tuple(-2.0 - 0.1 * j - shift for j in range(len(p) - 1)) for p in PROBES.tokens)
+
+
+@pytest.fixture(scope="module")
+def run() -> ds.MemoryStore:
+    """Steps 0..3 of a small state, the run's probes, and references of steps 1 and 2."""
+    store = ds.MemoryStore("audit")
+    with ds.DeltaUploader(store, anchor_every=100, anchor_bytes_fraction=0) as up:
+        for s in range(4):
+            up.push(_state(s), s).result()
+    write_probes(store, PROBES)
+    for s in (1, 2):
+        write_reference(store, Reference(s, PROBES.digest, _rows(), "float32"))
+    return store
+
+
+def test_a_replica_is_judged_against_the_reference_the_canary_and_its_last_audit(run: ds.MemoryStore) -> None:
+    auditor = ReplicaAuditor(AuditSource(run))
+    fresh = {5: -1.0, 6: -2.0}
+    ok = auditor.judge(1, ProbeOutput(_rows(0.001), fresh, dict(fresh)))
+    assert not ok.diverged and ok.divergence is not None and math.isclose(ok.divergence.mean_abs, 0.001)
+    assert ok.cache_delta == 0.0 and ok.report().audited_step == 1 and ok.summary().endswith(": ok")
+    # over the policy's mean and max against step 2's reference
+    far = auditor.judge(2, ProbeOutput(_rows(0.5), fresh, dict(fresh)))
+    assert far.diverged and [p.split(":")[1].split()[0] for p in far.problems] == ["mean_abs", "max_abs"]
+    # the canary read through the cache answers otherwise than fresh: KV of earlier weights
+    stale = auditor.judge(2, ProbeOutput(_rows(), fresh, {5: -1.01, 6: -2.0}))
+    assert stale.diverged and "prefix cache" in stale.problems[0] and stale.cache_delta == pytest.approx(0.01)
+    # step 3 (no reference) computing exactly what step 2 did, though their weights differ: not updated
+    same = auditor.judge(3, ProbeOutput(_rows(), None, None))
+    assert same.divergence is None and same.diverged and "did not reach the weights" in same.problems[0]
+    # the same logprobs at the same step is no finding
+    assert not auditor.judge(3, ProbeOutput(_rows(), None, None)).diverged
+    assert [a.step for a in auditor.history] == [1, 2, 2, 3, 3]
+
+
+def test_shapes_and_canaries_are_checked() -> None:
+    store = ds.MemoryStore("bare")
+    with ds.DeltaUploader(store) as up:
+        up.push({"model.embed_tokens.weight": torch.zeros(32, 4)}, 0).result()
+    source = AuditSource(store, AuditConfig(probes=PROBES, canary_len=20))
+    with pytest.raises(DeltaSyncError, match="probe 0 has 3 logprobs, expected 5"):
+        ReplicaAuditor(source).judge(0, ProbeOutput(((-1.0,) * 3, (-1.0,) * 5)))
+    canary = source.canary()
+    assert canary is not None and len(canary) == 20 and canary[:6] == PROBES.tokens[0]
+    assert canary_tokens(PROBES, 3) == (1, 2, 3)
+    assert ProbeOutput((), {1: -1.0, 2: -2.0}, {3: -1.0, 4: -2.0}).cache_delta() == math.inf
+    with pytest.raises(ValueError, match="action"):
+        AuditConfig(action="repair")  # type: ignore[arg-type]
+    # a run without probes.json gets the default ones of its inventory and run id
+    assert AuditSource(store).probes().vocab_size == 32
+
+
+def test_http_probe_reads_vllm_answers() -> None:
+    canary = canary_tokens(PROBES, 8)
+    asked: list[dict[str, Any]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        import json
+
+        body = json.loads(request.content)
+        asked.append(body)
+        top = {"token_id:5": -1.0, "token_id:6": -2.5}
+        if "prompt_logprobs" not in body:
+            return httpx.Response(200, json={"choices": [{"index": 0, "logprobs": {"top_logprobs": [top]}}]})
+        choices = []
+        for i, prompt in reversed(list(enumerate(body["prompt"]))):  # any order: sorted by index
+            pl = [None] + [
+                {str(t): {"logprob": -0.5 * j, "rank": 1}, "999": {"logprob": -9.0}} for j, t in enumerate(prompt[1:])
+            ]
+            choices.append({"index": i, "prompt_logprobs": pl, "logprobs": {"top_logprobs": [top]}})
+        return httpx.Response(200, json={"choices": choices})
+
+    with httpx.Client(base_url="http://vllm", transport=httpx.MockTransport(handler)) as http:
+        out = http_probe(http, "m", PROBES, canary)
+    assert out.logprobs == tuple(tuple(-0.5 * j for j in range(5)) for _ in PROBES.tokens)
+    assert out.canary_fresh == out.canary_cached == {5: -1.0, 6: -2.5} and out.cache_delta() == 0.0
+    assert [("prompt_logprobs" in b, b["max_tokens"]) for b in asked] == [(False, 1), (True, 1)]
+    assert asked[1]["prompt"][0] == list(canary)
+
+
+class Model(torch.nn.Module):
+    """Parameters ``a_w`` .. ``d_w``; ``d.w``'s load casts (no plain copy: not mapped)."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        super().__init__()
+        self.p = torch.nn.ParameterDict(
+            {n.replace(".", "_"): torch.nn.Parameter(t.clone(), requires_grad=False) for n, t in state.items()}
+        )
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        done = set()
+        for name, t in weights:
+            p = self.p[name.replace(".", "_")]
+            p.copy_(t.float().to(p.dtype) if name == "d.w" else t)
+            done.add(name)
+        return done
+
+
+def test_the_parameter_audit_names_what_was_written_behind_the_sync(run: ds.MemoryStore) -> None:
+    model = Model(_state(0))
+    mirror = EngineMirror(
+        ds.DeltaFetcher(run),
+        model.load_weights,
+        seed=_state(0),
+        seed_step=0,
+        scatter=lambda layout: ScatterLoader(model, layout, model.load_weights),
+    )
+    try:
+        mirror.commit(2)
+        auditor = ParamsAuditor(model, model.load_weights)
+        whole = auditor.chunk(mirror, 0, 1 << 30)
+        assert (whole["step"], whole["checked"], whole["mismatched"], whole["unchecked"], whole["next"]) == (
+            2,
+            3,
+            [],
+            ["d.w"],
+            None,
+        )
+        with torch.no_grad():
+            model.p["b_w"][0, 0] += 1.0  # a second writer
+        calls: list[int] = []
+
+        def call(start: int, max_bytes: int) -> list[dict[str, Any]]:
+            calls.append(start)
+            return [{**auditor.chunk(mirror, start, max_bytes), "rank": 0}]
+
+        merged = run_params_audit(call, AuditConfig(params_chunk_bytes=1))  # one tensor per call
+        assert calls == [0, 1, 2, 3] and merged.calls == 4
+        assert (merged.step, merged.checked, merged.mismatched, merged.unchecked) == (2, 3, ("b.w",), ("d.w",))
+    finally:
+        mirror.close()
+
+
+class ComputingVLLM(ScriptedVLLM):
+    """A scripted server that also answers the audit's requests: its probe logprobs are the references'
+    plus about 0.001 (a little more at each version), or 0.5 off at the weight versions in ``wrong``
+    (what it computes there is not the step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wrong: set[str] = set()
+        self.audits: list[dict[str, Any]] = []
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        import json
+
+        path = request.url.path
+        body = json.loads(request.content) if request.content else {}
+        if path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "tiny"}]})
+        if path == "/v1/completions":
+            shift = 0.5 if self.version in self.wrong else 0.001 + 1e-4 * int(self.version or 0)  # moves each step
+            rows = dict(zip(PROBES.tokens, _rows(shift), strict=True))
+            choices = [
+                {
+                    "index": i,
+                    "prompt_logprobs": [None]
+                    + [{str(t): {"logprob": v}} for t, v in zip(p[1:], rows[tuple(p)], strict=True)],
+                }
+                for i, p in enumerate(body["prompt"])
+            ]
+            return httpx.Response(200, json={"choices": choices})
+        if path == "/collective_rpc" and body["method"] == "deltasync_audit_report":
+            self.audits.append(body["kwargs"])
+            return httpx.Response(200, json={"results": [None]})
+        return super().handle(request)
+
+
+def _audited(*fakes: ComputingVLLM, run: ds.MemoryStore, **config: Any) -> VLLMDriver:
+    servers = [VLLMServer(f"http://vllm-{i}", transport=f.transport()) for i, f in enumerate(fakes)]
+    source = AuditSource(run, AuditConfig(canary=False, **config))
+    return VLLMDriver(servers, "s3://bucket/run", clock=lambda: 0.0, audit=source)
+
+
+@pytest.mark.parametrize("action", ["report", "pause", "rollback"])
+def test_the_driver_audits_each_update_and_acts_on_a_diverged_server(run: ds.MemoryStore, action: str) -> None:
+    good, bad = ComputingVLLM(), ComputingVLLM()
+    bad.wrong = {"2"}
+    with _audited(good, bad, run=run, action=action) as d:
+        d.init()
+        assert [a is not None and not a.diverged and a.step == 0 for a in d.audit()] == [True, True]
+        for u in d.update(1):
+            assert u.ok and u.audit is not None and not u.audit.diverged and u.audit.divergence is not None
+        ug, ub = d.update(2)
+        assert ug.audit is not None and not ug.audit.diverged
+        assert ub.ok and ub.audit is not None and ub.audit.diverged and "mean_abs" in ub.audit.problems[0]
+        assert list(ub.audit.problems) in [a["problems"] for a in bad.audits]  # handed to its workers too
+        serving = {"report": 2, "pause": 2, "rollback": 1}[action]
+        assert d.serving() == {"http://vllm-0": 2, "http://vllm-1": serving}
+        assert bad.paused == (action == "pause")  # out of the rotation
+        ug, ub = d.update(3)
+        assert ug.ok and ub.ok == (action != "pause")
+        if action == "pause":
+            assert ub.state == "needs_replacement" and bad.version == "2"
