@@ -70,25 +70,60 @@ def four_phases(llm, url, step):
     llm.finish_weight_update(weight_version=str(step))
     return time.monotonic() - t0
 
+def prepared_files(node_dir, tp):
+    # what each worker last reported of its prepares (the files the engine core's wait reads)
+    import glob, json
+    out = []
+    for f in sorted(glob.glob(f"{node_dir}/*/prepared/*.json")):
+        try:
+            out.append(json.load(open(f)))
+        except ValueError:
+            return None  # being replaced
+    return out if len(out) == tp else None
+
+def wait_for_prefetch(node_dir, tp, step, timeout=300):
+    # until every worker's prefetch prepared the step on its own (nothing asked it to), bounded; reads
+    # files, never asks the engine (an RPC would keep its workers busy)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        docs = prepared_files(node_dir, tp)
+        if docs and all(d.get("prepared") == step for d in docs):
+            return docs
+        time.sleep(0.05)
+    return prepared_files(node_dir, tp)
+
 def check(p):
-    url, tp = p["store"], p["tp"]
+    import sys
+    sys.path.insert(0, p["tests"])
+    from pathlib import Path
+    from vllm_harness import publish_step
+    src, live, url, tp, node_dir = Path(p["src"]), Path(p["live"]), p["store"], p["tp"], p["node_dir"]
+    publish_step(src, live, 0)  # the trainer commits each later step while the engine serves
     llm = ec.make_llm(p["model"], tp=tp, weight_transfer_config={"backend": "deltasync"})
-    out = {"boot": snapshot(llm), "steps": {}, "seconds": {}}
+    out = {"boot": snapshot(llm), "steps": {}, "seconds": {}, "prefetched": {}}
     out["expected"] = {str(s): ec.expected_checksums(path, tp=tp) for s, path in p["states"].items()}
-    llm.init_weight_transfer_engine({"init_info": {"store": url}})
+    init = {"store": url, "prefetch": True, "poll_interval": 0.5, "node_dir": node_dir}
+    llm.init_weight_transfer_engine({"init_info": init})
     out["after_init"] = llm.collective_rpc("deltasync_status")
     for step in range(1, p["last"] + 1):
+        publish_step(src, live, step)
+        if step < p["last"]:  # the prefetch alone prepares it, from the first step after init
+            out["prefetched"][str(step)] = wait_for_prefetch(node_dir, tp, step)
+        else:  # what a driver does before it pauses: a bounded wait, answered by the engine core
+            out["prepare_wait"] = llm.collective_rpc("deltasync_prepare", kwargs={"step": str(step), "wait": "true", "timeout": "300"})
         out["seconds"][str(step)] = four_phases(llm, url, step)
         out["steps"][str(step)] = snapshot(llm)
+    out["metrics_last"] = llm.collective_rpc("deltasync_metrics")
     bad = p["corrupt_step"]
 
-    # damage the committed step's files (same size, other bytes), then try it
+    # damage the step's files (same size, other bytes) before it is committed, then try it
     originals = {}
     for f in p["corrupt_files"]:
         data = open(f, "rb").read()
         originals[f] = data
         mid = len(data) // 2
         open(f, "wb").write(data[:mid] + bytes(b ^ 0xFF for b in data[mid:mid + 16]) + data[mid + 16:])
+    publish_step(src, live, bad)
     before = snapshot(llm)
     llm.start_weight_update()
     try:
@@ -101,8 +136,10 @@ def check(p):
     out["after_corrupt"] = snapshot(llm)
 
     # repaired: the same step applies
+    import os
     for f, data in originals.items():
         open(f, "wb").write(data)
+        open(live / os.path.relpath(f, src), "wb").write(data)
     try:
         out["seconds"][str(bad)] = four_phases(llm, url, bad)
         out["steps"][str(bad)] = snapshot(llm)
@@ -213,9 +250,14 @@ def _backend_params(run: TrainedRun, step_dirs: dict[int, Path], store: Path, tp
     # the step folder's files, those in its writer's subfolder (w<writer id>/...) included
     corrupt = sorted(p for p in store.rglob(f"{CORRUPT_STEP:012d}/**/*") if p.is_file() and p.name != "manifest.json")
     assert corrupt, f"no data files of step {CORRUPT_STEP} under {store}"
+    live = store.with_name(store.name + "-live")  # the script commits the steps of ``store`` into it one by one
     return {
         "model": step_dirs[0],
-        "store": store.as_uri(),
+        "src": store,
+        "live": live,
+        "store": live.as_uri(),
+        "node_dir": store.with_name(store.name + "-node"),
+        "tests": Path(__file__).resolve().parents[1],
         "tp": tp,
         "last": LAST,
         "corrupt_step": CORRUPT_STEP,
@@ -326,6 +368,45 @@ def test_after_each_update_no_prompt_is_answered_from_kv_of_the_previous_step(
     _cold_then_shared(ref)
     assert live == ref  # token ids and logprobs of every prompt, bit for bit, as a fresh engine on the step
     assert live["outputs"] != rep["steps"][str(LAST - 1)]["prefix"]["outputs"]  # the update changes them
+
+
+# ------------------------------------------------------------------------------- prepare while serving
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    """One sample of a worker's Prometheus text (labels it must carry, the rank's among others)."""
+    for line in text.splitlines():
+        head, _, value = line.rpartition(" ")
+        if head.split("{")[0] == name and all(f'{k}="{v}"' in head for k, v in labels.items()):
+            return float(value)
+    raise AssertionError(f"no sample {name} {labels} in:\n{text}")
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_every_update_is_prepared_before_its_pause_from_the_first_step_after_init(
+    tp: int, request: pytest.FixtureRequest
+) -> None:
+    """Issue 34: the trainer commits each step while the engine serves (``prefetch`` on). Every worker's
+    prefetch prepares each step on its own, the first one after init included, without being asked
+    (read from the files the workers report their prepares in, not through the engine); the last step
+    goes through ``deltasync_prepare`` with a bounded ``wait`` (strings, as over HTTP), which answers once
+    every rank has it prepared. So every update's pause only commits: each worker counts all
+    ``LAST`` updates as prepared, none as built in the pause, and reports each prepare's latency."""
+    rep = request.getfixturevalue(f"backend_tp{tp}")
+    for step in range(1, LAST):
+        docs = rep["prefetched"][str(step)]
+        assert docs is not None and [d["prepared"] for d in docs] == [step] * tp, (step, docs)
+        assert all(d["ok"] and d["step"] == step for d in docs), (step, docs)
+    assert [(a["rank"], a["preparing"], a["prepared"]) for a in rep["prepare_wait"]] == [
+        (r, LAST, LAST) for r in range(tp)
+    ]
+    assert len(rep["metrics_last"]) == tp
+    for rank, text in enumerate(rep["metrics_last"]):
+        assert _metric(text, "deltasync_engine_updates_total", prepared="true", rank=str(rank)) == LAST
+        assert _metric(text, "deltasync_engine_updates_total", prepared="false", rank=str(rank)) == 0
+        assert _metric(text, "deltasync_prepare_seconds_count", rank=str(rank)) >= LAST
+        assert _metric(text, "deltasync_prepared_pause_seconds_count", rank=str(rank)) == LAST
+        _metric(text, "deltasync_prepare_starved_total", rank=str(rank))  # reported (how many depends on the load)
 
 
 # ------------------------------------------------------------------------------- failures

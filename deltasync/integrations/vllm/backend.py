@@ -384,7 +384,8 @@ class WorkerSync:
 
     def prepare(self, store: str | None, step: int | None, wait: bool = False, timeout: Any = None) -> WorkerStatus:
         """``EngineMirror.ask``: start preparing ``step``, with ``wait`` until prepared (bounded)."""
-        return replace(self.status(), extra=self.mirror_for(store).ask(step, wait=wait, timeout=timeout))
+        asked = self.mirror_for(store).ask(step, wait=wait, timeout=timeout)
+        return replace(self.status(), extra=asked)  # the status once prepared (with wait)
 
     def update(self, store: str | None, step: int | None) -> WorkerStatus:
         if step is not None:
