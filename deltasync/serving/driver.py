@@ -41,10 +41,10 @@ import httpx
 
 from deltasync._util.retry import Backoff, RetryPolicy
 from deltasync.errors import DeltaSyncError
+from deltasync.serving.audit import AuditResult, AuditSource, ReplicaAuditor, audit_server
 from deltasync.signal import FleetReporter, ReplicaState, StepWatcher, replica_name
 
 if TYPE_CHECKING:
-    from deltasync.serving.audit import AuditResult, AuditSource, ReplicaAuditor
     from deltasync.serving.driver_metrics import DriverMetrics
 
 __all__ = ["PauseMode", "ServerUpdate", "UpdateOutcome", "VLLMDriver", "VLLMServer"]
@@ -460,8 +460,6 @@ class VLLMDriver:
             for s in servers
         ]
         if audit is not None:
-            from deltasync.serving.audit import ReplicaAuditor
-
             for t in self._servers:
                 t.auditor = ReplicaAuditor(audit)
         if signal is not None and run is not None:
@@ -656,8 +654,6 @@ class VLLMDriver:
         where ``rollback`` brings it back). An audit that cannot run is logged, never raised."""
         if t.auditor is None:
             return None
-        from deltasync.serving.audit import audit_server
-
         config = t.auditor.source.config
         if params is None:
             params = config.params_every > 0 and t.updates % config.params_every == 0
