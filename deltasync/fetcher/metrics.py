@@ -72,6 +72,7 @@ class SyncMetrics:
         self._prepare = Histogram(DURATION_BUCKETS)  # a live engine's prepares: step heard of -> prepared
         self._last_prepare: float | None = None
         self._starved = 0
+        self._param_audit: dict[str, int] = {"ok": 0, "mismatch": 0}
         self._updates: dict[bool, int] | None = None  # a live engine's updates, by prepared before the pause
         self._prepared_pause = Histogram(DURATION_BUCKETS)
 
@@ -114,6 +115,12 @@ class SyncMetrics:
         """One failure of ``kind`` (e.g. ``apply``, ``signal``, ``store``, ``refused``)."""
         with self._lock:
             self._failures[kind] = self._failures.get(kind, 0) + 1
+
+    def observe_param_audit(self, *, ok: int, mismatched: int) -> None:
+        """A parameter audit (``serving.engine.params_audit``) re-hashed ``ok + mismatched`` served tensors."""
+        with self._lock:
+            self._param_audit["ok"] += ok
+            self._param_audit["mismatch"] += mismatched
 
     def observe_load(self, *, loaded: int, scattered: int = 0, elements: int = 0) -> None:
         """A live engine's update: ``loaded`` tensors went through its loader (whole), ``scattered`` had
@@ -235,6 +242,13 @@ class SyncMetrics:
         yield family("deltasync_sync_failures_total", "counter", "Failed syncs, signal streams and store reads.")
         for kind, n in sorted(self._failures.items()):
             yield one("deltasync_sync_failures_total", n, kind=kind)
+        yield family(
+            "deltasync_param_audit_tensors_total",
+            "counter",
+            "Served tensors re-hashed against their step's digests by the parameter audit, by result (ok, mismatch).",
+        )
+        for result, n in sorted(self._param_audit.items()):
+            yield one("deltasync_param_audit_tensors_total", n, result=result)
         yield family("deltasync_downloaded_bytes_total", "counter", "Bytes downloaded by syncs.")
         yield one("deltasync_downloaded_bytes_total", self._bytes)
         yield family("deltasync_last_sync_bytes", "gauge", "Bytes downloaded by the last sync.")

@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 
 import deltasync as ds  # noqa: E402
 from deltasync.errors import DeltaSyncError  # noqa: E402
+from deltasync.fetcher.metrics import SyncMetrics  # noqa: E402
 from deltasync.protocol.audit import AuditPolicy  # noqa: E402
 from deltasync.protocol.probes import ProbeSet, Reference  # noqa: E402
 from deltasync.run.probes import write_probes, write_reference  # noqa: E402
@@ -151,9 +152,11 @@ class Model(torch.nn.Module):
 
 def test_the_parameter_audit_names_what_was_written_behind_the_sync(run: ds.MemoryStore) -> None:
     model = Model(_state(0))
+    metrics = SyncMetrics()
     mirror = EngineMirror(
         ds.DeltaFetcher(run),
         model.load_weights,
+        metrics=metrics,
         seed=_state(0),
         seed_step=0,
         scatter=lambda layout: ScatterLoader(model, layout, model.load_weights),
@@ -180,6 +183,9 @@ def test_the_parameter_audit_names_what_was_written_behind_the_sync(run: ds.Memo
         merged = run_params_audit(call, AuditConfig(params_chunk_bytes=1))  # one tensor per call
         assert calls == [0, 1, 2, 3] and merged.calls == 4
         assert (merged.step, merged.checked, merged.mismatched, merged.unchecked) == (2, 3, ("b.w",), ("d.w",))
+        text = metrics.render()  # 3 + 3 tensors re-hashed, one mismatch
+        assert 'deltasync_param_audit_tensors_total{result="mismatch"} 1' in text
+        assert 'deltasync_param_audit_tensors_total{result="ok"} 5' in text
     finally:
         mirror.close()
 

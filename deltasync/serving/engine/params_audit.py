@@ -16,11 +16,13 @@ reads the engine's parameters back in checkpoint coordinates and hashes them aga
 
 It runs in chunks (:meth:`ParamsAuditor.chunk`: at most ``max_bytes`` of tensors per call, under the
 mirror's lock so no update interleaves), because the engine does not generate during a worker call.
-Mismatches are reported, never repaired here.
+Mismatches are reported (logged, counted in ``deltasync_param_audit_tensors_total{result="mismatch"}``
+of the worker's metrics, and in the replica's audit), never repaired here.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -33,6 +35,8 @@ from deltasync.serving.engine.mirror import EngineMirror, Loader
 from deltasync.serving.engine.scatter import ScatterMap
 
 __all__ = ["ParamsAuditor"]
+
+log = logging.getLogger("deltasync.audit")
 
 
 class ParamsAuditor:
@@ -86,6 +90,16 @@ class ParamsAuditor:
                     if nbytes >= max_bytes and i + 1 < len(names):
                         nxt = i + 1
                         break
+        metrics = mirror.metrics
+        if metrics is not None and hasattr(metrics, "observe_param_audit"):
+            metrics.observe_param_audit(ok=checked - len(mismatched), mismatched=len(mismatched))
+        if mismatched:
+            log.error(
+                "parameter audit: %d served tensors do not hash to step %s's digests: %s",
+                len(mismatched),
+                step,
+                ", ".join(mismatched[:10]),
+            )
         return {
             "step": step,
             "checked": checked,
