@@ -672,4 +672,5 @@ def test_the_leader_starts_and_warms_up_before_the_first_step_is_asked_for(tmp_p
     worker.node.on_phase = lambda pid, phase: pids.append(pid)
     worker.commit(1)
     assert set(pids) == {leader.pid} and worker.node.versions.version(1) is not None
+    assert "request failed" not in (worker.node.dir / "leader.log").read_text()  # the start was no request
     worker.close()

@@ -74,7 +74,10 @@ class Leader:
             return
         versions, fetcher = self.versions()
         with conn.makefile("rb") as lines:
-            job = json.loads(lines.readline())
+            first = lines.readline()
+            if not first.strip():
+                return  # a worker that only made sure the leader runs (``_link.ensure_leader``)
+            job = json.loads(first)
             step, pace = int(job["step"]), bool(job.get("pace"))
 
             asker = [True]  # the worker that asked is still there
