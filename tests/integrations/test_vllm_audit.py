@@ -13,7 +13,8 @@ canary, and every update the workers' parameter audit), reporting to a real sign
   ``tests/vllm_support/audit_faults.py``) and caught at the first update where it occurs: B is
   reported ``diverged`` in the fleet view, A stays ``serving`` with a passing audit:
   (a) its prefix-cache reset skipped, (b) a parameter negated right after the sync wrote it (the
-  manifest's digests still right), (c) the update skipped while it reports the new version;
+  manifest's digests still right), (c) the update skipped while it reports the new version, (b') a
+  derived buffer (the rotary cache, which no checkpoint tensor holds) halved: the probes alone see it;
 * between faults B passes again (the fault undone), so each is caught on its own.
 
 The learning rate is 1e-3 so that one step moves the probe logprobs (mean 0.02-0.03 nats) well above
@@ -49,12 +50,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1800)]
 
 TOKEN = "publish-token-vllm-audit"
 RUN = "vllm-audit"
-STEPS = 6  # 0 (what the servers boot from) .. 5
+STEPS = 7  # 0 (what the servers boot from) .. 6
 LR = 1e-3
 #: the run's thresholds: over 4x the healthy figures measured here (mean ~1.5e-3, max ~6e-3 nats)
 POLICY = AuditPolicy(max_mean_abs=0.006, max_max_abs=0.05, max_kl=None)
 EXTENSION = "audit_faults.FaultWorkerExtension"
 CORRUPTED = "model.layers.1.mlp.down_proj.weight"  # a vLLM parameter name (no fusing on down_proj)
+DERIVED = "model.layers.0.self_attn.rotary_emb.cos_sin_cache"  # a buffer derived from the config, not synced
 
 
 @dataclass(frozen=True)
@@ -242,6 +244,16 @@ def test_the_audit_passes_healthy_updates_and_catches_each_fault_on_its_replica_
             assert rows["replica-b"].audit is not None and rows["replica-b"].audit.audited_step == 5
             assert rows["replica-a"].audit is not None and rows["replica-a"].audit.divergence is not None
             assert [r.replica for r in view.behind(5, healthy_only=True)] == ["replica-b"]
+
+            # (b') step 6: a derived buffer of B (the rotary cache) changed: no checkpoint tensor holds it, so
+            # the parameter audit passes (and B's update from what it really held repaired (c)); the probes catch it
+            _rpc(b, "fault_write_after_update", name=DERIVED, scale=0.5)  # negated, q.k would not move
+            ua, ub = update(6)
+            healthy(6, ua.audit)
+            assert ub.audit is not None and ub.audit.diverged
+            assert ub.audit.params is not None and not ub.audit.params.mismatched
+            assert ub.audit.divergence is not None and POLICY.breaches(ub.audit.divergence)
+            assert fleet() == {"replica-a": (6, "serving"), "replica-b": (6, "diverged")}
     (tmp_path / "audit-figures.json").write_text(json.dumps(figures, indent=1))
     print("\naudit figures:\n" + "\n".join(json.dumps(f) for f in figures))
 

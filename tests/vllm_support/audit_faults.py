@@ -9,8 +9,9 @@ purpose, each the way the audit must catch:
   nothing and says it succeeded (the engine core's ``reset_prefix_cache``: deltasync's engine-core
   hook, the driver's ``/reset_prefix_cache`` and ``/pause?clear_cache=true`` all end there;
   ``sitecustomize._patch_engine_core`` patches it when the engine core's module is imported).
-* ``fault_write_after_update(name)``: right after the next update, negate parameter ``name`` (a second
-  writer behind the sync's back; the manifest's digests stay right); ``fault_restore()`` puts it back.
+* ``fault_write_after_update(name, scale)``: right after the next update, multiply parameter or buffer
+  ``name`` by ``scale`` (default -1: negate it): a second writer behind the sync's back, or derived
+  state gone stale (the manifest's digests stay right); ``fault_restore()`` puts it back.
 * ``fault_skip_next_update()``: the next update changes nothing but says it served the step (the
   engine stays one step behind while it reports the new version).
 
@@ -38,14 +39,16 @@ class FaultWorkerExtension(DeltasyncWorkerExtension):
 
         sync.update = update  # type: ignore[method-assign]
 
-    def fault_write_after_update(self, name: str) -> str:
-        params = dict(self.model_runner.model.named_parameters())  # type: ignore[attr-defined]
-        p = params[name]
+    def fault_write_after_update(self, name: str, scale: float | str = -1.0) -> str:
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        tensors = dict(model.named_parameters(remove_duplicate=False))
+        tensors.update(model.named_buffers(remove_duplicate=False))  # derived state: rotary caches
+        p = tensors[name]
 
         def after(original: Any, store: str | None, step: int | None) -> Any:
             out = original(store, step)
             self._fault_saved = (p, p.detach().clone())  # type: ignore[attr-defined]
-            p.data.neg_()
+            p.data.mul_(float(scale))
             return out
 
         self._wrap_next_update(after)
