@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from deltasync._util.batches import map_batched
 from deltasync.errors import ChecksumMismatch, InventoryMismatch
 from deltasync.fetcher._fold import Change, new_bits
 from deltasync.fetcher._target import TargetTensor
@@ -182,14 +183,14 @@ def apply_changes(
             undo.names.add(c.tensor)
         return
     with ThreadPoolExecutor(min(threads, len(todo)), thread_name_prefix="deltasync-apply") as pool:
-        futures = [(c, pool.submit(tensors[c.tensor].apply, c)) for c in todo]
+        # in batches of about even size: a pool task per tensor costs more than a small tensor's write
+        outcomes = map_batched(pool, lambda c: tensors[c.tensor].apply(c), todo, [int(c.idx.size) + 64 for c in todo])
         failed: BaseException | None = None
-        for c, fut in futures:  # each tensor once: the order of the log does not matter across tensors
-            try:
-                undo.record(tensors[c.tensor], c.idx, fut.result())
-            except BaseException as exc:  # noqa: BLE001 - re-raised below once every write is logged
-                failed = failed or exc
+        for c, (old, err) in zip(todo, outcomes, strict=True):  # each tensor once: the log's order is free
+            if err is not None or old is None:
+                failed = failed or err
                 continue
+            undo.record(tensors[c.tensor], c.idx, old)
             undo.names.add(c.tensor)
     if failed is not None:
         raise failed

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from deltasync._util.batches import map_batched, results
 from deltasync._util.tensors import flat_bits
 from deltasync.protocol import TensorInfo
 from deltasync.protocol.digests import xxh3_128_array
@@ -146,8 +147,10 @@ class Snapshotter:
         def one(name: str) -> TensorDiff | None:
             return diff_tensor(self._baseline.tensors[name], job.staged[name])
 
-        # tensors at once: the compiled diff releases the GIL (each updates its own baseline)
-        found = list(self.pool.map(one, names)) if len(names) > 1 else [one(n) for n in names]
+        # tensors at once, in batches of about even size: the compiled diff releases the GIL (each
+        # updates its own baseline), and a pool task per tensor would cost more than a small diff
+        sizes = [int(job.staged[n].numel()) for n in names]
+        found = results(map_batched(self.pool if len(names) > 1 else None, one, names, sizes))
         changes = {n: c for n, c in zip(names, found, strict=True) if c is not None}
         job.staged = {}
         job.changes = changes
