@@ -269,6 +269,54 @@ def run_one(
     }
 
 
+def per_core_rates(density: float, numel: int = 1 << 22, reps: int = 5) -> str:
+    """One core's rates on one format-2 group of ``numel`` bf16 elements: diff, encode, decode+apply, xxh3."""
+    import numpy as np
+
+    from deltasync.protocol.digests import xxh3_128_array
+    from deltasync.protocol.encoding import decode_positions, decode_values, encode_changes
+    from deltasync.protocol.kernels import impl
+    from deltasync.uploader._diff import diff_tensor
+
+    rng = np.random.default_rng(0)
+    base = rng.integers(-(2**15), 2**15, numel, dtype=np.int16)
+    new = base.copy()
+    pos = rng.choice(numel, int(numel * density), replace=False)
+    new[pos] += rng.choice(np.array([-1, 1], dtype=np.int16), pos.size)
+
+    def med(fn: Callable[[], Any]) -> float:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    d = diff_tensor(torch.from_numpy(base.copy()), torch.from_numpy(new))
+    assert d is not None
+    t_diff = med(lambda: diff_tensor(torch.from_numpy(base.copy()), torch.from_numpy(new)))
+    t_copy = med(lambda: base.copy())
+    enc = encode_changes(numel, d.idx, d.old, d.new)
+    t_enc = med(lambda: encode_changes(numel, d.idx, d.old, d.new))
+    arr = base.copy()
+
+    def dec() -> None:
+        idx = decode_positions(enc.pos_blob, enc.positions, enc.rice_k, enc.count, numel, "bench")
+        vals = decode_values(enc.val_blob, enc.values, enc.count, np.dtype(np.int16), "bench")
+        arr[idx] = arr[idx] ^ vals if enc.values == "xor-rank" else vals
+
+    t_dec = med(dec)
+    t_hash = med(lambda: xxh3_128_array(new))
+    n = d.idx.size
+    return (
+        f"one core, one group of {numel:,} bf16 elements, {density:.0%} changed ({n:,} elements, "
+        f"{enc.nbytes / n:.2f} B each; kernels: {'numba' if impl() is not None else 'numpy'}): "
+        f"diff {numel / max(t_diff - t_copy, 1e-9) / 1e9:.2f} G elements/s (the copy it needs excluded), "
+        f"encode {n / t_enc / 1e6:.1f} M changed/s, decode+apply {n / t_dec / 1e6:.1f} M changed/s, "
+        f"xxh3-128 {new.nbytes / t_hash / 1e9:.1f} GB/s"
+    )
+
+
 def fmt_s(x: float | None) -> str:
     return "-" if x is None else (f"{x * 1000:.0f} ms" if x < 1 else f"{x:.2f} s")
 
@@ -311,6 +359,7 @@ def main() -> None:
     ap.add_argument("--per-tensor", type=float, default=0, metavar="ELEMENTS", help="e.g. 200e6")
     ap.add_argument("--thread-scan", default="", help="thread counts, e.g. 1,2,4,8,16 (first model, 3%%)")
     ap.add_argument("--no-node", action="store_true")
+    ap.add_argument("--rates", action="store_true", help="one core's diff/encode/decode/hash rates, then exit")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     has_cuda = torch.cuda.is_available()
@@ -321,6 +370,11 @@ def main() -> None:
         f"format {args.format}; scale {args.scale}; threads {args.threads or usable_cpus()}",
         "",
     ]
+    if args.rates:
+        for d in [float(x) for x in args.density.split(",")]:
+            out.append(per_core_rates(d))
+        print("\n".join(out))
+        return
     if args.per_tensor:
         rows = []
         for label, shapes in per_tensor_pair(int(args.per_tensor)).items():
