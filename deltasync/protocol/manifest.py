@@ -39,7 +39,7 @@ from deltasync.protocol.entries import (
 )
 from deltasync.protocol.keys import MAX_STEP
 from deltasync.protocol.manifest_v2 import (
-    decode_inventory,
+    decode_inventory_digest,
     digests_from_json,
     digests_to_json,
     encode_inventory,
@@ -217,14 +217,15 @@ class Manifest:
         if (kind == "anchor") != (anchor_step == step):
             raise field_error(what, "anchor_step must equal step exactly for anchors")
         if version == 2:
-            inventory = decode_inventory(o["inventory"], what)
+            inventory, actual_digest = decode_inventory_digest(o["inventory"], what)
         else:
             inventory = tuple(TensorInfo.from_json(t) for t in json_list(o["inventory"], "inventory"))
+            actual_digest = None
         names = [t.name for t in inventory]
         if len(set(names)) != len(names):
             raise field_error(what, "duplicate tensor names in inventory")
         inv_digest = json_digest(o["inventory_digest"], "inventory_digest")
-        if inv_digest != inventory_digest(inventory):
+        if inv_digest != (actual_digest or inventory_digest(inventory)):
             raise field_error(what, "inventory_digest does not match the inventory")
         files = tuple(FileInfo.from_json(f) for f in json_list(o["files"], "files"))
         if len({f.path for f in files}) != len(files):

@@ -19,17 +19,20 @@ from typing import Any
 import zstandard
 
 from deltasync.protocol.canonical import HEX32, canonical_json, field_error, json_int, json_list, json_object
+from deltasync.protocol.digests import xxh3_128
 from deltasync.protocol.dtypes import DTYPES
-from deltasync.protocol.entries import ByteRange, PatchEntry, TensorInfo
+from deltasync.protocol.entries import ByteRange, PatchEntry, TensorInfo, inventory_digest
 from deltasync.protocol.keys import check_file_name
 
 __all__ = [
     "decode_inventory",
+    "decode_inventory_digest",
     "digests_from_json",
     "digests_to_json",
     "encode_inventory",
     "group_entry_from_json",
     "group_entry_to_json",
+    "inventory_fields",
 ]
 
 #: the most bytes a format-2 inventory decompresses to (a manifest's own limit)
@@ -39,16 +42,36 @@ _ENTRY_KEYS = ("tensors", "file", "count", "positions", "rice_k", "values", "pos
 _INV_KEYS = frozenset(("name", "dtype", "shape"))
 
 
+def inventory_fields(inventory: Sequence[TensorInfo]) -> tuple[str, str]:
+    """(``inventory`` string, ``inventory_digest``) of a format-2 manifest: one canonical JSON pass
+    (the digest is of those very bytes when the inventory is sorted by name, as the uploader's is)."""
+    raw = canonical_json([t.to_json() for t in inventory])
+    names = [t.name for t in inventory]
+    digest = xxh3_128(raw) if names == sorted(names) else inventory_digest(inventory)
+    return _pack(raw), digest
+
+
 def encode_inventory(inventory: Sequence[TensorInfo]) -> str:
     """Base64 of one zstd frame (content size declared) of the canonical JSON of the inventory array,
     in the writer's order."""
-    raw = canonical_json([t.to_json() for t in inventory])
+    return _pack(canonical_json([t.to_json() for t in inventory]))
+
+
+def _pack(raw: bytes) -> str:
     frame = zstandard.ZstdCompressor(level=3, write_content_size=True, write_checksum=False).compress(raw)
     return base64.b64encode(frame).decode("ascii")
 
 
 def decode_inventory(v: Any, what: str) -> tuple[TensorInfo, ...]:
     """The inventory of a format-2 manifest's ``inventory`` string (names unique, shapes checked)."""
+    return decode_inventory_digest(v, what)[0]
+
+
+def decode_inventory_digest(v: Any, what: str) -> tuple[tuple[TensorInfo, ...], str]:
+    """The inventory of a format-2 ``inventory`` string and its ``inventory_digest`` (SPEC.md "Digests":
+    of the canonical JSON of the inventory sorted by name). When the stored array is exactly that
+    JSON (a writer that stores it sorted, as the reference does), the digest is of the bytes as
+    decompressed, without writing the inventory out again."""
     if not isinstance(v, str) or not v.isascii():
         raise field_error(what, "inventory must be a base64 string")
     try:
@@ -64,6 +87,7 @@ def decode_inventory(v: Any, what: str) -> tuple[TensorInfo, ...]:
     try:
         raw = zstandard.ZstdDecompressor().decompress(frame, max_output_size=declared, allow_extra_data=False)
         lst = json.loads(raw.decode("utf-8"))
+        canon = canonical_json(lst)  # lone surrogates parse but cannot be written (as load_json checks)
     except (zstandard.ZstdError, UnicodeError, ValueError, RecursionError):
         raise field_error(what, "inventory frame is corrupt or not UTF-8 JSON") from None
     if len(raw) != declared or not isinstance(lst, list):
@@ -84,7 +108,10 @@ def decode_inventory(v: Any, what: str) -> tuple[TensorInfo, ...]:
         ):
             raise field_error(what, f"tensor {name!r}: a shape is at most 64 integers in [0, 2^48]")
         out.append(TensorInfo(name, dtype, tuple(shape)))
-    return tuple(out)
+    names = [t.name for t in out]
+    if names == sorted(names) and canon == raw:
+        return tuple(out), xxh3_128(raw)
+    return tuple(out), inventory_digest(out)
 
 
 def group_entry_to_json(e: PatchEntry, index: Mapping[str, int]) -> dict[str, Any]:

@@ -25,7 +25,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -49,8 +49,10 @@ from deltasync.protocol import (
 )
 from deltasync.protocol.canonical import MANIFEST_VERSION
 from deltasync.protocol.checkpoint import build_checkpoint
+from deltasync.protocol.entries import TensorInfo
 from deltasync.protocol.keys import HEAD_KEY
 from deltasync.protocol.manifest import Writer
+from deltasync.protocol.manifest_v2 import inventory_fields
 from deltasync.protocol.patchfile import build_patch_files
 from deltasync.storage import Store
 from deltasync.storage.base import Data
@@ -68,6 +70,7 @@ __all__ = [
     "AfterCommit",
     "CommitContext",
     "FoldLog",
+    "InventoryMemo",
     "GROUP_NUMEL",
     "build_patch",
     "change_groups",
@@ -156,6 +159,27 @@ class AfterCommit:
     retention: RetentionWorker | None = None
 
 
+class InventoryMemo:
+    """A format-2 manifest's ``inventory`` string and digest, kept while the inventory stays the same
+    object (the uploader's, from step to step): one canonical JSON pass and zstd frame per inventory,
+    not per step."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last: tuple[tuple[TensorInfo, ...], str, str] | None = None
+
+    def fields(self, inventory: tuple[TensorInfo, ...]) -> tuple[str, str]:
+        """(``inventory`` string, ``inventory_digest``) of ``inventory``."""
+        with self._lock:
+            last = self._last
+        if last is not None and last[0] is inventory:
+            return last[1], last[2]
+        blob, digest = inventory_fields(inventory)
+        with self._lock:
+            self._last = (inventory, blob, digest)
+        return blob, digest
+
+
 @dataclass(frozen=True, slots=True)
 class CommitContext:
     """What a commit stage works with, single-process (:func:`commit_step`) or sharded
@@ -170,6 +194,7 @@ class CommitContext:
     pool: Executor
     after: AfterCommit
     stop: threading.Event
+    inventory: InventoryMemo = field(default_factory=lambda: InventoryMemo())
 
 
 def resolve_committed(job: StepJob, committed: Committed, seconds: float, *, skipped: bool = True) -> None:
@@ -212,6 +237,7 @@ def commit_step(ctx: CommitContext, job: StepJob) -> None:
             retry=RetryPolicy(cfg.retries, cfg.retry_backoff),
             stop=ctx.stop,
             format_version=cfg.format_version,
+            inventory_memo=ctx.inventory,
         )
     except Exception as exc:  # noqa: BLE001 - re-raised into the futures
         failures.error("commit of step %d failed: %s", job.step, exc)
@@ -309,6 +335,7 @@ def write_step(
     retry: RetryPolicy | None = None,
     stop: threading.Event | None = None,
     format_version: int = MANIFEST_VERSION,
+    inventory_memo: InventoryMemo | None = None,
 ) -> Committed:
     """Encode, write data files (create-only), then the manifest (create-only), then HEAD.
 
@@ -343,6 +370,7 @@ def write_step(
         writer=writer,
         changed=job.changed,
         format_version=format_version,
+        inventory_memo=inventory_memo,
     )
     if signing_key is not None:
         manifest = manifest.signed(signing_key)
@@ -364,8 +392,14 @@ def make_manifest(
     writer: Writer | None,
     changed: int,
     format_version: int = MANIFEST_VERSION,
+    inventory_memo: InventoryMemo | None = None,
 ) -> Manifest:
     """The (unsigned) manifest of ``job`` whose data files are ``infos`` holding ``entries``."""
+    blob: str | None = None
+    if format_version >= 2:
+        blob, inv_digest = (inventory_memo or InventoryMemo()).fields(job.inventory)
+    else:
+        inv_digest = inventory_digest(job.inventory)
     return Manifest(
         run_id=run_id,
         step=job.step,
@@ -374,13 +408,14 @@ def make_manifest(
         parent_digest=parent.digest if parent else None,
         anchor_step=job.step if job.kind == "anchor" else anchor_step,
         inventory=job.inventory,
-        inventory_digest=inventory_digest(job.inventory),
+        inventory_digest=inv_digest,
         files=infos,
         entries=entries,
         tensor_digests=dict(job.digests),
         stats=Stats(changed, job.total, sum(f.size for f in infos)),
         writer=writer,
         format_version=format_version,
+        inventory_blob=blob,
     )
 
 

@@ -145,9 +145,13 @@ class Snapshotter:
         # (name, start, end): a tensor larger than DIFF_CHUNK is diffed in chunks, so one embedding
         # does not hold up a step on one core
         parts: list[tuple[str, int, int]] = []
+        chunk = DIFF_CHUNK
         for name, t in job.staged.items():
-            n = int(t.numel())
-            parts.extend((name, a, min(n, a + DIFF_CHUNK)) for a in range(0, max(n, 1), DIFF_CHUNK))
+            n = t.numel()
+            if n <= chunk:
+                parts.append((name, 0, n))
+            else:
+                parts.extend((name, a, min(n, a + chunk)) for a in range(0, n, chunk))
 
         def one(part: tuple[str, int, int]) -> TensorDiff | None:
             name, a, b = part

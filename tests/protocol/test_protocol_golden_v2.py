@@ -240,3 +240,27 @@ def test_format1_cannot_write_a_group() -> None:
 
 def test_encode_inventory_is_what_the_writer_stores() -> None:
     assert encode_inventory(INVENTORY) == INVENTORY_BLOB
+
+
+def test_inventory_digest_is_of_the_stored_bytes_only_when_they_are_canonical_and_sorted() -> None:
+    """The reader takes the digest of the decompressed bytes only when they are the canonical JSON of
+    the inventory sorted by name; any other spelling is digested the long way and must still match."""
+    unsorted = (INVENTORY[1], INVENTORY[0])  # the same inventory in another order: the same digest
+
+    def edit(o: dict[str, Any]) -> None:
+        o["inventory"] = encode_inventory(unsorted)
+        o["tensor_digests"] = {
+            "tensors": [0, 1],
+            "xxh3_128": o["tensor_digests"]["xxh3_128"][32:] + o["tensor_digests"]["xxh3_128"][:32],
+        }
+        o["entries"][0]["tensors"] = [1, 0]
+
+    m = Manifest.from_json(_edited(V2_PATCH_MANIFEST, edit))
+    assert m.inventory == unsorted and m.inventory_digest == inventory_digest(INVENTORY)
+    spaced = _blob(
+        b'[{"dtype": "BF16", "name": "a", "shape": [4, 8]}, {"dtype": "BF16", "name": "b", "shape": [8, 8]}]'
+    )
+    assert Manifest.from_json(_edited(V2_PATCH_MANIFEST, _set("inventory", spaced))).inventory == INVENTORY
+    surrogate = _blob(b'[{"dtype":"BF16","name":"\\ud800","shape":[4,8]},{"dtype":"BF16","name":"b","shape":[8,8]}]')
+    with pytest.raises(ProtocolError):
+        Manifest.from_json(_edited(V2_PATCH_MANIFEST, _set("inventory", surrogate)))
