@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 import numpy as np
 
@@ -36,6 +36,7 @@ from deltasync.errors import AlreadyExists, CommitFailed, TransientStorageError
 from deltasync.protocol import (
     AnchorEntry,
     Committed,
+    EncodedTensor,
     FileInfo,
     Head,
     Manifest,
@@ -74,6 +75,7 @@ __all__ = [
     "GROUP_NUMEL",
     "build_patch",
     "change_groups",
+    "encode_groups",
     "commit_step",
     "make_manifest",
     "publish_manifest",
@@ -288,6 +290,32 @@ def change_groups(job: StepJob, group_numel: int) -> list[tuple[str, ...]]:
     return groups
 
 
+def encode_groups(
+    changes: Mapping[str, TensorDiff],
+    inventory: Sequence[TensorInfo],
+    pool: Executor | None,
+    group_numel: int,
+) -> list[tuple[str | tuple[str, ...], EncodedTensor]]:
+    """Encode every changed tensor (``group_numel`` > 0, format 2: every group of small tensors, see
+    :func:`change_groups`), groups on ``pool`` at once; (tensor name or group of names, coding)."""
+    numel = {t.name: t.numel for t in inventory}
+    groups = change_groups(StepJob(0, "patch", tuple(inventory), changes=dict(changes)), group_numel)
+
+    def enc(group: tuple[str, ...]) -> EncodedTensor:
+        if len(group) == 1:
+            c = changes[group[0]]
+            return encode_changes(numel[group[0]], c.idx, c.old, c.new)
+        cs = [changes[n] for n in group]
+        offsets = np.cumsum([0] + [numel[n] for n in group[:-1]])
+        idx = np.concatenate([c.idx + off for c, off in zip(cs, offsets.tolist(), strict=True)])
+        old = np.concatenate([c.old for c in cs])
+        new = np.concatenate([c.new for c in cs])
+        return encode_changes(sum(numel[n] for n in group), idx, old, new)
+
+    encoded = list(pool.map(enc, groups)) if pool is not None and len(groups) > 1 else [enc(g) for g in groups]
+    return [(g if len(g) > 1 else g[0], e) for g, e in zip(groups, encoded, strict=True)]
+
+
 def build_patch(
     job: StepJob,
     shard_bytes: int,
@@ -299,22 +327,7 @@ def build_patch(
     """Encode every changed tensor (format 2, ``group_numel`` > 0: every group of small tensors, see
     :func:`change_groups`) and pack the blobs into ``patch-NNNNN.safetensors`` files (layout:
     :func:`deltasync.protocol.patchfile.build_patch_files`), named as ``writer_id``'s own."""
-    numel = {t.name: t.numel for t in job.inventory}
-    groups = change_groups(job, group_numel)
-
-    def enc(group: tuple[str, ...]) -> Any:
-        if len(group) == 1:
-            c = job.changes[group[0]]
-            return encode_changes(numel[group[0]], c.idx, c.old, c.new)
-        cs = [job.changes[n] for n in group]
-        offsets = np.cumsum([0] + [numel[n] for n in group[:-1]])
-        idx = np.concatenate([c.idx + off for c, off in zip(cs, offsets.tolist(), strict=True)])
-        old = np.concatenate([c.old for c in cs])
-        new = np.concatenate([c.new for c in cs])
-        return encode_changes(sum(numel[n] for n in group), idx, old, new)
-
-    encoded = list(pool.map(enc, groups)) if pool is not None and len(groups) > 1 else [enc(g) for g in groups]
-    items = [(g if len(g) > 1 else g[0], e) for g, e in zip(groups, encoded, strict=True)]
+    items = encode_groups(job.changes, job.inventory, pool, group_numel)
     # the layout (entry names, metadata, one file per group of tensors) is the protocol's
     return build_patch_files(job.step, items, shard_bytes, writer_id=writer_id)
 
