@@ -75,8 +75,13 @@ def torch_dtype(st: str) -> torch.dtype:
 
 def torch_bits_dtype(itemsize: int) -> torch.dtype:
     """Signed integer torch dtype of the given width."""
-    torch = require_torch()
-    return {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[itemsize]  # type: ignore[no-any-return]
+    import torch  # callers hold tensors: torch is there (no dict built per call: 18k tensors a step)
+
+    if itemsize == 2:
+        return torch.int16
+    if itemsize == 4:
+        return torch.int32
+    return torch.int8 if itemsize == 1 else torch.int64
 
 
 def flat_bits(t: torch.Tensor, *, copy_if_needed: bool = True) -> torch.Tensor:
@@ -85,8 +90,7 @@ def flat_bits(t: torch.Tensor, *, copy_if_needed: bool = True) -> torch.Tensor:
         if not copy_if_needed:
             raise InventoryMismatch("target tensor is not contiguous; deltasync applies patches in place")
         t = t.contiguous()
-    t = t.detach().reshape(-1)
-    return t.view(torch_bits_dtype(t.element_size()))
+    return t.detach().view(-1).view(torch_bits_dtype(t.element_size()))
 
 
 def numpy_bits(t: torch.Tensor) -> np.ndarray[Any, Any]:

@@ -8,10 +8,11 @@ from typing import Any
 
 import numpy as np
 
+from deltasync._util.batches import map_batched
 from deltasync.errors import ChecksumMismatch, InventoryMismatch
-from deltasync.fetcher._fold import Change, new_bits
-from deltasync.fetcher._target import TargetTensor
-from deltasync.protocol import Manifest, TensorInfo
+from deltasync.fetcher._fold import Change, Folded, new_bits
+from deltasync.fetcher._target import HostTensor, TargetTensor
+from deltasync.protocol import DecodedEntry, Manifest, TensorInfo
 from deltasync.protocol.digests import xxh3_128_array
 
 __all__ = [
@@ -166,30 +167,51 @@ class Undo:
         self.names.clear()
 
 
+#: a change of more positions than this is applied in parts of this many, on several threads at once
+APPLY_CHUNK = 1 << 22
+
+
+def _part(c: Change, a: int, b: int) -> Change:
+    """Positions ``a:b`` of change ``c`` (views), as a change of the same kind."""
+    if isinstance(c, Folded):
+        return Folded(c.tensor, c.idx[a:b], c.values[a:b], None if c.is_raw is None else c.is_raw[a:b])
+    return DecodedEntry(c.entry, c.idx[a:b], c.values[a:b], c.name)
+
+
 def apply_changes(
     tensors: Mapping[str, TargetTensor], changes: Sequence[Change], undo: Undo, *, threads: int = 1
 ) -> None:
     """Apply a decoded (or folded) patch in place (tied names once), logging into ``undo``.
 
-    With ``threads`` > 1 different tensors are written at once (the compiled apply releases the
-    GIL). Every write that happened is in ``undo`` even when another one raised.
+    With ``threads`` > 1 different tensors (and parts of a large change to a host tensor) are
+    written at once (the compiled apply releases the GIL). Every write that happened is in
+    ``undo`` even when another one raised.
     """
     alias = alias_groups(tensors)
     todo = [c for c in changes if alias[c.tensor] == c.tensor]
-    if threads <= 1 or len(todo) < 2:
+    # a large change is applied in parts of disjoint positions at once (a host tensor's compiled apply
+    # releases the GIL), so one embedding does not hold up the step on one core
+    parts: list[Change] = []
+    for c in todo:
+        n = int(c.idx.size)
+        if threads > 1 and n > APPLY_CHUNK and isinstance(tensors[c.tensor], HostTensor):
+            parts.extend(_part(c, a, min(n, a + APPLY_CHUNK)) for a in range(0, n, APPLY_CHUNK))
+        else:
+            parts.append(c)
+    if threads <= 1 or len(parts) < 2:
         for c in todo:
             undo.put(tensors[c.tensor], c)
             undo.names.add(c.tensor)
         return
-    with ThreadPoolExecutor(min(threads, len(todo)), thread_name_prefix="deltasync-apply") as pool:
-        futures = [(c, pool.submit(tensors[c.tensor].apply, c)) for c in todo]
-        failed: BaseException | None = None
-        for c, fut in futures:  # each tensor once: the order of the log does not matter across tensors
-            try:
-                undo.record(tensors[c.tensor], c.idx, fut.result())
-            except BaseException as exc:  # noqa: BLE001 - re-raised below once every write is logged
-                failed = failed or exc
-                continue
-            undo.names.add(c.tensor)
+    with ThreadPoolExecutor(min(threads, len(parts)), thread_name_prefix="deltasync-apply") as pool:
+        # in batches of about even size: a pool task per tensor costs more than a small tensor's write
+        outcomes = map_batched(pool, lambda p: tensors[p.tensor].apply(p), parts, [int(p.idx.size) + 64 for p in parts])
+    failed: BaseException | None = None
+    for c, (old, err) in zip(parts, outcomes, strict=True):  # each part once: the log's order is free
+        if err is not None or old is None:
+            failed = failed or err or RuntimeError(f"{c.tensor!r}: the apply returned nothing")
+            continue
+        undo.record(tensors[c.tensor], c.idx, old)  # a part's positions with its old bits
+        undo.names.add(c.tensor)
     if failed is not None:
         raise failed

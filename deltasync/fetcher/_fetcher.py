@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from deltasync._util.cpus import usable_cpus
 from deltasync._util.tensors import DEFAULT_MAX_ALLOC_BYTES
 from deltasync.fetcher._follow import follow as _follow
 from deltasync.fetcher._identity import HeldStates
@@ -51,8 +52,9 @@ class DeltaFetcher:
     lease_ttl: write a lease (``leases/<id>.json``, see :class:`~deltasync.fetcher._lease.LeaseWriter`)
         at the start and end of each sync, valid this many seconds, so ``deltasync gc`` keeps what
         this fetcher holds and fetches. None (default): no lease, the store is only read.
-    threads: decode up to this many tensors of a step at once (the compiled kernels release the
-        GIL; see :mod:`deltasync.protocol.kernels`).
+    threads: decode and apply up to this many tensors (format 2: groups) of a step at once (the
+        compiled kernels release the GIL; see :mod:`deltasync.protocol.kernels`); None (default):
+        one per CPU this process may use (``os.sched_getaffinity``).
     max_alloc_bytes: the most bytes of tensors ``sync({})`` allocates from a run's inventory
         (default 256 GiB); a run declaring more is refused with InventoryMismatch before
         anything is allocated (a manifest's shapes are claims).
@@ -73,7 +75,7 @@ class DeltaFetcher:
         spans: bool = True,
         fold: bool = True,
         lease_ttl: float | None = None,
-        threads: int = 2,
+        threads: int | None = None,
         max_alloc_bytes: int = DEFAULT_MAX_ALLOC_BYTES,
     ) -> None:
         if verify not in (True, False, "full"):
@@ -84,7 +86,7 @@ class DeltaFetcher:
         self.shard_bytes = shard_bytes
         self.reader = reader if reader is not None else RunReader(self.store, signing_key=signing_key, spans=spans)
         self.fold = fold
-        self.threads = max(1, threads)
+        self.threads = max(1, threads if threads is not None else usable_cpus())
         self.max_alloc_bytes = max_alloc_bytes
         self._held = HeldStates()
         self.lease = LeaseWriter(self.store, lease_ttl) if lease_ttl is not None else None

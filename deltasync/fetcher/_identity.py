@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from deltasync.fetcher._target import TargetTensor
+from deltasync.fetcher._target import TargetTensor, TargetViews
 
 __all__ = ["HeldState", "HeldStates"]
 
@@ -66,6 +66,8 @@ class HeldStates:
 
     def __init__(self) -> None:
         self._by_id: dict[int, HeldState] = {}
+        #: the views of the last target synced (kept while its tensors are the same objects)
+        self.views = TargetViews()
 
     def get(self, target: Any) -> HeldState | None:
         """What this fetcher last left in ``target`` (or in an object since collected that had its ``id``)."""

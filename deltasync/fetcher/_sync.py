@@ -19,7 +19,7 @@ import logging
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
-from deltasync._util.tensors import allocate, inventory_of
+from deltasync._util.tensors import allocate
 from deltasync.errors import (
     ChainBroken,
     ChecksumMismatch,
@@ -188,8 +188,7 @@ class Sync:
         self._t0 = self.stats.clock()
         self._allocate()
         self._live = live_tensors(self.target)
-        self._inventory = inventory_of(self._live)
-        tensors = target_tensors(self._live)
+        self._inventory, tensors = self.held.views.of(self._live)
         verify = self.source.verify
         held = self.held.get(self.target)
         have: tuple[int, str] | None = None

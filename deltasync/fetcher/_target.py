@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from deltasync._util.tensors import flat_bits, numpy_bits, require_torch, state_tensors
+from deltasync._util.tensors import flat_bits, numpy_bits, require_torch, st_dtype, state_tensors
 from deltasync.errors import ProtocolError
 from deltasync.fetcher._fold import Change, new_bits
-from deltasync.protocol import kernels
+from deltasync.protocol import TensorInfo, kernels
 from deltasync.protocol.digests import xxh3_128_array
 
-__all__ = ["DeviceTensor", "HostTensor", "TargetTensor", "live_tensors", "target_tensors"]
+__all__ = ["DeviceTensor", "HostTensor", "TargetTensor", "TargetViews", "live_tensors", "target_tensors"]
 
 Bits = np.ndarray[Any, np.dtype[Any]]
 
@@ -29,10 +30,48 @@ def live_tensors(target: Any) -> dict[str, Any]:
 
 def target_tensors(live: Mapping[str, Any]) -> dict[str, TargetTensor]:
     """A :class:`TargetTensor` per live tensor: a numpy view on the CPU, the tensor itself on an accelerator."""
-    return {
-        n: HostTensor(numpy_bits(t)) if t.device.type == "cpu" else DeviceTensor(flat_bits(t, copy_if_needed=False))
-        for n, t in live.items()
-    }
+    return {n: _view(t) for n, t in live.items()}
+
+
+def _view(t: Any) -> TargetTensor:
+    if t.device.type == "cpu":
+        arr = numpy_bits(t)
+        # the key HostTensor would take from the array, from torch (cheaper at 18k tensors a sync)
+        return HostTensor(arr, key=(t.data_ptr(), arr.size, arr.dtype.str))
+    return DeviceTensor(flat_bits(t, copy_if_needed=False))
+
+
+class TargetViews:
+    """The :class:`TargetTensor` and inventory entry of each live tensor, kept from one sync to the
+    next while a name still holds the very same tensor object at the same memory with the same
+    dtype and shape (a model synced step after step builds its 18k views once, not every step).
+    Only identity and layout are remembered, never what the tensors hold; once any remembered
+    tensor is collected, everything is forgotten (the views must not keep a dropped model's memory)."""
+
+    def __init__(self) -> None:
+        cache: dict[str, tuple[weakref.ref[Any], int, Any, Any, TargetTensor, TensorInfo]] = {}
+        self._cache = cache
+        self._forget = lambda _ref: cache.clear()  # holds the dict, not self
+        self._inventory: tuple[TensorInfo, ...] = ()
+
+    def of(self, live: Mapping[str, Any]) -> tuple[tuple[TensorInfo, ...], dict[str, TargetTensor]]:
+        """(inventory sorted by name, a TargetTensor per name) of ``live``."""
+        cache = self._cache
+        same = len(cache) == len(live)
+        out: dict[str, TargetTensor] = {}
+        for name, t in live.items():
+            hit = cache.get(name)
+            ptr, layout, dtype = t.data_ptr(), (t.shape, t.stride()), t.dtype  # an in-place t_() keeps the shape
+            if hit is None or hit[0]() is not t or hit[1] != ptr or hit[2] != layout or hit[3] != dtype:
+                same = False
+                info = TensorInfo(name, st_dtype(dtype), tuple(layout[0]))
+                hit = cache[name] = (weakref.ref(t, self._forget), ptr, layout, dtype, _view(t), info)
+            out[name] = hit[4]
+        if not same:
+            for name in [n for n in cache if n not in live]:
+                del cache[name]
+            self._inventory = tuple(sorted((cache[n][5] for n in live), key=lambda i: i.name))
+        return self._inventory, out
 
 
 class TargetTensor(ABC):

@@ -16,6 +16,8 @@ from deltasync.errors import ProtocolError, UnsupportedVersion
 __all__ = [
     "FORMAT_VERSION",
     "HEX32",
+    "MANIFEST_VERSION",
+    "MANIFEST_VERSIONS",
     "canonical_json",
     "check_version",
     "field_error",
@@ -28,6 +30,10 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
+#: the manifest format versions this deltasync reads (SPEC.md "Versioning"); HEAD, claims and leases stay 1
+MANIFEST_VERSIONS = (1, 2)
+#: the manifest format version writers write by default (SPEC.md "Manifest, version 2")
+MANIFEST_VERSION = 2
 #: the characters of a lower-case hex digest
 HEX32 = frozenset("0123456789abcdef")
 
@@ -52,14 +58,16 @@ def load_json(data: bytes | bytearray | memoryview, what: str, limit: int) -> di
     return raw
 
 
-def check_version(raw: Mapping[str, Any], what: str) -> None:
-    """Raise UnsupportedVersion unless the record ``what`` has this deltasync's ``format_version``."""
+def check_version(raw: Mapping[str, Any], what: str, versions: Sequence[int] = (FORMAT_VERSION,)) -> int:
+    """The record ``what``'s ``format_version``; UnsupportedVersion unless it is one of ``versions``."""
     version = raw.get("format_version")
-    if type(version) is not int or version != FORMAT_VERSION:
+    if type(version) is not int or version not in versions:
+        known = " and ".join(str(v) for v in versions)
         raise UnsupportedVersion(
-            f"{what} has format_version {version!r}; this deltasync reads version {FORMAT_VERSION} "
+            f"{what} has format_version {version!r}; this deltasync reads version {known} "
             "only (upgrade deltasync to read newer runs)"
         )
+    return version
 
 
 # ------------------------------------------------------------- field checkers

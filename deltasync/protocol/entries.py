@@ -116,7 +116,12 @@ class ByteRange:
 
 @dataclass(frozen=True, slots=True)
 class PatchEntry:
-    """Where and how one tensor's change is coded in a patch file."""
+    """Where and how one tensor's change (or a group's, format 2) is coded in a patch file.
+
+    ``members``: format 2's group, the tensors whose concatenated flat elements the entry codes,
+    in that order (all of one dtype); empty for a one-tensor entry. ``tensor`` is the first
+    member (it names the blobs in the patch file).
+    """
 
     tensor: str
     file: str
@@ -126,9 +131,17 @@ class PatchEntry:
     values: Literal["xor-rank", "raw"]
     positions_range: ByteRange
     values_range: ByteRange
+    members: tuple[str, ...] = ()
+
+    @property
+    def tensors(self) -> tuple[str, ...]:
+        """The tensors the entry codes, in the order of their elements."""
+        return self.members or (self.tensor,)
 
     def to_json(self) -> dict[str, Any]:
-        """JSON form."""
+        """JSON form (format 1: one tensor)."""
+        if len(self.members) > 1:
+            raise ValueError(f"patch entry {self.tensor!r} codes a group of tensors: format 1 cannot write it")
         return {
             "tensor": self.tensor,
             "file": self.file,

@@ -15,6 +15,8 @@ from deltasync.errors import ProtocolError, SignatureMismatch
 from deltasync.protocol.canonical import (
     FORMAT_VERSION,
     HEX32,
+    MANIFEST_VERSION,
+    MANIFEST_VERSIONS,
     canonical_json,
     check_version,
     field_error,
@@ -36,11 +38,21 @@ from deltasync.protocol.entries import (
     inventory_digest,
 )
 from deltasync.protocol.keys import MAX_STEP
+from deltasync.protocol.manifest_v2 import (
+    decode_inventory_digest,
+    digests_from_json,
+    digests_to_json,
+    encode_inventory,
+    group_entry_from_json,
+    group_entry_to_json,
+)
 from deltasync.protocol.streams import ZSTD_MAX_RATIO
 from deltasync.protocol.writers import Writer
 
 __all__ = [
     "FORMAT_VERSION",
+    "MANIFEST_VERSION",
+    "MANIFEST_VERSIONS",
     "AnchorEntry",
     "ByteRange",
     "FileInfo",
@@ -95,6 +107,9 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     extra: Mapping[str, str] = field(default_factory=dict)
     writer: Writer | None = None
+    #: format 2: the ``inventory`` string as read (re-written verbatim, so a signature checks
+    #: against the bytes the writer signed whatever zstd build compresses here); None: encode it
+    inventory_blob: str | None = field(default=None, compare=False, repr=False)
 
     @property
     def epoch(self) -> int:
@@ -104,6 +119,8 @@ class Manifest:
     # -- serialisation ---------------------------------------------------
 
     def _body(self) -> dict[str, Any]:
+        if self.format_version == 2:
+            return self._body_v2()
         body: dict[str, Any] = {
             "format_version": self.format_version,
             "run_id": self.run_id,
@@ -117,6 +134,30 @@ class Manifest:
             "files": [f.to_json() for f in self.files],
             "entries": [e.to_json() for e in self.entries],
             "tensor_digests": dict(self.tensor_digests),
+            "stats": self.stats.to_json(),
+        }
+        if self.extra:
+            body["extra"] = dict(self.extra)
+        if self.writer is not None:
+            body["writer"] = self.writer.to_json()
+        return body
+
+    def _body_v2(self) -> dict[str, Any]:
+        index = {t.name: i for i, t in enumerate(self.inventory)}
+        entries = [group_entry_to_json(e, index) if isinstance(e, PatchEntry) else e.to_json() for e in self.entries]
+        body: dict[str, Any] = {
+            "format_version": 2,
+            "run_id": self.run_id,
+            "step": self.step,
+            "kind": self.kind,
+            "parent_step": self.parent_step,
+            "parent_digest": self.parent_digest,
+            "anchor_step": self.anchor_step,
+            "inventory": self.inventory_blob if self.inventory_blob is not None else encode_inventory(self.inventory),
+            "inventory_digest": self.inventory_digest,
+            "files": [f.to_json() for f in self.files],
+            "entries": entries,
+            "tensor_digests": digests_to_json(self.tensor_digests, self.inventory),
             "stats": self.stats.to_json(),
         }
         if self.extra:
@@ -159,7 +200,7 @@ class Manifest:
     def from_json(cls, data: bytes | bytearray | memoryview) -> Manifest:
         """Parse, validate and cross-check a manifest; anything off is a ProtocolError."""
         raw = load_json(data, "manifest", MAX_MANIFEST_BYTES)
-        check_version(raw, "manifest")
+        version = check_version(raw, "manifest", MANIFEST_VERSIONS)
         o = json_object(raw, "manifest", _MANIFEST_KEYS, ("signature", "extra", "writer"))
         step = json_int(o["step"], "step", 0, MAX_STEP)
         what = f"manifest of step {step}"
@@ -175,12 +216,16 @@ class Manifest:
         anchor_step = json_int(o["anchor_step"], "anchor_step", 0, step)
         if (kind == "anchor") != (anchor_step == step):
             raise field_error(what, "anchor_step must equal step exactly for anchors")
-        inventory = tuple(TensorInfo.from_json(t) for t in json_list(o["inventory"], "inventory"))
+        if version == 2:
+            inventory, actual_digest = decode_inventory_digest(o["inventory"], what)
+        else:
+            inventory = tuple(TensorInfo.from_json(t) for t in json_list(o["inventory"], "inventory"))
+            actual_digest = None
         names = [t.name for t in inventory]
         if len(set(names)) != len(names):
             raise field_error(what, "duplicate tensor names in inventory")
         inv_digest = json_digest(o["inventory_digest"], "inventory_digest")
-        if inv_digest != inventory_digest(inventory):
+        if inv_digest != (actual_digest or inventory_digest(inventory)):
             raise field_error(what, "inventory_digest does not match the inventory")
         files = tuple(FileInfo.from_json(f) for f in json_list(o["files"], "files"))
         if len({f.path for f in files}) != len(files):
@@ -189,10 +234,14 @@ class Manifest:
         sizes = {f.path: f.size for f in files}
         entries: tuple[PatchEntry, ...] | tuple[AnchorEntry, ...]
         if kind == "patch":
-            entries = tuple(PatchEntry.from_json(e) for e in json_list(o["entries"], "entries"))
+            if version == 2:
+                entries = tuple(group_entry_from_json(e, inventory, what) for e in json_list(o["entries"], "entries"))
+            else:
+                entries = tuple(PatchEntry.from_json(e) for e in json_list(o["entries"], "entries"))
             for e in entries:
-                info = by_name.get(e.tensor)
-                if info is None or e.count > info.numel or (e.positions == "dense" and e.count != info.numel):
+                infos = [by_name.get(n) for n in e.tensors]
+                numel = sum(i.numel for i in infos if i is not None)
+                if None in infos or e.count > numel or (e.positions == "dense" and e.count != numel):
                     raise field_error(what, f"patch entry {e.tensor!r} does not fit the inventory")
                 for r in (e.positions_range, e.values_range):
                     if e.file not in sizes or r.end > sizes[e.file]:
@@ -212,13 +261,17 @@ class Manifest:
             for a in entries:
                 if a.file not in sizes or a.range.end > sizes[a.file] or a.range.length != by_name[a.tensor].nbytes:
                     raise field_error(what, f"anchor entry {a.tensor!r} does not fit its file or its dtype/shape")
-        if len({e.tensor for e in entries}) != len(entries):
+        listed = [n for e in entries for n in (e.tensors if isinstance(e, PatchEntry) else (e.tensor,))]
+        if len(set(listed)) != len(listed):
             raise field_error(what, "a tensor appears twice in entries")
         _check_disjoint(entries, what)
         tdig = o["tensor_digests"]
-        if not isinstance(tdig, dict) or not set(tdig) <= set(names):
-            raise field_error(what, "tensor_digests must map inventory names to digests")
-        tensor_digests = {k: json_digest(v, f"digest of {k!r}") for k, v in tdig.items()}
+        if version == 2:
+            tensor_digests = digests_from_json(tdig, inventory, what)
+        else:
+            if not isinstance(tdig, dict) or not set(tdig) <= set(names):
+                raise field_error(what, "tensor_digests must map inventory names to digests")
+            tensor_digests = {k: json_digest(v, f"digest of {k!r}") for k, v in tdig.items()}
         extra = o.get("extra", {})
         if not isinstance(extra, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in extra.items()):
             raise field_error(what, "extra must map strings to strings")
@@ -241,6 +294,8 @@ class Manifest:
             signature=sig,
             extra=extra,
             writer=None if o.get("writer") is None else Writer.from_json(o["writer"]),
+            format_version=version,
+            inventory_blob=o["inventory"] if version == 2 else None,
         )
 
 

@@ -62,28 +62,43 @@ def patch_entry_names(tensor: str) -> tuple[str, str]:
     return f"{tensor}/positions", f"{tensor}/values"
 
 
+#: what a patch file carries one coded change of: a tensor's name, or (format 2) a group's names
+Coded = str | tuple[str, ...]
+
+
+def _names(what: Coded) -> tuple[str, tuple[str, ...]]:
+    """(the name of the blobs: the first tensor's, the group's members: () for one tensor)."""
+    if isinstance(what, str):
+        return what, ()
+    return what[0], (what if len(what) > 1 else ())
+
+
 def build_patch_file(
-    step: int, file_name: str, items: Sequence[tuple[str, EncodedTensor]]
+    step: int, file_name: str, items: Sequence[tuple[Coded, EncodedTensor]]
 ) -> tuple[bytes, list[PatchEntry]]:
-    """One patch file holding ``items`` (tensor name, coded change) in that order, and their entries."""
+    """One patch file holding ``items`` (tensor name or group of names, coded change) in that order,
+    and their entries. A group's blobs are named after its first tensor."""
     meta = patch_metadata(step)
     shard: list[TensorBytes] = []
-    for name, e in items:
-        pos_name, val_name = patch_entry_names(name)
+    for what, e in items:
+        pos_name, val_name = patch_entry_names(_names(what)[0])
         shard.append(TensorBytes(pos_name, "U8", (len(e.pos_blob),), e.pos_blob))
         shard.append(TensorBytes(val_name, "U8", (len(e.val_blob),), e.val_blob))
     ranges = shard_layout(shard, meta)
     entries = []
-    for name, e in items:
+    for what, e in items:
+        name, members = _names(what)
         pos_name, val_name = patch_entry_names(name)
         entries.append(
-            PatchEntry(name, file_name, e.count, e.positions, e.rice_k, e.values, ranges[pos_name], ranges[val_name])
+            PatchEntry(
+                name, file_name, e.count, e.positions, e.rice_k, e.values, ranges[pos_name], ranges[val_name], members
+            )
         )
     return to_bytes(shard, meta), entries
 
 
 def build_patch_files(
-    step: int, items: Sequence[tuple[str, EncodedTensor]], shard_bytes: int, *, writer_id: str | None = None
+    step: int, items: Sequence[tuple[Coded, EncodedTensor]], shard_bytes: int, *, writer_id: str | None = None
 ) -> tuple[dict[str, bytes], list[PatchEntry]]:
     """Pack coded changes into ``patch-NNNNN.safetensors`` files of about ``shard_bytes`` each.
 
@@ -131,16 +146,20 @@ def check_patch_file(m: Manifest, file_name: str, data: bytes | bytearray | memo
 
 @dataclass(frozen=True, slots=True)
 class DecodedEntry:
-    """One tensor's decoded change: sorted flat positions and the value stream to combine with old bits."""
+    """One tensor's decoded change: sorted flat positions and the value stream to combine with old bits.
+
+    ``name``: the tensor, where the entry codes a group (format 2) and this is one member's share
+    (positions local to the member); None: the entry's own tensor."""
 
     entry: PatchEntry
     idx: Ints
     values: Ints
+    name: str | None = None
 
     @property
     def tensor(self) -> str:
         """The tensor's name."""
-        return self.entry.tensor
+        return self.name if self.name is not None else self.entry.tensor
 
     @property
     def coding(self) -> str:
@@ -161,6 +180,10 @@ def decode_patch_entry(
         if not found:
             raise ProtocolError(f"step {m.step}: patch entry {entry.tensor!r} is not in the inventory")
         info = found[0]
+    numel = info.numel
+    if entry.members:
+        inv = {t.name: t for t in m.inventory}
+        numel = sum(inv[n].numel for n in entry.members)
     mv = memoryview(data).cast("B")
     for r in (entry.positions_range, entry.values_range):
         if r.end > len(mv):
@@ -171,7 +194,7 @@ def decode_patch_entry(
         entry.positions,
         entry.rice_k,
         entry.count,
-        info.numel,
+        numel,
         what,
     )
     vals = decode_values(
@@ -214,4 +237,23 @@ def decode_patch(
     def one(e: PatchEntry) -> DecodedEntry:
         return decode_patch_entry(m, e, files[e.file], inv[e.tensor])
 
-    return list(mapper(one, entries))
+    out: list[DecodedEntry] = []
+    for d in mapper(one, entries):
+        if d.entry.members:
+            out.extend(split_group(d, [inv[n].numel for n in d.entry.members]))
+        else:
+            out.append(d)
+    return out
+
+
+def split_group(d: DecodedEntry, numels: Sequence[int]) -> list[DecodedEntry]:
+    """A group's decoded change as one change per member, positions local to it (views, no copies
+    but the subtraction); a member no position falls in gets an empty change (still proven)."""
+    bounds = np.zeros(len(numels) + 1, dtype=np.int64)
+    np.cumsum(numels, out=bounds[1:])
+    cuts = np.searchsorted(d.idx, bounds).tolist()
+    idx, vals = d.idx, d.values
+    return [
+        DecodedEntry(d.entry, idx[a:b] - off, vals[a:b], name)
+        for name, off, a, b in zip(d.entry.members, bounds.tolist(), cuts, cuts[1:], strict=False)
+    ]

@@ -25,15 +25,18 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
+
+import numpy as np
 
 from deltasync._util.retry import RetryPolicy, retry_call
 from deltasync.errors import AlreadyExists, CommitFailed, TransientStorageError
 from deltasync.protocol import (
     AnchorEntry,
     Committed,
+    EncodedTensor,
     FileInfo,
     Head,
     Manifest,
@@ -45,9 +48,12 @@ from deltasync.protocol import (
     manifest_key,
     xxh3_128,
 )
+from deltasync.protocol.canonical import MANIFEST_VERSION
 from deltasync.protocol.checkpoint import build_checkpoint
+from deltasync.protocol.entries import TensorInfo
 from deltasync.protocol.keys import HEAD_KEY
 from deltasync.protocol.manifest import Writer
+from deltasync.protocol.manifest_v2 import inventory_fields
 from deltasync.protocol.patchfile import build_patch_files
 from deltasync.storage import Store
 from deltasync.storage.base import Data
@@ -65,7 +71,11 @@ __all__ = [
     "AfterCommit",
     "CommitContext",
     "FoldLog",
+    "InventoryMemo",
+    "GROUP_NUMEL",
     "build_patch",
+    "change_groups",
+    "encode_groups",
     "commit_step",
     "make_manifest",
     "publish_manifest",
@@ -151,6 +161,27 @@ class AfterCommit:
     retention: RetentionWorker | None = None
 
 
+class InventoryMemo:
+    """A format-2 manifest's ``inventory`` string and digest, kept while the inventory stays the same
+    object (the uploader's, from step to step): one canonical JSON pass and zstd frame per inventory,
+    not per step."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last: tuple[tuple[TensorInfo, ...], str, str] | None = None
+
+    def fields(self, inventory: tuple[TensorInfo, ...]) -> tuple[str, str]:
+        """(``inventory`` string, ``inventory_digest``) of ``inventory``."""
+        with self._lock:
+            last = self._last
+        if last is not None and last[0] is inventory:
+            return last[1], last[2]
+        blob, digest = inventory_fields(inventory)
+        with self._lock:
+            self._last = (inventory, blob, digest)
+        return blob, digest
+
+
 @dataclass(frozen=True, slots=True)
 class CommitContext:
     """What a commit stage works with, single-process (:func:`commit_step`) or sharded
@@ -165,6 +196,7 @@ class CommitContext:
     pool: Executor
     after: AfterCommit
     stop: threading.Event
+    inventory: InventoryMemo = field(default_factory=lambda: InventoryMemo())
 
 
 def resolve_committed(job: StepJob, committed: Committed, seconds: float, *, skipped: bool = True) -> None:
@@ -206,6 +238,8 @@ def commit_step(ctx: CommitContext, job: StepJob) -> None:
             fence=ctx.writer.check_fence,
             retry=RetryPolicy(cfg.retries, cfg.retry_backoff),
             stop=ctx.stop,
+            format_version=cfg.format_version,
+            inventory_memo=ctx.inventory,
         )
     except Exception as exc:  # noqa: BLE001 - re-raised into the futures
         failures.error("commit of step %d failed: %s", job.step, exc)
@@ -232,21 +266,70 @@ def commit_step(ctx: CommitContext, job: StepJob) -> None:
 # ------------------------------------------------------------ writing a step
 
 
+#: format 2 codes the changes of consecutive small tensors of one dtype as one group entry of about
+#: this many elements (one encode, one set of zstd frames, one manifest entry for all of them)
+GROUP_NUMEL = 1 << 22
+
+
+def change_groups(job: StepJob, group_numel: int) -> list[tuple[str, ...]]:
+    """The changed tensors, sorted by name, cut into groups: consecutive tensors of one dtype until a
+    group holds ``group_numel`` elements; a tensor that large stands alone (0: every tensor alone)."""
+    info = {t.name: t for t in job.inventory}
+    groups: list[tuple[str, ...]] = []
+    cur: list[str] = []
+    size, dtype = 0, ""
+    for name in sorted(job.changes):
+        t = info[name]
+        if cur and (t.dtype != dtype or size + t.numel > group_numel):
+            groups.append(tuple(cur))
+            cur, size = [], 0
+        cur.append(name)
+        size, dtype = size + t.numel, t.dtype
+    if cur:
+        groups.append(tuple(cur))
+    return groups
+
+
+def encode_groups(
+    changes: Mapping[str, TensorDiff],
+    inventory: Sequence[TensorInfo],
+    pool: Executor | None,
+    group_numel: int,
+) -> list[tuple[str | tuple[str, ...], EncodedTensor]]:
+    """Encode every changed tensor (``group_numel`` > 0, format 2: every group of small tensors, see
+    :func:`change_groups`), groups on ``pool`` at once; (tensor name or group of names, coding)."""
+    numel = {t.name: t.numel for t in inventory}
+    groups = change_groups(StepJob(0, "patch", tuple(inventory), changes=dict(changes)), group_numel)
+
+    def enc(group: tuple[str, ...]) -> EncodedTensor:
+        if len(group) == 1:
+            c = changes[group[0]]
+            return encode_changes(numel[group[0]], c.idx, c.old, c.new)
+        cs = [changes[n] for n in group]
+        offsets = np.cumsum([0] + [numel[n] for n in group[:-1]])
+        idx = np.concatenate([c.idx + off for c, off in zip(cs, offsets.tolist(), strict=True)])
+        old = np.concatenate([c.old for c in cs])
+        new = np.concatenate([c.new for c in cs])
+        return encode_changes(sum(numel[n] for n in group), idx, old, new)
+
+    encoded = list(pool.map(enc, groups)) if pool is not None and len(groups) > 1 else [enc(g) for g in groups]
+    return [(g if len(g) > 1 else g[0], e) for g, e in zip(groups, encoded, strict=True)]
+
+
 def build_patch(
-    job: StepJob, shard_bytes: int, pool: Executor | None, *, writer_id: str | None = None
+    job: StepJob,
+    shard_bytes: int,
+    pool: Executor | None,
+    *,
+    writer_id: str | None = None,
+    group_numel: int = 0,
 ) -> tuple[dict[str, bytes], list[PatchEntry]]:
-    """Encode every changed tensor and pack the blobs into ``patch-NNNNN.safetensors`` files
-    (layout: :func:`deltasync.protocol.patchfile.build_patch_files`), named as ``writer_id``'s own."""
-    numel = {t.name: t.numel for t in job.inventory}
-    names = sorted(job.changes)
-
-    def enc(name: str) -> Any:
-        c = job.changes[name]
-        return encode_changes(numel[name], c.idx, c.old, c.new)
-
-    encoded = list(pool.map(enc, names)) if pool is not None and len(names) > 1 else [enc(n) for n in names]
+    """Encode every changed tensor (format 2, ``group_numel`` > 0: every group of small tensors, see
+    :func:`change_groups`) and pack the blobs into ``patch-NNNNN.safetensors`` files (layout:
+    :func:`deltasync.protocol.patchfile.build_patch_files`), named as ``writer_id``'s own."""
+    items = encode_groups(job.changes, job.inventory, pool, group_numel)
     # the layout (entry names, metadata, one file per group of tensors) is the protocol's
-    return build_patch_files(job.step, list(zip(names, encoded, strict=True)), shard_bytes, writer_id=writer_id)
+    return build_patch_files(job.step, items, shard_bytes, writer_id=writer_id)
 
 
 def write_step(
@@ -264,8 +347,12 @@ def write_step(
     progress: Callable[[str], None] | None = None,
     retry: RetryPolicy | None = None,
     stop: threading.Event | None = None,
+    format_version: int = MANIFEST_VERSION,
+    inventory_memo: InventoryMemo | None = None,
 ) -> Committed:
     """Encode, write data files (create-only), then the manifest (create-only), then HEAD.
+
+    ``format_version``: the manifest's (SPEC.md "Versioning"); 2 groups small tensors' changes.
 
     With ``writer`` the data files are named as that writer's own (``w{id}/...``,
     :func:`~deltasync.protocol.keys.writer_file_name`): no other writer ever writes their keys,
@@ -279,14 +366,24 @@ def write_step(
     """
     own = writer.id if writer is not None else None
     if job.kind == "patch":
-        files, entries_p = build_patch(job, shard_bytes, pool, writer_id=own)
+        grouped = GROUP_NUMEL if format_version >= 2 else 0
+        files, entries_p = build_patch(job, shard_bytes, pool, writer_id=own, group_numel=grouped)
         entries: tuple[PatchEntry, ...] | tuple[AnchorEntry, ...] = tuple(entries_p)
     else:
         files, entries_a = build_checkpoint(job.inventory, job.snapshot, shard_bytes, writer_id=own)
         entries = tuple(entries_a)
     infos = tuple(FileInfo(name, len(data), xxh3_128(data)) for name, data in sorted(files.items()))
     manifest = make_manifest(
-        job, infos, entries, run_id=run_id, parent=parent, anchor_step=anchor_step, writer=writer, changed=job.changed
+        job,
+        infos,
+        entries,
+        run_id=run_id,
+        parent=parent,
+        anchor_step=anchor_step,
+        writer=writer,
+        changed=job.changed,
+        format_version=format_version,
+        inventory_memo=inventory_memo,
     )
     if signing_key is not None:
         manifest = manifest.signed(signing_key)
@@ -307,8 +404,15 @@ def make_manifest(
     anchor_step: int,
     writer: Writer | None,
     changed: int,
+    format_version: int = MANIFEST_VERSION,
+    inventory_memo: InventoryMemo | None = None,
 ) -> Manifest:
     """The (unsigned) manifest of ``job`` whose data files are ``infos`` holding ``entries``."""
+    blob: str | None = None
+    if format_version >= 2:
+        blob, inv_digest = (inventory_memo or InventoryMemo()).fields(job.inventory)
+    else:
+        inv_digest = inventory_digest(job.inventory)
     return Manifest(
         run_id=run_id,
         step=job.step,
@@ -317,12 +421,14 @@ def make_manifest(
         parent_digest=parent.digest if parent else None,
         anchor_step=job.step if job.kind == "anchor" else anchor_step,
         inventory=job.inventory,
-        inventory_digest=inventory_digest(job.inventory),
+        inventory_digest=inv_digest,
         files=infos,
         entries=entries,
         tensor_digests=dict(job.digests),
         stats=Stats(changed, job.total, sum(f.size for f in infos)),
         writer=writer,
+        format_version=format_version,
+        inventory_blob=blob,
     )
 
 

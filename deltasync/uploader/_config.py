@@ -33,7 +33,8 @@ class UploaderConfig:
     signal_url / signal_token / signal_run: after each commit, tell this signal
         server (publish token; run name, default the run id) from a background
         thread; a down server is logged and counted, never raised.
-    encode_threads: threads encoding tensors of one step in parallel.
+    encode_threads: threads encoding and diffing the tensors (format 2: groups) of one step in
+        parallel; None (default): one per CPU this process may use (``os.sched_getaffinity``).
     defer_diff: push() only copies the state into staging buffers (one memcpy)
         and the bit-wise diff runs in the background. Costs one more copy of the
         weights in memory, on their device; False diffs inside push() instead
@@ -58,6 +59,9 @@ class UploaderConfig:
         write a span squashing those ``n`` patches (SPEC.md "Spans"), so that a replica
         far behind downloads a few spans instead of every patch; written on a background
         thread after the commit, never failing a step. ``()`` disables spans.
+    format_version: the manifest format written (SPEC.md "Versioning"): 2 (default) writes the
+        inventory compressed, digests by index and the changes of small tensors as groups (a step's
+        cost then follows its changed bytes, not its tensor count); 1 for readers older than it.
     keep_anchors: after each committed anchor, garbage-collect the run in the background,
         keeping the last N anchors and what live fetcher leases need (``deltasync gc``); a
         failed gc is logged and counted (``uploader.retention.failures``), never raised. None: off.
@@ -71,7 +75,7 @@ class UploaderConfig:
     shard_bytes: int = 2 << 30
     tensor_digests: bool = True
     signing_key: bytes | None = None
-    encode_threads: int = 2
+    encode_threads: int | None = None
     run_id: str | None = None
     defer_diff: bool = True
     signal_url: str | None = None
@@ -83,8 +87,11 @@ class UploaderConfig:
     distributed_timeout: float = 600.0
     span_levels: tuple[int, ...] = (8, 64)
     keep_anchors: int | None = None
+    format_version: int = 2
 
     def __post_init__(self) -> None:
+        if self.format_version not in (1, 2) or isinstance(self.format_version, bool):
+            raise ValueError(f"format_version must be 1 or 2, got {self.format_version!r}")
         if self.anchor_every < 1:
             raise ValueError("anchor_every must be >= 1")
         if self.max_pending < 1:

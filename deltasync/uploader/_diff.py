@@ -14,9 +14,11 @@ from deltasync.protocol import TensorInfo, kernels
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Baseline", "TensorDiff", "diff_tensor", "inventory_of"]
+__all__ = ["DIFF_CHUNK", "Baseline", "TensorDiff", "diff_tensor", "inventory_of", "join_diffs"]
 
 CHUNK = 1 << 21  # elements per compare chunk: keeps the mask in cache
+#: a tensor larger than this many elements is diffed in chunks of it, on several threads at once
+DIFF_CHUNK = 1 << 23
 Bits = np.ndarray[Any, np.dtype[Any]]
 
 
@@ -48,6 +50,17 @@ class Baseline:
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     inventory: tuple[TensorInfo, ...] = ()
+
+
+def join_diffs(parts: list[TensorDiff]) -> TensorDiff:
+    """One tensor's diff from the diffs of its chunks, in order (positions already absolute)."""
+    for p in parts:
+        p.wait()
+    return TensorDiff(
+        np.concatenate([p.idx for p in parts]),
+        np.concatenate([p.old for p in parts]),
+        np.concatenate([p.new for p in parts]),
+    )
 
 
 def _diff_numpy(base: Bits, new: Bits) -> Bits:

@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from deltasync._util.batches import map_batched, results
 from deltasync._util.tensors import flat_bits
 from deltasync.protocol import TensorInfo
 from deltasync.protocol.digests import xxh3_128_array
-from deltasync.uploader._diff import Baseline, TensorDiff, diff_tensor
+from deltasync.uploader._diff import DIFF_CHUNK, Baseline, TensorDiff, diff_tensor, join_diffs
 from deltasync.uploader._job import StepJob
 
 if TYPE_CHECKING:
@@ -141,14 +142,39 @@ class Snapshotter:
 
     def diff(self, job: StepJob) -> None:
         """Diff the job's staged bits against the baseline (which takes them): fills ``job.changes``."""
-        names = list(job.staged)
+        # (name, start, end): a tensor larger than DIFF_CHUNK is diffed in chunks, so one embedding
+        # does not hold up a step on one core
+        parts: list[tuple[str, int, int]] = []
+        chunk = DIFF_CHUNK
+        for name, t in job.staged.items():
+            n = t.numel()
+            if n <= chunk:
+                parts.append((name, 0, n))
+            else:
+                parts.extend((name, a, min(n, a + chunk)) for a in range(0, n, chunk))
 
-        def one(name: str) -> TensorDiff | None:
-            return diff_tensor(self._baseline.tensors[name], job.staged[name])
+        def one(part: tuple[str, int, int]) -> TensorDiff | None:
+            name, a, b = part
+            base, new = self._baseline.tensors[name], job.staged[name]
+            if a == 0 and b == base.numel():
+                return diff_tensor(base, new)
+            d = diff_tensor(base.reshape(-1)[a:b], new.reshape(-1)[a:b])  # views: the baseline is updated
+            if d is not None:
+                d.wait()  # a device's copies land asynchronously: only then may the positions move
+                d.idx += a
+            return d
 
-        # tensors at once: the compiled diff releases the GIL (each updates its own baseline)
-        found = list(self.pool.map(one, names)) if len(names) > 1 else [one(n) for n in names]
-        changes = {n: c for n, c in zip(names, found, strict=True) if c is not None}
+        # chunks at once, in batches of about even size: the compiled diff releases the GIL (each
+        # updates its own part of the baseline), and a pool task per tensor would cost more than a
+        # small tensor's diff
+        found = results(map_batched(self.pool if len(parts) > 1 else None, one, parts, [b - a for _, a, b in parts]))
+        changes: dict[str, TensorDiff] = {}
+        pieces: dict[str, list[TensorDiff]] = {}
+        for (name, _, _), c in zip(parts, found, strict=True):
+            if c is not None:
+                pieces.setdefault(name, []).append(c)
+        for name, ps in pieces.items():
+            changes[name] = ps[0] if len(ps) == 1 else join_diffs(ps)
         job.staged = {}
         job.changes = changes
         job.changed = sum(int(c.idx.size) for c in changes.values())

@@ -33,7 +33,7 @@ from deltasync.protocol import (
     xxh3_128,
 )
 from deltasync.storage import Store
-from deltasync.uploader._commit_step import build_patch, put_idempotent, with_retries
+from deltasync.uploader._commit_step import GROUP_NUMEL, build_patch, put_idempotent, with_retries
 from deltasync.uploader._config import check_levels
 from deltasync.uploader._diff import TensorDiff
 from deltasync.uploader._job import StepJob, merge_changes
@@ -178,7 +178,8 @@ class SpanWriter:
             job = StepJob(m.step, "patch", m.inventory, changes=changes)
             # the span's files are the writer's own, as the step's are (SPEC.md "Commit rule")
             own = m.writer.id if m.writer is not None else None
-            files, entries = build_patch(job, self.shard_bytes, self.pool, writer_id=own)
+            grouped = GROUP_NUMEL if m.format_version >= 2 else 0
+            files, entries = build_patch(job, self.shard_bytes, self.pool, writer_id=own, group_numel=grouped)
             infos = tuple(FileInfo(name, len(data), xxh3_128(data)) for name, data in sorted(files.items()))
             span = Manifest(
                 run_id=m.run_id,
@@ -195,6 +196,7 @@ class SpanWriter:
                 stats=Stats(sum(int(x.idx.size) for x in changes.values()), m.stats.total, sum(f.size for f in infos)),
                 extra={SPAN_OF: end.digest},
                 writer=m.writer,
+                format_version=m.format_version,
             )
             if self.signing_key is not None:
                 span = span.signed(self.signing_key)

@@ -19,6 +19,7 @@ from dataclasses import replace
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
+from deltasync._util.cpus import usable_cpus
 from deltasync._util.retry import RetryPolicy
 from deltasync._util.tensors import state_tensors
 from deltasync.errors import ProtocolError
@@ -69,7 +70,8 @@ class DeltaUploader:
         # single writer per run prefix: the first push() claims the next epoch (0 until then), so an
         # uploader that never pushes (a refused upload) leaves no claim; a newer claim fences this one off
         self._writer = WriterIdentity(self.store, cfg.run_id, head.manifest.run_id if head else None)
-        self._pool = ThreadPoolExecutor(max(1, cfg.encode_threads), thread_name_prefix="deltasync-encode")
+        threads = cfg.encode_threads if cfg.encode_threads is not None else usable_cpus()
+        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="deltasync-encode")
         self._snapshots = Snapshotter(self._pool, cfg.cast_dtype)
         self._folds = FoldLog(cfg.max_pending)  # steps folded into later ones ("coalesce"): counted, told once
         self._after = AfterCommit(folds=self._folds)  # the listeners below join it once they exist

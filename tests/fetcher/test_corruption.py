@@ -30,8 +30,9 @@ from deltasync.errors import (
     StorageError,
     UnsupportedVersion,
 )
-from deltasync.protocol import xxh3_128
+from deltasync.protocol import TensorInfo, xxh3_128
 from deltasync.protocol.manifest import canonical_json
+from deltasync.protocol.manifest_v2 import encode_inventory
 
 torch = pytest.importorskip("torch")
 
@@ -87,24 +88,28 @@ class Run:
         return ds.DeltaFetcher(self.store(), verify=True, signing_key=self.key if key == "run" else key)  # type: ignore[arg-type]
 
 
-def _write_run(root: Path, key: bytes | None) -> Run:
+def _write_run(root: Path, key: bytes | None, version: int) -> Run:
     states = make_states(len(KINDS))
     store = ds.LocalStore(root, fsync=False)
     # small shards: the anchors have two shards, so a bad shard next to a good one is covered
-    with ds.DeltaUploader(store, anchor_every=3, anchor_bytes_fraction=0, shard_bytes=3000, signing_key=key) as up:
+    with ds.DeltaUploader(
+        store, anchor_every=3, anchor_bytes_fraction=0, shard_bytes=3000, signing_key=key, format_version=version
+    ) as up:
         kinds = [up.push(s, i).result(30).kind for i, s in enumerate(states)]
     assert kinds == KINDS
     return Run(root, states, key)
 
 
-@pytest.fixture(scope="module")
-def plain(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return _write_run(tmp_path_factory.mktemp("plain"), None)
+# every hostile edit below runs against a run of each manifest format (SPEC.md "Versioning"): what a
+# reader refuses in format 1 it refuses in format 2
+@pytest.fixture(scope="module", params=[1, 2], ids=["format1", "format2"])
+def plain(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Run:
+    return _write_run(tmp_path_factory.mktemp("plain"), None, request.param)
 
 
-@pytest.fixture(scope="module")
-def signed(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return _write_run(tmp_path_factory.mktemp("signed"), KEY)
+@pytest.fixture(scope="module", params=[1, 2], ids=["format1", "format2"])
+def signed(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Run:
+    return _write_run(tmp_path_factory.mktemp("signed"), KEY, request.param)
 
 
 def spread_offsets(size: int, n: int = OFFSETS_PER_FILE) -> list[int]:
@@ -331,20 +336,52 @@ def test_unknown_step(plain: Run) -> None:
 
 
 def edited_manifest(run: Run, step: int, edit: Any) -> bytes:
-    """The manifest of ``step`` parsed, changed by ``edit(obj)`` and written back canonically."""
+    """The manifest of ``step`` parsed, changed by ``edit(obj)`` and written back canonically.
+
+    ``edit`` sees format 1's shape either way: a format-2 manifest is opened up first (inventory
+    as a list, digests and group members by name) and packed again after the edit."""
     obj = json.loads(run.path(step, "manifest.json").read_bytes())
+    v2 = obj.get("format_version") == 2
+    if v2:
+        names = [t["name"] for t in open_inventory(obj["inventory"])]
+        obj["inventory"] = open_inventory(obj["inventory"])
+        d = obj["tensor_digests"]
+        obj["tensor_digests"] = {names[i]: d["xxh3_128"][32 * k : 32 * k + 32] for k, i in enumerate(d["tensors"])}
+        for e in obj["entries"]:
+            if "tensors" in e:
+                e["tensors"] = [names[i] for i in e["tensors"]]
     edit(obj)
+    if v2:
+        inv = obj["inventory"]
+        index = {t["name"]: i for i, t in enumerate(inv)}
+        obj["inventory"] = encode_inventory([TensorInfo(t["name"], t["dtype"], tuple(t["shape"])) for t in inv])
+        listed = sorted(index[n] for n in obj["tensor_digests"])
+        hexes = {index[n]: h for n, h in obj["tensor_digests"].items()}
+        obj["tensor_digests"] = {"tensors": listed, "xxh3_128": "".join(hexes[i] for i in listed)}
+        for e in obj["entries"]:
+            if "tensors" in e:
+                e["tensors"] = [index[n] for n in e["tensors"]]
     return canonical_json(obj)
+
+
+def open_inventory(blob: str) -> list[dict[str, Any]]:
+    """A format-2 manifest's inventory as format 1 writes it."""
+    import base64
+
+    import zstandard
+
+    out: list[dict[str, Any]] = json.loads(zstandard.ZstdDecompressor().decompress(base64.b64decode(blob)))
+    return out
 
 
 def test_newer_format_version(plain: Run) -> None:
     def bump(o: dict[str, Any]) -> None:
-        o["format_version"] = 2
+        o["format_version"] = 3  # 2 is known (SPEC.md "Manifest, format 2"): the next one is not
 
     for step in (0, 2):
         with rewritten(plain.path(step, "manifest.json"), edited_manifest(plain, step, bump)):
             err = expect_failed_sync(plain, step, (UnsupportedVersion,))
-        assert "format_version 2" in str(err) and "upgrade deltasync" in str(err)
+        assert "format_version 3" in str(err) and "upgrade deltasync" in str(err)
 
 
 @pytest.mark.parametrize(
@@ -533,7 +570,7 @@ def test_patch_file_of_another_step_with_its_checksum_fixed_up(plain: Run) -> No
 def test_patch_declaring_another_shape_is_off_the_chain(plain: Run, tmp_path: Path, shape: list[int]) -> None:
     """A patch manifest whose inventory declares another (huge) shape, its inventory digest fixed up:
     a patch has its parent's inventory, so nothing is sized from it (no MemoryError) and nothing changes."""
-    from deltasync.protocol import TensorInfo, inventory_digest
+    from deltasync.protocol import inventory_digest
 
     def reshape(o: dict[str, Any]) -> None:
         t = next(t for t in o["inventory"] if t["name"] == "b.weight")

@@ -125,9 +125,14 @@ def test_module_target_and_rebound_parameter(run: ds.MemoryStore) -> None:
     assert _equal(dict(m.state_dict()), _state(5))
 
 
-def test_dropped_patch_entry_is_a_checksum_mismatch(run: ds.MemoryStore) -> None:
-    """A patch whose entries omit a tensor its digests say changed is refused; the target is untouched."""
-    store = _copy(run)
+@pytest.mark.parametrize("version", [1, 2])
+def test_dropped_patch_entry_is_a_checksum_mismatch(version: int) -> None:
+    """A patch whose entries omit a tensor its digests say changed is refused; the target is untouched
+    (in both manifest formats: format 2 would code v and w as one group entry)."""
+    store = ds.MemoryStore(f"identity-v{version}")
+    with ds.DeltaUploader(store, anchor_every=100, anchor_bytes_fraction=0, format_version=version) as up:
+        for s in range(6):
+            up.push(_state(s), s).result()
     # a consistent lie: the patch file is rebuilt without v's blobs, sizes and checksums fixed up,
     # while the manifest's tensor digest of v still says that v changed
     body = json.loads(store.get(manifest_key(5)))
@@ -143,7 +148,14 @@ def test_dropped_patch_entry_is_a_checksum_mismatch(run: ds.MemoryStore) -> None
     for name, data in files.items():
         store.put(f"steps/{5:012d}/{name}", data)
         body["files"].append({"path": name, "size": len(data), "xxh3_128": xxh3_128(data)})
-    body["entries"] = [e.to_json() for e in entries]
+    if version == 2:
+        from deltasync.protocol.manifest import Manifest
+        from deltasync.protocol.manifest_v2 import group_entry_to_json
+
+        index = {t.name: i for i, t in enumerate(Manifest.from_json(store.get(manifest_key(5))).inventory)}
+        body["entries"] = [group_entry_to_json(e, index) for e in entries]
+    else:
+        body["entries"] = [e.to_json() for e in entries]
     body["stats"]["nbytes"] = sum(len(d) for d in files.values())
     store.put(manifest_key(5), json.dumps(body).encode())
     fetcher = ds.DeltaFetcher(store)

@@ -528,7 +528,7 @@ def test_plain_and_writer_subfolder_file_names_parse(name: str) -> None:
     assert span_file_key(1, 3, name) == f"spans/000000000001-000000000003/{name}"
 
 
-@pytest.mark.parametrize("version", [2, 0, -1, "1", None, True, 1.0, [1], "missing"])
+@pytest.mark.parametrize("version", [3, 0, -1, "1", None, True, 1.0, 2.0, [1], "missing"])
 def test_unknown_format_version(version: Any) -> None:
     for base in (MANIFESTS[0], HEAD):
         doc = _doc(base)
@@ -544,7 +544,7 @@ def test_unknown_format_version(version: Any) -> None:
 def test_version_is_checked_before_anything_else() -> None:
     """A newer writer may change every other field; the reader must still say 'version'."""
     with pytest.raises(UnsupportedVersion):
-        Manifest.from_json(b'{"format_version": 2, "whatever": []}')
+        Manifest.from_json(b'{"format_version": 3, "whatever": []}')
 
 
 def test_inventory_digest_mismatch() -> None:

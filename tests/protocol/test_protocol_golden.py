@@ -334,7 +334,8 @@ def test_uploader_output_is_frozen(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(uuid, "uuid4", lambda: uuid.UUID(WRITER_ID * 2))
     store = ds.MemoryStore("golden")
-    with ds.DeltaUploader(store, run_id="golden-run", encode_threads=1) as up:
+    # format 1 as written before format 2 became the default (test_protocol_golden_v2.py freezes 2)
+    with ds.DeltaUploader(store, run_id="golden-run", encode_threads=1, format_version=1) as up:
         assert up.push(state(A_OLD, B_OLD), 6).result(30).kind == "anchor"
         assert up.push(state(A_NEW, B_NEW), 7).result(30).kind == "patch"
     objs = store.get_many([o.key for o in store.list("")])

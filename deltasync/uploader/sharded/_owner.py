@@ -20,7 +20,8 @@ import numpy as np
 
 from deltasync._util.retry import RetryPolicy
 from deltasync.errors import CommitFailed
-from deltasync.protocol import AnchorEntry, Committed, FileInfo, PatchEntry, TensorInfo, encode_changes, xxh3_128
+from deltasync.protocol import AnchorEntry, Committed, FileInfo, PatchEntry, TensorInfo, xxh3_128
+from deltasync.protocol.canonical import MANIFEST_VERSION
 from deltasync.protocol.checkpoint import CHECKPOINT_METADATA, INDEX_NAME, group_by_size, shard_layout
 from deltasync.protocol.digests import xxh3_128_array
 from deltasync.protocol.dtypes import dtype_info
@@ -29,7 +30,14 @@ from deltasync.protocol.manifest import Writer
 from deltasync.protocol.patchfile import build_patch_file, patch_file_name
 from deltasync.protocol.safetensors_io import TensorBytes, to_bytes
 from deltasync.storage import Store
-from deltasync.uploader._commit_step import make_manifest, publish_manifest, put_step_files
+from deltasync.uploader._commit_step import (
+    GROUP_NUMEL,
+    InventoryMemo,
+    encode_groups,
+    make_manifest,
+    publish_manifest,
+    put_step_files,
+)
 from deltasync.uploader._diff import TensorDiff
 from deltasync.uploader._job import StepJob
 from deltasync.uploader.sharded._shardmap import AnchorPlan, Box, patch_file_names, write_box
@@ -116,19 +124,13 @@ def _patch_files(
     rank: int,
     world: int,
     changes: dict[str, TensorDiff],
-    numel: dict[str, int],
+    inventory: tuple[TensorInfo, ...],
     shard_bytes: int,
     pool: Executor | None,
     writer_id: str,
+    format_version: int,
 ) -> tuple[dict[str, bytes], list[PatchEntry]]:
-    names = sorted(changes)
-
-    def enc(name: str) -> Any:
-        c = changes[name]
-        return encode_changes(numel[name], c.idx, c.old, c.new)
-
-    encoded = list(pool.map(enc, names)) if pool is not None and len(names) > 1 else [enc(n) for n in names]
-    items = list(zip(names, encoded, strict=True))
+    items = encode_groups(changes, inventory, pool, GROUP_NUMEL if format_version >= 2 else 0)
     groups = group_by_size([e.nbytes for _, e in items], shard_bytes) if items else []
     files: dict[str, bytes] = {}
     entries: list[PatchEntry] = []
@@ -173,6 +175,7 @@ def write_rank_files(
     tensor_digests: bool,
     writer_id: str,
     stop: threading.Event | None = None,
+    format_version: int = MANIFEST_VERSION,
 ) -> RankReport:
     """Encode this rank's part of ``job`` (its owned tensors), write it durably, and report it.
 
@@ -184,7 +187,7 @@ def write_rank_files(
     entries: list[PatchEntry] | list[AnchorEntry]
     if job.kind == "patch":
         files, entries = _patch_files(
-            job.step, rank, world, changes, {n: t.numel for n, t in infos.items()}, shard_bytes, pool, writer_id
+            job.step, rank, world, changes, job.inventory, shard_bytes, pool, writer_id, format_version
         )
         changed = sum(int(c.idx.size) for c in changes.values())
     else:
@@ -209,6 +212,8 @@ def commit_on_rank0(
     policy: RetryPolicy,
     fence: Callable[[], None] | None,
     stop: threading.Event | None = None,
+    format_version: int = MANIFEST_VERSION,
+    inventory_memo: InventoryMemo | None = None,
 ) -> Committed:
     """Check every rank's report against the store, then write the step's manifest and HEAD."""
     failed = [f"rank {r}: {rep.error}" for r, rep in enumerate(reports) if rep.error is not None]
@@ -247,6 +252,8 @@ def commit_on_rank0(
         anchor_step=parent.manifest.anchor_step if parent else job.step,
         writer=writer,
         changed=sum(rep.changed for rep in reports),
+        format_version=format_version,
+        inventory_memo=inventory_memo,
     )
     if signing_key is not None:
         manifest = manifest.signed(signing_key)

@@ -356,6 +356,7 @@ class ShardedPush:
                 tensor_digests=cfg.tensor_digests,
                 writer_id=self.rank0_writer,
                 stop=self.ctx.stop,
+                format_version=cfg.format_version,
             )
         except ChannelError:
             raise
@@ -377,6 +378,8 @@ class ShardedPush:
                     policy=self._policy,
                     fence=writer.check_fence,
                     stop=self.ctx.stop,
+                    format_version=cfg.format_version,
+                    inventory_memo=self.ctx.inventory,
                 )
                 self._written = committed
                 outcome = _Outcome(committed, None, writer=(writer.writer_id, writer.epoch))

@@ -1,0 +1,172 @@
+"""Format 2's compact manifest fields (SPEC.md "Manifest, format 2"): the inventory as one zstd frame,
+group patch entries and tensor digests that name tensors by their index in the inventory.
+
+A format-1 manifest spells every tensor's name out in its inventory, its entry and its digest, every
+step: ~415 bytes per tensor, most of a step's cost at 18k tensors. Format 2 writes each name once,
+compressed, and refers to tensors by index. :class:`~deltasync.protocol.manifest.Manifest` reads
+and writes both; this module holds format 2's pieces. Every reader here validates before it
+allocates and raises ProtocolError on anything malformed.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import zstandard
+
+from deltasync.protocol.canonical import HEX32, canonical_json, field_error, json_int, json_list, json_object
+from deltasync.protocol.digests import xxh3_128
+from deltasync.protocol.dtypes import DTYPES
+from deltasync.protocol.entries import ByteRange, PatchEntry, TensorInfo, inventory_digest
+from deltasync.protocol.keys import check_file_name
+
+__all__ = [
+    "decode_inventory",
+    "decode_inventory_digest",
+    "digests_from_json",
+    "digests_to_json",
+    "encode_inventory",
+    "group_entry_from_json",
+    "group_entry_to_json",
+    "inventory_fields",
+]
+
+#: the most bytes a format-2 inventory decompresses to (a manifest's own limit)
+MAX_INVENTORY_BYTES = 256 * 1024 * 1024
+_MAX_SHAPE = 2**48
+_ENTRY_KEYS = ("tensors", "file", "count", "positions", "rice_k", "values", "positions_range", "values_range")
+_INV_KEYS = frozenset(("name", "dtype", "shape"))
+
+
+def inventory_fields(inventory: Sequence[TensorInfo]) -> tuple[str, str]:
+    """(``inventory`` string, ``inventory_digest``) of a format-2 manifest: one canonical JSON pass
+    (the digest is of those very bytes when the inventory is sorted by name, as the uploader's is)."""
+    raw = canonical_json([t.to_json() for t in inventory])
+    names = [t.name for t in inventory]
+    digest = xxh3_128(raw) if names == sorted(names) else inventory_digest(inventory)
+    return _pack(raw), digest
+
+
+def encode_inventory(inventory: Sequence[TensorInfo]) -> str:
+    """Base64 of one zstd frame (content size declared) of the canonical JSON of the inventory array,
+    in the writer's order."""
+    return _pack(canonical_json([t.to_json() for t in inventory]))
+
+
+def _pack(raw: bytes) -> str:
+    frame = zstandard.ZstdCompressor(level=3, write_content_size=True, write_checksum=False).compress(raw)
+    return base64.b64encode(frame).decode("ascii")
+
+
+def decode_inventory(v: Any, what: str) -> tuple[TensorInfo, ...]:
+    """The inventory of a format-2 manifest's ``inventory`` string (names unique, shapes checked)."""
+    return decode_inventory_digest(v, what)[0]
+
+
+def decode_inventory_digest(v: Any, what: str) -> tuple[tuple[TensorInfo, ...], str]:
+    """The inventory of a format-2 ``inventory`` string and its ``inventory_digest`` (SPEC.md "Digests":
+    of the canonical JSON of the inventory sorted by name). When the stored array is exactly that
+    JSON (a writer that stores it sorted, as the reference does), the digest is of the bytes as
+    decompressed, without writing the inventory out again."""
+    if not isinstance(v, str) or not v.isascii():
+        raise field_error(what, "inventory must be a base64 string")
+    try:
+        frame = base64.b64decode(v, validate=True)
+    except (binascii.Error, ValueError):
+        raise field_error(what, "inventory is not valid base64") from None
+    try:
+        declared = zstandard.frame_content_size(frame)
+    except zstandard.ZstdError:
+        raise field_error(what, "inventory is not a zstd frame") from None
+    if declared < 0 or declared > MAX_INVENTORY_BYTES:
+        raise field_error(what, f"inventory frame declares {declared} bytes (at most {MAX_INVENTORY_BYTES})")
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(frame, max_output_size=declared, allow_extra_data=False)
+        lst = json.loads(raw.decode("utf-8"))
+        canon = canonical_json(lst)  # lone surrogates parse but cannot be written (as load_json checks)
+    except (zstandard.ZstdError, UnicodeError, ValueError, RecursionError):
+        raise field_error(what, "inventory frame is corrupt or not UTF-8 JSON") from None
+    if len(raw) != declared or not isinstance(lst, list):
+        raise field_error(what, "inventory must decompress to a JSON array")
+    out = []
+    for t in lst:
+        if type(t) is not dict or t.keys() != _INV_KEYS:
+            raise field_error(what, "an inventory entry must be {name, dtype, shape}")
+        name, dtype, shape = t["name"], t["dtype"], t["shape"]
+        if type(name) is not str or not 1 <= len(name) <= 1024:
+            raise field_error(what, "tensor names are strings of 1 to 1024 characters")
+        if type(dtype) is not str or dtype not in DTYPES:
+            raise field_error(what, f"tensor {name!r}: unsupported dtype {dtype!r}")
+        if (
+            type(shape) is not list
+            or len(shape) > 64
+            or not all(type(s) is int and 0 <= s <= _MAX_SHAPE for s in shape)
+        ):
+            raise field_error(what, f"tensor {name!r}: a shape is at most 64 integers in [0, 2^48]")
+        out.append(TensorInfo(name, dtype, tuple(shape)))
+    names = [t.name for t in out]
+    if names == sorted(names) and canon == raw:
+        return tuple(out), xxh3_128(raw)
+    return tuple(out), inventory_digest(out)
+
+
+def group_entry_to_json(e: PatchEntry, index: Mapping[str, int]) -> dict[str, Any]:
+    """A patch entry in format 2's form: ``tensors`` lists inventory indices."""
+    return {
+        "tensors": [index[n] for n in e.tensors],
+        "file": e.file,
+        "count": e.count,
+        "positions": e.positions,
+        "rice_k": e.rice_k,
+        "values": e.values,
+        "positions_range": e.positions_range.to_json(),
+        "values_range": e.values_range.to_json(),
+    }
+
+
+def group_entry_from_json(v: Any, inventory: Sequence[TensorInfo], what: str) -> PatchEntry:
+    """Parse a format-2 patch entry: 1 or more distinct inventory indices, all of one dtype."""
+    o = json_object(v, "patch entry", _ENTRY_KEYS)
+    idx = json_list(o["tensors"], "patch entry tensors")
+    n = len(inventory)
+    if not idx or not all(type(i) is int and 0 <= i < n for i in idx) or len(set(idx)) != len(idx):
+        raise field_error(what, "a patch entry's tensors are distinct inventory indices, at least one")
+    names = tuple(inventory[i].name for i in idx)
+    if len({inventory[i].dtype for i in idx}) != 1:
+        raise field_error(what, f"patch entry {names[0]!r}: the tensors of a group must share one dtype")
+    if o["positions"] not in ("rice", "rice-z", "dense") or o["values"] not in ("xor-rank", "raw"):
+        raise field_error(f"patch entry {names[0]!r}", f"unknown coding {o['positions']!r}/{o['values']!r}")
+    return PatchEntry(
+        names[0],
+        check_file_name(o["file"]),
+        json_int(o["count"], "count", 1),
+        o["positions"],
+        json_int(o["rice_k"], "rice_k", 0, 62),
+        o["values"],
+        ByteRange.from_json(o["positions_range"], "positions_range"),
+        ByteRange.from_json(o["values_range"], "values_range"),
+        names if len(names) > 1 else (),
+    )
+
+
+def digests_to_json(digests: Mapping[str, str], inventory: Sequence[TensorInfo]) -> dict[str, Any]:
+    """``{"tensors": [ascending inventory indices], "xxh3_128": "<32 hex per tensor, in that order>"}``."""
+    idx = [i for i, t in enumerate(inventory) if t.name in digests]
+    return {"tensors": idx, "xxh3_128": "".join(digests[inventory[i].name] for i in idx)}
+
+
+def digests_from_json(v: Any, inventory: Sequence[TensorInfo], what: str) -> dict[str, str]:
+    """Parse format 2's tensor digests: strictly ascending indices, 32 lower-case hex characters each."""
+    o = json_object(v, "tensor_digests", ("tensors", "xxh3_128"))
+    idx = json_list(o["tensors"], "tensor_digests.tensors")
+    hexes = o["xxh3_128"]
+    n = len(inventory)
+    if not all(type(i) is int and 0 <= i < n for i in idx) or any(a >= b for a, b in zip(idx, idx[1:], strict=False)):
+        raise field_error(what, "tensor_digests.tensors must be strictly ascending inventory indices")
+    if not isinstance(hexes, str) or len(hexes) != 32 * len(idx) or not set(hexes) <= HEX32:
+        raise field_error(what, "tensor_digests.xxh3_128 must be 32 lower-case hex characters per tensor")
+    return {inventory[i].name: hexes[32 * k : 32 * k + 32] for k, i in enumerate(idx)}
