@@ -107,9 +107,11 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     extra: Mapping[str, str] = field(default_factory=dict)
     writer: Writer | None = None
-    #: format 2: the ``inventory`` string as read (re-written verbatim, so a signature checks
-    #: against the bytes the writer signed whatever zstd build compresses here); None: encode it
-    inventory_blob: str | None = field(default=None, compare=False, repr=False)
+    #: format 2: the ``inventory`` string as read, with the inventory it encodes (re-written verbatim, so
+    #: a signature checks against the bytes the writer signed whatever zstd build compresses here). Used
+    #: only while ``inventory`` is that very tuple: a copy with another inventory (``replace``) encodes its
+    #: own. None: encode it
+    inventory_blob: tuple[str, tuple[TensorInfo, ...]] | None = field(default=None, compare=False, repr=False)
 
     @property
     def epoch(self) -> int:
@@ -153,7 +155,7 @@ class Manifest:
             "parent_step": self.parent_step,
             "parent_digest": self.parent_digest,
             "anchor_step": self.anchor_step,
-            "inventory": self.inventory_blob if self.inventory_blob is not None else encode_inventory(self.inventory),
+            "inventory": self._inventory_v2(),
             "inventory_digest": self.inventory_digest,
             "files": [f.to_json() for f in self.files],
             "entries": entries,
@@ -165,6 +167,12 @@ class Manifest:
         if self.writer is not None:
             body["writer"] = self.writer.to_json()
         return body
+
+    def _inventory_v2(self) -> str:
+        blob = self.inventory_blob
+        if blob is not None and blob[1] is self.inventory:
+            return blob[0]
+        return encode_inventory(self.inventory)
 
     def to_json(self) -> bytes:
         """Canonical JSON bytes: what is stored as ``manifest.json``."""
@@ -295,7 +303,7 @@ class Manifest:
             extra=extra,
             writer=None if o.get("writer") is None else Writer.from_json(o["writer"]),
             format_version=version,
-            inventory_blob=o["inventory"] if version == 2 else None,
+            inventory_blob=(o["inventory"], inventory) if version == 2 else None,
         )
 
 

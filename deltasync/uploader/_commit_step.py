@@ -428,7 +428,7 @@ def make_manifest(
         stats=Stats(changed, job.total, sum(f.size for f in infos)),
         writer=writer,
         format_version=format_version,
-        inventory_blob=blob,
+        inventory_blob=None if blob is None else (blob, job.inventory),
     )
 
 

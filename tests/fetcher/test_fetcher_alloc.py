@@ -131,32 +131,39 @@ def _sync_limited(store_dir: Any, verify: bool = True) -> dict[str, Any]:
 
 
 def _lie(path: Any, name: str, shape: list[int], dtype: str, *, grow_file: bool) -> None:
-    """Rewrite the manifest at ``path``: tensor ``name`` declared as ``shape``/``dtype``, the inventory
-    digest and the stats fixed up; with ``grow_file`` the lie is consistent all through the manifest (the
-    entry's byte range holds the declared bytes at the end of its file, whose declared size, and the
-    stats, grow to match), so only the store's own object says otherwise."""
-    import json
+    """Rewrite the manifest at ``path`` (in the format it was written in): tensor ``name`` declared as
+    ``shape``/``dtype``, the inventory digest and the stats fixed up; with ``grow_file`` the lie is
+    consistent all through the manifest (the entry's byte range holds the declared bytes at the end of
+    its file, whose declared size, and the stats, grow to match), so only the store's own object says
+    otherwise."""
+    from dataclasses import replace
 
-    from deltasync.protocol import TensorInfo, inventory_digest
+    from deltasync.protocol import Manifest, TensorInfo, inventory_digest
     from deltasync.protocol.dtypes import dtype_info
+    from deltasync.protocol.entries import AnchorEntry, ByteRange, FileInfo, Stats
 
-    o = json.loads(path.read_text())
-    t = next(t for t in o["inventory"] if t["name"] == name)
-    t["shape"], t["dtype"] = shape, dtype
-    inv = [TensorInfo(x["name"], x["dtype"], tuple(x["shape"])) for x in o["inventory"]]
-    o["inventory_digest"] = inventory_digest(inv)
+    m = Manifest.from_json(path.read_bytes())
+    inv = tuple(TensorInfo(t.name, dtype, tuple(shape)) if t.name == name else t for t in m.inventory)
+    files, entries = m.files, m.entries
     if grow_file:
-        numel = 1
-        for d in shape:
-            numel *= d
-        entry = next(e for e in o["entries"] if e["tensor"] == name)
-        f = next(f for f in o["files"] if f["path"] == entry["file"])
-        entry["range"] = [f["size"], f["size"] + numel * dtype_info(dtype).itemsize]
-        f["size"] = entry["range"][1]
-        o["stats"]["nbytes"] = sum(x["size"] for x in o["files"])
-    o["stats"]["total"] = sum(_numel(x["shape"]) for x in o["inventory"])
-    o["tensor_digests"] = {}  # the liar drops what it cannot fake
-    path.write_text(json.dumps(o))
+        nbytes = _numel(shape) * dtype_info(dtype).itemsize
+        entry = next(e for e in m.entries if e.tensor == name)
+        assert isinstance(entry, AnchorEntry)
+        f = m.file(entry.file)
+        grown = ByteRange(f.size, f.size + nbytes)
+        files = tuple(FileInfo(x.path, grown.end, x.xxh3_128) if x.path == f.path else x for x in m.files)
+        entries = tuple(AnchorEntry(e.tensor, e.file, grown) if e.tensor == name else e for e in m.entries)  # type: ignore[union-attr]
+    stats = Stats(m.stats.changed, sum(t.numel for t in inv), sum(x.size for x in files))
+    liar = replace(
+        m,
+        inventory=inv,
+        inventory_digest=inventory_digest(inv),
+        files=files,
+        entries=entries,
+        stats=stats,
+        tensor_digests={},  # the liar drops what it cannot fake
+    )
+    path.write_bytes(liar.to_json())
 
 
 def _numel(shape: list[int]) -> int:

@@ -100,6 +100,17 @@ def test_manifest_roundtrip_and_inventory() -> None:
     assert raw == b'[{"dtype":"BF16","name":"a","shape":[4,8]},{"dtype":"BF16","name":"b","shape":[8,8]}]'
 
 
+def test_a_copy_with_another_inventory_writes_its_own_not_the_string_it_was_read_with() -> None:
+    from dataclasses import replace
+
+    m = Manifest.from_json(V2_ANCHOR_MANIFEST)
+    inv = tuple(TensorInfo(t.name, t.dtype, (2, *t.shape)) for t in m.inventory)
+    copy = replace(m, inventory=inv, inventory_digest=inventory_digest(inv))
+    assert copy.to_json() != V2_ANCHOR_MANIFEST
+    assert json.loads(copy.to_json())["inventory"] == encode_inventory(inv)
+    assert m.to_json() == V2_ANCHOR_MANIFEST  # the original still writes the string it was read with
+
+
 def test_group_entry_decodes_per_tensor() -> None:
     """One group entry for a and b: its positions run over a's 32 elements, then b's 64."""
     m = Manifest.from_json(V2_PATCH_MANIFEST)
