@@ -55,20 +55,25 @@ State = dict[str, torch.Tensor]
 # ----------------------------------------------------------------------------- shapes
 
 
+def _attention(p: str, h: int, q: int, kv: int) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """A Qwen3 layer's norms and attention (head dim 128, q/k norms)."""
+    yield p + "input_layernorm.weight", (h,)
+    yield p + "post_attention_layernorm.weight", (h,)
+    yield p + "self_attn.q_proj.weight", (q, h)
+    yield p + "self_attn.k_proj.weight", (kv, h)
+    yield p + "self_attn.v_proj.weight", (kv, h)
+    yield p + "self_attn.o_proj.weight", (h, q)
+    yield p + "self_attn.q_norm.weight", (128,)
+    yield p + "self_attn.k_norm.weight", (128,)
+
+
 def qwen3_8b() -> Iterator[tuple[str, tuple[int, ...]]]:
     """Qwen3-8B's tensors (config: hidden 4096, 36 layers, 32 heads x 128, 8 KV heads, MLP 12288, vocab 151936)."""
     h, inter, vocab, q, kv = 4096, 12288, 151936, 32 * 128, 8 * 128
     yield "model.embed_tokens.weight", (vocab, h)
     for i in range(36):
         p = f"model.layers.{i}."
-        yield p + "input_layernorm.weight", (h,)
-        yield p + "post_attention_layernorm.weight", (h,)
-        yield p + "self_attn.q_proj.weight", (q, h)
-        yield p + "self_attn.k_proj.weight", (kv, h)
-        yield p + "self_attn.v_proj.weight", (kv, h)
-        yield p + "self_attn.o_proj.weight", (h, q)
-        yield p + "self_attn.q_norm.weight", (128,)
-        yield p + "self_attn.k_norm.weight", (128,)
+        yield from _attention(p, h, q, kv)
         yield p + "mlp.gate_proj.weight", (inter, h)
         yield p + "mlp.up_proj.weight", (inter, h)
         yield p + "mlp.down_proj.weight", (h, inter)
@@ -82,14 +87,7 @@ def qwen3_30b_a3b() -> Iterator[tuple[str, tuple[int, ...]]]:
     yield "model.embed_tokens.weight", (vocab, h)
     for i in range(48):
         p = f"model.layers.{i}."
-        yield p + "input_layernorm.weight", (h,)
-        yield p + "post_attention_layernorm.weight", (h,)
-        yield p + "self_attn.q_proj.weight", (q, h)
-        yield p + "self_attn.k_proj.weight", (kv, h)
-        yield p + "self_attn.v_proj.weight", (kv, h)
-        yield p + "self_attn.o_proj.weight", (h, q)
-        yield p + "self_attn.q_norm.weight", (128,)
-        yield p + "self_attn.k_norm.weight", (128,)
+        yield from _attention(p, h, q, kv)
         yield p + "mlp.gate.weight", (128, h)
         for e in range(128):
             yield f"{p}mlp.experts.{e}.gate_proj.weight", (moe, h)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -16,30 +16,12 @@ from server_harness import ThreadServer, free_port
 
 from deltasync._util.retry import RetryPolicy
 from deltasync.errors import SignalRejected, StalenessTimeout
-from deltasync.server import Settings, create_app
 from deltasync.signal import FleetReporter, FleetView, SignalClient, fleet_ready, wait_for_fleet
 
 PUB = "publish-token-fleet"
 SUB = "subscribe-token-fleet"
 D = [f"{i:032x}" for i in range(10)]
 WAIT = 30.0
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[ThreadServer]:
-    with ThreadServer(create_app(Settings(publish_token=PUB, subscribe_token=SUB))) as s:
-        yield s
-
-
-@pytest.fixture
-def run(request: pytest.FixtureRequest) -> str:
-    return request.node.name.replace("[", "-").replace("]", "")[:100]
-
-
-@pytest.fixture
-def trainer(server: ThreadServer) -> Iterator[SignalClient]:
-    with SignalClient(server.url, PUB) as c:
-        yield c
 
 
 class Gated(httpx.BaseTransport):

@@ -6,7 +6,6 @@ it). Waits are on events and injected clocks; nothing asserts a duration."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -14,7 +13,6 @@ from server_harness import ThreadServer
 
 from deltasync.errors import StalenessTimeout
 from deltasync.protocol.audit import AuditReport, Divergence, fingerprint
-from deltasync.server import Settings, create_app
 from deltasync.signal import FleetReporter, FleetView, ReplicaStatus, SignalClient, fleet_ready, wait_for_fleet
 
 PUB = "publish-token-audit"
@@ -22,23 +20,6 @@ SUB = "subscribe-token-audit"
 D = [f"{i:032x}" for i in range(10)]
 PROBES = "cd" * 16
 WAIT = 30.0
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[ThreadServer]:
-    with ThreadServer(create_app(Settings(publish_token=PUB, subscribe_token=SUB))) as s:
-        yield s
-
-
-@pytest.fixture
-def run(request: pytest.FixtureRequest) -> str:
-    return request.node.name.replace("[", "-").replace("]", "")[:100]
-
-
-@pytest.fixture
-def trainer(server: ThreadServer) -> Iterator[SignalClient]:
-    with SignalClient(server.url, PUB) as c:
-        yield c
 
 
 def audit(step: int, delta: float = 0.0, div: Divergence | None = None) -> AuditReport:
