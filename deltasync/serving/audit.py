@@ -91,7 +91,9 @@ class AuditConfig:
     canary_len: its length in tokens. cache_tolerance: see :data:`CACHE_TOLERANCE`.
     params_every: re-hash the served parameters against the step's digests every this many updates
         (0: only on demand). params_chunk_bytes: the most one worker hashes per call (the engine does
-        not generate during a call).
+        not generate during a call). timeout: seconds one audit request to a server may take (at most
+        the server's own call timeout); an audit that runs past it is logged as not run, never waited
+        on for an update's time.
     """
 
     probes: ProbeSet | None = None
@@ -102,8 +104,11 @@ class AuditConfig:
     cache_tolerance: float = CACHE_TOLERANCE
     params_every: int = 0
     params_chunk_bytes: int = 64 << 20
+    timeout: float = 120.0
 
     def __post_init__(self) -> None:
+        if not (self.timeout > 0 and math.isfinite(self.timeout)):
+            raise ValueError(f"timeout must be a finite number of seconds > 0, got {self.timeout!r}")
         if self.action not in AUDIT_ACTIONS:
             raise ValueError(f"action must be one of {AUDIT_ACTIONS}, got {self.action!r}")
         if self.params_every < 0 or self.params_chunk_bytes <= 0 or self.canary_len < 2:
@@ -447,7 +452,11 @@ def audit_server(server: Any, auditor: ReplicaAuditor, step: int, *, params: boo
     result is also handed to its workers (``deltasync_audit_report``: what the backend's own fleet
     reports say, when it has the ``signal`` option)."""
     source = auditor.source
-    out = http_probe(server.http, server.model(), source.probes(), source.canary(), timeout=server.timeout)
+    if server.is_paused():
+        # a paused server holds every request until it is resumed: its audit would wait for that
+        raise DeltaSyncError(f"{server.url}: paused, so its answers cannot be audited now")
+    timeout = min(source.config.timeout, server.timeout)
+    out = http_probe(server.http, server.model(), source.probes(), source.canary(), timeout=timeout)
     pa = None
     if params:
 

@@ -47,5 +47,5 @@ def test_no_module_spells_the_states_out_again() -> None:
     }
     assert found == {
         ("signal/_fleet.py", REPLICA_STATES),
-        ("serving/driver.py", get_args(driver.UpdateOutcome)),
+        ("serving/vllm_server.py", get_args(driver.UpdateOutcome)),
     }
