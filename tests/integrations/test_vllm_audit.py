@@ -104,7 +104,7 @@ def signal() -> Iterator[ThreadServer]:
         yield s
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # one test's: both servers stop before the in-process engine starts (2 cores)
 def servers(
     vllm_python: Path, audited_run: AuditedRun, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, str, Path]]:
