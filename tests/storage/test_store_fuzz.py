@@ -230,6 +230,9 @@ def _build_run() -> Run:
             encode_threads=1,
             max_pending=1,
             on_backlog="block",
+            # the mutations edit format 1's JSON (format 2's hostile fields: test_protocol_golden_v2,
+            # and the corruption tests run on both formats)
+            format_version=1,
             retries=0,
         ) as up:
             for i, step in enumerate(STEPS):
