@@ -121,8 +121,21 @@ class Manifest:
     # -- serialisation ---------------------------------------------------
 
     def _body(self) -> dict[str, Any]:
+        # the two formats differ in how they write the inventory, the entries and the digests
+        inventory: Any
+        entries: list[dict[str, Any]]
+        digests: Any
         if self.format_version == 2:
-            return self._body_v2()
+            index = {t.name: i for i, t in enumerate(self.inventory)}
+            inventory = self._inventory_v2()
+            entries = [
+                group_entry_to_json(e, index) if isinstance(e, PatchEntry) else e.to_json() for e in self.entries
+            ]
+            digests = digests_to_json(self.tensor_digests, self.inventory)
+        else:
+            inventory = [t.to_json() for t in self.inventory]
+            entries = [e.to_json() for e in self.entries]
+            digests = dict(self.tensor_digests)
         body: dict[str, Any] = {
             "format_version": self.format_version,
             "run_id": self.run_id,
@@ -131,35 +144,11 @@ class Manifest:
             "parent_step": self.parent_step,
             "parent_digest": self.parent_digest,
             "anchor_step": self.anchor_step,
-            "inventory": [t.to_json() for t in self.inventory],
-            "inventory_digest": self.inventory_digest,
-            "files": [f.to_json() for f in self.files],
-            "entries": [e.to_json() for e in self.entries],
-            "tensor_digests": dict(self.tensor_digests),
-            "stats": self.stats.to_json(),
-        }
-        if self.extra:
-            body["extra"] = dict(self.extra)
-        if self.writer is not None:
-            body["writer"] = self.writer.to_json()
-        return body
-
-    def _body_v2(self) -> dict[str, Any]:
-        index = {t.name: i for i, t in enumerate(self.inventory)}
-        entries = [group_entry_to_json(e, index) if isinstance(e, PatchEntry) else e.to_json() for e in self.entries]
-        body: dict[str, Any] = {
-            "format_version": 2,
-            "run_id": self.run_id,
-            "step": self.step,
-            "kind": self.kind,
-            "parent_step": self.parent_step,
-            "parent_digest": self.parent_digest,
-            "anchor_step": self.anchor_step,
-            "inventory": self._inventory_v2(),
+            "inventory": inventory,
             "inventory_digest": self.inventory_digest,
             "files": [f.to_json() for f in self.files],
             "entries": entries,
-            "tensor_digests": digests_to_json(self.tensor_digests, self.inventory),
+            "tensor_digests": digests,
             "stats": self.stats.to_json(),
         }
         if self.extra:
