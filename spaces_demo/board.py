@@ -11,7 +11,7 @@ import asyncio
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from deltasync.signal import StalenessTracker
@@ -63,6 +63,9 @@ class LiveBoard:
         self._generations: deque[dict[str, Any]] = deque(maxlen=MAX_GENERATIONS)
         self._lag: deque[dict[str, Any]] = deque(maxlen=MAX_LAG_POINTS)
         self._applied_steps: deque[int] = deque(maxlen=MAX_COMMITS)
+        # every committed step the follower found, charted or not (a follower far behind charts
+        # only the newest manifests): what the "committed" tile counts
+        self._known: set[int] = set()
         # how the applied steps reached the follower: "signal" (the signal server announced them)
         # or "store" (a store poll found them first)
         self._paths: dict[str, int] = {"signal": 0, "store": 0}
@@ -102,7 +105,13 @@ class LiveBoard:
             "applied_steps": list(self._applied_steps),
             "lag": list(self._lag),
             "paths": dict(self._paths),
+            "known": self._known_locked(),
         }
+
+    def _known_locked(self) -> dict[str, int]:
+        """How many committed steps the follower has found: training steps (> 0), and the initial
+        weights (step 0, 1 or 0)."""
+        return {"training": sum(1 for s in self._known if s > 0), "initial": int(0 in self._known)}
 
     @property
     def applied_step(self) -> int | None:
@@ -186,6 +195,7 @@ class LiveBoard:
             self._generations.clear()
             self._lag.clear()
             self._applied_steps.clear()
+            self._known.clear()
             self._paths = dict.fromkeys(self._paths, 0)
             self._staleness.forget()
             self._trainer = self._applied = self._error = None
@@ -229,14 +239,19 @@ class LiveBoard:
             self._trainer = {**(self._trainer or {}), **data}
             self._emit_locked("trainer", self._trainer)
 
-    def set_head(self, step: int) -> None:
+    def set_head(self, step: int, *, found: Iterable[int] = ()) -> None:
         """The newest committed step: the trainer's commit (self-contained mode), or the newest
-        step the follower found in the store. A head that moves on is a staleness sample."""
+        step the follower found in the store, with ``found``, the committed steps it listed (each
+        is counted once, whether its manifest is charted or not). A head that moves on is a
+        staleness sample."""
         with self._lock:
             newer = self._staleness.head is None or step > self._staleness.head
             self._staleness.committed(step, self._clock(), exact=False)
+            before = len(self._known)
+            self._known.update(int(s) for s in found)
+            if newer or len(self._known) != before:
+                self._emit_locked("head", {"head": step, "known": self._known_locked()})
             if newer:
-                self._emit_locked("head", {"head": step})
                 self._tick_locked()
 
     def committed(self, commit: dict[str, Any]) -> None:
@@ -246,6 +261,7 @@ class LiveBoard:
             self._staleness.committed(step, self._clock(), exact=False)
             commit = {**commit, "seen": self._clock()}
             self._commits.append(commit)
+            self._known.add(step)
             if commit.get("held"):
                 self._applied_steps.append(step)
             self._emit_locked("commit", commit)

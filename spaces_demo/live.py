@@ -545,7 +545,7 @@ class DemoRun:
                     },
                     groups=[g for g, _ in groups],
                 )
-            self.board.set_head(new[-1])
+            self.board.set_head(new[-1], found=new)
             t0 = time.perf_counter()
             jumped = len(new) > STEP_THROUGH
             if jumped:

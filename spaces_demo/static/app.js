@@ -50,7 +50,10 @@ function apply(ev) {
     case "error": S.error = d.error; break;
     case "info": Object.assign(S, d); break;
     case "trainer": S.trainer = d; break;
-    case "head": S.head = S.head == null ? d.head : Math.max(S.head, d.head); break;
+    case "head":
+      S.head = S.head == null ? d.head : Math.max(S.head, d.head);
+      if (d.known) S.known = d.known;
+      break;
     case "commit":
       S.commits.push(d);
       if (S.commits.length > 2000) S.commits.shift();
@@ -153,12 +156,13 @@ function staleness() {
   return Math.max(0, S.head - (S.applied ? S.applied.step : -1));
 }
 
-// What the "committed" tile counts: the training steps whose manifests this page has seen.
+// What the "committed" tile counts: the committed training steps the follower has found, as the
+// server counts them (a follower far behind charts only the newest manifests, but counts them all).
 // Step 0 is the initial weights (the first anchor), pushed before any training step, so a
 // `--steps 400` run commits steps 0..400 and ends at "400 training steps seen".
 function stepsSeen() {
-  const training = S.commits.filter((c) => c.step > 0).length;
-  const initial = S.commits.length - training;
+  const known = S.known || { training: 0, initial: 0 };
+  const training = known.training, initial = known.initial;
   return `${training} training step${training === 1 ? "" : "s"} seen` + (initial ? " + initial weights" : "");
 }
 

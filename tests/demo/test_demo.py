@@ -16,6 +16,7 @@ from deltasync.errors import DemoError, StorageError
 
 pytest.importorskip("fastapi", reason="the demo extra is part of the test extra")
 
+from spaces_demo import live  # noqa: E402
 from spaces_demo.board import LiveBoard  # noqa: E402
 from spaces_demo.live import (  # noqa: E402
     DEMO_KEY,
@@ -301,6 +302,40 @@ def test_follower_mode_applies_what_a_trainer_elsewhere_committed(tmp_path: Path
     assert snap["model"]["name"] == "tiny"
     assert [c["step"] for c in snap["commits"]] == ds.DeltaFetcher(ds.open_store(url)).steps()
     assert snap["applied"]["text"] == trainer.board.snapshot()["applied"]["text"]
+
+
+def test_a_follower_far_behind_charts_the_newest_steps_and_counts_them_all(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A follower that finds many new steps at once jumps to the newest and reads only the newest
+    manifests for the charts; the "committed" tile still counts every committed step it found
+    (CI once showed "90 training steps seen" after 120, when the follower first caught up late)."""
+    monkeypatch.setattr(live, "STEP_THROUGH", 2)
+    monkeypatch.setattr(live, "MAX_NEW_MANIFESTS", 4)
+    url = str(tmp_path / "store")
+    trainer = DemoRun(ds.open_store(url), DemoOptions(store_url=url, model="tiny", steps=9, step_interval=0.0))
+    _run_until_done(trainer)
+    steps = ds.DeltaFetcher(ds.open_store(url)).steps()
+    follower = DemoRun(ds.open_store(url), DemoOptions(store_url=url, train=False, poll_interval=0.05))
+    follower.start()
+    try:
+        done = threading.Event()
+
+        def check() -> None:
+            while not done.wait(0.05):
+                if follower.board.applied_step == steps[-1]:
+                    done.set()
+
+        t = threading.Thread(target=check)
+        t.start()
+        t.join(RUN_TIMEOUT)
+        assert done.is_set(), follower.board.snapshot()
+    finally:
+        follower.stop()
+    snap = follower.board.snapshot()
+    assert [c["step"] for c in snap["commits"]] == steps[-4:]  # the newest manifests only
+    assert snap["known"] == {"training": len([s for s in steps if s > 0]), "initial": 1}
+    assert snap["applied_steps"] == [steps[-1]]  # jumped: the skipped steps were never held
 
 
 def test_loop_empties_the_store_and_trains_again() -> None:
