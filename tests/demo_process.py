@@ -39,6 +39,7 @@ class Demo:
 
     def __init__(self, args: list[str], tmp: Path, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
+        self.cwd = tmp
         self.base = f"http://127.0.0.1:{self.port}"
         self.out = tmp / f"demo-{self.port}.log"
         given = dict(env or {})

@@ -583,7 +583,8 @@ class VLLMDriver:
         on_change: Callable[[str, str], None] | None = None,
     ) -> dict[str, int | None]:
         """Keep the servers at the newest step ``watcher`` sees; returns once every server that answers
-        serves ``until`` (at least one), or the watcher's ``stop`` is set.
+        serves ``until`` (at least one) and its update was audited and reported, or the watcher's
+        ``stop`` is set.
 
         At each observation (a commit, a heartbeat of the signal stream, a store poll) every server
         whose job is idle gets a new one (:meth:`_drive`): check that it answers (``GET /weight_info``),
@@ -613,6 +614,9 @@ class VLLMDriver:
                             if t.job is None or t.job.done():
                                 t.job = self._pool.submit(self._drive, t)
                 if until is not None and self._reached(until):
+                    # the jobs that brought the servers there still audit and report that update:
+                    # let them finish (a caller closes the driver next), bounded by a call's timeout
+                    self.settle(max(t.server.timeout for t in self._servers))
                     break
         finally:
             watcher.close()

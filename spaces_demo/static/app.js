@@ -156,14 +156,17 @@ function staleness() {
   return Math.max(0, S.head - (S.applied ? S.applied.step : -1));
 }
 
-// What the "committed" tile counts: the committed training steps the follower has found, as the
-// server counts them (a follower far behind charts only the newest manifests, but counts them all).
-// Step 0 is the initial weights (the first anchor), pushed before any training step, so a
-// `--steps 400` run commits steps 0..400 and ends at "400 training steps seen".
+// What the "committed" tile says, as the terminal's summary does: step N holds the weights after N
+// training steps (step 0 is the initial weights), so the newest committed step counts the training
+// steps; the commits are the steps the follower found in the store (all counted, charted or not),
+// fewer when the uploader folded a step into a later commit while the store was busy.
 function stepsSeen() {
   const known = S.known || { training: 0, initial: 0 };
-  const training = known.training, initial = known.initial;
-  return `${training} training step${training === 1 ? "" : "s"} seen` + (initial ? " + initial weights" : "");
+  const head = S.head == null ? 0 : S.head;
+  const commits = known.training + known.initial;
+  const folded = known.initial ? Math.max(0, head - known.training) : 0;
+  return `${head} training step${head === 1 ? "" : "s"}` + (known.initial ? " + initial weights" : "") +
+    ` · ${commits} commit${commits === 1 ? "" : "s"}` + (folded ? ` (${folded} folded into later ones)` : "");
 }
 
 function renderKpis() {

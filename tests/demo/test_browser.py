@@ -22,6 +22,8 @@ from typing import Any
 import pytest
 from demo_process import START_TIMEOUT, Demo
 
+import deltasync as ds
+
 sync_api = pytest.importorskip("playwright.sync_api", reason="the test extra installs playwright")
 
 CHROMIUM_CANDIDATES = ("/usr/bin/chromium", "/usr/bin/chromium-browser")
@@ -130,7 +132,7 @@ def test_page_shows_steps_charts_and_a_changing_answer(page: Any, demo: Demo) ->
     assert page.text_content("#mode") == "self-contained: trainer + store + inference here"
     applied = int(page.text_content("#applied-step") or "-1")
     assert applied > 0
-    check_finished_page(page)
+    check_finished_page(page, demo.cwd / "store")
     shot = artifacts_dir() / "demo.png"
     page.screenshot(path=str(shot), full_page=True)
     assert shot.stat().st_size > 10_000
@@ -138,7 +140,7 @@ def test_page_shows_steps_charts_and_a_changing_answer(page: Any, demo: Demo) ->
     assert not external, f"the page loaded from other hosts: {external}"
 
 
-def check_finished_page(page: Any) -> None:
+def check_finished_page(page: Any, store: Path) -> None:
     """The points of issue 15, on the page as it is when the run has ended."""
     page.wait_for_function("document.getElementById('status').textContent === 'done · bit-exact ✓'")
     # staleness is committed - applied, as the tiles display them, on every change during the run
@@ -154,8 +156,14 @@ def check_finished_page(page: Any) -> None:
     assert path.startswith(f"· new steps via the signal server: {paths['signal']}, via store polling: {paths['store']}")
     assert paths["signal"] >= 1, path
     assert page.text_content("#head-step") == page.text_content("#applied-step") == str(STEPS)
-    # "steps seen" counts the training steps: --steps of them, plus step 0 (the initial weights)
-    assert (page.text_content("#head-sub") or "").startswith(f"{STEPS} training steps seen + initial weights")
+    # the newest step counts the training steps (--steps of them, plus step 0: the initial weights);
+    # the commits are the store's committed steps, fewer when the uploader folded steps under load
+    committed = ds.DeltaFetcher(ds.open_store(str(store))).steps()
+    assert committed[0] == 0 and committed[-1] == STEPS
+    folded = STEPS + 1 - len(committed)
+    want = f"{STEPS} training steps + initial weights · {len(committed)} commits"
+    want += f" ({folded} folded into later ones) · last: " if folded else " · last: "
+    assert (page.text_content("#head-sub") or "").startswith(want)
 
     # the anchor rule is explained with this run's settings, the cost split and a labelled projection shown
     rule = page.text_content("#anchor-rule") or ""

@@ -168,6 +168,41 @@ def test_follow_returns_once_every_server_serves_the_target_step() -> None:
     )  # steps 1, 3, 4 only: never one it already serves, never past the target
 
 
+def test_follow_returns_only_after_the_last_update_was_reported() -> None:
+    """``follow(until=)`` returns once the update that reached ``until`` was audited and reported: its
+    caller closes the driver next, which once closed the connection under that update's audit
+    (CI: "Cannot send a request, as the client has been closed", and the step's report was lost)."""
+    fake = ScriptedVLLM()
+    go, decided = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def wait(seconds: float) -> None:
+        assert go.wait(30)  # the next observation comes while the step-4 job is reporting
+
+    watcher = StepWatcher(lambda: 4, stop=threading.Event(), wait=wait)
+
+    def on_update(u: Any) -> None:
+        go.set()
+        assert decided.wait(30)  # follow either waits for this job, or returned without it
+        order.append(f"reported {u.step}")
+
+    with _driver(fake) as d:
+        d.init()
+        settle = d.settle
+
+        def settling(timeout: float | None = None) -> bool:
+            order.append("settle")
+            decided.set()
+            return settle(timeout)
+
+        d.settle = settling  # type: ignore[method-assign]
+        out = d.follow(watcher, until=4, on_update=on_update)
+        order.append("returned")
+        decided.set()
+    assert out == {"http://vllm-0": 4}
+    assert order == ["settle", "reported 4", "returned"]
+
+
 def test_a_server_without_the_deltasync_backend_is_a_clear_error_at_init() -> None:
     def handler(request: httpx.Request) -> httpx.Response:
         return httpx.Response(404, json={"detail": "Not Found"})
