@@ -67,11 +67,29 @@ def decode_inventory(v: Any, what: str) -> tuple[TensorInfo, ...]:
     return decode_inventory_digest(v, what)[0]
 
 
+#: the newest inventory strings parsed, and what they parse to: a run's steps repeat one inventory,
+#: so a reader parses it once, not every step (a pure function of the string: a hit is the same result)
+_PARSED: dict[str, tuple[tuple[TensorInfo, ...], str]] = {}
+_PARSED_MAX = 4
+
+
 def decode_inventory_digest(v: Any, what: str) -> tuple[tuple[TensorInfo, ...], str]:
     """The inventory of a format-2 ``inventory`` string and its ``inventory_digest`` (SPEC.md "Digests":
     of the canonical JSON of the inventory sorted by name). When the stored array is exactly that
     JSON (a writer that stores it sorted, as the reference does), the digest is of the bytes as
-    decompressed, without writing the inventory out again."""
+    decompressed, without writing the inventory out again. The newest few strings' results are
+    kept (every step of a run carries the same one)."""
+    if isinstance(v, str) and (hit := _PARSED.get(v)) is not None:
+        return hit
+    out = _decode_inventory_digest(v, what)
+    assert isinstance(v, str)  # the parse refused anything else
+    if len(_PARSED) >= _PARSED_MAX:
+        _PARSED.pop(next(iter(_PARSED)), None)
+    _PARSED[v] = out
+    return out
+
+
+def _decode_inventory_digest(v: Any, what: str) -> tuple[tuple[TensorInfo, ...], str]:
     if not isinstance(v, str) or not v.isascii():
         raise field_error(what, "inventory must be a base64 string")
     try:

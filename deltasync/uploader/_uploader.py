@@ -228,6 +228,8 @@ class DeltaUploader:
         state_in = state_tensors(state)
         tensors = snaps.cast(state_in)
         inventory = inventory_of(tensors)
+        if inventory == snaps.inventory:
+            inventory = snaps.inventory  # the same object step after step: its manifest fields are kept
         head = chain.last_committed
         warn_dtype_change(step, snaps.inventory or (head.manifest.inventory if head else ()), inventory)
         # the previous step's diff and digests read the baseline and the staging buffers:

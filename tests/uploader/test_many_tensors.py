@@ -137,3 +137,45 @@ def test_batches_keep_order_and_every_error() -> None:
         results(out)
     assert results(map_batched(None, abs, [-1, 2])) == [1, 2]
     assert np.array_equal(np.array(results(map_batched(None, abs, [-3]))), np.array([3]))
+
+
+def test_a_runs_inventory_is_written_and_parsed_once_not_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every step of a run carries the same inventory: the writer encodes it once (the memo keeps the
+    uploader's inventory object while it is equal) and a reader parses the same string once."""
+    from deltasync.protocol import manifest_v2
+    from deltasync.uploader import _commit_step
+
+    written: list[int] = []
+    parsed: list[int] = []
+    encode, decode = _commit_step.inventory_fields, manifest_v2._decode_inventory_digest
+
+    def counting_encode(inv: Any) -> tuple[str, str]:
+        written.append(len(inv))
+        return encode(inv)
+
+    def counting_decode(v: Any, what: str) -> Any:
+        parsed.append(len(v))
+        return decode(v, what)
+
+    monkeypatch.setattr(_commit_step, "inventory_fields", counting_encode)
+    monkeypatch.setattr(manifest_v2, "_decode_inventory_digest", counting_decode)
+    monkeypatch.setattr(manifest_v2, "_PARSED", {})
+    store = ds.MemoryStore("inventory-once")
+    states = [_moe(0)]
+    for s in range(1, 5):
+        states.append(_step(states[-1], s))
+    with ds.DeltaUploader(store, anchor_every=100, anchor_bytes_fraction=0, span_levels=()) as up:
+        for i, s in enumerate(states):
+            up.push({k: v.clone() for k, v in s.items()}, i).result(30)  # new tensor objects every step
+    assert len(written) == 1
+    fetcher = ds.DeltaFetcher(store)
+    target = {k: v.clone() for k, v in states[0].items()}
+    for i in range(len(states)):
+        fetcher.sync(target, step=i)
+    assert_state_equal(target, states[-1])
+    assert len(parsed) == 1
+    # a different inventory is parsed (and refused or accepted) on its own, never served from the cache
+    other = {**states[-1], "extra": torch.zeros(3)}
+    with ds.DeltaUploader(ds.MemoryStore("other"), span_levels=()) as up:
+        up.push(other, 0).result(30)
+    assert len(written) == 2
