@@ -12,13 +12,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol, TypeAlias
+from typing import Any, Protocol, TypeAlias, cast
 
 import numpy as np
 import xxhash
 
 __all__ = [
     "DIGEST_CHUNK",
+    "GIL_HELD_BYTES",
     "TASK_BYTES",
     "ByteSource",
     "Digestible",
@@ -36,9 +37,14 @@ __all__ = [
 
 #: format 2: a tensor of more bytes than this digests as the xxh3-128 of its chunks' digests (SPEC "Digests")
 DIGEST_CHUNK = 1 << 24
-#: :func:`tensor_digests` hashes small tensors in tasks of at least this many bytes (a pool task costs
-#: tens of microseconds, more than hashing a small tensor)
-TASK_BYTES = 1 << 20
+#: :func:`tensor_digests` hashes small tensors in tasks of at least this many bytes: a pool task costs
+#: tens of microseconds, more than hashing a small tensor (at 18k tensors of 58 kB on 2 threads, tasks
+#: of 1 MiB took 1.4x the time of tasks of 4 MiB: benchmarks/bench_digest.py)
+TASK_BYTES = 4 << 20
+#: python-xxhash (4.x) hashes an input of at most this many bytes holding the GIL: such tensors hash
+#: one at a time whatever the threads, so :func:`tensor_digests` puts them all in one task (on two
+#: threads, batches of them fighting over the GIL took 1.1x the time of one thread)
+GIL_HELD_BYTES = 64 << 10
 
 
 def xxh3_128(data: bytes | bytearray | memoryview) -> str:
@@ -91,25 +97,11 @@ def digests_comparable(nbytes: int, format_a: int, format_b: int) -> bool:
     return is_tree_digest(nbytes, format_a) == is_tree_digest(nbytes, format_b)
 
 
-class _HostBytes:
-    """A host array as a :class:`ByteSource` (views, no copy)."""
-
-    __slots__ = ("_flat", "nbytes")
-
-    def __init__(self, arr: np.ndarray[Any, Any]) -> None:
-        self._flat = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)  # copies only if not contiguous
-        self.nbytes = int(self._flat.size)
-
-    def read(self, start: int, stop: int) -> bytes | memoryview:
-        return self._flat[start:stop].data
-
-
-def _source(x: Digestible) -> ByteSource:
-    return _HostBytes(x) if isinstance(x, np.ndarray) else x
-
-
-def _digest(src: ByteSource, start: int, stop: int) -> bytes:
-    """The 16-byte xxh3-128 of bytes ``start:stop``, read at most :data:`DIGEST_CHUNK` at a time."""
+def _digest(src: np.ndarray[Any, Any] | ByteSource, start: int, stop: int) -> bytes:
+    """The 16-byte xxh3-128 of bytes ``start:stop`` of ``src`` (a flat uint8 array, or a source read
+    at most :data:`DIGEST_CHUNK` bytes at a time)."""
+    if isinstance(src, np.ndarray):
+        return xxhash.xxh3_128_digest(src[start:stop].data)
     if stop - start <= DIGEST_CHUNK:
         return xxhash.xxh3_128_digest(src.read(start, stop))
     h = xxhash.xxh3_128()
@@ -118,12 +110,22 @@ def _digest(src: ByteSource, start: int, stop: int) -> bytes:
     return h.digest()
 
 
-#: one task of :func:`tensor_digests`: (result slot, source, start, stop) pieces, each one digest
-_Task = tuple[tuple[int, ByteSource, int, int], ...]
+#: one piece of a task of :func:`tensor_digests`: (name, chunk index or -1 for the whole tensor,
+#: C-contiguous array or source, start, stop); a task is a few pieces
+_Piece = tuple[str, int, "np.ndarray[Any, Any] | ByteSource", int, int]
+_Task = tuple[_Piece, ...]
 
 
-def _run(task: _Task) -> list[bytes]:
-    return [_digest(src, a, b) for _, src, a, b in task]
+def _run(task: _Task) -> list[str | bytes]:
+    """A whole small host array's hex digest straight from xxhash (the per-tensor cost is all of it at
+    18k tensors); every other piece's 16-byte digest."""
+    out: list[str | bytes] = []
+    for _, chunk, src, a, b in task:
+        if chunk < 0 and isinstance(src, np.ndarray) and b <= DIGEST_CHUNK:
+            out.append(xxhash.xxh3_128_hexdigest(cast(Any, src)))  # C-contiguous: its buffer is its bytes
+        else:
+            out.append(_digest(src, a, b))
+    return out
 
 
 def tensor_digest(arr: Digestible, format_version: int) -> str:
@@ -131,57 +133,66 @@ def tensor_digest(arr: Digestible, format_version: int) -> str:
     return tensor_digests({"": arr}, format_version)[""]
 
 
-Mapper = Callable[[Callable[[_Task], list[bytes]], Sequence[_Task]], Iterable[list[bytes]]]
+Mapper = Callable[[Callable[[_Task], list[str | bytes]], Sequence[_Task]], Iterable[list[str | bytes]]]
 
 
 def tensor_digests(arrays: Mapping[str, Digestible], format_version: int, *, mapper: Mapper = map) -> dict[str, str]:
     """Each tensor's digest in a manifest of ``format_version`` (SPEC.md "Digests"), by name.
 
     The work is cut into tasks: each :data:`DIGEST_CHUNK` of a tensor that format 2 digests by
-    chunks, one task per other large tensor (format 1: one pass), and the small tensors in batches of
-    at least :data:`TASK_BYTES`. ``mapper`` runs them (``map``: on this thread; a thread pool's
-    ``map``: at once, as xxhash releases the GIL). Host arrays are hashed in place (a non-contiguous
-    one is copied first); a :class:`ByteSource` is read one chunk at a time.
+    chunks, one task per other large tensor (format 1: one pass), the small tensors in batches of
+    at least :data:`TASK_BYTES`, and the tiny ones (:data:`GIL_HELD_BYTES` or less) in one task.
+    ``mapper`` runs them (``map``: on this thread; a thread pool's ``map``: at once, as
+    python-xxhash releases the GIL while it hashes more than 64 kB in one call). Host arrays are
+    hashed in place (a non-contiguous one is copied first); a :class:`ByteSource` is read one chunk
+    at a time.
     """
-    names = list(arrays)
-    # slots: one per small tensor or one-pass tensor, one per chunk of a tree-digested tensor
-    plan: list[tuple[int, int]] = []  # per name: (first slot, number of chunk slots; 0: one digest)
     tasks: list[_Task] = []
-    batch: list[tuple[int, ByteSource, int, int]] = []
+    trees: dict[str, list[bytes]] = {}  # name -> its chunks' digests (format 2, large)
+    batch: list[_Piece] = []
     batch_bytes = 0
-    slots = 0
-    for name in names:
-        src = _source(arrays[name])
-        n = int(src.nbytes)
-        if is_tree_digest(n, format_version):
-            chunks = [(slots + i, src, a, min(n, a + DIGEST_CHUNK)) for i, a in enumerate(range(0, n, DIGEST_CHUNK))]
-            plan.append((slots, len(chunks)))
-            tasks.extend((c,) for c in chunks)
-            slots += len(chunks)
-            continue
-        plan.append((slots, 0))
-        if n > DIGEST_CHUNK:
-            tasks.append(((slots, src, 0, n),))
+    tiny: list[_Piece] = []  # hashed with the GIL held: one task, beside the others
+    for name, x in arrays.items():
+        src: np.ndarray[Any, Any] | ByteSource
+        if isinstance(x, np.ndarray):
+            src = x if x.flags.c_contiguous else np.ascontiguousarray(x)
+            n = src.nbytes
         else:
-            batch.append((slots, src, 0, n))
+            src, n = x, int(x.nbytes)
+        if n <= GIL_HELD_BYTES:
+            tiny.append((name, -1, src, 0, n))
+            continue
+        if n <= DIGEST_CHUNK:
+            batch.append((name, -1, src, 0, n))
             batch_bytes += n
             if batch_bytes >= TASK_BYTES:
                 tasks.append(tuple(batch))
                 batch, batch_bytes = [], 0
-        slots += 1
+            continue
+        if isinstance(src, np.ndarray):
+            src = src.reshape(-1).view(np.uint8)  # a view: the array is contiguous
+        if not is_tree_digest(n, format_version):
+            tasks.append(((name, -1, src, 0, n),))
+            continue
+        starts = range(0, n, DIGEST_CHUNK)
+        trees[name] = [b""] * len(starts)
+        tasks.extend(((name, i, src, a, min(n, a + DIGEST_CHUNK)),) for i, a in enumerate(starts))
     if batch:
         tasks.append(tuple(batch))
-    found: list[bytes] = [b""] * slots
+    if tiny:
+        tasks.insert(0, tuple(tiny))  # first: the longest task a pool should start early
+    found = dict.fromkeys(arrays, "")  # in the caller's order
     for task, digests in zip(tasks, mapper(_run, tasks), strict=True):
-        for (slot, _, _, _), d in zip(task, digests, strict=True):
-            found[slot] = d
-    out: dict[str, str] = {}
-    for name, (first, nchunks) in zip(names, plan, strict=True):
-        if nchunks:
-            out[name] = xxhash.xxh3_128_hexdigest(b"".join(found[first : first + nchunks]))
-        else:
-            out[name] = found[first].hex()
-    return out
+        for (name, chunk, _, _, _), d in zip(task, digests, strict=True):
+            if isinstance(d, str):
+                found[name] = d
+            elif chunk < 0:
+                found[name] = d.hex()  # canonical bytes: the same hex as hexdigest()
+            else:
+                trees[name][chunk] = d
+    for name, chunks in trees.items():
+        found[name] = xxhash.xxh3_128_hexdigest(b"".join(chunks))
+    return found
 
 
 # ------------------------------------------------------------------ signatures
