@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
+from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from deltasync._util.cpus import parallel_map
 from deltasync.errors import AllocationFailed, InventoryMismatch
+from deltasync.protocol.digests import Digestible, tensor_digests
 from deltasync.protocol.manifest import TensorInfo
 
 if TYPE_CHECKING:
@@ -15,8 +19,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_MAX_ALLOC_BYTES",
+    "DeviceBytes",
     "allocate",
+    "digest_tensors",
     "flat_bits",
+    "digestible",
     "inventory_nbytes",
     "inventory_of",
     "numpy_bits",
@@ -96,6 +103,50 @@ def flat_bits(t: torch.Tensor, *, copy_if_needed: bool = True) -> torch.Tensor:
 def numpy_bits(t: torch.Tensor) -> np.ndarray[Any, Any]:
     """numpy view (shared memory) of a CPU tensor's flat bits."""
     return flat_bits(t, copy_if_needed=False).numpy()
+
+
+# ------------------------------------------------------------------ digests
+
+
+class DeviceBytes:
+    """An accelerator tensor's bytes as a :class:`~deltasync.protocol.digests.ByteSource`: each read
+    copies one range (at most a digest chunk) to the host, never the whole tensor at once."""
+
+    __slots__ = ("_bytes", "nbytes")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        import torch
+
+        self._bytes = flat_bits(t).view(torch.uint8)
+        self.nbytes = int(self._bytes.numel())
+
+    def read(self, start: int, stop: int) -> memoryview:
+        """Bytes ``start:stop``, copied to the host."""
+        return self._bytes[start:stop].cpu().numpy().data
+
+
+def digestible(t: torch.Tensor | np.ndarray[Any, Any]) -> Digestible:
+    """What :func:`~deltasync.protocol.digests.tensor_digests` hashes for ``t``: a host array as it is,
+    a CPU tensor's bits in place (copied only if it is not contiguous), an accelerator's tensor read
+    chunk by chunk (:class:`DeviceBytes`)."""
+    if isinstance(t, np.ndarray):
+        return t
+    if t.device.type == "cpu":
+        return flat_bits(t).numpy()
+    return DeviceBytes(t)
+
+
+def digest_tensors(
+    tensors: Mapping[str, torch.Tensor | np.ndarray[Any, Any]],
+    format_version: int,
+    *,
+    threads: int | None = None,
+    pool: Executor | None = None,
+) -> dict[str, str]:
+    """Each tensor's digest in a manifest of ``format_version``, by name, hashed at once: on ``pool``
+    when given, else on a pool of ``threads`` (default: every usable CPU) for the call."""
+    mapper = pool.map if pool is not None else functools.partial(parallel_map, threads=threads)
+    return tensor_digests({n: digestible(t) for n, t in tensors.items()}, format_version, mapper=mapper)
 
 
 def inventory_of(state: Mapping[str, torch.Tensor]) -> tuple[TensorInfo, ...]:

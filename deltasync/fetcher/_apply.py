@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -9,11 +10,12 @@ from typing import Any
 import numpy as np
 
 from deltasync._util.batches import map_batched
+from deltasync._util.cpus import parallel_map
 from deltasync.errors import ChecksumMismatch, InventoryMismatch
 from deltasync.fetcher._fold import Change, Folded, new_bits
-from deltasync.fetcher._target import HostTensor, TargetTensor
+from deltasync.fetcher._target import HostTensor, TargetTensor, target_digests
 from deltasync.protocol import DecodedEntry, Manifest, TensorInfo
-from deltasync.protocol.digests import xxh3_128_array
+from deltasync.protocol.digests import tensor_digests
 
 __all__ = [
     "Undo",
@@ -64,7 +66,8 @@ def alias_groups(tensors: Mapping[str, TargetTensor]) -> dict[str, str]:
 def changed_names(m: Manifest, parent: Manifest | None, changes: Sequence[Change]) -> list[str]:
     """Tensors that step ``m`` changes: those it has entries for, plus every tensor whose digest
     differs from its parent's (a tensor the manifest says changed but whose entry is missing is
-    still proven). Without the parent's digests every digested tensor counts."""
+    still proven). Without the parent's digests every digested tensor counts; so does a large tensor
+    under a parent of another format, whose digest is defined otherwise (SPEC "Digests")."""
     names = {c.tensor for c in changes}
     for name, want in m.tensor_digests.items():
         if parent is None or parent.tensor_digests.get(name) != want:
@@ -72,11 +75,13 @@ def changed_names(m: Manifest, parent: Manifest | None, changes: Sequence[Change
     return sorted(names)
 
 
-def check_digests(tensors: Mapping[str, TargetTensor], names: Sequence[str], m: Manifest) -> None:
-    """Raise ChecksumMismatch unless each named tensor equals step ``m``'s digest of it."""
+def check_digests(tensors: Mapping[str, TargetTensor], names: Sequence[str], m: Manifest, *, threads: int = 1) -> None:
+    """Raise ChecksumMismatch unless each named tensor equals step ``m``'s digest of it (in ``m``'s
+    format), hashed on up to ``threads`` threads at once."""
+    want = {n: d for n in names if (d := m.tensor_digests.get(n)) is not None}
+    got = target_digests(tensors, want, m.format_version, threads=threads)
     for name in names:
-        want = m.tensor_digests.get(name)
-        if want is not None and tensors[name].digest() != want:
+        if name in want and got[name] != want[name]:
             raise ChecksumMismatch(f"step {m.step}: tensor {name!r} is not bit-exact after applying (digest mismatch)")
 
 
@@ -110,12 +115,18 @@ def check_aliases(tensors: Mapping[str, TargetTensor], m: Manifest, changes: Seq
             )
 
 
-def check_anchor(tensors: Mapping[str, TargetTensor], m: Manifest, arrays: Mapping[str, Bits], *, verify: bool) -> None:
-    """Digests of a downloaded anchor (when verifying) and tied tensors, before anything is written."""
+def check_anchor(
+    tensors: Mapping[str, TargetTensor], m: Manifest, arrays: Mapping[str, Bits], *, verify: bool, threads: int = 1
+) -> None:
+    """Digests of a downloaded anchor (when verifying; on up to ``threads`` threads at once) and tied
+    tensors, before anything is written."""
     if verify:
-        for name, arr in arrays.items():
-            want = m.tensor_digests.get(name)
-            if want is not None and xxh3_128_array(arr) != want:
+        want = {n: d for n in arrays if (d := m.tensor_digests.get(n)) is not None}
+        got = tensor_digests(
+            {n: arrays[n] for n in want}, m.format_version, mapper=functools.partial(parallel_map, threads=threads)
+        )
+        for name in arrays:
+            if name in want and got[name] != want[name]:
                 raise ChecksumMismatch(f"step {m.step}: anchor tensor {name!r} does not match its digest")
     for name, primary in alias_groups(tensors).items():
         if primary != name and not np.array_equal(arrays[name], arrays[primary]):

@@ -3,6 +3,7 @@ apply them all or nothing (:func:`apply_decoded`). No recovery here: that is the
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from deltasync._util.cpus import parallel_map
 from deltasync.errors import ChecksumMismatch, InventoryMismatch
 from deltasync.fetcher._apply import (
     Undo,
@@ -37,7 +39,7 @@ from deltasync.protocol import (
     decode_patch,
 )
 from deltasync.protocol.changes import union_positions
-from deltasync.protocol.digests import xxh3_128_array
+from deltasync.protocol.digests import tensor_digests
 
 __all__ = ["Applied", "DecodedPlan", "apply_decoded", "decode_plan", "prove_anchor_plan"]
 
@@ -120,48 +122,101 @@ def decode_plan(
     return DecodedPlan(steps, anchor, tuple(patches))
 
 
-def prove_anchor_plan(tensors: Mapping[str, TargetTensor], decoded: DecodedPlan, verify: Verify) -> None:
-    """Replay the whole plan tensor by tensor off the target: every digest on the way is proven
-    (when verifying) and tied names must change alike; the target is not touched."""
+#: an anchor plan's proof replays its tensors in groups of about this many bytes (copies of the anchor's
+#: tensors), so that each step's digests of a group are hashed at once on every thread
+PROVE_GROUP_BYTES = 256 << 20
+
+
+def prove_anchor_plan(
+    tensors: Mapping[str, TargetTensor], decoded: DecodedPlan, verify: Verify, *, threads: int = 1
+) -> None:
+    """Replay the whole plan off the target: every digest on the way is proven (when verifying, in
+    each step's format, on up to ``threads`` threads at once) and tied names must change alike; the
+    target is not touched."""
     assert decoded.anchor is not None
     anchor_m = decoded.steps[0].manifest
     final = decoded.steps[-1].manifest
-    check_anchor(tensors, anchor_m, decoded.anchor, verify=bool(verify))
-    by_step = [({c.tensor: c for c in ch}, set(names)) for _, ch, names in decoded.patches]
+    check_anchor(tensors, anchor_m, decoded.anchor, verify=bool(verify), threads=threads)
+    if not decoded.patches:
+        if verify == "full":
+            missing = sorted(n for n in tensors if final.tensor_digests.get(n) is None)
+            if missing:
+                raise ChecksumMismatch(f"step {final.step}: tensor {missing[0]!r} does not match its digest")
+        return  # the anchor is the target: check_anchor proved it
     twins: dict[str, list[str]] = {}
     for name, primary in alias_groups(tensors).items():
         twins.setdefault(primary, [])
         if primary != name:
             twins[primary].append(name)
-    for primary, others in twins.items():
-        if not verify and not others:
-            continue  # nothing to prove without digests; ties need the replay
-        arr = np.array(decoded.anchor[primary])
-        proven = {n: anchor_m.tensor_digests.get(n) for n in (primary, *others)}  # check_anchor proved them
-        for (m, _, _), (by, names) in zip(decoded.patches, by_step, strict=True):
-            c = by.get(primary)
-            for twin in others:
-                if not same_effect(HostTensor(arr, key=primary), c, by.get(twin)):
+    # nothing to prove without digests; ties need the replay
+    primaries = [p for p, others in twins.items() if verify or others]
+    group: list[str] = []
+    nbytes = 0
+    for primary in primaries:
+        group.append(primary)
+        nbytes += int(decoded.anchor[primary].nbytes)
+        if nbytes >= PROVE_GROUP_BYTES:
+            _prove_group(group, twins, decoded, verify, threads)
+            group, nbytes = [], 0
+    if group:
+        _prove_group(group, twins, decoded, verify, threads)
+
+
+def _prove_group(
+    group: Sequence[str], twins: Mapping[str, Sequence[str]], decoded: DecodedPlan, verify: Verify, threads: int
+) -> None:
+    """:func:`prove_anchor_plan` for the tensors of ``group`` (primaries) and their tied names."""
+    assert decoded.anchor is not None
+    anchor_m = decoded.steps[0].manifest
+    final = decoded.steps[-1].manifest
+    arrays = {p: np.array(decoded.anchor[p]) for p in group}
+    # the digest each name was last proven against (check_anchor proved the anchor's)
+    proven = {n: anchor_m.tensor_digests.get(n) for p in group for n in (p, *twins[p])}
+    for m, changes, names in decoded.patches:
+        by = {c.tensor: c for c in changes}
+        need: dict[str, list[tuple[str, str]]] = {}  # primary -> (name, digest) to prove after this step
+        for p in group:
+            arr, c = arrays[p], by.get(p)
+            for twin in twins[p]:
+                if not same_effect(HostTensor(arr, key=p), c, by.get(twin)):
                     raise InventoryMismatch(
-                        f"target ties {primary!r} and {twin!r} to one tensor, but step {m.step} changes them differently"
+                        f"target ties {p!r} and {twin!r} to one tensor, but step {m.step} changes them differently"
                     )
             if c is not None:
                 arr[c.idx] = new_bits(c, arr[c.idx])
             if not verify:
                 continue
-            digest: str | None = None
-            for n in (primary, *others):
+            for n in (p, *twins[p]):
                 if n in names:
                     proven[n] = want = m.tensor_digests.get(n)
-                    if want is not None and want != (digest := digest or xxh3_128_array(arr)):
-                        raise ChecksumMismatch(
-                            f"step {m.step}: tensor {n!r} is not bit-exact after applying (digest mismatch)"
-                        )
-        if verify == "full":
-            for n in (primary, *others):
+                    if want is not None:
+                        need.setdefault(p, []).append((n, want))
+        _check(arrays, need, m, threads, "is not bit-exact after applying (digest mismatch)")
+    if verify == "full":
+        need = {}
+        for p in group:
+            for n in (p, *twins[p]):
                 want = final.tensor_digests.get(n)
-                if want is None or (proven[n] != want and xxh3_128_array(arr) != want):
+                if want is None:
                     raise ChecksumMismatch(f"step {final.step}: tensor {n!r} does not match its digest")
+                if proven[n] != want:  # last proven against another digest (or format): hash it again
+                    need.setdefault(p, []).append((n, want))
+        _check(arrays, need, final, threads, "does not match its digest")
+
+
+def _check(
+    arrays: Mapping[str, Bits], need: Mapping[str, Sequence[tuple[str, str]]], m: Manifest, threads: int, what: str
+) -> None:
+    """Raise ChecksumMismatch unless each array of ``need`` hashes (in ``m``'s format) to the digests listed."""
+    if not need:
+        return
+    got = tensor_digests(
+        {p: arrays[p] for p in need}, m.format_version, mapper=functools.partial(parallel_map, threads=threads)
+    )
+    for p, wants in need.items():
+        for n, want in wants:
+            if got[p] != want:
+                raise ChecksumMismatch(f"step {m.step}: tensor {n!r} {what}")
 
 
 class Applied:
@@ -251,13 +306,13 @@ def apply_decoded(
                 applied.add(changes, alias_groups(tensors))
             if verify:
                 with stats.timing("verify"):
-                    check_digests(tensors, names, m)
+                    check_digests(tensors, names, m, threads=threads)
         if verify == "full":
             # what the last step proved is proven; the rest of the target is hashed now
             final = decoded.steps[-1].manifest
             done = set(decoded.patches[-1][2]) if decoded.patches and verify else set()
             with stats.timing("verify"):
-                check_digests(tensors, sorted(set(tensors) - done), final)
+                check_digests(tensors, sorted(set(tensors) - done), final, threads=threads)
             missing = sorted(n for n in tensors if n not in final.tensor_digests)
             if missing:
                 raise ChecksumMismatch(f"step {final.step}: no tensor digest to prove {missing[:5]}")

@@ -297,7 +297,9 @@ def _build(
         changed = None
     tensors = {n: HostTensor(a, key=n) for n, a in arrays.items()}
     if decoded.anchor is not None:
-        check_anchor(tensors, decoded.steps[0].manifest, decoded.anchor, verify=bool(source.verify))
+        check_anchor(
+            tensors, decoded.steps[0].manifest, decoded.anchor, verify=bool(source.verify), threads=source.threads
+        )
         decoded = dataclasses.replace(decoded, anchor=None)  # decoded already: only the patches are left
     apply_decoded(tensors, decoded, verify=source.verify, threads=source.threads)
     if changed is not None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from deltasync.errors import ChainBroken, ChecksumMismatch, ObjectNotFound, ProtocolError
-from deltasync.fetcher._target import TargetTensor
+from deltasync.fetcher._target import TargetTensor, target_digests
 from deltasync.protocol import FetchPlan
 from deltasync.run import RunReader
 from deltasync.storage import Store
@@ -58,7 +58,9 @@ class Source:
         except ObjectNotFound:
             return None  # not (or no longer) committed: start from an anchor
         digests = c.manifest.tensor_digests
-        if set(digests) != set(tensors) or any(tensors[n].digest() != d for n, d in digests.items()):
+        if set(digests) != set(tensors):
+            return None
+        if target_digests(tensors, digests, c.manifest.format_version, threads=self.threads) != digests:
             return None
         return step, c.digest
 

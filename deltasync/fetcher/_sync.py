@@ -277,7 +277,7 @@ class Sync:
         verify = self.source.verify
         if decoded.anchor is not None:
             with stats.timing("verify"):
-                prove_anchor_plan(tensors, decoded, verify)
+                prove_anchor_plan(tensors, decoded, verify, threads=self.source.threads)
         apply_decoded(
             tensors,
             decoded,

@@ -2,20 +2,30 @@
 
 from __future__ import annotations
 
+import functools
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
-from deltasync._util.tensors import flat_bits, numpy_bits, require_torch, st_dtype, state_tensors
+from deltasync._util.cpus import parallel_map
+from deltasync._util.tensors import DeviceBytes, flat_bits, numpy_bits, require_torch, st_dtype, state_tensors
 from deltasync.errors import ProtocolError
 from deltasync.fetcher._fold import Change, new_bits
 from deltasync.protocol import TensorInfo, kernels
-from deltasync.protocol.digests import xxh3_128_array
+from deltasync.protocol.digests import Digestible, tensor_digests
 
-__all__ = ["DeviceTensor", "HostTensor", "TargetTensor", "TargetViews", "live_tensors", "target_tensors"]
+__all__ = [
+    "DeviceTensor",
+    "HostTensor",
+    "TargetTensor",
+    "TargetViews",
+    "live_tensors",
+    "target_digests",
+    "target_tensors",
+]
 
 Bits = np.ndarray[Any, np.dtype[Any]]
 
@@ -39,6 +49,18 @@ def _view(t: Any) -> TargetTensor:
         # the key HostTensor would take from the array, from torch (cheaper at 18k tensors a sync)
         return HostTensor(arr, key=(t.data_ptr(), arr.size, arr.dtype.str))
     return DeviceTensor(flat_bits(t, copy_if_needed=False))
+
+
+def target_digests(
+    tensors: Mapping[str, TargetTensor], names: Iterable[str], format_version: int, *, threads: int = 1
+) -> dict[str, str]:
+    """The digests of the named tensors in a manifest of ``format_version``, hashed on up to
+    ``threads`` threads at once (a large tensor's chunks too, in format 2)."""
+    return tensor_digests(
+        {n: tensors[n].digestible() for n in names},
+        format_version,
+        mapper=functools.partial(parallel_map, threads=threads),
+    )
 
 
 class TargetViews:
@@ -93,8 +115,9 @@ class TargetTensor(ABC):
         """Overwrite the whole tensor."""
 
     @abstractmethod
-    def digest(self) -> str:
-        """xxh3-128 of the tensor's bytes."""
+    def digestible(self) -> Digestible:
+        """The tensor's bytes as :func:`~deltasync.protocol.digests.tensor_digests` reads them (see
+        :func:`target_digests`)."""
 
     def apply(self, c: Change) -> Bits:
         """Apply one change in place; returns the bits it overwrote (for the undo log)."""
@@ -127,9 +150,9 @@ class HostTensor(TargetTensor):
         # docstring inherited
         np.copyto(self.arr, arr)
 
-    def digest(self) -> str:
+    def digestible(self) -> Digestible:
         # docstring inherited
-        return xxh3_128_array(self.arr)
+        return self.arr  # hashed in place
 
     def apply(self, c: Change) -> Bits:
         # docstring inherited
@@ -186,9 +209,9 @@ class DeviceTensor(TargetTensor):
 
         self.t.copy_(torch.from_numpy(np.array(arr)))
 
-    def digest(self) -> str:
+    def digestible(self) -> Digestible:
         # docstring inherited
-        return xxh3_128_array(self.t.cpu().numpy())
+        return DeviceBytes(self.t)  # copied to the host one digest chunk at a time
 
     def snapshot(self) -> Bits:
         # docstring inherited

@@ -44,6 +44,7 @@ import httpx
 
 from deltasync.errors import DeltaSyncError
 from deltasync.protocol.audit import AuditPolicy, AuditReport, Divergence, divergence, fingerprint
+from deltasync.protocol.digests import digests_comparable
 from deltasync.protocol.probes import ProbeSet, Reference
 
 __all__ = [
@@ -261,12 +262,20 @@ class AuditSource:
         if a == b:
             return False
         try:
-            da, db = self.reader.manifest(a).tensor_digests, self.reader.manifest(b).tensor_digests
+            ma, mb = self.reader.manifest(a), self.reader.manifest(b)
         except DeltaSyncError:
             return None
+        da, db = ma.tensor_digests, mb.tensor_digests
         if not da or not db:
             return None
-        return any(db.get(n) != d for n, d in da.items())
+        if ma.format_version == mb.format_version:
+            return any(db.get(n) != d for n, d in da.items())
+        # manifests of formats 1 and 2 define a large tensor's digest otherwise: compare the others
+        sizes = {t.name: t.nbytes for t in ma.inventory}
+        comparable = {n for n in da if digests_comparable(sizes.get(n, 0), ma.format_version, mb.format_version)}
+        if any(db.get(n) != da[n] for n in comparable):
+            return True
+        return None if len(comparable) < len(da) else False
 
     def canary(self) -> tuple[int, ...] | None:
         """The canary prompt (None when the config turns it off)."""

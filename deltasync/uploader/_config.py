@@ -27,8 +27,9 @@ class UploaderConfig:
         counted in ``DeltaUploader.folded``, and the first is logged as a warning);
         "block" makes push wait until a slot frees.
     shard_bytes: maximum size of one anchor shard / patch file.
-    tensor_digests: record xxh3-128 of every post-step tensor (lets fetchers prove
-        bit-exactness); costs one hashing pass over changed tensors per step.
+    tensor_digests: record the digest of every post-step tensor (xxh3-128; in format 2 a tensor
+        over 16 MiB by 16 MiB chunks, SPEC.md "Digests"), which lets fetchers prove bit-exactness;
+        costs one hashing pass over changed tensors per step, on the encode threads.
     signing_key: sign manifests with HMAC-SHA256.
     signal_url / signal_token / signal_run: after each commit, tell this signal
         server (publish token; run name, default the run id) from a background

@@ -12,10 +12,9 @@ import logging
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from deltasync._util.tensors import flat_bits, state_tensors
+from deltasync._util.tensors import digest_tensors, flat_bits, state_tensors
 from deltasync.errors import ChainBroken, ChecksumMismatch, InventoryMismatch, ProtocolError
 from deltasync.protocol import Committed, Manifest, walk_chain
-from deltasync.protocol.digests import xxh3_128_array
 from deltasync.protocol.keys import STEPS_PREFIX, file_key, step_prefix
 from deltasync.run import RunReader
 from deltasync.storage import Store
@@ -35,7 +34,8 @@ log = logging.getLogger("deltasync.uploader")
 
 
 def prove_state(m: Manifest, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Flat-bit copies of ``tensors`` once they are proven equal to committed step ``m``.
+    """Flat-bit copies of ``tensors`` once they are proven equal to committed step ``m`` (its digests,
+    in its format, hashed on every usable CPU).
 
     Raises InventoryMismatch (other tensor names, dtypes or shapes) or
     ChecksumMismatch (a tensor differs, or the step records no digest for it:
@@ -50,8 +50,9 @@ def prove_state(m: Manifest, tensors: dict[str, torch.Tensor]) -> dict[str, torc
             "tensor_digests=False): the state cannot be proven equal to it"
         )
     base = {k: flat_bits(v).clone() for k, v in tensors.items()}
+    got = digest_tensors({n: base[n] for n in m.tensor_digests}, m.format_version)
     for name, dig in m.tensor_digests.items():
-        if xxh3_128_array(base[name].cpu().numpy()) != dig:
+        if got[name] != dig:
             raise ChecksumMismatch(f"tensor {name!r} differs from committed step {m.step}")
     return base
 
@@ -151,7 +152,7 @@ class Resumer:
         m = committed.manifest
         base = prove_state(m, self.snapshots.cast(state_tensors(state)))
         pushes = pushes_since_anchor(self.reader, m, self.anchor_every)
-        self.snapshots.adopt(base, m.inventory, m.tensor_digests)
+        self.snapshots.adopt(base, m.inventory, m.tensor_digests, m.format_version)
         self.chain.adopt(committed, pushes)
         if self.spans is not None:
             self.spans.submit(committed, None)  # spans continue from the resumed step

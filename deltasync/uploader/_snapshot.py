@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from deltasync._util.batches import map_batched, results
-from deltasync._util.tensors import flat_bits
+from deltasync._util.tensors import digest_tensors, flat_bits
 from deltasync.protocol import TensorInfo
-from deltasync.protocol.digests import xxh3_128_array
+from deltasync.protocol.digests import digests_comparable
 from deltasync.uploader._diff import DIFF_CHUNK, Baseline, TensorDiff, diff_tensor, join_diffs
 from deltasync.uploader._job import StepJob
 
@@ -32,9 +32,10 @@ __all__ = ["Snapshotter"]
 class Snapshotter:
     """The baseline, staging buffers and digest cache of one uploader (see the module docstring)."""
 
-    def __init__(self, pool: Executor, cast_dtype: Any = None) -> None:
-        self.pool = pool  # the encode pool: diffs of several tensors run there at once
+    def __init__(self, pool: Executor, cast_dtype: Any = None, *, format_version: int) -> None:
+        self.pool = pool  # the encode pool: diffs and digests of several tensors run there at once
         self.cast_dtype = cast_dtype
+        self.format_version = format_version  # of the manifests written: the digests are its
         self._baseline = Baseline()
         self._staging: dict[str, torch.Tensor] = {}
         self._digest_cache: dict[str, str] = {}
@@ -102,11 +103,22 @@ class Snapshotter:
         return job
 
     def adopt(
-        self, base: dict[str, torch.Tensor], inventory: tuple[TensorInfo, ...], digests: Mapping[str, str]
+        self,
+        base: dict[str, torch.Tensor],
+        inventory: tuple[TensorInfo, ...],
+        digests: Mapping[str, str],
+        format_version: int,
     ) -> None:
-        """Make ``base`` (proven equal to a committed step with ``digests``) the baseline."""
+        """Make ``base`` (proven equal to a committed step with ``digests``, in a manifest of
+        ``format_version``) the baseline. Digests that this uploader's format defines otherwise
+        (a large tensor's, between formats 1 and 2) are not kept: they are hashed again."""
         self._baseline = Baseline(base, inventory)
-        self._digest_cache = dict(digests)
+        mine = self.format_version
+        self._digest_cache = {
+            t.name: digests[t.name]
+            for t in inventory
+            if t.name in digests and digests_comparable(t.nbytes, format_version, mine)
+        }
 
     def stage(self, given: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Flat bit views of this step's tensors that the caller cannot change any more.
@@ -180,14 +192,16 @@ class Snapshotter:
         job.changed = sum(int(c.idx.size) for c in changes.values())
 
     def digest(self, job: StepJob) -> None:
-        """xxh3-128 of every post-step tensor into ``job.digests`` (unchanged ones from the cache)."""
+        """The digest of every post-step tensor into ``job.digests`` (unchanged ones from the cache),
+        hashed on the pool at once (a device baseline's tensors are copied to the host chunk by chunk)."""
+        todo: dict[str, Any] = {}
         for info in job.inventory:
             name = info.name
             if job.kind == "anchor":
-                arr = job.snapshot[name]
+                todo[name] = job.snapshot[name]
             elif name in job.changes or name not in self._digest_cache:
-                arr = self._baseline.tensors[name].cpu().numpy()
-            else:
-                job.digests[name] = self._digest_cache[name]
-                continue
-            job.digests[name] = self._digest_cache[name] = xxh3_128_array(arr)
+                todo[name] = self._baseline.tensors[name]
+        fresh = digest_tensors(todo, self.format_version, pool=self.pool)
+        self._digest_cache.update(fresh)
+        for info in job.inventory:
+            job.digests[info.name] = self._digest_cache[info.name]

@@ -72,7 +72,7 @@ class DeltaUploader:
         self._writer = WriterIdentity(self.store, cfg.run_id, head.manifest.run_id if head else None)
         threads = cfg.encode_threads if cfg.encode_threads is not None else usable_cpus()
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="deltasync-encode")
-        self._snapshots = Snapshotter(self._pool, cfg.cast_dtype)
+        self._snapshots = Snapshotter(self._pool, cfg.cast_dtype, format_version=cfg.format_version)
         self._folds = FoldLog(cfg.max_pending)  # steps folded into later ones ("coalesce"): counted, told once
         self._after = AfterCommit(folds=self._folds)  # the listeners below join it once they exist
         #: what the commit stage works with (single-process or sharded): built once

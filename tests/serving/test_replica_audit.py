@@ -251,3 +251,24 @@ def test_the_driver_audits_each_update_and_acts_on_a_diverged_server(run: ds.Mem
         assert ug.ok and ub.ok == (action != "pause")
         if action == "pause":
             assert ub.state == "needs_replacement" and bad.version == "2"
+
+
+def test_weights_differ_across_manifest_formats() -> None:
+    """Two steps' digests tell whether their weights differ; a tensor over 16 MiB has another digest in
+    format 1 than in format 2 (SPEC.md "Digests"), so across formats it tells nothing by itself."""
+    store = ds.MemoryStore("audit-formats")
+    g = torch.Generator().manual_seed(0)
+    s0 = {"big": torch.randn(17 << 19, generator=g).to(torch.bfloat16), "small": torch.randn(8, generator=g)}
+    s1 = {"big": s0["big"].clone(), "small": s0["small"].clone()}
+    s1["big"][:3] += 1  # only the big tensor changes
+    s2 = {"big": s1["big"].clone(), "small": s1["small"] + 1}  # only the small one
+    with ds.DeltaUploader(store, anchor_every=100, anchor_bytes_fraction=0, format_version=1) as up:
+        up.push(s0, 0).result(60)
+    with ds.DeltaUploader(store, anchor_every=100, anchor_bytes_fraction=0, format_version=2) as up:
+        assert up.resume({k: v.clone() for k, v in s0.items()}, 0, strict=True)
+        up.push(s1, 1).result(60)
+        up.push(s2, 2).result(60)
+    source = AuditSource(store)
+    assert source.weights_differ(0, 0) is False
+    assert source.weights_differ(0, 1) is None  # only the big tensor's digests differ, and by format
+    assert source.weights_differ(1, 2) is True and source.weights_differ(0, 2) is True

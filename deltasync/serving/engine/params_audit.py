@@ -8,9 +8,10 @@ reads the engine's parameters back in checkpoint coordinates and hashes them aga
 * where elements go is the model's own loader, traced once (:class:`~deltasync.serving.engine.scatter.ScatterMap`:
   the strided copies each checkpoint name's load does, the fused ``qkv_proj`` and tensor-parallel shards included);
 * for each checkpoint name, the node mirror's tensor of the served step is copied, the elements this
-  worker's parameters hold are copied over it from the parameters, and the whole is hashed with
-  xxh3-128: it equals the manifest's digest of the tensor only if the parameters hold the step's bits
-  (and the mirror the rest of the tensor: a tensor-parallel rank holds a shard);
+  worker's parameters hold are copied over it from the parameters, and the whole is hashed (the
+  tensor digest of the manifest's format, a chunk's tensors at once): it equals the manifest's digest
+  of the tensor only if the parameters hold the step's bits (and the mirror the rest of the tensor: a
+  tensor-parallel rank holds a shard);
 * names the loader does not copy plainly (it transforms them) or the manifest has no digest for are
   listed as ``unchecked``.
 
@@ -28,9 +29,8 @@ from typing import Any
 
 import torch
 
-from deltasync._util.tensors import numpy_bits
+from deltasync._util.tensors import digest_tensors
 from deltasync.errors import DeltaSyncError
-from deltasync.protocol.digests import xxh3_128_array
 from deltasync.serving.engine.mirror import EngineMirror, Loader
 from deltasync.serving.engine.scatter import ScatterMap
 
@@ -66,13 +66,14 @@ class ParamsAuditor:
         with mirror.served_state() as (step, view, scatter):
             if step is None or not view:
                 raise DeltaSyncError("this worker serves no step known to deltasync: nothing to audit against")
-            digests = mirror.fetcher.manifest(step).tensor_digests
+            manifest = mirror.fetcher.manifest(step)
+            digests = manifest.tensor_digests
             smap = self._map_for(scatter, view)
             names = sorted(view)
-            checked, nbytes = 0, 0
-            mismatched: list[str] = []
+            nbytes = 0
             unchecked: list[str] = []
             nxt: int | None = None
+            bufs: dict[str, torch.Tensor] = {}
             with torch.no_grad():
                 for i in range(max(0, start), len(names)):
                     name = names[i]
@@ -83,13 +84,15 @@ class ParamsAuditor:
                     buf = view[name].detach().to("cpu", copy=True).contiguous()
                     for seg in segments:
                         seg.src_view(buf).copy_(seg.dst_view())
-                    if xxh3_128_array(numpy_bits(buf)) != want:
-                        mismatched.append(name)
-                    checked += 1
+                    bufs[name] = buf
                     nbytes += buf.numel() * buf.element_size()
                     if nbytes >= max_bytes and i + 1 < len(names):
                         nxt = i + 1
                         break
+            # this chunk's tensors (about max_bytes) hashed at once, in the manifest's format
+            got = digest_tensors(bufs, manifest.format_version)
+            mismatched = [n for n in bufs if got[n] != digests[n]]
+            checked = len(bufs)
         metrics = mirror.metrics
         if metrics is not None and hasattr(metrics, "observe_param_audit"):
             metrics.observe_param_audit(ok=checked - len(mismatched), mismatched=len(mismatched))

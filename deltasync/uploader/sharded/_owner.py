@@ -23,7 +23,7 @@ from deltasync.errors import CommitFailed
 from deltasync.protocol import AnchorEntry, Committed, FileInfo, PatchEntry, TensorInfo, xxh3_128
 from deltasync.protocol.canonical import MANIFEST_VERSION
 from deltasync.protocol.checkpoint import CHECKPOINT_METADATA, INDEX_NAME, group_by_size, shard_layout
-from deltasync.protocol.digests import xxh3_128_array
+from deltasync.protocol.digests import tensor_digests as hash_tensors
 from deltasync.protocol.dtypes import dtype_info
 from deltasync.protocol.keys import file_key, step_prefix, writer_file_name, writer_folder
 from deltasync.protocol.manifest import Writer
@@ -64,6 +64,7 @@ class OwnerCopies:
     def __init__(self) -> None:
         self.arrays: dict[str, Bits] = {}
         self.digests: dict[str, str] = {}
+        self._format = 0  # the format of the cached digests
 
     @property
     def nbytes(self) -> int:
@@ -111,11 +112,13 @@ class OwnerCopies:
         self.digests.pop(name, None)
         return TensorDiff(idx, old, new)
 
-    def digest_all(self) -> dict[str, str]:
-        """xxh3-128 of every owned tensor (cached until it changes)."""
-        for name, arr in self.arrays.items():
-            if name not in self.digests:
-                self.digests[name] = xxh3_128_array(arr)
+    def digest_all(self, format_version: int, pool: Executor | None = None) -> dict[str, str]:
+        """The digest (in a manifest of ``format_version``) of every owned tensor, cached until it
+        changes; hashed on ``pool`` at once when given."""
+        if format_version != self._format:
+            self.digests, self._format = {}, format_version  # another format defines large tensors' otherwise
+        todo = {n: a for n, a in self.arrays.items() if n not in self.digests}
+        self.digests.update(hash_tensors(todo, format_version, mapper=pool.map if pool is not None else map))
         return dict(self.digests)
 
 
@@ -194,7 +197,7 @@ def write_rank_files(
         assert plan is not None
         files, entries = _anchor_files(rank, plan, infos, copies, writer_id)
         changed = sum(int(a.size) for a in copies.arrays.values())
-    digests = copies.digest_all() if tensor_digests else {}
+    digests = copies.digest_all(format_version, pool) if tensor_digests else {}
     put_step_files(store, job.step, files, policy, stop=stop)
     infos_out = tuple(FileInfo(n, len(d), xxh3_128(d)) for n, d in sorted(files.items()))
     return RankReport(None, infos_out, tuple(entries), digests, changed)  # type: ignore[arg-type]
