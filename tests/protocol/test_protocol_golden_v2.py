@@ -237,6 +237,7 @@ def test_inventory_bomb_is_refused_before_decompressing(monkeypatch: pytest.Monk
     from deltasync.protocol import manifest_v2
 
     monkeypatch.setattr(manifest_v2, "MAX_INVENTORY_BYTES", 84)  # the golden inventory is 85 bytes
+    monkeypatch.setattr(manifest_v2, "_PARSED", {})  # parsed under the real limit by earlier tests
     with pytest.raises(ProtocolError, match="declares 85 bytes"):
         Manifest.from_json(V2_PATCH_MANIFEST)
 
