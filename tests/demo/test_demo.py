@@ -276,19 +276,15 @@ def test_self_contained_run_ends_bit_exact_and_reports_every_commit() -> None:
     assert snap["model"]["params"] == sum(c["total"] for c in snap["commits"][:1])
 
 
-def test_follower_mode_applies_what_a_trainer_elsewhere_committed(tmp_path: Path) -> None:
-    url = str(tmp_path / "store")
-    trainer = DemoRun(ds.open_store(url), DemoOptions(store_url=url, model="tiny", steps=6, step_interval=0.0))
-    _run_until_done(trainer)
-    # the follower has no trainer: it learns the model from demo.json, not from --model
-    follower = DemoRun(ds.open_store(url), DemoOptions(store_url=url, train=False, model="small", poll_interval=0.05))
+def _follow_until(follower: DemoRun, step: int) -> None:
+    """Run ``follower`` until its inference copy holds ``step`` (bounded), then stop it."""
     follower.start()
     try:
         done = threading.Event()
 
         def check() -> None:
             while not done.wait(0.05):
-                if follower.board.applied_step == 6:
+                if follower.board.applied_step == step:
                     done.set()
 
         t = threading.Thread(target=check)
@@ -297,6 +293,15 @@ def test_follower_mode_applies_what_a_trainer_elsewhere_committed(tmp_path: Path
         assert done.is_set(), follower.board.snapshot()
     finally:
         follower.stop()
+
+
+def test_follower_mode_applies_what_a_trainer_elsewhere_committed(tmp_path: Path) -> None:
+    url = str(tmp_path / "store")
+    trainer = DemoRun(ds.open_store(url), DemoOptions(store_url=url, model="tiny", steps=6, step_interval=0.0))
+    _run_until_done(trainer)
+    # the follower has no trainer: it learns the model from demo.json, not from --model
+    follower = DemoRun(ds.open_store(url), DemoOptions(store_url=url, train=False, model="small", poll_interval=0.05))
+    _follow_until(follower, 6)
     snap = follower.board.snapshot()
     assert snap["mode"] == "follower" and snap["trainer"] is None and snap["error"] is None
     assert snap["model"]["name"] == "tiny"
@@ -317,21 +322,7 @@ def test_a_follower_far_behind_charts_the_newest_steps_and_counts_them_all(
     _run_until_done(trainer)
     steps = ds.DeltaFetcher(ds.open_store(url)).steps()
     follower = DemoRun(ds.open_store(url), DemoOptions(store_url=url, train=False, poll_interval=0.05))
-    follower.start()
-    try:
-        done = threading.Event()
-
-        def check() -> None:
-            while not done.wait(0.05):
-                if follower.board.applied_step == steps[-1]:
-                    done.set()
-
-        t = threading.Thread(target=check)
-        t.start()
-        t.join(RUN_TIMEOUT)
-        assert done.is_set(), follower.board.snapshot()
-    finally:
-        follower.stop()
+    _follow_until(follower, steps[-1])
     snap = follower.board.snapshot()
     assert [c["step"] for c in snap["commits"]] == steps[-4:]  # the newest manifests only
     assert snap["known"] == {"training": len([s for s in steps if s > 0]), "initial": 1}
