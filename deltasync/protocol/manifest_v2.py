@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -71,6 +72,7 @@ def decode_inventory(v: Any, what: str) -> tuple[TensorInfo, ...]:
 #: so a reader parses it once, not every step (a pure function of the string: a hit is the same result)
 _PARSED: dict[str, tuple[tuple[TensorInfo, ...], str]] = {}
 _PARSED_MAX = 4
+_PARSED_LOCK = threading.Lock()  # readers in several threads (a fetcher per target) share it
 
 
 def decode_inventory_digest(v: Any, what: str) -> tuple[tuple[TensorInfo, ...], str]:
@@ -83,9 +85,10 @@ def decode_inventory_digest(v: Any, what: str) -> tuple[tuple[TensorInfo, ...], 
         return hit
     out = _decode_inventory_digest(v, what)
     assert isinstance(v, str)  # the parse refused anything else
-    if len(_PARSED) >= _PARSED_MAX:
-        _PARSED.pop(next(iter(_PARSED)), None)
-    _PARSED[v] = out
+    with _PARSED_LOCK:
+        while len(_PARSED) >= _PARSED_MAX:
+            _PARSED.pop(next(iter(_PARSED)))
+        _PARSED[v] = out
     return out
 
 
