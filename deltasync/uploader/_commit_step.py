@@ -61,6 +61,7 @@ from deltasync.uploader._chain import ChainState
 from deltasync.uploader._config import CommitInfo, UploaderConfig
 from deltasync.uploader._diff import TensorDiff
 from deltasync.uploader._job import StepJob
+from deltasync.uploader._pack import ChangeSet
 from deltasync.uploader._writer import WriterIdentity
 
 if TYPE_CHECKING:
@@ -274,11 +275,16 @@ GROUP_NUMEL = 1 << 22
 def change_groups(job: StepJob, group_numel: int) -> list[tuple[str, ...]]:
     """The changed tensors, sorted by name, cut into groups: consecutive tensors of one dtype until a
     group holds ``group_numel`` elements; a tensor that large stands alone (0: every tensor alone)."""
-    info = {t.name: t for t in job.inventory}
+    return cut_groups(sorted(job.changes), job.inventory, group_numel)
+
+
+def cut_groups(names: Sequence[str], inventory: Sequence[TensorInfo], group_numel: int) -> list[tuple[str, ...]]:
+    """:func:`change_groups` of the changed tensors ``names`` (sorted)."""
+    info = {t.name: t for t in inventory}
     groups: list[tuple[str, ...]] = []
     cur: list[str] = []
     size, dtype = 0, ""
-    for name in sorted(job.changes):
+    for name in names:
         t = info[name]
         if cur and (t.dtype != dtype or size + t.numel > group_numel):
             groups.append(tuple(cur))
@@ -297,14 +303,19 @@ def encode_groups(
     group_numel: int,
 ) -> list[tuple[str | tuple[str, ...], EncodedTensor]]:
     """Encode every changed tensor (``group_numel`` > 0, format 2: every group of small tensors, see
-    :func:`change_groups`), groups on ``pool`` at once; (tensor name or group of names, coding)."""
+    :func:`change_groups`), groups on ``pool`` at once; (tensor name or group of names, coding).
+    A group of consecutive tensors of one pack is coded straight from the pack's arrays."""
     numel = {t.name: t.numel for t in inventory}
-    groups = change_groups(StepJob(0, "patch", tuple(inventory), changes=dict(changes)), group_numel)
+    groups = cut_groups(sorted(changes), inventory, group_numel)
+    packed = changes if isinstance(changes, ChangeSet) else None
 
     def enc(group: tuple[str, ...]) -> EncodedTensor:
         if len(group) == 1:
             c = changes[group[0]]
             return encode_changes(numel[group[0]], c.idx, c.old, c.new)
+        if packed is not None and (run := packed.group(group)) is not None:
+            idx, old, new, total = run
+            return encode_changes(total, idx, old, new)
         cs = [changes[n] for n in group]
         offsets = np.cumsum([0] + [numel[n] for n in group[:-1]])
         idx = np.concatenate([c.idx + off for c, off in zip(cs, offsets.tolist(), strict=True)])

@@ -50,6 +50,9 @@ class Baseline:
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     inventory: tuple[TensorInfo, ...] = ()
+    #: packs (``uploader._pack.Pack``) whose tensors in ``tensors`` are views into ``bufs``
+    packs: tuple[Any, ...] = ()
+    bufs: tuple[torch.Tensor, ...] = ()
 
 
 def join_diffs(parts: list[TensorDiff]) -> TensorDiff:

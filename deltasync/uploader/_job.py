@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -24,13 +25,14 @@ class StepJob:
     step: int
     kind: Literal["anchor", "patch"]
     inventory: tuple[TensorInfo, ...]
-    changes: dict[str, TensorDiff] = field(default_factory=dict)
+    changes: Mapping[str, TensorDiff] = field(default_factory=dict)  # a dict, or a packed ChangeSet
     snapshot: dict[str, Bits] = field(default_factory=dict)
     changed: int = 0
     total: int = 0
     digests: dict[str, str] = field(default_factory=dict)
     digests_ready: threading.Event = field(default_factory=threading.Event)
     staged: dict[str, Any] = field(default_factory=dict)  # patch: new flat bits, diffed in the background
+    staged_packs: list[Any] = field(default_factory=list)  # patch: (pack, staging buffer), diffed likewise
     error: BaseException | None = None
     futures: list[tuple[int, Future[Any]]] = field(default_factory=list)
 

@@ -18,6 +18,7 @@ from concurrent.futures import Future
 
 from deltasync._util.worker import SerialWorker
 from deltasync.uploader._job import StepJob, merge_jobs
+from deltasync.uploader._pack import wait_changes
 from deltasync.uploader._snapshot import Snapshotter
 
 __all__ = ["CommitPipeline"]
@@ -95,10 +96,9 @@ class CommitPipeline:
         try:
             if job.kind == "anchor" and self.defer_diff:
                 self.snapshots.prefault_staging()
-            if job.staged:
+            if job.staged or job.staged_packs:
                 self.snapshots.diff(job)
-            for c in job.changes.values():
-                c.wait()  # device tensors: the asynchronous copies of the changes to pinned memory
+            wait_changes(job.changes)  # device tensors: the asynchronous copies of the changes to pinned memory
             if self.tensor_digests:
                 self.snapshots.digest(job)
         except Exception as exc:  # noqa: BLE001 - surfaced through the job's future

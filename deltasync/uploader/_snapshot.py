@@ -10,7 +10,7 @@ snapshot first waits for them (:meth:`wait_for_last`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any
 
@@ -20,8 +20,9 @@ from deltasync._util.batches import map_batched, results
 from deltasync._util.tensors import digest_tensors, flat_bits
 from deltasync.protocol import TensorInfo
 from deltasync.protocol.digests import digests_comparable
-from deltasync.uploader._diff import DIFF_CHUNK, Baseline, TensorDiff, diff_tensor, join_diffs
+from deltasync.uploader._diff import DIFF_CHUNK, Baseline, TensorDiff, diff_tensor, inventory_of, join_diffs
 from deltasync.uploader._job import StepJob
+from deltasync.uploader._pack import ChangeSet, Pack, PackedDiff, plan_packs
 
 if TYPE_CHECKING:
     import torch
@@ -38,8 +39,25 @@ class Snapshotter:
         self.format_version = format_version  # of the manifests written: the digests are its
         self._baseline = Baseline()
         self._staging: dict[str, torch.Tensor] = {}
+        #: the staging buffer of each pack of the baseline (same layout), reused step after step
+        self._staging_bufs: list[torch.Tensor | None] = []
         self._digest_cache: dict[str, str] = {}
         self._last_job: StepJob | None = None
+        self._last_layout: tuple[list[str], list[Any], tuple[TensorInfo, ...]] | None = None
+
+    def inventory_of(self, tensors: Mapping[str, torch.Tensor]) -> tuple[TensorInfo, ...]:
+        """The inventory of ``tensors``: the last one's object again while the names, dtypes and
+        shapes are the same (compared in one pass; building 18k entries and sorting them is not)."""
+        names = list(tensors)
+        layout = [(t.dtype, t.shape) for t in tensors.values()]
+        last = self._last_layout
+        if last is not None and last[0] == names and last[1] == layout:
+            return last[2]
+        inventory = inventory_of(tensors)
+        if inventory == self._baseline.inventory:
+            inventory = self._baseline.inventory
+        self._last_layout = (names, layout, inventory)
+        return inventory
 
     @property
     def inventory(self) -> tuple[TensorInfo, ...]:
@@ -69,15 +87,27 @@ class Snapshotter:
         """An anchor job: ``tensors`` become the baseline and the job's host snapshot."""
         same = inventory == self._baseline.inventory
         snapshot: dict[str, Any] = {}
-        base = self._baseline.tensors if same else {}
+        if same:
+            base, packs, bufs = self._baseline.tensors, self._baseline.packs, self._baseline.bufs
+        else:
+            packs = tuple(plan_packs(inventory, tensors))
+            bufs = tuple(p.alloc() for p in packs)
+            base = {}
+            for pack, buf in zip(packs, bufs, strict=True):
+                base.update(pack.views(buf))
+            self._staging_bufs = [None] * len(packs)
+        packed = self._copy_packs(packs, bufs, tensors)
         for name, t in tensors.items():
+            if name in packed:
+                continue
             bits = flat_bits(t)
             if same:
                 base[name].copy_(bits)
             else:
                 base[name] = bits.clone()
+        for name in tensors:
             snapshot[name] = base[name].cpu().numpy().copy()
-        self._baseline = Baseline(base, inventory)
+        self._baseline = Baseline(base, inventory, packs, bufs)
         self._digest_cache.clear()
         return self._made(StepJob(step, "anchor", inventory, snapshot=snapshot, changed=total, total=total))
 
@@ -92,9 +122,14 @@ class Snapshotter:
         defer_diff: bool,
     ) -> StepJob:
         """A patch job: staged copies diffed later (``defer_diff``), or diffed here and now."""
+        job = StepJob(step, "patch", inventory, total=total)
         if defer_diff:  # only copy here; the diff against the baseline runs on the digest stage
-            return self._made(StepJob(step, "patch", inventory, staged=self.stage(given, tensors), total=total))
-        job = StepJob(step, "patch", inventory, staged={k: flat_bits(t) for k, t in tensors.items()}, total=total)
+            job.staged, job.staged_packs = self.stage(given, tensors)
+            return self._made(job)
+        packed = self._stage_packs(tensors)
+        job.staged_packs = packed
+        done = {n for p, _ in packed for n in p.names}
+        job.staged = {k: flat_bits(t) for k, t in tensors.items() if k not in done}
         self.diff(job)
         return self._made(job)
 
@@ -112,7 +147,14 @@ class Snapshotter:
         """Make ``base`` (proven equal to a committed step with ``digests``, in a manifest of
         ``format_version``) the baseline. Digests that this uploader's format defines otherwise
         (a large tensor's, between formats 1 and 2) are not kept: they are hashed again."""
-        self._baseline = Baseline(base, inventory)
+        packs = tuple(plan_packs(inventory, base))
+        bufs = tuple(p.alloc() for p in packs)
+        self._copy_packs(packs, bufs, base)
+        base = dict(base)
+        for pack, buf in zip(packs, bufs, strict=True):
+            base.update(pack.views(buf))
+        self._staging_bufs = [None] * len(packs)
+        self._baseline = Baseline(base, inventory, packs, bufs)
         mine = self.format_version
         self._digest_cache = {
             t.name: digests[t.name]
@@ -120,14 +162,57 @@ class Snapshotter:
             if t.name in digests and digests_comparable(t.nbytes, format_version, mine)
         }
 
-    def stage(self, given: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Flat bit views of this step's tensors that the caller cannot change any more.
+    @staticmethod
+    def _copy_packs(
+        packs: Sequence[Pack], bufs: Sequence[torch.Tensor], tensors: Mapping[str, torch.Tensor]
+    ) -> set[str]:
+        """Copy each pack's tensors into its buffer (one call per pack); the names copied."""
+        import torch
 
-        Tensors that ``cast_dtype`` just made are ours already; the caller's own are
-        copied into reused staging buffers (one memcpy, about one compare pass).
+        done: set[str] = set()
+        for pack, buf in zip(packs, bufs, strict=True):
+            src = [tensors[n] for n in pack.names]
+            if [t.shape for t in src] == list(pack.shapes):
+                torch._foreach_copy_(pack.shaped(buf, src[0].dtype), src)
+            else:  # flat bits (a resumed baseline)
+                flat = buf.view(src[0].dtype)
+                s = pack.starts.tolist()
+                torch._foreach_copy_([flat[a:b] for a, b in zip(s, s[1:], strict=False)], [t.reshape(-1) for t in src])
+            done.update(pack.names)
+        return done
+
+    def _stage_packs(self, tensors: Mapping[str, torch.Tensor]) -> list[tuple[Pack, torch.Tensor]]:
+        """Copy the packed tensors into their packs' reused staging buffers (one call per pack)."""
+        packs = self._baseline.packs
+        if not packs:
+            return []
+        if len(self._staging_bufs) != len(packs):
+            self._staging_bufs = [None] * len(packs)
+        out = []
+        for i, pack in enumerate(packs):
+            buf = self._staging_bufs[i]
+            if buf is None:
+                buf = self._staging_bufs[i] = pack.alloc()
+            self._copy_packs((pack,), (buf,), tensors)
+            out.append((pack, buf))
+        return out
+
+    def stage(
+        self, given: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], list[tuple[Pack, torch.Tensor]]]:
+        """Flat bit views of this step's tensors that the caller cannot change any more, and the
+        packs' staging buffers holding the packed ones.
+
+        Packed tensors are copied into their pack's staging buffer (one call per pack). Of the
+        others, tensors that ``cast_dtype`` just made are ours already; the caller's own are copied
+        into reused staging buffers (one memcpy, about one compare pass).
         """
+        packed = self._stage_packs(tensors)
+        done = {n for p, _ in packed for n in p.names} if packed else set()
         out: dict[str, torch.Tensor] = {}
         for name, t in tensors.items():
+            if name in done:
+                continue
             bits = flat_bits(t)
             if t is not given.get(name):
                 out[name] = bits
@@ -140,34 +225,44 @@ class Snapshotter:
             else:
                 buf.copy_(bits)
             out[name] = buf
-        return out
+        return out, packed
 
     # ------------------------------------------------------------------ digest stage
 
     def prefault_staging(self) -> None:
         """Allocate and touch the staging buffers now, off the caller's thread, so that the
         next push() copies into warm memory instead of paying the page faults."""
+        packs = self._baseline.packs
+        if len(self._staging_bufs) != len(packs):
+            self._staging_bufs = [None] * len(packs)
+        for i, pack in enumerate(packs):
+            if self._staging_bufs[i] is None:
+                self._staging_bufs[i] = pack.alloc().zero_()
+        packed = {n for p in packs for n in p.names}
         for name, base in self._baseline.tensors.items():
+            if name in packed:
+                continue
             buf = self._staging.get(name)
             if buf is None or buf.dtype != base.dtype or buf.shape != base.shape or buf.device != base.device:
                 self._staging[name] = base.new_zeros(base.shape)
 
     def diff(self, job: StepJob) -> None:
         """Diff the job's staged bits against the baseline (which takes them): fills ``job.changes``."""
-        # (name, start, end): a tensor larger than DIFF_CHUNK is diffed in chunks, so one embedding
-        # does not hold up a step on one core
-        parts: list[tuple[str, int, int]] = []
+        # (key, start, end, base, new): a tensor (or a pack's buffer) larger than DIFF_CHUNK is diffed
+        # in chunks, so one embedding does not hold up a step on one core
+        parts: list[tuple[Any, int, int, torch.Tensor, torch.Tensor]] = []
         chunk = DIFF_CHUNK
         for name, t in job.staged.items():
+            base = self._baseline.tensors[name]
             n = t.numel()
-            if n <= chunk:
-                parts.append((name, 0, n))
-            else:
-                parts.extend((name, a, min(n, a + chunk)) for a in range(0, n, chunk))
+            parts.extend((name, a, min(n, a + chunk), base, t) for a in range(0, max(n, 1), chunk))
+        bufs = dict(zip(self._baseline.packs, self._baseline.bufs, strict=True))
+        for i, (pack, staged) in enumerate(job.staged_packs):
+            n = pack.numel
+            parts.extend((i, a, min(n, a + chunk), bufs[pack], staged) for a in range(0, max(n, 1), chunk))
 
-        def one(part: tuple[str, int, int]) -> TensorDiff | None:
-            name, a, b = part
-            base, new = self._baseline.tensors[name], job.staged[name]
+        def one(part: tuple[Any, int, int, torch.Tensor, torch.Tensor]) -> TensorDiff | None:
+            _, a, b, base, new = part
             if a == 0 and b == base.numel():
                 return diff_tensor(base, new)
             d = diff_tensor(base.reshape(-1)[a:b], new.reshape(-1)[a:b])  # views: the baseline is updated
@@ -179,28 +274,39 @@ class Snapshotter:
         # chunks at once, in batches of about even size: the compiled diff releases the GIL (each
         # updates its own part of the baseline), and a pool task per tensor would cost more than a
         # small tensor's diff
-        found = results(map_batched(self.pool if len(parts) > 1 else None, one, parts, [b - a for _, a, b in parts]))
-        changes: dict[str, TensorDiff] = {}
-        pieces: dict[str, list[TensorDiff]] = {}
-        for (name, _, _), c in zip(parts, found, strict=True):
+        found = results(map_batched(self.pool if len(parts) > 1 else None, one, parts, [p[2] - p[1] for p in parts]))
+        pieces: dict[Any, list[TensorDiff]] = {}
+        for part, c in zip(parts, found, strict=True):
             if c is not None:
-                pieces.setdefault(name, []).append(c)
-        for name, ps in pieces.items():
-            changes[name] = ps[0] if len(ps) == 1 else join_diffs(ps)
-        job.staged = {}
-        job.changes = changes
-        job.changed = sum(int(c.idx.size) for c in changes.values())
+                pieces.setdefault(part[0], []).append(c)
+        other: dict[str, TensorDiff] = {}
+        packed: list[PackedDiff] = []
+        for key, ps in pieces.items():
+            d = ps[0] if len(ps) == 1 else join_diffs(ps)
+            if isinstance(key, str):
+                other[key] = d
+            else:
+                packed.append(PackedDiff.of(job.staged_packs[key][0], d.idx, d.old, d.new))
+        job.staged, job.staged_packs = {}, []
+        job.changes = ChangeSet(packed, other) if packed else other
+        job.changed = sum(int(c.idx.size) for c in other.values()) + sum(int(d.idx.size) for d in packed)
 
     def digest(self, job: StepJob) -> None:
         """The digest of every post-step tensor into ``job.digests`` (unchanged ones from the cache),
         hashed on the pool at once (a device baseline's tensors are copied to the host chunk by chunk)."""
         todo: dict[str, Any] = {}
+        # a packed tensor is hashed as a slice of its pack's buffer (host memory, in place)
+        flat: dict[str, Any] = {}
+        if job.kind != "anchor":
+            for pack, buf in zip(self._baseline.packs, self._baseline.bufs, strict=True):
+                arr, s = buf.numpy(), pack.starts.tolist()
+                flat.update((n, arr[a:b]) for n, a, b in zip(pack.names, s, s[1:], strict=False))
         for info in job.inventory:
             name = info.name
             if job.kind == "anchor":
                 todo[name] = job.snapshot[name]
             elif name in job.changes or name not in self._digest_cache:
-                todo[name] = self._baseline.tensors[name]
+                todo[name] = flat[name] if name in flat else self._baseline.tensors[name]
         fresh = digest_tensors(todo, self.format_version, pool=self.pool)
         self._digest_cache.update(fresh)
         for info in job.inventory:

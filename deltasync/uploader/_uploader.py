@@ -29,7 +29,6 @@ from deltasync.storage import Store, open_store
 from deltasync.uploader._chain import ChainState
 from deltasync.uploader._commit_step import AfterCommit, CommitContext, FoldLog, commit_step
 from deltasync.uploader._config import CommitInfo, UploaderConfig
-from deltasync.uploader._diff import inventory_of
 from deltasync.uploader._dtypes import warn_dtype_change
 from deltasync.uploader._pipeline import CommitPipeline
 from deltasync.uploader._resume import Resumer
@@ -227,9 +226,7 @@ class DeltaUploader:
                 )
         state_in = state_tensors(state)
         tensors = snaps.cast(state_in)
-        inventory = inventory_of(tensors)
-        if inventory == snaps.inventory:
-            inventory = snaps.inventory  # the same object step after step: its manifest fields are kept
+        inventory = snaps.inventory_of(tensors)  # the same object step after step: its manifest fields are kept
         head = chain.last_committed
         warn_dtype_change(step, snaps.inventory or (head.manifest.inventory if head else ()), inventory)
         # the previous step's diff and digests read the baseline and the staging buffers:
