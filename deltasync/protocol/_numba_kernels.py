@@ -14,7 +14,9 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import intrinsic
+from numba.np.numpy_support import carray
 
 Arr = Any
 
@@ -382,3 +384,57 @@ def set_apply(arr: Arr, idx: Arr, vals: Arr, old: Arr) -> None:
         j = idx[i]
         old[i] = arr[j]
         arr[j] = vals[i]
+
+
+# ---------------------------------------------------------------- gather (the uploader's packed staging)
+
+
+def _bytes_at_typing(typingctx: Any, addr: Any) -> Any:
+    """A uint8 pointer to host address ``addr`` (an integer)."""
+    if not isinstance(addr, types.Integer):
+        return None
+    ptr = types.CPointer(types.uint8)  # type: ignore[no-untyped-call]
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.inttoptr(args[0], context.get_value_type(ptr))
+
+    return ptr(addr), codegen
+
+
+def _words_at_typing(typingctx: Any, addr: Any) -> Any:
+    """A uint64 pointer to host address ``addr`` (an integer, a multiple of 8)."""
+    if not isinstance(addr, types.Integer):
+        return None
+    ptr = types.CPointer(types.uint64)  # type: ignore[no-untyped-call]
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.inttoptr(args[0], context.get_value_type(ptr))
+
+    return ptr(addr), codegen
+
+
+_bytes_at: Any = intrinsic(_bytes_at_typing)
+_words_at: Any = intrinsic(_words_at_typing)
+
+
+@_jit
+def gather_bytes(dst: Arr, dst_words: Arr, addrs: Arr, starts: Arr) -> None:
+    """Copy ``starts[i+1] - starts[i]`` bytes from host address ``addrs[i]`` to ``dst[starts[i]:]``
+    for every ``i`` (``dst_words``: the same memory as uint64). The caller keeps the sources alive and
+    vouches for their sizes: this reads raw memory. 8-byte words where both ends are aligned."""
+    for i in range(addrs.size):
+        a = starts[i]
+        n = starts[i + 1] - a
+        src = addrs[i]
+        done = 0
+        if (a & 7) == 0 and (src & 7) == 0:
+            w = n >> 3
+            words = carray(_words_at(src), w)
+            a8 = a >> 3
+            for j in range(w):
+                dst_words[a8 + j] = words[j]
+            done = w << 3
+        if done < n:
+            tail = carray(_bytes_at(src), n)
+            for j in range(done, n):
+                dst[a + j] = tail[j]

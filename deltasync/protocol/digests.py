@@ -28,6 +28,7 @@ __all__ = [
     "hmac_sign",
     "hmac_verify",
     "is_tree_digest",
+    "packed_digests",
     "tensor_digest",
     "tensor_digests",
     "xxh3_128",
@@ -193,6 +194,25 @@ def tensor_digests(arrays: Mapping[str, Digestible], format_version: int, *, map
     for name, chunks in trees.items():
         found[name] = xxhash.xxh3_128_hexdigest(b"".join(chunks))
     return found
+
+
+def packed_digests(
+    buf: np.ndarray[Any, Any], spans: Sequence[tuple[str, int, int]], format_version: int, *, mapper: Mapper = map
+) -> dict[str, str]:
+    """The digests of tensors laid end to end in one C-contiguous host buffer, each ``(name, start,
+    stop)`` in bytes: what :func:`tensor_digests` gives for those slices, without a piece per
+    tensor. Tensors of at most :data:`GIL_HELD_BYTES` (hashed holding the GIL whatever the threads)
+    are hashed in one loop on this thread; the others go through :func:`tensor_digests`."""
+    if not buf.flags.c_contiguous:
+        raise ValueError("packed_digests needs a C-contiguous buffer")
+    flat = buf.reshape(-1).view(np.uint8)
+    mv = flat.data
+    hexdigest = xxhash.xxh3_128_hexdigest
+    out = {name: hexdigest(mv[a:b]) for name, a, b in spans if b - a <= GIL_HELD_BYTES}
+    larger = {name: flat[a:b] for name, a, b in spans if b - a > GIL_HELD_BYTES}
+    if larger:
+        out.update(tensor_digests(larger, format_version, mapper=mapper))
+    return out
 
 
 # ------------------------------------------------------------------ signatures

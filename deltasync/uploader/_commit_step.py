@@ -158,7 +158,7 @@ class AfterCommit:
 
     folds: FoldLog | None = None
     notifier: Notifier | None = None
-    write_spans: Callable[[Committed, dict[str, TensorDiff] | None], None] | None = None
+    write_spans: Callable[[Committed, Mapping[str, TensorDiff] | None], None] | None = None
     retention: RetentionWorker | None = None
 
 

@@ -18,8 +18,8 @@ import numpy as np
 
 from deltasync._util.batches import map_batched, results
 from deltasync._util.tensors import digest_tensors, flat_bits
-from deltasync.protocol import TensorInfo
-from deltasync.protocol.digests import digests_comparable
+from deltasync.protocol import TensorInfo, kernels
+from deltasync.protocol.digests import digests_comparable, packed_digests
 from deltasync.uploader._diff import DIFF_CHUNK, Baseline, TensorDiff, diff_tensor, inventory_of, join_diffs
 from deltasync.uploader._job import StepJob
 from deltasync.uploader._pack import ChangeSet, Pack, PackedDiff, plan_packs
@@ -28,6 +28,23 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["Snapshotter"]
+
+#: a pack's buffer is diffed in chunks of this many elements, several at once
+PACK_DIFF_CHUNK = 1 << 20
+
+
+def _gather(kern: Any, pack: Pack, buf: torch.Tensor, src: Sequence[torch.Tensor]) -> bool:
+    """Copy ``src`` (the pack's tensors, of its dtype and shapes) into ``buf`` as raw bytes with one
+    compiled call, when every one is a contiguous CPU tensor; False (nothing copied) otherwise."""
+    addrs = np.fromiter(
+        (t.data_ptr() if t.is_cpu and t.is_contiguous() else -1 for t in src), dtype=np.int64, count=len(src)
+    )
+    if addrs.size and int(addrs.min()) < 0:
+        return False
+    dst = buf.numpy().view(np.uint8)
+    words = dst[: dst.size - dst.size % 8].view(np.uint64)
+    kern.gather_bytes(dst, words, addrs, pack.starts * pack.itemsize)
+    return True
 
 
 class Snapshotter:
@@ -41,22 +58,36 @@ class Snapshotter:
         self._staging: dict[str, torch.Tensor] = {}
         #: the staging buffer of each pack of the baseline (same layout), reused step after step
         self._staging_bufs: list[torch.Tensor | None] = []
+        #: each buffer's shaped per-tensor views (by id, checked by address, size and dtype; the
+        #: buffer itself is held so that its id is not reused while the entry stands)
+        self._views: dict[int, tuple[Any, torch.Tensor, list[torch.Tensor]]] = {}
         self._digest_cache: dict[str, str] = {}
         self._last_job: StepJob | None = None
-        self._last_layout: tuple[list[str], list[Any], tuple[TensorInfo, ...]] | None = None
+        self._last_layout: tuple[list[str], list[Any], list[Any], tuple[TensorInfo, ...]] | None = None
 
     def inventory_of(self, tensors: Mapping[str, torch.Tensor]) -> tuple[TensorInfo, ...]:
         """The inventory of ``tensors``: the last one's object again while the names, dtypes and
-        shapes are the same (compared in one pass; building 18k entries and sorting them is not)."""
-        names = list(tensors)
-        layout = [(t.dtype, t.shape) for t in tensors.values()]
+        shapes are the same (compared in one pass that keeps nothing: building 18k entries, sorting
+        them and the collections the kept objects set off cost more than the step's copy)."""
         last = self._last_layout
-        if last is not None and last[0] == names and last[1] == layout:
-            return last[2]
+        if (
+            last is not None
+            and len(tensors) == len(last[0])
+            and all(
+                n == n0 and t.dtype == d and t.shape == s
+                for (n, t), n0, d, s in zip(tensors.items(), last[0], last[1], last[2], strict=True)
+            )
+        ):
+            return last[3]
         inventory = inventory_of(tensors)
         if inventory == self._baseline.inventory:
             inventory = self._baseline.inventory
-        self._last_layout = (names, layout, inventory)
+        self._last_layout = (
+            list(tensors),
+            [t.dtype for t in tensors.values()],
+            [t.shape for t in tensors.values()],
+            inventory,
+        )
         return inventory
 
     @property
@@ -95,7 +126,7 @@ class Snapshotter:
             base = {}
             for pack, buf in zip(packs, bufs, strict=True):
                 base.update(pack.views(buf))
-            self._staging_bufs = [None] * len(packs)
+            self._staging_bufs, self._views = [None] * len(packs), {}
         packed = self._copy_packs(packs, bufs, tensors)
         for name, t in tensors.items():
             if name in packed:
@@ -153,7 +184,7 @@ class Snapshotter:
         base = dict(base)
         for pack, buf in zip(packs, bufs, strict=True):
             base.update(pack.views(buf))
-        self._staging_bufs = [None] * len(packs)
+        self._staging_bufs, self._views = [None] * len(packs), {}
         self._baseline = Baseline(base, inventory, packs, bufs)
         mine = self.format_version
         self._digest_cache = {
@@ -162,23 +193,36 @@ class Snapshotter:
             if t.name in digests and digests_comparable(t.nbytes, format_version, mine)
         }
 
-    @staticmethod
     def _copy_packs(
-        packs: Sequence[Pack], bufs: Sequence[torch.Tensor], tensors: Mapping[str, torch.Tensor]
+        self,
+        packs: Sequence[Pack],
+        bufs: Sequence[torch.Tensor],
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        laid_out: bool = False,
     ) -> set[str]:
-        """Copy each pack's tensors into its buffer (one call per pack); the names copied."""
+        """Copy each pack's tensors into its buffer (one call per pack); the names copied.
+        ``laid_out``: the caller checked that the tensors have the pack's dtype and shapes (push
+        compared the inventory), so contiguous CPU ones are copied as raw bytes by one compiled call."""
         import torch
 
         done: set[str] = set()
+        kern = kernels.impl()
         for pack, buf in zip(packs, bufs, strict=True):
             src = [tensors[n] for n in pack.names]
+            done.update(pack.names)
+            if laid_out and kern is not None and _gather(kern, pack, buf, src):
+                continue
             if [t.shape for t in src] == list(pack.shapes):
-                torch._foreach_copy_(pack.shaped(buf, src[0].dtype), src)
+                key = (buf.data_ptr(), buf.numel(), src[0].dtype)
+                views = self._views.get(id(buf))
+                if views is None or views[0] != key:  # 18k views a step cost more than the copy
+                    views = self._views[id(buf)] = (key, buf, pack.shaped(buf, src[0].dtype))
+                torch._foreach_copy_(views[2], src)
             else:  # flat bits (a resumed baseline)
                 flat = buf.view(src[0].dtype)
                 s = pack.starts.tolist()
                 torch._foreach_copy_([flat[a:b] for a, b in zip(s, s[1:], strict=False)], [t.reshape(-1) for t in src])
-            done.update(pack.names)
         return done
 
     def _stage_packs(self, tensors: Mapping[str, torch.Tensor]) -> list[tuple[Pack, torch.Tensor]]:
@@ -193,7 +237,7 @@ class Snapshotter:
             buf = self._staging_bufs[i]
             if buf is None:
                 buf = self._staging_bufs[i] = pack.alloc()
-            self._copy_packs((pack,), (buf,), tensors)
+            self._copy_packs((pack,), (buf,), tensors, laid_out=True)
             out.append((pack, buf))
         return out
 
@@ -259,7 +303,8 @@ class Snapshotter:
         bufs = dict(zip(self._baseline.packs, self._baseline.bufs, strict=True))
         for i, (pack, staged) in enumerate(job.staged_packs):
             n = pack.numel
-            parts.extend((i, a, min(n, a + chunk), bufs[pack], staged) for a in range(0, max(n, 1), chunk))
+            step = PACK_DIFF_CHUNK  # compare and collect passes of a chunk this small share the cache
+            parts.extend((i, a, min(n, a + step), bufs[pack], staged) for a in range(0, max(n, 1), step))
 
         def one(part: tuple[Any, int, int, torch.Tensor, torch.Tensor]) -> TensorDiff | None:
             _, a, b, base, new = part
@@ -295,19 +340,26 @@ class Snapshotter:
         """The digest of every post-step tensor into ``job.digests`` (unchanged ones from the cache),
         hashed on the pool at once (a device baseline's tensors are copied to the host chunk by chunk)."""
         todo: dict[str, Any] = {}
-        # a packed tensor is hashed as a slice of its pack's buffer (host memory, in place)
-        flat: dict[str, Any] = {}
-        if job.kind != "anchor":
+        fresh: dict[str, str] = {}
+        cache = self._digest_cache
+        packed: set[str] = set()
+        if job.kind != "anchor":  # a packed tensor is hashed in place in its pack's buffer
             for pack, buf in zip(self._baseline.packs, self._baseline.bufs, strict=True):
-                arr, s = buf.numpy(), pack.starts.tolist()
-                flat.update((n, arr[a:b]) for n, a, b in zip(pack.names, s, s[1:], strict=False))
+                s = (pack.starts * pack.itemsize).tolist()
+                spans = [
+                    (n, a, b)
+                    for n, a, b in zip(pack.names, s, s[1:], strict=False)
+                    if n in job.changes or n not in cache
+                ]
+                fresh.update(packed_digests(buf.numpy(), spans, self.format_version, mapper=self.pool.map))
+                packed.update(pack.names)
         for info in job.inventory:
             name = info.name
             if job.kind == "anchor":
                 todo[name] = job.snapshot[name]
-            elif name in job.changes or name not in self._digest_cache:
-                todo[name] = flat[name] if name in flat else self._baseline.tensors[name]
-        fresh = digest_tensors(todo, self.format_version, pool=self.pool)
+            elif name not in packed and (name in job.changes or name not in cache):
+                todo[name] = self._baseline.tensors[name]
+        fresh.update(digest_tensors(todo, self.format_version, pool=self.pool))
         self._digest_cache.update(fresh)
         for info in job.inventory:
             job.digests[info.name] = self._digest_cache[info.name]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
@@ -42,7 +42,7 @@ __all__ = ["SpanWriter", "merge_change_sets"]
 
 log = logging.getLogger("deltasync.uploader")
 
-Changes = dict[str, TensorDiff]
+Changes = Mapping[str, TensorDiff]
 
 #: a level's composition is dropped once it changes more than this fraction of all elements: its
 #: memory (12 bytes per changed bf16 element) would pass the state's, and an anchor is close in size
