@@ -13,8 +13,9 @@ import numpy as np
 
 from deltasync.protocol import TensorInfo
 from deltasync.uploader._diff import TensorDiff
+from deltasync.uploader._pack import ChangeSet, PackedDiff
 
-__all__ = ["StepJob", "merge_changes", "merge_jobs"]
+__all__ = ["StepJob", "changed_count", "merge_change_sets", "merge_changes", "merge_jobs"]
 Bits = np.ndarray[Any, np.dtype[Any]]
 
 
@@ -54,6 +55,44 @@ def merge_changes(a: TensorDiff, b: TensorDiff) -> TensorDiff | None:
     return TensorDiff(idx_s[first][keep], old[keep], new[keep])
 
 
+def changed_count(changes: Mapping[str, TensorDiff]) -> int:
+    """Elements changed in all (a packed set counts without making its tensors' changes)."""
+    if isinstance(changes, ChangeSet):
+        return changes.changed
+    return sum(int(c.idx.size) for c in changes.values())
+
+
+def merge_change_sets(a: Mapping[str, TensorDiff], b: Mapping[str, TensorDiff]) -> Mapping[str, TensorDiff]:
+    """The changes of ``a`` then ``b`` as one set (elements that end where they started drop out).
+    Two packed sets of the same packs merge pack by pack, each as one sorted array; anything else
+    tensor by tensor."""
+    if isinstance(a, ChangeSet) and isinstance(b, ChangeSet) and a.mergeable(b):
+        by_pack: dict[int, PackedDiff] = {id(d.pack): d for d in a.packed}
+        packed: list[PackedDiff] = []
+        for d in b.packed:
+            prev = by_pack.pop(id(d.pack), None)
+            if prev is None:
+                packed.append(d)
+                continue
+            m = merge_changes(TensorDiff(prev.idx, prev.old, prev.new), TensorDiff(d.idx, d.old, d.new))
+            if m is not None:
+                packed.append(PackedDiff.of(d.pack, m.idx, m.old, m.new))
+        packed.extend(by_pack.values())
+        return ChangeSet(packed, _merge_dicts(a.other, b.other))
+    return _merge_dicts(a, b)
+
+
+def _merge_dicts(a: Mapping[str, TensorDiff], b: Mapping[str, TensorDiff]) -> dict[str, TensorDiff]:
+    out = dict(a)
+    for name, c in b.items():
+        merged = merge_changes(out[name], c) if name in out else c
+        if merged is None:
+            out.pop(name, None)
+        else:
+            out[name] = merged
+    return out
+
+
 def merge_jobs(a: StepJob, b: StepJob) -> StepJob:
     """Fold waiting job ``a`` and newer job ``b`` into one job at ``b.step``."""
     futures = a.futures + b.futures
@@ -63,11 +102,5 @@ def merge_jobs(a: StepJob, b: StepJob) -> StepJob:
         for name, c in b.changes.items():
             a.snapshot[name][c.idx] = c.new
         return replace(b, kind="anchor", snapshot=a.snapshot, changes={}, changed=b.total, futures=futures)
-    changes = dict(a.changes)
-    for name, c in b.changes.items():
-        merged = merge_changes(changes[name], c) if name in changes else c
-        if merged is None:
-            changes.pop(name, None)
-        else:
-            changes[name] = merged
-    return replace(b, changes=changes, changed=sum(int(c.idx.size) for c in changes.values()), futures=futures)
+    changes = merge_change_sets(a.changes, b.changes)
+    return replace(b, changes=changes, changed=changed_count(changes), futures=futures)

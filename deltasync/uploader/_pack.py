@@ -164,6 +164,22 @@ class ChangeSet(Mapping[str, TensorDiff]):
         for c in self.other.values():
             c.wait()
 
+    def mergeable(self, other: ChangeSet) -> bool:
+        """Whether this set and ``other`` can merge pack by pack: no tensor of a pack of either one
+        is among the other's unpacked changes, and packs holding the same tensors are the same."""
+        mine = {id(d.pack): d.pack for d in self.packed}
+        theirs = {id(d.pack): d.pack for d in other.packed}
+        for packs, others in ((mine, other.other), (theirs, self.other)):
+            if any(n in p.index for p in packs.values() for n in others):
+                return False
+        packs = {**mine, **theirs}
+        if len(packs) > 1:
+            seen: dict[str, int] = {}
+            for i, p in packs.items():
+                if any(seen.setdefault(n, i) != i for n in p.names):
+                    return False
+        return True
+
     def group(self, names: Sequence[str]) -> tuple[Ints, Bits, Bits, int] | None:
         """``names`` as one format-2 group straight from their pack (positions into the
         concatenation, old, new, element count), when they are consecutive changed tensors of one

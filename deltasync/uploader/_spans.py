@@ -36,7 +36,7 @@ from deltasync.storage import Store
 from deltasync.uploader._commit_step import GROUP_NUMEL, build_patch, put_idempotent, with_retries
 from deltasync.uploader._config import check_levels
 from deltasync.uploader._diff import TensorDiff
-from deltasync.uploader._job import StepJob, merge_changes
+from deltasync.uploader._job import StepJob, changed_count, merge_change_sets
 
 __all__ = ["SpanWriter", "merge_change_sets"]
 
@@ -48,18 +48,6 @@ Changes = Mapping[str, TensorDiff]
 #: memory (12 bytes per changed bf16 element) would pass the state's, and an anchor is close in size
 SPAN_MAX_DENSITY = 0.125
 SPAN_MEMORY_FLOOR = 64 << 20  # bytes: below this a composition is kept whatever its density
-
-
-def merge_change_sets(a: Changes, b: Changes) -> Changes:
-    """The changes of ``a`` then ``b`` as one set (elements that end where they started drop out)."""
-    out = dict(a)
-    for name, c in b.items():
-        merged = merge_changes(out[name], c) if name in out else c
-        if merged is None:
-            out.pop(name, None)
-        else:
-            out[name] = merged
-    return out
 
 
 @dataclass(slots=True)
@@ -157,9 +145,9 @@ class SpanWriter:
             p = self._partial[j]
             if p is None:
                 p = self._partial[j] = _Partial(unit.start, 0, {})
-            p.changes = merge_change_sets(p.changes, unit.changes) if p.changes else dict(unit.changes)
+            p.changes = merge_change_sets(p.changes, unit.changes) if p.changes else unit.changes
             p.count += unit.count
-            held = sum(int(c.idx.size) for c in p.changes.values())
+            held = changed_count(p.changes)
             if held > SPAN_MAX_DENSITY * total and held * 12 > SPAN_MEMORY_FLOOR:
                 # a composition this dense holds more memory than the state and saves little over
                 # an anchor: drop it and every level above, and count again from this step
@@ -193,7 +181,7 @@ class SpanWriter:
                 files=infos,
                 entries=tuple(entries),
                 tensor_digests=dict(m.tensor_digests),
-                stats=Stats(sum(int(x.idx.size) for x in changes.values()), m.stats.total, sum(f.size for f in infos)),
+                stats=Stats(changed_count(changes), m.stats.total, sum(f.size for f in infos)),
                 extra={SPAN_OF: end.digest},
                 writer=m.writer,
                 format_version=m.format_version,

@@ -20,6 +20,7 @@ import deltasync as ds
 from deltasync.protocol import TensorInfo, kernels
 from deltasync.protocol.digests import packed_digests, tensor_digests
 from deltasync.uploader._diff import TensorDiff
+from deltasync.uploader._job import merge_change_sets
 from deltasync.uploader._pack import MIN_PACKED, ChangeSet, Pack, PackedDiff
 
 torch = pytest.importorskip("torch")
@@ -187,3 +188,31 @@ def test_a_change_set_reads_as_the_per_tensor_changes() -> None:
     assert idx_g.tolist() == [1, 3, 5, 9, 10, 12] and numel == 13 and old_g.tolist() == old.tolist()
     assert cs.group(["t2", "t4"])[0].tolist() == [1, 5, 6, 8]
     assert cs.group(["t0", "other"]) is None and cs.group(["t0", "t4"]) is None
+
+
+def test_packed_change_sets_merge_pack_by_pack_as_tensor_by_tensor() -> None:
+    """What spans and folds compose: two packed sets merged at once equal the per-tensor merge."""
+    rng = np.random.default_rng(8)
+    names = [f"t{i:02d}" for i in range(20)]
+    inv = tuple(TensorInfo(n, "I16", (int(rng.integers(0, 9)),)) for n in names)
+    pack = Pack("I16", inv, 2)
+    state = rng.integers(-50, 50, pack.numel).astype(np.int16)
+
+    def step() -> ChangeSet:
+        idx = np.flatnonzero(rng.random(pack.numel) < 0.4).astype(np.int64)
+        old = state[idx].copy()
+        state[idx] += rng.choice(np.array([-1, 1], dtype=np.int16), idx.size)  # some go back where they were
+        return ChangeSet([PackedDiff.of(pack, idx, old, state[idx].copy())])
+
+    a, b = step(), step()
+    merged = merge_change_sets(a, b)
+    assert isinstance(merged, ChangeSet)
+    want = merge_change_sets(dict(a), dict(b))
+    assert not isinstance(want, ChangeSet) and sorted(merged) == sorted(want)
+    for n, c in want.items():
+        got = merged[n]
+        assert (got.idx.tolist(), got.old.tolist(), got.new.tolist()) == (
+            c.idx.tolist(),
+            c.old.tolist(),
+            c.new.tolist(),
+        )
