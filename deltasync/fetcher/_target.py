@@ -47,7 +47,8 @@ def _view(t: Any) -> TargetTensor:
     if t.device.type == "cpu":
         arr = numpy_bits(t)
         # the key HostTensor would take from the array, from torch (cheaper at 18k tensors a sync)
-        return HostTensor(arr, key=(t.data_ptr(), arr.size, arr.dtype.str))
+        ptr = t.data_ptr()
+        return HostTensor(arr, key=(ptr, arr.size, arr.dtype.str), addr=ptr)
     return DeviceTensor(flat_bits(t, copy_if_needed=False))
 
 
@@ -101,6 +102,10 @@ class TargetTensor(ABC):
     applied to (read, written, hashed, rolled back)."""
 
     key: Any = None
+    #: (address, elements, itemsize) of a flat C-contiguous host array that compiled code may write
+    #: in place through its address (format 2 groups: :class:`~deltasync.fetcher._apply.HostGroup`);
+    #: None otherwise
+    layout: tuple[int, int, int] | None = None
 
     @abstractmethod
     def take(self, idx: Bits) -> Bits:
@@ -134,9 +139,14 @@ class HostTensor(TargetTensor):
     """A tensor in host memory as a numpy bit array (CPU torch tensors are viewed this way, sharing
     memory; a materialized dir's tensors are plain arrays)."""
 
-    def __init__(self, arr: Bits, key: Any = None) -> None:
+    def __init__(self, arr: Bits, key: Any = None, *, addr: int | None = None) -> None:
+        """``addr``: the address of ``arr``'s data when the caller has it at hand (read from it otherwise)."""
         self.arr = arr
-        self.key = key if key is not None else (arr.__array_interface__["data"][0], arr.size, arr.dtype.str)
+        if addr is None:
+            addr = int(arr.__array_interface__["data"][0])
+        self.key = key if key is not None else (addr, arr.size, arr.dtype.str)
+        if arr.flags.c_contiguous and arr.flags.writeable:
+            self.layout = (addr, arr.size, arr.dtype.itemsize)
 
     def take(self, idx: Bits) -> Bits:
         # docstring inherited

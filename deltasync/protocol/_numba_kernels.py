@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from numba import njit
+from numba import carray, njit, types  # type: ignore[attr-defined]
+from numba.extending import intrinsic
 
 Arr = Any
 
@@ -382,3 +383,70 @@ def set_apply(arr: Arr, idx: Arr, vals: Arr, old: Arr) -> None:
         j = idx[i]
         old[i] = arr[j]
         arr[j] = vals[i]
+
+
+# ---------------------------------------------------------------- group apply (format 2 groups, in place)
+
+
+def _pointer_typer(typingctx: Any, addr: Any, like: Any) -> Any:
+    """A typed pointer to ``like``'s element type at the integer address ``addr`` (an intrinsic)."""
+    ptr: Any = types.CPointer(like.dtype)  # type: ignore[no-untyped-call]
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.inttoptr(args[0], context.get_value_type(ptr))
+
+    return ptr(addr, like), codegen
+
+
+_pointer_like: Any = intrinsic(_pointer_typer)
+
+
+@_jit
+def group_apply(addrs: Arr, bounds: Arr, idx: Arr, vals: Arr, old: Arr, mode: int) -> int:
+    """Apply a group's change to its members in place: member ``m`` is the C-contiguous array of
+    ``bounds[m+1] - bounds[m]`` elements (each as wide as ``vals``'s) at address ``addrs[m]``, and
+    ``idx`` holds strictly ascending positions into the members' concatenation.
+
+    ``mode`` 0: XOR ``vals`` in; 1: set ``vals``; both keep the bits overwritten in ``old``.
+    ``mode`` 2: set ``vals`` and keep nothing (restoring ``old`` bits after a failure).
+    Returns 0, or 1 (and writes nothing) when a position is outside the members or not ascending,
+    or ``bounds`` are not a cumulative count from 0."""
+    n = idx.size
+    nm = addrs.size
+    if bounds.size != nm + 1 or bounds[0] != 0:
+        return 1
+    for m in range(nm):
+        if bounds[m + 1] < bounds[m]:
+            return 1
+    if n == 0:
+        return 0
+    if idx[0] < 0 or idx[n - 1] >= bounds[nm]:
+        return 1
+    for i in range(1, n):
+        if idx[i] <= idx[i - 1]:
+            return 1
+    m = 0
+    while idx[0] >= bounds[m + 1]:
+        m += 1
+    lo = bounds[m]
+    hi = bounds[m + 1]
+    a = carray(_pointer_like(addrs[m], vals), hi - lo)
+    for i in range(n):
+        j = idx[i]
+        if j >= hi:
+            while j >= bounds[m + 1]:
+                m += 1
+            lo = bounds[m]
+            hi = bounds[m + 1]
+            a = carray(_pointer_like(addrs[m], vals), hi - lo)
+        k = j - lo
+        if mode == 0:
+            x = a[k]
+            old[i] = x
+            a[k] = x ^ vals[i]
+        elif mode == 1:
+            old[i] = a[k]
+            a[k] = vals[i]
+        else:
+            a[k] = vals[i]
+    return 0
