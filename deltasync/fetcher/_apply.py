@@ -13,7 +13,7 @@ from deltasync._util.batches import map_batched
 from deltasync._util.cpus import parallel_map
 from deltasync.errors import ChecksumMismatch, InventoryMismatch, ProtocolError
 from deltasync.fetcher._fold import Change, Folded, StepChange, new_bits, per_tensor, touched
-from deltasync.fetcher._target import HostTensor, TargetTensor, target_digests
+from deltasync.fetcher._target import HostTensor, TargetTensor, TensorViews, target_digests
 from deltasync.protocol import DecodedEntry, Manifest, TensorInfo, kernels
 from deltasync.protocol.digests import tensor_digests
 from deltasync.protocol.patchfile import DecodedGroup
@@ -57,7 +57,10 @@ def check_inventory(have: Sequence[TensorInfo], m: Manifest) -> None:
 
 
 def alias_groups(tensors: Mapping[str, TargetTensor]) -> dict[str, str]:
-    """Map each name to the first name (sorted) sharing its memory: tied weights are applied once."""
+    """Map each name to the first name (sorted) sharing its memory: tied weights are applied once.
+    (Computed once per :class:`TensorViews`, which are read-only; do not modify the result.)"""
+    if isinstance(tensors, TensorViews):
+        return tensors.aliases()
     first: dict[Any, str] = {}
     out: dict[str, str] = {}
     for name in sorted(tensors):

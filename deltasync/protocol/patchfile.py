@@ -346,6 +346,5 @@ def split_group(
     vals, entry = d.values, d.entry
     c = cuts.tolist()
     return [
-        DecodedEntry(entry, local[a:b], vals[a:b], name)
-        for name, a, b in zip(entry.members, c, c[1:], strict=False)
+        DecodedEntry(entry, local[a:b], vals[a:b], name) for name, a, b in zip(entry.members, c, c[1:], strict=False)
     ]
