@@ -13,7 +13,7 @@ from deltasync._util.batches import map_batched
 from deltasync._util.cpus import parallel_map
 from deltasync.errors import ChecksumMismatch, InventoryMismatch, ProtocolError
 from deltasync.fetcher._fold import Change, Folded, StepChange, new_bits, per_tensor, touched
-from deltasync.fetcher._target import HostTensor, TargetTensor, TensorViews, target_digests
+from deltasync.fetcher._target import HostTensor, TargetTensor, TensorViews, digest_list
 from deltasync.protocol import DecodedEntry, Manifest, TensorInfo, kernels
 from deltasync.protocol.digests import tensor_digests
 from deltasync.protocol.patchfile import DecodedGroup
@@ -83,10 +83,14 @@ def changed_names(m: Manifest, parent: Manifest | None, changes: Sequence[StepCh
 def check_digests(tensors: Mapping[str, TargetTensor], names: Sequence[str], m: Manifest, *, threads: int = 1) -> None:
     """Raise ChecksumMismatch unless each named tensor equals step ``m``'s digest of it (in ``m``'s
     format), hashed on up to ``threads`` threads at once."""
-    want = {n: d for n in names if (d := m.tensor_digests.get(n)) is not None}
-    got = target_digests(tensors, want, m.format_version, threads=threads)
-    for name in names:
-        if name in want and got[name] != want[name]:
+    digests = m.tensor_digests
+    named = [n for n in names if n in digests]
+    want = [digests[n] for n in named]
+    got = digest_list(tensors, named, m.format_version, threads=threads)
+    if got == want:
+        return
+    for name, g, w in zip(named, got, want, strict=True):
+        if g != w:
             raise ChecksumMismatch(f"step {m.step}: tensor {name!r} is not bit-exact after applying (digest mismatch)")
 
 
@@ -147,40 +151,73 @@ class HostGroup:
     """The members of a format-2 group as one target: host tensors, flat and C-contiguous, as wide as
     the group's values, written in place by one compiled call (:func:`host_group` builds one)."""
 
-    def __init__(self, members: Sequence[TargetTensor], addrs: Bits, bounds: Bits) -> None:
+    def __init__(self, members: Sequence[TargetTensor], addrs: Bits, bounds: Bits, kern: Any) -> None:
         self.members = members  # holds their arrays (the memory written through ``addrs``)
         self.addrs = addrs
         self.bounds = bounds
+        self.kern = kern  # the compiled kernels (a rollback uses them whatever the backend is by then)
 
     def apply(self, g: DecodedGroup) -> Bits:
-        """Apply the group's change in place; returns the bits it overwrote (for the undo log)."""
-        old: Bits = np.empty(g.idx.size, dtype=g.values.dtype)
-        self._call(g.idx, g.values, old, 0 if g.coding == "xor-rank" else 1)
+        """Apply the group's change in place; returns the bits it overwrote (for the undo log).
+        Positions outside the members or not ascending raise ProtocolError, nothing written."""
+        kern = self.kern
+        idx = g.idx
+        old: Bits = np.empty(idx.size, dtype=g.values.dtype)
+        done = kern.group_apply(self.addrs, self.bounds, idx, g.values, old, 0 if g.coding == "xor-rank" else 1)
+        if done != idx.size:
+            if done > 0:  # the positions before the bad one were written: put them back
+                kern.group_apply(self.addrs, self.bounds, idx[:done], old[:done], old[:done], 2)
+            raise ProtocolError(
+                f"group {g.entry.tensor!r}: positions outside its {int(self.bounds[-1])} elements or not ascending"
+            )
         return old
 
     def put(self, idx: Bits, vals: Bits) -> None:
         """Write bits at positions ``idx`` of the members' concatenation (a rollback)."""
-        self._call(idx, vals, vals, 2)
+        if self.kern.group_apply(self.addrs, self.bounds, idx, vals, vals, 2) != idx.size:
+            raise ProtocolError(f"positions outside a group of {int(self.bounds[-1])} elements")
 
     def load(self, arr: Bits) -> None:
         """Never called: a group is only written at positions."""
         raise NotImplementedError("a group is written at positions only")
 
-    def _call(self, idx: Bits, vals: Bits, old: Bits, mode: int) -> None:
-        kern = kernels.impl()
-        assert kern is not None  # host_group checked
-        if kern.group_apply(self.addrs, self.bounds, idx, vals, old, mode):
-            raise ProtocolError(f"positions outside a group of {int(self.bounds[-1])} elements")
+
+#: the most groups' members a :class:`TensorViews` remembers (steps that change other tensors each
+#: time make other groups)
+GROUP_MEMO = 4096
 
 
 def host_group(tensors: Mapping[str, TargetTensor], g: DecodedGroup, alias: Mapping[str, str]) -> HostGroup | None:
     """``g``'s members as one :class:`HostGroup`, or None where the plain case does not hold and the
     group is applied member by member: no compiled kernels, a coding other than one step's, a member
     tied to another name (applied through that one), a member that is not a flat C-contiguous writable
-    host array of the group's width and size (an accelerator's tensor, say)."""
-    if kernels.impl() is None or g.coding not in ("xor-rank", "raw") or g.idx.dtype != np.int64:
+    host array of the group's width and size (an accelerator's tensor, say). What only depends on the
+    target is kept with read-only views (:class:`TensorViews`) for the next step's same group."""
+    kern = kernels.impl()
+    if kern is None or g.coding not in ("xor-rank", "raw") or g.idx.dtype != np.int64:
         return None
     members = g.entry.members
+    memo = tensors.memo if isinstance(tensors, TensorViews) else None
+    found: Any = memo.get(members, False) if memo is not None else False
+    if found is False:
+        found = _members(tensors, members, alias)
+        if memo is not None:
+            if len(memo) >= GROUP_MEMO:
+                memo.clear()
+            memo[members] = found
+    if found is None:
+        return None
+    targets, addrs, sizes, itemsize = found
+    if itemsize != g.values.dtype.itemsize or not np.array_equal(sizes, np.diff(g.bounds)):
+        return None
+    return HostGroup(targets, addrs, g.bounds, kern)
+
+
+def _members(
+    tensors: Mapping[str, TargetTensor], members: tuple[str, ...], alias: Mapping[str, str]
+) -> tuple[list[TargetTensor], Bits, Bits, int] | None:
+    """(the members' tensors, their addresses, sizes, the common itemsize (-1: several)) when they are
+    all untied flat C-contiguous writable host arrays; None otherwise."""
     try:
         if any(alias[n] != n for n in members):
             return None
@@ -191,9 +228,9 @@ def host_group(tensors: Mapping[str, TargetTensor], g: DecodedGroup, alias: Mapp
     if None in layouts:
         return None
     lay = np.array(layouts, dtype=np.int64).reshape(len(members), 3)
-    if not (np.array_equal(lay[:, 1], np.diff(g.bounds)) and bool((lay[:, 2] == g.values.dtype.itemsize).all())):
-        return None
-    return HostGroup(targets, np.ascontiguousarray(lay[:, 0]), g.bounds)
+    widths = np.unique(lay[:, 2])
+    itemsize = int(widths[0]) if widths.size == 1 else -1
+    return targets, np.ascontiguousarray(lay[:, 0]), np.ascontiguousarray(lay[:, 1]), itemsize
 
 
 #: what the undo log restores: a tensor, or a group's members together

@@ -6,17 +6,18 @@ import functools
 import operator
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, cast
 
 import numpy as np
+import xxhash
 
 from deltasync._util.cpus import parallel_map
 from deltasync._util.tensors import DeviceBytes, flat_bits, numpy_bits, require_torch, st_dtype, state_tensors
 from deltasync.errors import ProtocolError
 from deltasync.fetcher._fold import Change, new_bits
 from deltasync.protocol import TensorInfo, kernels
-from deltasync.protocol.digests import Digestible, tensor_digests
+from deltasync.protocol.digests import GIL_HELD_BYTES, Digestible, tensor_digests
 
 __all__ = [
     "DeviceTensor",
@@ -59,11 +60,35 @@ def target_digests(
 ) -> dict[str, str]:
     """The digests of the named tensors in a manifest of ``format_version``, hashed on up to
     ``threads`` threads at once (a large tensor's chunks too, in format 2)."""
-    return tensor_digests(
-        {n: tensors[n].digestible() for n in names},
-        format_version,
-        mapper=functools.partial(parallel_map, threads=threads),
-    )
+    names = list(names)
+    return dict(zip(names, digest_list(tensors, names, format_version, threads=threads), strict=True))
+
+
+def digest_list(
+    tensors: Mapping[str, TargetTensor], names: Sequence[str], format_version: int, *, threads: int = 1
+) -> list[str]:
+    """:func:`target_digests` as a list in the order of ``names``. A host tensor of at most
+    :data:`~deltasync.protocol.digests.GIL_HELD_BYTES` (which python-xxhash hashes holding the GIL,
+    so threads cannot share the work) is hashed right here, in one pass over them (its digest is the
+    xxh3-128 of its bytes in every format); the rest as :func:`tensor_digests` does."""
+    out: list[str] = []
+    rest: dict[int, Digestible] = {}
+    for t in map(tensors.__getitem__, names):
+        lay = t.layout
+        if lay is not None and lay[1] * lay[2] <= GIL_HELD_BYTES and isinstance(t, HostTensor):
+            out.append(xxhash.xxh3_128_hexdigest(cast(Any, t.arr)))  # flat, C-contiguous: its bytes
+        else:
+            rest[len(out)] = t.digestible()
+            out.append("")
+    if rest:
+        got = tensor_digests(
+            {str(k): d for k, d in rest.items()},
+            format_version,
+            mapper=functools.partial(parallel_map, threads=threads),
+        )
+        for k in rest:
+            out[k] = got[str(k)]
+    return out
 
 
 class TargetTensor(ABC):
@@ -203,11 +228,13 @@ class TensorViews(dict[str, TargetTensor]):
     what is derived from it is computed once and kept with it: the tied names
     (:func:`~deltasync.fetcher._apply.alias_groups`)."""
 
-    __slots__ = ("__weakref__", "_aliases")
+    __slots__ = ("__weakref__", "_aliases", "memo")
 
     def __init__(self, items: Mapping[str, TargetTensor]) -> None:
         super().__init__(items)
         self._aliases: dict[str, str] | None = None
+        #: what callers derive from these views and keep with them (bounded by whoever adds to it)
+        self.memo: dict[Any, Any] = {}
 
     def aliases(self) -> dict[str, str]:
         """Each name to the first name (sorted) sharing its memory (computed once)."""

@@ -409,44 +409,67 @@ def group_apply(addrs: Arr, bounds: Arr, idx: Arr, vals: Arr, old: Arr, mode: in
 
     ``mode`` 0: XOR ``vals`` in; 1: set ``vals``; both keep the bits overwritten in ``old``.
     ``mode`` 2: set ``vals`` and keep nothing (restoring ``old`` bits after a failure).
-    Returns 0, or 1 (and writes nothing) when a position is outside the members or not ascending,
-    or ``bounds`` are not a cumulative count from 0."""
-    n = idx.size
+    Returns how many leading positions were applied: ``idx.size`` when all were; fewer when a
+    position is outside the members or not ascending (nothing at or after it is written, so the
+    caller restores the ones before). ``bounds`` must be a cumulative count from 0 (-1 otherwise,
+    nothing written). One pass over the positions; never writes outside the members."""
+    n: int = idx.size
     nm = addrs.size
     if bounds.size != nm + 1 or bounds[0] != 0:
-        return 1
+        return -1
     for m in range(nm):
         if bounds[m + 1] < bounds[m]:
-            return 1
+            return -1
     if n == 0:
         return 0
     if idx[0] < 0 or idx[n - 1] >= bounds[nm]:
-        return 1
-    for i in range(1, n):
-        if idx[i] <= idx[i - 1]:
-            return 1
+        return 0
     m = 0
-    while idx[0] >= bounds[m + 1]:
-        m += 1
-    lo = bounds[m]
-    hi = bounds[m + 1]
-    a = carray(_pointer_like(addrs[m], vals), hi - lo)
-    for i in range(n):
-        j = idx[i]
-        if j >= hi:
-            while j >= bounds[m + 1]:
-                m += 1
-            lo = bounds[m]
-            hi = bounds[m + 1]
-            a = carray(_pointer_like(addrs[m], vals), hi - lo)
-        k = j - lo
+    i = 0
+    prev = np.int64(-1)
+    while i < n:  # one run of positions per member touched, each a tight loop
+        while m < nm and idx[i] >= bounds[m + 1]:
+            m += 1
+        if m == nm:
+            return i
+        lo = bounds[m]
+        size = bounds[m + 1] - lo
+        a = carray(_pointer_like(addrs[m], vals), size)
+        k = i
         if mode == 0:
-            x = a[k]
-            old[i] = x
-            a[k] = x ^ vals[i]
+            while k < n:
+                p = idx[k]
+                j = p - lo
+                if j >= size or p <= prev:
+                    break
+                prev = p
+                x = a[j]
+                old[k] = x
+                a[j] = x ^ vals[k]
+                k += 1
         elif mode == 1:
-            old[i] = a[k]
-            a[k] = vals[i]
+            while k < n:
+                p = idx[k]
+                j = p - lo
+                if j >= size or p <= prev:
+                    break
+                prev = p
+                old[k] = a[j]
+                a[j] = vals[k]
+                k += 1
         else:
-            a[k] = vals[i]
-    return 0
+            while k < n:
+                p = idx[k]
+                j = p - lo
+                if j >= size or p <= prev:
+                    break
+                prev = p
+                a[j] = vals[k]
+                k += 1
+        if k < n and idx[k] < lo + size:  # not above the position before it: not ascending
+            return k
+        if k == i:  # nothing in this member after all: a position below it (not ascending)
+            return k
+        i = k
+        m += 1
+    return n
