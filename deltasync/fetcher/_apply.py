@@ -36,7 +36,12 @@ Bits = np.ndarray[Any, np.dtype[Any]]
 
 def check_inventory(have: Sequence[TensorInfo], m: Manifest) -> None:
     """Raise InventoryMismatch, naming the differences, unless the target matches the manifest."""
+    for a, b in _SAME_INVENTORY:
+        if a is have and b is m.inventory:  # these very tuples (immutable) were found equal before
+            return
     if tuple(have) == m.inventory:
+        if isinstance(have, tuple):
+            _SAME_INVENTORY[:] = [(have, m.inventory)]
         return
     mine = {t.name: t for t in have}
     theirs = {t.name: t for t in m.inventory}
@@ -56,6 +61,11 @@ def check_inventory(have: Sequence[TensorInfo], m: Manifest) -> None:
     raise InventoryMismatch(f"target does not match step {m.step}'s tensors: " + "; ".join(parts))
 
 
+#: the last (target inventory, manifest inventory) found equal: a run's steps share one inventory
+#: tuple, and a target's views keep theirs while nothing changed
+_SAME_INVENTORY: list[tuple[tuple[TensorInfo, ...], tuple[TensorInfo, ...]]] = []
+
+
 def alias_groups(tensors: Mapping[str, TargetTensor]) -> dict[str, str]:
     """Map each name to the first name (sorted) sharing its memory: tied weights are applied once.
     (Computed once per :class:`TensorViews`, which are read-only; do not modify the result.)"""
@@ -73,11 +83,18 @@ def changed_names(m: Manifest, parent: Manifest | None, changes: Sequence[StepCh
     differs from its parent's (a tensor the manifest says changed but whose entry is missing is
     still proven). Without the parent's digests every digested tensor counts; so does a large tensor
     under a parent of another format, whose digest is defined otherwise (SPEC "Digests")."""
-    names = set(touched(changes))
-    for name, want in m.tensor_digests.items():
-        if parent is None or parent.tensor_digests.get(name) != want:
-            names.add(name)
-    return sorted(names)
+    digests = m.tensor_digests
+    if parent is None:
+        out = list(digests)
+    else:
+        before = parent.tensor_digests
+        out = [n for n, d in digests.items() if before.get(n) != d]
+    listed = set(out)
+    extra = {n for n in touched(changes) if n not in listed}
+    if extra:
+        return sorted(listed | extra)
+    out.sort()  # a writer's digests come in inventory order, sorted by name: one pass
+    return out
 
 
 def check_digests(tensors: Mapping[str, TargetTensor], names: Sequence[str], m: Manifest, *, threads: int = 1) -> None:
