@@ -402,6 +402,44 @@ _pointer_like: Any = intrinsic(_pointer_typer)
 
 
 @_jit
+def _run_ok(idx: Arr, lo: int, size: int, prev: int) -> bool:
+    """Whether the run ``idx`` (positions of one member starting at ``lo``, ``size`` elements) ascends
+    strictly from above ``prev`` and stays inside the member (a reduction without an exit: vectorised)."""
+    n = idx.size
+    bad = (idx[0] <= prev) | (idx[0] < lo) | (idx[n - 1] - lo >= size)
+    for k in range(1, n):
+        bad |= idx[k] <= idx[k - 1]
+    return not bad
+
+
+# the writes of one run, each its own compiled function: inlined into group_apply's loop they ran
+# 1.3-1.6x slower than xor_apply over the same positions; as calls, as fast
+
+
+@_jit
+def _run_xor(a: Arr, idx: Arr, vals: Arr, old: Arr, lo: int) -> None:
+    for k in range(idx.size):
+        j = idx[k] - lo
+        x = a[j]
+        old[k] = x
+        a[j] = x ^ vals[k]
+
+
+@_jit
+def _run_set(a: Arr, idx: Arr, vals: Arr, old: Arr, lo: int) -> None:
+    for k in range(idx.size):
+        j = idx[k] - lo
+        old[k] = a[j]
+        a[j] = vals[k]
+
+
+@_jit
+def _run_put(a: Arr, idx: Arr, vals: Arr, lo: int) -> None:
+    for k in range(idx.size):
+        a[idx[k] - lo] = vals[k]
+
+
+@_jit
 def group_apply(addrs: Arr, bounds: Arr, idx: Arr, vals: Arr, old: Arr, mode: int) -> int:
     """Apply a group's change to its members in place: member ``m`` is the C-contiguous array of
     ``bounds[m+1] - bounds[m]`` elements (each as wide as ``vals``'s) at address ``addrs[m]``, and
@@ -410,9 +448,10 @@ def group_apply(addrs: Arr, bounds: Arr, idx: Arr, vals: Arr, old: Arr, mode: in
     ``mode`` 0: XOR ``vals`` in; 1: set ``vals``; both keep the bits overwritten in ``old``.
     ``mode`` 2: set ``vals`` and keep nothing (restoring ``old`` bits after a failure).
     Returns how many leading positions were applied: ``idx.size`` when all were; fewer when a
-    position is outside the members or not ascending (nothing at or after it is written, so the
-    caller restores the ones before). ``bounds`` must be a cumulative count from 0 (-1 otherwise,
-    nothing written). One pass over the positions; never writes outside the members."""
+    position is outside the members or not ascending (nothing of that member's run or after it is
+    written, so the caller restores the ones before). ``bounds`` must be a cumulative count from 0
+    (-1 otherwise, nothing written). Each member's run of positions is checked, then written; never
+    writes outside the members."""
     n: int = idx.size
     nm = addrs.size
     if bounds.size != nm + 1 or bounds[0] != 0:
@@ -420,56 +459,27 @@ def group_apply(addrs: Arr, bounds: Arr, idx: Arr, vals: Arr, old: Arr, mode: in
     for m in range(nm):
         if bounds[m + 1] < bounds[m]:
             return -1
-    if n == 0:
-        return 0
-    if idx[0] < 0 or idx[n - 1] >= bounds[nm]:
-        return 0
     m = 0
     i = 0
     prev = np.int64(-1)
-    while i < n:  # one run of positions per member touched, each a tight loop
+    while i < n:
         while m < nm and idx[i] >= bounds[m + 1]:
             m += 1
         if m == nm:
             return i
         lo = bounds[m]
         size = bounds[m + 1] - lo
+        e = i + np.searchsorted(idx[i:], lo + size)  # the run's end when ascending (checked next)
+        if e == i or not _run_ok(idx[i:e], lo, size, prev):
+            return i
         a = carray(_pointer_like(addrs[m], vals), size)
-        k = i
         if mode == 0:
-            while k < n:
-                p = idx[k]
-                j = p - lo
-                if j >= size or p <= prev:
-                    break
-                prev = p
-                x = a[j]
-                old[k] = x
-                a[j] = x ^ vals[k]
-                k += 1
+            _run_xor(a, idx[i:e], vals[i:e], old[i:e], lo)
         elif mode == 1:
-            while k < n:
-                p = idx[k]
-                j = p - lo
-                if j >= size or p <= prev:
-                    break
-                prev = p
-                old[k] = a[j]
-                a[j] = vals[k]
-                k += 1
+            _run_set(a, idx[i:e], vals[i:e], old[i:e], lo)
         else:
-            while k < n:
-                p = idx[k]
-                j = p - lo
-                if j >= size or p <= prev:
-                    break
-                prev = p
-                a[j] = vals[k]
-                k += 1
-        if k < n and idx[k] < lo + size:  # not above the position before it: not ascending
-            return k
-        if k == i:  # nothing in this member after all: a position below it (not ascending)
-            return k
-        i = k
+            _run_put(a, idx[i:e], vals[i:e], lo)
+        prev = idx[e - 1]
+        i = e
         m += 1
     return n
