@@ -11,13 +11,15 @@ import numpy as np
 
 from deltasync._util.batches import map_batched
 from deltasync._util.cpus import parallel_map
-from deltasync.errors import ChecksumMismatch, InventoryMismatch
-from deltasync.fetcher._fold import Change, Folded, new_bits
-from deltasync.fetcher._target import HostTensor, TargetTensor, target_digests
-from deltasync.protocol import DecodedEntry, Manifest, TensorInfo
+from deltasync.errors import ChecksumMismatch, InventoryMismatch, ProtocolError
+from deltasync.fetcher._fold import Change, Folded, StepChange, new_bits, per_tensor, touched
+from deltasync.fetcher._target import HostTensor, TargetTensor, TensorViews, digest_list
+from deltasync.protocol import DecodedEntry, Manifest, TensorInfo, kernels
 from deltasync.protocol.digests import tensor_digests
+from deltasync.protocol.patchfile import DecodedGroup
 
 __all__ = [
+    "HostGroup",
     "Undo",
     "alias_groups",
     "apply_changes",
@@ -34,7 +36,12 @@ Bits = np.ndarray[Any, np.dtype[Any]]
 
 def check_inventory(have: Sequence[TensorInfo], m: Manifest) -> None:
     """Raise InventoryMismatch, naming the differences, unless the target matches the manifest."""
+    for a, b in _SAME_INVENTORY:
+        if a is have and b is m.inventory:  # these very tuples (immutable) were found equal before
+            return
     if tuple(have) == m.inventory:
+        if isinstance(have, tuple):
+            _SAME_INVENTORY[:] = [(have, m.inventory)]
         return
     mine = {t.name: t for t in have}
     theirs = {t.name: t for t in m.inventory}
@@ -54,8 +61,16 @@ def check_inventory(have: Sequence[TensorInfo], m: Manifest) -> None:
     raise InventoryMismatch(f"target does not match step {m.step}'s tensors: " + "; ".join(parts))
 
 
+#: the last (target inventory, manifest inventory) found equal: a run's steps share one inventory
+#: tuple, and a target's views keep theirs while nothing changed
+_SAME_INVENTORY: list[tuple[tuple[TensorInfo, ...], tuple[TensorInfo, ...]]] = []
+
+
 def alias_groups(tensors: Mapping[str, TargetTensor]) -> dict[str, str]:
-    """Map each name to the first name (sorted) sharing its memory: tied weights are applied once."""
+    """Map each name to the first name (sorted) sharing its memory: tied weights are applied once.
+    (Computed once per :class:`TensorViews`, which are read-only; do not modify the result.)"""
+    if isinstance(tensors, TensorViews):
+        return tensors.aliases()
     first: dict[Any, str] = {}
     out: dict[str, str] = {}
     for name in sorted(tensors):
@@ -63,25 +78,36 @@ def alias_groups(tensors: Mapping[str, TargetTensor]) -> dict[str, str]:
     return out
 
 
-def changed_names(m: Manifest, parent: Manifest | None, changes: Sequence[Change]) -> list[str]:
+def changed_names(m: Manifest, parent: Manifest | None, changes: Sequence[StepChange]) -> list[str]:
     """Tensors that step ``m`` changes: those it has entries for, plus every tensor whose digest
     differs from its parent's (a tensor the manifest says changed but whose entry is missing is
     still proven). Without the parent's digests every digested tensor counts; so does a large tensor
     under a parent of another format, whose digest is defined otherwise (SPEC "Digests")."""
-    names = {c.tensor for c in changes}
-    for name, want in m.tensor_digests.items():
-        if parent is None or parent.tensor_digests.get(name) != want:
-            names.add(name)
-    return sorted(names)
+    digests = m.tensor_digests
+    if parent is None:
+        out = list(digests)
+    else:
+        before = parent.tensor_digests
+        out = [n for n, d in digests.items() if before.get(n) != d]
+    listed = set(out)
+    extra = {n for n in touched(changes) if n not in listed}
+    if extra:
+        return sorted(listed | extra)
+    out.sort()  # a writer's digests come in inventory order, sorted by name: one pass
+    return out
 
 
 def check_digests(tensors: Mapping[str, TargetTensor], names: Sequence[str], m: Manifest, *, threads: int = 1) -> None:
     """Raise ChecksumMismatch unless each named tensor equals step ``m``'s digest of it (in ``m``'s
     format), hashed on up to ``threads`` threads at once."""
-    want = {n: d for n in names if (d := m.tensor_digests.get(n)) is not None}
-    got = target_digests(tensors, want, m.format_version, threads=threads)
-    for name in names:
-        if name in want and got[name] != want[name]:
+    digests = m.tensor_digests
+    named = [n for n in names if n in digests]
+    want = [digests[n] for n in named]
+    got = digest_list(tensors, named, m.format_version, threads=threads)
+    if got == want:
+        return
+    for name, g, w in zip(named, got, want, strict=True):
+        if g != w:
             raise ChecksumMismatch(f"step {m.step}: tensor {name!r} is not bit-exact after applying (digest mismatch)")
 
 
@@ -104,11 +130,14 @@ def same_effect(bits: TargetTensor, a: Change | None, b: Change | None) -> bool:
     return bool(np.array_equal(_result(idx, old, a), _result(idx, old, b)))
 
 
-def check_aliases(tensors: Mapping[str, TargetTensor], m: Manifest, changes: Sequence[Change]) -> None:
+def check_aliases(tensors: Mapping[str, TargetTensor], m: Manifest, changes: Sequence[StepChange]) -> None:
     """Tied tensors (one memory, several names) must receive changes with the same effect on the
     target's current bits (the writer may have coded them differently)."""
-    by_name = {c.tensor: c for c in changes}
-    for name, primary in alias_groups(tensors).items():
+    alias = alias_groups(tensors)
+    if all(primary == name for name, primary in alias.items()):
+        return  # nothing tied
+    by_name = {c.tensor: c for c in per_tensor(changes)}
+    for name, primary in alias.items():
         if primary != name and not same_effect(tensors[primary], by_name.get(primary), by_name.get(name)):
             raise InventoryMismatch(
                 f"target ties {primary!r} and {name!r} to one tensor, but step {m.step} changes them differently"
@@ -135,18 +164,108 @@ def check_anchor(
             )
 
 
+class HostGroup:
+    """The members of a format-2 group as one target: host tensors, flat and C-contiguous, as wide as
+    the group's values, written in place by one compiled call (:func:`host_group` builds one)."""
+
+    def __init__(self, members: Sequence[TargetTensor], addrs: Bits, bounds: Bits, kern: Any) -> None:
+        self.members = members  # holds their arrays (the memory written through ``addrs``)
+        self.addrs = addrs
+        self.bounds = bounds
+        self.kern = kern  # the compiled kernels (a rollback uses them whatever the backend is by then)
+
+    def apply(self, g: DecodedGroup) -> Bits:
+        """Apply the group's change in place; returns the bits it overwrote (for the undo log).
+        Positions outside the members or not ascending raise ProtocolError, nothing written."""
+        kern = self.kern
+        idx = g.idx
+        old: Bits = np.empty(idx.size, dtype=g.values.dtype)
+        done = kern.group_apply(self.addrs, self.bounds, idx, g.values, old, 0 if g.coding == "xor-rank" else 1)
+        if done != idx.size:
+            if done > 0:  # the positions before the bad one were written: put them back
+                kern.group_apply(self.addrs, self.bounds, idx[:done], old[:done], old[:done], 2)
+            raise ProtocolError(
+                f"group {g.entry.tensor!r}: positions outside its {int(self.bounds[-1])} elements or not ascending"
+            )
+        return old
+
+    def put(self, idx: Bits, vals: Bits) -> None:
+        """Write bits at positions ``idx`` of the members' concatenation (a rollback)."""
+        if self.kern.group_apply(self.addrs, self.bounds, idx, vals, vals, 2) != idx.size:
+            raise ProtocolError(f"positions outside a group of {int(self.bounds[-1])} elements")
+
+    def load(self, arr: Bits) -> None:
+        """Never called: a group is only written at positions."""
+        raise NotImplementedError("a group is written at positions only")
+
+
+#: the most groups' members a :class:`TensorViews` remembers (steps that change other tensors each
+#: time make other groups)
+GROUP_MEMO = 4096
+
+
+def host_group(tensors: Mapping[str, TargetTensor], g: DecodedGroup, alias: Mapping[str, str]) -> HostGroup | None:
+    """``g``'s members as one :class:`HostGroup`, or None where the plain case does not hold and the
+    group is applied member by member: no compiled kernels, a coding other than one step's, a member
+    tied to another name (applied through that one), a member that is not a flat C-contiguous writable
+    host array of the group's width and size (an accelerator's tensor, say). What only depends on the
+    target is kept with read-only views (:class:`TensorViews`) for the next step's same group."""
+    kern = kernels.impl()
+    if kern is None or g.coding not in ("xor-rank", "raw") or g.idx.dtype != np.int64:
+        return None
+    members = g.entry.members
+    memo = tensors.memo if isinstance(tensors, TensorViews) else None
+    found: Any = memo.get(members, False) if memo is not None else False
+    if found is False:
+        found = _members(tensors, members, alias)
+        if memo is not None:
+            if len(memo) >= GROUP_MEMO:
+                memo.clear()
+            memo[members] = found
+    if found is None:
+        return None
+    targets, addrs, sizes, itemsize = found
+    if itemsize != g.values.dtype.itemsize or not np.array_equal(sizes, np.diff(g.bounds)):
+        return None
+    return HostGroup(targets, addrs, g.bounds, kern)
+
+
+def _members(
+    tensors: Mapping[str, TargetTensor], members: tuple[str, ...], alias: Mapping[str, str]
+) -> tuple[list[TargetTensor], Bits, Bits, int] | None:
+    """(the members' tensors, their addresses, sizes, the common itemsize (-1: several)) when they are
+    all untied flat C-contiguous writable host arrays; None otherwise."""
+    try:
+        if any(alias[n] != n for n in members):
+            return None
+        targets = [tensors[n] for n in members]
+    except KeyError:
+        return None
+    layouts = [t.layout for t in targets]
+    if None in layouts:
+        return None
+    lay = np.array(layouts, dtype=np.int64).reshape(len(members), 3)
+    widths = np.unique(lay[:, 2])
+    itemsize = int(widths[0]) if widths.size == 1 else -1
+    return targets, np.ascontiguousarray(lay[:, 0]), np.ascontiguousarray(lay[:, 1]), itemsize
+
+
+#: what the undo log restores: a tensor, or a group's members together
+Written = TargetTensor | HostGroup
+
+
 class Undo:
     """Old bits of every element written, so a whole plan can be rolled back; ``names`` are the tensors written."""
 
     def __init__(self) -> None:
-        self._log: list[tuple[TargetTensor, Bits | None, Bits]] = []
+        self._log: list[tuple[Written, Bits | None, Bits]] = []
         self.names: set[str] = set()
 
     def put(self, tensor: TargetTensor, c: Change) -> None:
         """Apply one decoded (or folded) change, remembering what it overwrote."""
         self.record(tensor, c.idx, tensor.apply(c))
 
-    def record(self, tensor: TargetTensor, idx: Bits, old: Bits) -> None:
+    def record(self, tensor: Written, idx: Bits, old: Bits) -> None:
         """Remember that the bits at ``idx`` of ``tensor`` were ``old`` before a write."""
         self._log.append((tensor, idx, old))
 
@@ -161,7 +280,7 @@ class Undo:
         self._log.extend(log)
         self.names |= names
 
-    def drain(self) -> tuple[list[tuple[TargetTensor, Bits | None, Bits]], set[str]]:
+    def drain(self) -> tuple[list[tuple[Written, Bits | None, Bits]], set[str]]:
         """This log and its names, handed over: this undo is empty afterwards."""
         log, names = self._log, self.names
         self._log, self.names = [], set()
@@ -190,39 +309,60 @@ def _part(c: Change, a: int, b: int) -> Change:
 
 
 def apply_changes(
-    tensors: Mapping[str, TargetTensor], changes: Sequence[Change], undo: Undo, *, threads: int = 1
+    tensors: Mapping[str, TargetTensor], changes: Sequence[StepChange], undo: Undo, *, threads: int = 1
 ) -> None:
     """Apply a decoded (or folded) patch in place (tied names once), logging into ``undo``.
 
-    With ``threads`` > 1 different tensors (and parts of a large change to a host tensor) are
-    written at once (the compiled apply releases the GIL). Every write that happened is in
-    ``undo`` even when another one raised.
+    A format-2 group is applied to all its members by one compiled call where it can
+    (:func:`host_group`), member by member otherwise. With ``threads`` > 1 different tensors and
+    groups (and parts of a large change to a host tensor) are written at once (the compiled apply
+    releases the GIL). Every write that happened is in ``undo`` even when another one raised.
     """
     alias = alias_groups(tensors)
-    todo = [c for c in changes if alias[c.tensor] == c.tensor]
-    # a large change is applied in parts of disjoint positions at once (a host tensor's compiled apply
-    # releases the GIL), so one embedding does not hold up the step on one core
-    parts: list[Change] = []
-    for c in todo:
-        n = int(c.idx.size)
-        if threads > 1 and n > APPLY_CHUNK and isinstance(tensors[c.tensor], HostTensor):
-            parts.extend(_part(c, a, min(n, a + APPLY_CHUNK)) for a in range(0, n, APPLY_CHUNK))
+    # (what is written, the change, the names it writes)
+    jobs: list[tuple[Written, StepChange, tuple[str, ...]]] = []
+    for c in changes:
+        if isinstance(c, DecodedGroup):
+            group = host_group(tensors, c, alias)
+            if group is not None:
+                jobs.append((group, c, c.entry.members))
+                continue
+            shares: Sequence[Change] = c.split()
         else:
-            parts.append(c)
-    if threads <= 1 or len(parts) < 2:
-        for c in todo:
-            undo.put(tensors[c.tensor], c)
-            undo.names.add(c.tensor)
+            shares = (c,)
+        for d in shares:
+            if alias[d.tensor] != d.tensor:
+                continue
+            t, n = tensors[d.tensor], int(d.idx.size)
+            # a large change is applied in parts of disjoint positions at once (a host tensor's compiled
+            # apply releases the GIL), so one embedding does not hold up the step on one core
+            if threads > 1 and n > APPLY_CHUNK and isinstance(t, HostTensor):
+                jobs.extend((t, _part(d, a, min(n, a + APPLY_CHUNK)), (d.tensor,)) for a in range(0, n, APPLY_CHUNK))
+            else:
+                jobs.append((t, d, (d.tensor,)))
+    if threads <= 1 or len(jobs) < 2:
+        for target, c, names in jobs:
+            undo.record(target, c.idx, _apply_one(target, c))
+            undo.names.update(names)
         return
-    with ThreadPoolExecutor(min(threads, len(parts)), thread_name_prefix="deltasync-apply") as pool:
+    with ThreadPoolExecutor(min(threads, len(jobs)), thread_name_prefix="deltasync-apply") as pool:
         # in batches of about even size: a pool task per tensor costs more than a small tensor's write
-        outcomes = map_batched(pool, lambda p: tensors[p.tensor].apply(p), parts, [int(p.idx.size) + 64 for p in parts])
+        outcomes = map_batched(pool, lambda j: _apply_one(j[0], j[1]), jobs, [int(j[1].idx.size) + 64 for j in jobs])
     failed: BaseException | None = None
-    for c, (old, err) in zip(parts, outcomes, strict=True):  # each part once: the log's order is free
+    for (target, c, names), (old, err) in zip(jobs, outcomes, strict=True):  # each part once: the log's order is free
         if err is not None or old is None:
-            failed = failed or err or RuntimeError(f"{c.tensor!r}: the apply returned nothing")
+            failed = failed or err or RuntimeError(f"{names[0]!r}: the apply returned nothing")
             continue
-        undo.record(tensors[c.tensor], c.idx, old)  # a part's positions with its old bits
-        undo.names.add(c.tensor)
+        undo.record(target, c.idx, old)  # a part's positions with its old bits
+        undo.names.update(names)
     if failed is not None:
         raise failed
+
+
+def _apply_one(target: Written, c: StepChange) -> Bits:
+    """Apply ``c`` to ``target`` (a group to its :class:`HostGroup`); the bits it overwrote."""
+    if isinstance(target, HostGroup):
+        assert isinstance(c, DecodedGroup)
+        return target.apply(c)
+    assert not isinstance(c, DecodedGroup)
+    return target.apply(c)

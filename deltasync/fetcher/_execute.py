@@ -25,7 +25,7 @@ from deltasync.fetcher._apply import (
     same_effect,
 )
 from deltasync.fetcher._download import download
-from deltasync.fetcher._fold import Change, fold_steps, new_bits
+from deltasync.fetcher._fold import Folded, StepChange, fold_steps, new_bits, per_tensor
 from deltasync.fetcher._source import Source, Verify
 from deltasync.fetcher._stats import SyncStats
 from deltasync.fetcher._target import HostTensor, TargetTensor
@@ -36,10 +36,10 @@ from deltasync.protocol import (
     TensorChange,
     TensorInfo,
     anchor_arrays,
-    decode_patch,
 )
 from deltasync.protocol.changes import union_positions
 from deltasync.protocol.digests import tensor_digests
+from deltasync.protocol.patchfile import DecodedGroup, decode_patch_groups
 
 __all__ = ["Applied", "DecodedPlan", "apply_decoded", "decode_plan", "prove_anchor_plan"]
 
@@ -57,7 +57,7 @@ class DecodedPlan:
 
     steps: tuple[Committed, ...]
     anchor: Mapping[str, Bits] | None
-    patches: tuple[tuple[Manifest, tuple[Change, ...], tuple[str, ...]], ...]
+    patches: tuple[tuple[Manifest, tuple[StepChange, ...], tuple[str, ...]], ...]
 
 
 def decode_plan(
@@ -117,7 +117,9 @@ def decode_plan(
         if source.fold and len(patches) > 1:
             # one change per tensor; every tensor any step touches is proven against the final digests
             names = tuple(sorted({n for _, _, ns in patches for n in ns}))
-            folded: tuple[Change, ...] = tuple(fold_steps([ch for _, ch, _ in patches]))
+            # a decoded step holds no Folded change (only this fold makes them)
+            steps_decoded = [[c for c in ch if not isinstance(c, Folded)] for _, ch, _ in patches]
+            folded: tuple[StepChange, ...] = tuple(fold_steps(steps_decoded))
             return DecodedPlan(steps, anchor, ((final, folded, names),))
     return DecodedPlan(steps, anchor, tuple(patches))
 
@@ -173,7 +175,7 @@ def _prove_group(
     # the digest each name was last proven against (check_anchor proved the anchor's)
     proven = {n: anchor_m.tensor_digests.get(n) for p in group for n in (p, *twins[p])}
     for m, changes, names in decoded.patches:
-        by = {c.tensor: c for c in changes}
+        by = {c.tensor: c for c in per_tensor(changes)}
         need: dict[str, list[tuple[str, str]]] = {}  # primary -> (name, digest) to prove after this step
         for p in group:
             arr, c = arrays[p], by.get(p)
@@ -227,12 +229,24 @@ class Applied:
     def __init__(self) -> None:
         self._parts: dict[str, list[Bits]] = {}
         self._whole: set[str] = set()
+        #: groups applied, split per member only when :meth:`changes` is asked
+        self._groups: list[tuple[DecodedGroup, Mapping[str, str]]] = []
 
-    def add(self, changes: Sequence[Change], alias: Mapping[str, str]) -> None:
+    def add(self, changes: Sequence[StepChange], alias: Mapping[str, str]) -> None:
         """Record ``changes`` as applied (a tied name's change is applied through its primary's)."""
         for c in changes:
-            if alias.get(c.tensor, c.tensor) == c.tensor and c.tensor not in self._whole:
+            if isinstance(c, DecodedGroup):
+                self._groups.append((c, alias))
+            elif alias.get(c.tensor, c.tensor) == c.tensor and c.tensor not in self._whole:
                 self._parts.setdefault(c.tensor, []).append(c.idx)
+
+    def _split_groups(self) -> None:
+        # the union of a tensor's positions does not depend on the order its parts were added in
+        for g, alias in self._groups:
+            for c in g.split():
+                if alias.get(c.tensor, c.tensor) == c.tensor and c.tensor not in self._whole:
+                    self._parts.setdefault(c.tensor, []).append(c.idx)
+        self._groups.clear()
 
     def whole(self, name: str) -> None:
         """Record that the whole of ``name`` was written."""
@@ -242,6 +256,7 @@ class Applied:
     def changes(self, tensors: Mapping[str, TargetTensor], written: set[str]) -> dict[str, TensorChange]:
         """One change per name whose memory was written (``written``: the primaries), tied names
         included (they share their primary's memory, hence its change)."""
+        self._split_groups()
         by_primary: dict[str, TensorChange] = {}
         for name in written:
             parts = self._parts.get(name)
@@ -282,7 +297,7 @@ def apply_decoded(
                         apply_changes(tensors, changes, undo, threads=threads)
                 else:
                     # the caller keeps the undo: write (and remember) only tensors whose bits differ
-                    by_step = [{c.tensor: c for c in changes} for _, changes, _ in decoded.patches]
+                    by_step = [{c.tensor: c for c in per_tensor(changes)} for _, changes, _ in decoded.patches]
                     for name, primary in alias_groups(tensors).items():
                         if primary != name:
                             continue
@@ -323,10 +338,11 @@ def apply_decoded(
         keep.extend(undo)
 
 
-def _decode(m: Manifest, files: Mapping[str, Any], threads: int) -> list[Any]:
-    """Decode a patch step, up to ``threads`` tensors at once (the compiled decoders release the GIL)."""
+def _decode(m: Manifest, files: Mapping[str, Any], threads: int) -> list[StepChange]:
+    """Decode a patch step, up to ``threads`` entries at once (the compiled decoders release the GIL);
+    a group stays whole (split only where it is not applied as one)."""
     if threads <= 1 or len(m.entries) < 2:
-        return decode_patch(m, files)
+        return list(decode_patch_groups(m, files))
     # the pool's map keeps the manifest's order and re-raises the first failing entry's error
     with ThreadPoolExecutor(min(threads, len(m.entries)), thread_name_prefix="deltasync-decode") as pool:
-        return decode_patch(m, files, mapper=pool.map)
+        return list(decode_patch_groups(m, files, mapper=pool.map))

@@ -10,7 +10,7 @@ out. The result is exactly the bits the steps give one after the other.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,8 +18,9 @@ import numpy as np
 
 from deltasync.protocol import DecodedEntry
 from deltasync.protocol.encoding import apply_values
+from deltasync.protocol.patchfile import DecodedGroup
 
-__all__ = ["Change", "Folded", "fold_steps", "new_bits"]
+__all__ = ["Change", "Folded", "StepChange", "fold_steps", "new_bits", "per_tensor", "touched"]
 
 Bits = np.ndarray[Any, np.dtype[Any]]
 
@@ -44,6 +45,29 @@ class Folded:
 
 #: a change to one tensor: one step's decoded entry or several steps folded
 Change = DecodedEntry | Folded
+#: what a decoded step holds: changes to one tensor, and format 2's groups kept whole (split by
+#: :func:`per_tensor` where one change per tensor is needed)
+StepChange = DecodedEntry | DecodedGroup | Folded
+
+
+def per_tensor(changes: Sequence[StepChange]) -> list[Change]:
+    """``changes`` as one change per tensor: each group split into its members' shares."""
+    out: list[Change] = []
+    for c in changes:
+        if isinstance(c, DecodedGroup):
+            out.extend(c.split())
+        else:
+            out.append(c)
+    return out
+
+
+def touched(changes: Sequence[StepChange]) -> Iterator[str]:
+    """The names of the tensors ``changes`` carry a change to (a group's every member)."""
+    for c in changes:
+        if isinstance(c, DecodedGroup):
+            yield from c.members
+        else:
+            yield c.tensor
 
 
 def new_bits(c: Change, old: Bits) -> Bits:
@@ -88,15 +112,17 @@ def _fold_one(tensor: str, parts: Sequence[DecodedEntry]) -> Folded | None:
     return Folded(tensor, idx.astype(np.int64, copy=False), vals, is_raw if is_raw.any() else None)
 
 
-def fold_steps(steps: Sequence[Sequence[DecodedEntry]]) -> list[Change]:
-    """One change per tensor with the effect of ``steps`` (oldest first) applied in order.
+def fold_steps(steps: Sequence[Sequence[DecodedEntry | DecodedGroup]]) -> list[Change]:
+    """One change per tensor with the effect of ``steps`` (oldest first) applied in order (groups
+    split per member).
 
     A tensor that only one step changes keeps that step's decoded entry as it is.
     """
     by_tensor: dict[str, list[DecodedEntry]] = {}
     for changes in steps:
         for c in changes:
-            by_tensor.setdefault(c.tensor, []).append(c)
+            for d in c.split() if isinstance(c, DecodedGroup) else (c,):
+                by_tensor.setdefault(d.tensor, []).append(d)
     out: list[Change] = []
     for name in sorted(by_tensor):
         parts = by_tensor[name]

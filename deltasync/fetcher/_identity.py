@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from deltasync.fetcher._target import TargetTensor, TargetViews
 
 __all__ = ["HeldState", "HeldStates"]
+
+
+_get_version = operator.attrgetter("_version")
 
 
 def _version(t: Any) -> int | None:
@@ -19,46 +22,99 @@ def _version(t: Any) -> int | None:
         return None
 
 
-@dataclass(slots=True)
-class HeldState:
-    """What this fetcher left in a target: the step, and how to recognise the same tensors unchanged."""
+def _versions(objs: list[Any]) -> list[int | None]:
+    """Each tensor's version counter (None where it keeps none), in one pass when all keep one."""
+    try:
+        return list(map(_get_version, objs))
+    except (AttributeError, RuntimeError):
+        return [_version(t) for t in objs]
 
-    step: int
-    digest: str
-    target: weakref.ref[Any] | None
-    tensors: dict[str, tuple[weakref.ref[Any], int | None, Any]]
+
+class HeldState:
+    """What this fetcher left in a target: the step, and how to recognise the same tensors unchanged:
+    the names, the tensor objects (weakly: by ``id()`` while none of them was collected), their
+    version counters and the keys (memory) of their views, as lists compared in one pass each."""
+
+    __slots__ = ("_dead", "digest", "ids", "keys", "names", "refs", "step", "target", "versions", "views")
+
+    def __init__(
+        self,
+        step: int,
+        digest: str,
+        target: weakref.ref[Any] | None,
+        names: list[str],
+        ids: list[int],
+        refs: list[weakref.ref[Any]],
+        dead: list[bool],
+        versions: list[int | None],
+        keys: list[Any],
+        views: weakref.ref[Any] | None,
+    ) -> None:
+        self.step, self.digest, self.target = step, digest, target
+        self.names, self.ids, self.refs, self._dead = names, ids, refs, dead
+        self.versions, self.keys, self.views = versions, keys, views
 
     @classmethod
     def record(
-        cls, step: int, digest: str, target: Any, live: Mapping[str, Any], tensors: Mapping[str, TargetTensor]
+        cls,
+        step: int,
+        digest: str,
+        target: Any,
+        live: Mapping[str, Any],
+        tensors: Mapping[str, TargetTensor],
+        *,
+        previous: HeldState | None = None,
     ) -> HeldState:
-        """The state of ``target`` now that it holds committed ``step`` (manifest ``digest``)."""
+        """The state of ``target`` now that it holds committed ``step`` (manifest ``digest``).
+        ``previous``: what was recorded of it before, whose weak references are taken over when
+        it names the very same tensor objects."""
         try:
             ref: weakref.ref[Any] | None = weakref.ref(target)
         except TypeError:  # a dict: its tensors carry the identity
             ref = None
-        return cls(step, digest, ref, {n: (weakref.ref(t), _version(t), tensors[n].key) for n, t in live.items()})
+        names = list(live)
+        objs = list(live.values())
+        ids = list(map(id, objs))
+        if previous is not None and not previous._dead[0] and previous.ids == ids:
+            refs, dead = previous.refs, previous._dead  # the same objects, all alive: the same references
+        else:
+            dead = [False]
+
+            def died(_ref: Any, dead: list[bool] = dead) -> None:
+                dead[0] = True  # an id of the list may be reused from now on
+
+            refs = [weakref.ref(t, died) for t in objs]
+        keys = [tensors[n].key for n in names]
+        try:
+            views: weakref.ref[Any] | None = weakref.ref(tensors)
+        except TypeError:
+            views = None
+        return cls(step, digest, ref, names, ids, refs, dead, _versions(objs), keys, views)
 
     def gone(self) -> bool:
         """True once the target (or every tensor it held) was garbage-collected."""
         if self.target is not None:
             return self.target() is None
-        return all(ref() is None for ref, _, _ in self.tensors.values())
+        return all(r() is None for r in self.refs)
 
     def same(self, target: Any, live: Mapping[str, Any], tensors: Mapping[str, TargetTensor]) -> bool:
         """True when ``target`` holds the very tensors this fetcher wrote, unmodified since (by torch's
         version counters) and at the same memory."""
         if self.target is not None and self.target() is not target:
             return False
-        if set(live) != set(self.tensors):
+        if self._dead[0]:  # a tensor recorded was collected: what has its id now is another object
             return False
-        for name, t in live.items():
-            ref, version, key = self.tensors[name]
-            if ref() is not t or key != tensors[name].key:
-                return False
-            if version is not None and _version(t) != version:
-                return False
-        return True
+        objs = list(live.values())
+        if list(live) != self.names or list(map(id, objs)) != self.ids:
+            return False
+        # the very views recorded (read-only, kept while the same tensors are at the same memory), or
+        # views with the same keys
+        if (self.views is None or self.views() is not tensors) and [tensors[n].key for n in self.names] != self.keys:
+            return False
+        now = _versions(objs)
+        if now == self.versions:
+            return True
+        return all(v is None or w == v for v, w in zip(self.versions, now, strict=True))
 
 
 class HeldStates:
@@ -79,7 +135,8 @@ class HeldStates:
         self, target: Any, step: int, digest: str, live: Mapping[str, Any], tensors: Mapping[str, TargetTensor]
     ) -> None:
         """``target`` now holds committed ``step`` (manifest ``digest``) in these very tensors."""
-        self._by_id[id(target)] = HeldState.record(step, digest, target, live, tensors)
+        previous = self._by_id.get(id(target))
+        self._by_id[id(target)] = HeldState.record(step, digest, target, live, tensors, previous=previous)
 
     def forget(self, target: Any) -> None:
         """Nothing is known any more of what ``target`` holds."""

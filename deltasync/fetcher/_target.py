@@ -3,25 +3,28 @@
 from __future__ import annotations
 
 import functools
+import operator
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, cast
 
 import numpy as np
+import xxhash
 
 from deltasync._util.cpus import parallel_map
 from deltasync._util.tensors import DeviceBytes, flat_bits, numpy_bits, require_torch, st_dtype, state_tensors
 from deltasync.errors import ProtocolError
 from deltasync.fetcher._fold import Change, new_bits
 from deltasync.protocol import TensorInfo, kernels
-from deltasync.protocol.digests import Digestible, tensor_digests
+from deltasync.protocol.digests import GIL_HELD_BYTES, Digestible, tensor_digests
 
 __all__ = [
     "DeviceTensor",
     "HostTensor",
     "TargetTensor",
     "TargetViews",
+    "TensorViews",
     "live_tensors",
     "target_digests",
     "target_tensors",
@@ -47,7 +50,8 @@ def _view(t: Any) -> TargetTensor:
     if t.device.type == "cpu":
         arr = numpy_bits(t)
         # the key HostTensor would take from the array, from torch (cheaper at 18k tensors a sync)
-        return HostTensor(arr, key=(t.data_ptr(), arr.size, arr.dtype.str))
+        ptr = t.data_ptr()
+        return HostTensor(arr, key=(ptr, arr.size, arr.dtype.str), addr=ptr)
     return DeviceTensor(flat_bits(t, copy_if_needed=False))
 
 
@@ -56,44 +60,35 @@ def target_digests(
 ) -> dict[str, str]:
     """The digests of the named tensors in a manifest of ``format_version``, hashed on up to
     ``threads`` threads at once (a large tensor's chunks too, in format 2)."""
-    return tensor_digests(
-        {n: tensors[n].digestible() for n in names},
-        format_version,
-        mapper=functools.partial(parallel_map, threads=threads),
-    )
+    names = list(names)
+    return dict(zip(names, digest_list(tensors, names, format_version, threads=threads), strict=True))
 
 
-class TargetViews:
-    """The :class:`TargetTensor` and inventory entry of each live tensor, kept from one sync to the
-    next while a name still holds the very same tensor object at the same memory with the same
-    dtype and shape (a model synced step after step builds its 18k views once, not every step).
-    Only identity and layout are remembered, never what the tensors hold; once any remembered
-    tensor is collected, everything is forgotten (the views must not keep a dropped model's memory)."""
-
-    def __init__(self) -> None:
-        cache: dict[str, tuple[weakref.ref[Any], int, Any, Any, TargetTensor, TensorInfo]] = {}
-        self._cache = cache
-        self._forget = lambda _ref: cache.clear()  # holds the dict, not self
-        self._inventory: tuple[TensorInfo, ...] = ()
-
-    def of(self, live: Mapping[str, Any]) -> tuple[tuple[TensorInfo, ...], dict[str, TargetTensor]]:
-        """(inventory sorted by name, a TargetTensor per name) of ``live``."""
-        cache = self._cache
-        same = len(cache) == len(live)
-        out: dict[str, TargetTensor] = {}
-        for name, t in live.items():
-            hit = cache.get(name)
-            ptr, layout, dtype = t.data_ptr(), (t.shape, t.stride()), t.dtype  # an in-place t_() keeps the shape
-            if hit is None or hit[0]() is not t or hit[1] != ptr or hit[2] != layout or hit[3] != dtype:
-                same = False
-                info = TensorInfo(name, st_dtype(dtype), tuple(layout[0]))
-                hit = cache[name] = (weakref.ref(t, self._forget), ptr, layout, dtype, _view(t), info)
-            out[name] = hit[4]
-        if not same:
-            for name in [n for n in cache if n not in live]:
-                del cache[name]
-            self._inventory = tuple(sorted((cache[n][5] for n in live), key=lambda i: i.name))
-        return self._inventory, out
+def digest_list(
+    tensors: Mapping[str, TargetTensor], names: Sequence[str], format_version: int, *, threads: int = 1
+) -> list[str]:
+    """:func:`target_digests` as a list in the order of ``names``. A host tensor of at most
+    :data:`~deltasync.protocol.digests.GIL_HELD_BYTES` (which python-xxhash hashes holding the GIL,
+    so threads cannot share the work) is hashed right here, in one pass over them (its digest is the
+    xxh3-128 of its bytes in every format); the rest as :func:`tensor_digests` does."""
+    out: list[str] = []
+    rest: dict[int, Digestible] = {}
+    for t in map(tensors.__getitem__, names):
+        lay = t.layout
+        if lay is not None and lay[1] * lay[2] <= GIL_HELD_BYTES and isinstance(t, HostTensor):
+            out.append(xxhash.xxh3_128_hexdigest(cast(Any, t.arr)))  # flat, C-contiguous: its bytes
+        else:
+            rest[len(out)] = t.digestible()
+            out.append("")
+    if rest:
+        got = tensor_digests(
+            {str(k): d for k, d in rest.items()},
+            format_version,
+            mapper=functools.partial(parallel_map, threads=threads),
+        )
+        for k in rest:
+            out[k] = got[str(k)]
+    return out
 
 
 class TargetTensor(ABC):
@@ -101,6 +96,10 @@ class TargetTensor(ABC):
     applied to (read, written, hashed, rolled back)."""
 
     key: Any = None
+    #: (address, elements, itemsize) of a flat C-contiguous host array that compiled code may write
+    #: in place through its address (format 2 groups: :class:`~deltasync.fetcher._apply.HostGroup`);
+    #: None otherwise
+    layout: tuple[int, int, int] | None = None
 
     @abstractmethod
     def take(self, idx: Bits) -> Bits:
@@ -134,9 +133,14 @@ class HostTensor(TargetTensor):
     """A tensor in host memory as a numpy bit array (CPU torch tensors are viewed this way, sharing
     memory; a materialized dir's tensors are plain arrays)."""
 
-    def __init__(self, arr: Bits, key: Any = None) -> None:
+    def __init__(self, arr: Bits, key: Any = None, *, addr: int | None = None) -> None:
+        """``addr``: the address of ``arr``'s data when the caller has it at hand (read from it otherwise)."""
         self.arr = arr
-        self.key = key if key is not None else (arr.__array_interface__["data"][0], arr.size, arr.dtype.str)
+        if addr is None:
+            addr = int(arr.__array_interface__["data"][0])
+        self.key = key if key is not None else (addr, arr.size, arr.dtype.str)
+        if arr.flags.c_contiguous and arr.flags.writeable:
+            self.layout = (addr, arr.size, arr.dtype.itemsize)
 
     def take(self, idx: Bits) -> Bits:
         # docstring inherited
@@ -217,3 +221,113 @@ class DeviceTensor(TargetTensor):
         # docstring inherited
         out: Bits = np.array(self.t.cpu().numpy())
         return out
+
+
+class TensorViews(dict[str, TargetTensor]):
+    """A target's :class:`TargetTensor` by name (what :meth:`TargetViews.of` returns), read-only, so
+    what is derived from it is computed once and kept with it: the tied names
+    (:func:`~deltasync.fetcher._apply.alias_groups`)."""
+
+    __slots__ = ("__weakref__", "_aliases", "memo")
+
+    def __init__(self, items: Mapping[str, TargetTensor]) -> None:
+        super().__init__(items)
+        self._aliases: dict[str, str] | None = None
+        #: what callers derive from these views and keep with them (bounded by whoever adds to it)
+        self.memo: dict[Any, Any] = {}
+
+    def aliases(self) -> dict[str, str]:
+        """Each name to the first name (sorted) sharing its memory (computed once)."""
+        if self._aliases is None:
+            first: dict[Any, str] = {}
+            self._aliases = {name: first.setdefault(self[name].key, name) for name in sorted(self)}
+        return self._aliases
+
+    def _frozen(self, *_: Any, **__: Any) -> Any:
+        raise TypeError("a target's views are read-only")
+
+    __setitem__ = __delitem__ = __ior__ = _frozen
+    clear = pop = popitem = setdefault = update = _frozen
+
+
+# C-level accessors, mapped over a target's tensors in one pass each
+_shape_dtype = operator.attrgetter("shape", "dtype")
+_ptr = operator.methodcaller("data_ptr")
+_stride = operator.methodcaller("stride")
+
+
+class _Seen:
+    """What :class:`TargetViews` last saw of a target, as lists compared in one pass each: the names,
+    the tensor objects (by ``id()``, valid while they all live: the views forget everything once one
+    is collected), their data addresses, strides, shapes and dtypes."""
+
+    __slots__ = ("ids", "names", "out", "ptrs", "sd", "strides")
+
+    def __init__(
+        self, names: list[str], ids: list[int], ptrs: list[int], strides: list[Any], sd: list[Any], out: TensorViews
+    ) -> None:
+        self.names, self.ids, self.ptrs, self.strides, self.sd, self.out = names, ids, ptrs, strides, sd, out
+
+
+class TargetViews:
+    """The :class:`TargetTensor` and inventory entry of each live tensor, kept from one sync to the
+    next while a name still holds the very same tensor object at the same memory with the same
+    dtype and shape (a model synced step after step builds its 18k views once, not every step).
+    Only identity and layout are remembered, never what the tensors hold; once any remembered
+    tensor is collected, everything is forgotten (the views must not keep a dropped model's memory).
+    When nothing changed, the check is a few C-level passes over lists and the very same
+    :class:`TensorViews` object is returned (with what was derived from it)."""
+
+    def __init__(self) -> None:
+        cache: dict[str, tuple[weakref.ref[Any], int, Any, Any, TargetTensor, TensorInfo]] = {}
+        seen: list[_Seen] = []
+        self._cache = cache
+        self._seen = seen
+
+        def forget(_ref: Any) -> None:  # holds the containers, not self
+            cache.clear()
+            seen.clear()
+
+        self._forget = forget
+        self._inventory: tuple[TensorInfo, ...] = ()
+
+    def of(self, live: Mapping[str, Any]) -> tuple[tuple[TensorInfo, ...], TensorViews]:
+        """(inventory sorted by name, a TargetTensor per name) of ``live``."""
+        names = list(live)
+        objs = list(live.values())
+        for last in self._seen:
+            if (
+                len(self._cache) == len(names)
+                and names == last.names
+                and list(map(id, objs)) == last.ids
+                and list(map(_ptr, objs)) == last.ptrs
+                and list(map(_stride, objs)) == last.strides
+                and list(map(_shape_dtype, objs)) == last.sd
+            ):
+                return self._inventory, last.out
+        self._seen.clear()
+        cache = self._cache
+        same = len(cache) == len(live)
+        out: dict[str, TargetTensor] = {}
+        ptrs: list[int] = []
+        strides: list[Any] = []
+        sd: list[Any] = []
+        for name, t in live.items():
+            hit = cache.get(name)
+            ptr, layout, dtype = t.data_ptr(), (t.shape, t.stride()), t.dtype  # an in-place t_() keeps the shape
+            if hit is None or hit[0]() is not t or hit[1] != ptr or hit[2] != layout or hit[3] != dtype:
+                same = False
+                info = TensorInfo(name, st_dtype(dtype), tuple(layout[0]))
+                hit = cache[name] = (weakref.ref(t, self._forget), ptr, layout, dtype, _view(t), info)
+            out[name] = hit[4]
+            ptrs.append(ptr)
+            strides.append(layout[1])
+            sd.append((layout[0], dtype))
+        if not same:
+            for name in [n for n in cache if n not in live]:
+                del cache[name]
+            self._inventory = tuple(sorted((cache[n][5] for n in live), key=lambda i: i.name))
+        views = TensorViews(out)
+        if len(cache) == len(names):  # every tensor is remembered (none was collected meanwhile)
+            self._seen.append(_Seen(names, list(map(id, objs)), ptrs, strides, sd, views))
+        return self._inventory, views

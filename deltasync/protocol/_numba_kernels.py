@@ -14,9 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from numba import njit, types
+from numba import carray, njit, types  # type: ignore[attr-defined]
 from numba.extending import intrinsic
-from numba.np.numpy_support import carray
 
 Arr = Any
 
@@ -386,35 +385,107 @@ def set_apply(arr: Arr, idx: Arr, vals: Arr, old: Arr) -> None:
         arr[j] = vals[i]
 
 
+# ---------------------------------------------------------------- group apply (format 2 groups, in place)
+
+
+def _pointer_typer(typingctx: Any, addr: Any, like: Any) -> Any:
+    """A typed pointer to ``like``'s element type at the integer address ``addr`` (an intrinsic)."""
+    ptr: Any = types.CPointer(like.dtype)  # type: ignore[no-untyped-call]
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.inttoptr(args[0], context.get_value_type(ptr))
+
+    return ptr(addr, like), codegen
+
+
+_pointer_like: Any = intrinsic(_pointer_typer)
+
+
+@_jit
+def _run_ok(idx: Arr, lo: int, size: int, prev: int) -> bool:
+    """Whether the run ``idx`` (positions of one member starting at ``lo``, ``size`` elements) ascends
+    strictly from above ``prev`` and stays inside the member (a reduction without an exit: vectorised)."""
+    n = idx.size
+    bad = (idx[0] <= prev) | (idx[0] < lo) | (idx[n - 1] - lo >= size)
+    for k in range(1, n):
+        bad |= idx[k] <= idx[k - 1]
+    return not bad
+
+
+# the writes of one run, each its own compiled function: inlined into group_apply's loop they ran
+# 1.3-1.6x slower than xor_apply over the same positions; as calls, as fast
+
+
+@_jit
+def _run_xor(a: Arr, idx: Arr, vals: Arr, old: Arr, lo: int) -> None:
+    for k in range(idx.size):
+        j = idx[k] - lo
+        x = a[j]
+        old[k] = x
+        a[j] = x ^ vals[k]
+
+
+@_jit
+def _run_set(a: Arr, idx: Arr, vals: Arr, old: Arr, lo: int) -> None:
+    for k in range(idx.size):
+        j = idx[k] - lo
+        old[k] = a[j]
+        a[j] = vals[k]
+
+
+@_jit
+def _run_put(a: Arr, idx: Arr, vals: Arr, lo: int) -> None:
+    for k in range(idx.size):
+        a[idx[k] - lo] = vals[k]
+
+
+@_jit
+def group_apply(addrs: Arr, bounds: Arr, idx: Arr, vals: Arr, old: Arr, mode: int) -> int:
+    """Apply a group's change to its members in place: member ``m`` is the C-contiguous array of
+    ``bounds[m+1] - bounds[m]`` elements (each as wide as ``vals``'s) at address ``addrs[m]``, and
+    ``idx`` holds strictly ascending positions into the members' concatenation.
+
+    ``mode`` 0: XOR ``vals`` in; 1: set ``vals``; both keep the bits overwritten in ``old``.
+    ``mode`` 2: set ``vals`` and keep nothing (restoring ``old`` bits after a failure).
+    Returns how many leading positions were applied: ``idx.size`` when all were; fewer when a
+    position is outside the members or not ascending (nothing of that member's run or after it is
+    written, so the caller restores the ones before). ``bounds`` must be a cumulative count from 0
+    (-1 otherwise, nothing written). Each member's run of positions is checked, then written; never
+    writes outside the members."""
+    n: int = idx.size
+    nm = addrs.size
+    if bounds.size != nm + 1 or bounds[0] != 0:
+        return -1
+    for m in range(nm):
+        if bounds[m + 1] < bounds[m]:
+            return -1
+    m = 0
+    i = 0
+    prev = np.int64(-1)
+    while i < n:
+        while m < nm and idx[i] >= bounds[m + 1]:
+            m += 1
+        if m == nm:
+            return i
+        lo = bounds[m]
+        size = bounds[m + 1] - lo
+        e = i + np.searchsorted(idx[i:], lo + size)  # the run's end when ascending (checked next)
+        if e == i or not _run_ok(idx[i:e], lo, size, prev):
+            return i
+        a = carray(_pointer_like(addrs[m], vals), size)
+        if mode == 0:
+            _run_xor(a, idx[i:e], vals[i:e], old[i:e], lo)
+        elif mode == 1:
+            _run_set(a, idx[i:e], vals[i:e], old[i:e], lo)
+        else:
+            _run_put(a, idx[i:e], vals[i:e], lo)
+        prev = idx[e - 1]
+        i = e
+        m += 1
+    return n
+
+
 # ---------------------------------------------------------------- gather (the uploader's packed staging)
-
-
-def _bytes_at_typing(typingctx: Any, addr: Any) -> Any:
-    """A uint8 pointer to host address ``addr`` (an integer)."""
-    if not isinstance(addr, types.Integer):
-        return None
-    ptr = types.CPointer(types.uint8)  # type: ignore[no-untyped-call]
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.inttoptr(args[0], context.get_value_type(ptr))
-
-    return ptr(addr), codegen
-
-
-def _words_at_typing(typingctx: Any, addr: Any) -> Any:
-    """A uint64 pointer to host address ``addr`` (an integer, a multiple of 8)."""
-    if not isinstance(addr, types.Integer):
-        return None
-    ptr = types.CPointer(types.uint64)  # type: ignore[no-untyped-call]
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.inttoptr(args[0], context.get_value_type(ptr))
-
-    return ptr(addr), codegen
-
-
-_bytes_at: Any = intrinsic(_bytes_at_typing)
-_words_at: Any = intrinsic(_words_at_typing)
 
 
 @_jit
@@ -429,12 +500,12 @@ def gather_bytes(dst: Arr, dst_words: Arr, addrs: Arr, starts: Arr) -> None:
         done = 0
         if (a & 7) == 0 and (src & 7) == 0:
             w = n >> 3
-            words = carray(_words_at(src), w)
+            words = carray(_pointer_like(src, dst_words), w)
             a8 = a >> 3
             for j in range(w):
                 dst_words[a8 + j] = words[j]
             done = w << 3
         if done < n:
-            tail = carray(_bytes_at(src), n)
+            tail = carray(_pointer_like(src, dst), n)
             for j in range(done, n):
                 dst[a + j] = tail[j]

@@ -48,14 +48,29 @@ def load_json(data: bytes | bytearray | memoryview, what: str, limit: int) -> di
     if len(data) > limit:
         raise ProtocolError(f"{what} is {len(data)} bytes, over the {limit} limit")
     try:
-        raw = json.loads(bytes(data).decode("utf-8"))
-        # NaN/Infinity and lone surrogates (``"\\ud800"``) parse but cannot be written canonically.
-        canonical_json(raw)
+        text = bytes(data).decode("utf-8")
+        raw = json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+        # NaN/Infinity (refused above) and lone surrogates (``"\\ud800"``) parse but cannot be written
+        # canonically. UTF-8 cannot encode a surrogate, so only an escape can make one: without any
+        # escape the text needs no second look
+        if "\\u" in text:
+            canonical_json(raw)
     except (UnicodeError, ValueError, RecursionError) as exc:
         raise ProtocolError(f"{what} is not valid UTF-8 JSON ({exc})") from None
     if not isinstance(raw, dict):
         raise ProtocolError(f"{what} must be a JSON object")
     return raw
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} cannot be written as canonical JSON")
+
+
+def _finite(text: str) -> float:
+    x = float(text)
+    if x - x != 0:  # inf (a literal too large) or nan
+        raise ValueError(f"{text} is not a finite number")
+    return x
 
 
 def check_version(raw: Mapping[str, Any], what: str, versions: Sequence[int] = (FORMAT_VERSION,)) -> int:

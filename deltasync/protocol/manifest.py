@@ -45,6 +45,7 @@ from deltasync.protocol.manifest_v2 import (
     encode_inventory,
     group_entry_from_json,
     group_entry_to_json,
+    inventory_facts,
 )
 from deltasync.protocol.streams import ZSTD_MAX_RATIO
 from deltasync.protocol.writers import Writer
@@ -218,8 +219,9 @@ class Manifest:
         else:
             inventory = tuple(TensorInfo.from_json(t) for t in json_list(o["inventory"], "inventory"))
             actual_digest = None
-        names = [t.name for t in inventory]
-        if len(set(names)) != len(names):
+        facts = inventory_facts(inventory)  # kept for the next step's manifest (the same inventory tuple)
+        names = facts.names
+        if not facts.unique:
             raise field_error(what, "duplicate tensor names in inventory")
         inv_digest = json_digest(o["inventory_digest"], "inventory_digest")
         if inv_digest != (actual_digest or inventory_digest(inventory)):
@@ -227,7 +229,8 @@ class Manifest:
         files = tuple(FileInfo.from_json(f) for f in json_list(o["files"], "files"))
         if len({f.path for f in files}) != len(files):
             raise field_error(what, "duplicate file names")
-        by_name = {t.name: t for t in inventory}
+        by_name = facts.by_name
+        numel_of = facts.numel_of
         sizes = {f.path: f.size for f in files}
         entries: tuple[PatchEntry, ...] | tuple[AnchorEntry, ...]
         if kind == "patch":
@@ -236,9 +239,11 @@ class Manifest:
             else:
                 entries = tuple(PatchEntry.from_json(e) for e in json_list(o["entries"], "entries"))
             for e in entries:
-                infos = [by_name.get(n) for n in e.tensors]
-                numel = sum(i.numel for i in infos if i is not None)
-                if None in infos or e.count > numel or (e.positions == "dense" and e.count != numel):
+                try:
+                    numel = sum(map(numel_of.__getitem__, e.tensors))
+                except KeyError:
+                    numel = -1  # a tensor the inventory does not hold
+                if numel < 0 or e.count > numel or (e.positions == "dense" and e.count != numel):
                     raise field_error(what, f"patch entry {e.tensor!r} does not fit the inventory")
                 for r in (e.positions_range, e.values_range):
                     if e.file not in sizes or r.end > sizes[e.file]:
@@ -287,7 +292,7 @@ class Manifest:
             files=files,
             entries=entries,
             tensor_digests=tensor_digests,
-            stats=_check_stats(Stats.from_json(o["stats"]), files, inventory, what),
+            stats=_check_stats(Stats.from_json(o["stats"]), files, facts.total, what),
             signature=sig,
             extra=extra,
             writer=None if o.get("writer") is None else Writer.from_json(o["writer"]),
@@ -309,9 +314,10 @@ def _check_disjoint(entries: tuple[PatchEntry, ...] | tuple[AnchorEntry, ...], w
                 raise field_error(what, f"entries overlap in file {name!r} at byte {start}")
 
 
-def _check_stats(stats: Stats, files: tuple[FileInfo, ...], inventory: tuple[TensorInfo, ...], what: str) -> Stats:
+def _check_stats(stats: Stats, files: tuple[FileInfo, ...], total: int, what: str) -> Stats:
+    """``stats`` checked against the files and the inventory's element count ``total``."""
     if stats.nbytes != sum(f.size for f in files):
         raise field_error(what, f"stats.nbytes {stats.nbytes} is not the sum of the listed file sizes")
-    if stats.total != sum(t.numel for t in inventory) or stats.changed > stats.total:
+    if stats.total != total or stats.changed > stats.total:
         raise field_error(what, "stats.total must be the inventory's element count and stats.changed at most that")
     return stats

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import base64
 import binascii
+import itertools
 import json
+import operator
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import zstandard
 
-from deltasync.protocol.canonical import HEX32, canonical_json, field_error, json_int, json_list, json_object
+from deltasync.protocol.canonical import canonical_json, field_error, json_int, json_list, json_object
 from deltasync.protocol.digests import xxh3_128
 from deltasync.protocol.dtypes import DTYPES
 from deltasync.protocol.entries import ByteRange, PatchEntry, TensorInfo, inventory_digest
@@ -33,6 +35,7 @@ __all__ = [
     "encode_inventory",
     "group_entry_from_json",
     "group_entry_to_json",
+    "inventory_facts",
     "inventory_fields",
 ]
 
@@ -135,6 +138,42 @@ def _decode_inventory_digest(v: Any, what: str) -> tuple[tuple[TensorInfo, ...],
     return tuple(out), inventory_digest(out)
 
 
+class InventoryFacts:
+    """What a manifest's checks look up in its inventory, computed once per inventory tuple (every
+    step of a run shares one: :func:`decode_inventory_digest` keeps it): names, dtypes and element
+    counts by index, a name's entry and element count, the total, whether the names are unique."""
+
+    __slots__ = ("by_name", "dtypes", "names", "numel_of", "total", "unique")
+
+    def __init__(self, inventory: Sequence[TensorInfo]) -> None:
+        self.names = [t.name for t in inventory]
+        self.dtypes = [t.dtype for t in inventory]
+        self.by_name = {t.name: t for t in inventory}
+        self.numel_of = {t.name: t.numel for t in inventory}
+        self.unique = len(self.by_name) == len(self.names)
+        self.total = sum(t.numel for t in inventory)
+
+
+_FACTS: list[tuple[tuple[TensorInfo, ...], InventoryFacts]] = []
+
+
+def inventory_facts(inventory: tuple[TensorInfo, ...]) -> InventoryFacts:
+    """:class:`InventoryFacts` of ``inventory`` (the last tuple asked is kept, by identity: it is immutable)."""
+    for inv, facts in _FACTS[-1:]:
+        if inv is inventory:
+            return facts
+    facts = InventoryFacts(inventory)
+    _FACTS[:] = [(inventory, facts)]  # one slot, replaced whole (a reader in another thread sees either)
+    return facts
+
+
+def _index_list(v: list[Any], n: int) -> bool:
+    """Whether ``v`` holds only ints (not bools) in ``[0, n)``."""
+    if not v:
+        return True
+    return set(map(type, v)) == {int} and min(v) >= 0 and max(v) < n
+
+
 def group_entry_to_json(e: PatchEntry, index: Mapping[str, int]) -> dict[str, Any]:
     """A patch entry in format 2's form: ``tensors`` lists inventory indices."""
     return {
@@ -154,10 +193,11 @@ def group_entry_from_json(v: Any, inventory: Sequence[TensorInfo], what: str) ->
     o = json_object(v, "patch entry", _ENTRY_KEYS)
     idx = json_list(o["tensors"], "patch entry tensors")
     n = len(inventory)
-    if not idx or not all(type(i) is int and 0 <= i < n for i in idx) or len(set(idx)) != len(idx):
+    if not idx or not _index_list(idx, n) or len(set(idx)) != len(idx):
         raise field_error(what, "a patch entry's tensors are distinct inventory indices, at least one")
-    names = tuple(inventory[i].name for i in idx)
-    if len({inventory[i].dtype for i in idx}) != 1:
+    facts = inventory_facts(inventory) if isinstance(inventory, tuple) else InventoryFacts(inventory)
+    names = tuple(map(facts.names.__getitem__, idx))
+    if len(set(map(facts.dtypes.__getitem__, idx))) != 1:
         raise field_error(what, f"patch entry {names[0]!r}: the tensors of a group must share one dtype")
     if o["positions"] not in ("rice", "rice-z", "dense") or o["values"] not in ("xor-rank", "raw"):
         raise field_error(f"patch entry {names[0]!r}", f"unknown coding {o['positions']!r}/{o['values']!r}")
@@ -186,8 +226,15 @@ def digests_from_json(v: Any, inventory: Sequence[TensorInfo], what: str) -> dic
     idx = json_list(o["tensors"], "tensor_digests.tensors")
     hexes = o["xxh3_128"]
     n = len(inventory)
-    if not all(type(i) is int and 0 <= i < n for i in idx) or any(a >= b for a, b in zip(idx, idx[1:], strict=False)):
+    if not _index_list(idx, n) or any(map(operator.ge, idx, itertools.islice(idx, 1, None))):
         raise field_error(what, "tensor_digests.tensors must be strictly ascending inventory indices")
-    if not isinstance(hexes, str) or len(hexes) != 32 * len(idx) or not set(hexes) <= HEX32:
+    if not isinstance(hexes, str) or len(hexes) != 32 * len(idx) or not _lower_hex(hexes):
         raise field_error(what, "tensor_digests.xxh3_128 must be 32 lower-case hex characters per tensor")
-    return {inventory[i].name: hexes[32 * k : 32 * k + 32] for k, i in enumerate(idx)}
+    facts = inventory_facts(inventory) if isinstance(inventory, tuple) else InventoryFacts(inventory)
+    names = facts.names if len(idx) == n else list(map(facts.names.__getitem__, idx))  # ascending: all of them
+    return dict(zip(names, [hexes[k : k + 32] for k in range(0, len(hexes), 32)], strict=True))
+
+
+def _lower_hex(s: str) -> bool:
+    """Whether ``s`` is only lower-case hex digits (as ``set(s) <= HEX32``, in one C pass)."""
+    return s.isascii() and not s.encode("ascii").translate(None, b"0123456789abcdef")

@@ -33,14 +33,19 @@ from deltasync.protocol.safetensors_io import StFile, TensorBytes, parse_safeten
 __all__ = [
     "PATCH_FORMAT",
     "DecodedEntry",
+    "DecodedGroup",
     "build_patch_file",
     "build_patch_files",
     "check_patch_file",
     "decode_patch",
     "decode_patch_entry",
+    "decode_patch_groups",
+    "group_bounds",
+    "inventory_sizes",
     "patch_entry_names",
     "patch_file_name",
     "patch_metadata",
+    "split_group",
 ]
 
 PATCH_FORMAT = "deltasync-patch"
@@ -168,22 +173,29 @@ class DecodedEntry:
 
 
 def decode_patch_entry(
-    m: Manifest, entry: PatchEntry, data: bytes | bytearray | memoryview, info: TensorInfo | None = None
+    m: Manifest,
+    entry: PatchEntry,
+    data: bytes | bytearray | memoryview,
+    info: TensorInfo | None = None,
+    *,
+    numel: int | None = None,
 ) -> DecodedEntry:
     """Decode one patch entry of ``m`` from its (already checked) file's bytes.
 
     Allocations are bounded by ``entry.count`` and the tensor's ``numel``, which
-    :meth:`Manifest.from_json` checked against each other.
+    :meth:`Manifest.from_json` checked against each other. ``numel``: the element count the entry
+    codes (a group's: its members' together), when the caller has it at hand.
     """
     if info is None:
         found = [t for t in m.inventory if t.name == entry.tensor]
         if not found:
             raise ProtocolError(f"step {m.step}: patch entry {entry.tensor!r} is not in the inventory")
         info = found[0]
-    numel = info.numel
-    if entry.members:
-        inv = {t.name: t for t in m.inventory}
-        numel = sum(inv[n].numel for n in entry.members)
+    if numel is None:
+        numel = info.numel
+        if entry.members:
+            inv = {t.name: t for t in m.inventory}
+            numel = sum(inv[n].numel for n in entry.members)
     mv = memoryview(data).cast("B")
     for r in (entry.positions_range, entry.values_range):
         if r.end > len(mv):
@@ -207,6 +219,93 @@ def decode_patch_entry(
     return DecodedEntry(entry, idx, vals)
 
 
+@dataclass(frozen=True, slots=True)
+class DecodedGroup:
+    """A group entry's decoded change (format 2), kept whole: sorted positions into the concatenation
+    of ``entry.members``' flat elements, the value stream, and ``bounds``: the members' cumulative
+    element counts (``bounds[i]:bounds[i + 1]`` are member ``i``'s positions; int64, from 0)."""
+
+    entry: PatchEntry
+    idx: Ints
+    values: Ints
+    bounds: Ints
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """The tensors, in the order of their elements."""
+        return self.entry.members
+
+    @property
+    def coding(self) -> str:
+        """The value coding (``xor-rank``: XOR onto old bits; ``raw``: new bits)."""
+        return self.entry.values
+
+    def split(self) -> list[DecodedEntry]:
+        """One change per member, positions local to it (see :func:`split_group`)."""
+        return split_group(DecodedEntry(self.entry, self.idx, self.values), bounds=self.bounds)
+
+
+#: the newest inventory's (name -> index, element counts): a run's steps share one inventory object
+_SIZES: list[tuple[tuple[TensorInfo, ...], dict[str, int], Ints]] = []
+
+
+def inventory_sizes(inventory: tuple[TensorInfo, ...]) -> tuple[dict[str, int], Ints]:
+    """(name -> index, int64 element count per index) of ``inventory`` (the last one asked is kept:
+    every step of a run carries the very same inventory tuple)."""
+    for inv, index, numels in _SIZES[-1:]:
+        if inv is inventory:
+            return index, numels
+    index = {t.name: i for i, t in enumerate(inventory)}
+    numels = np.fromiter((t.numel for t in inventory), dtype=np.int64, count=len(inventory))
+    _SIZES[:] = [(inventory, index, numels)]  # one slot, replaced whole (a reader in another thread sees either)
+    return index, numels
+
+
+def group_bounds(entry: PatchEntry, index: Mapping[str, int], numels: Ints) -> Ints:
+    """A group entry's members' cumulative element counts, from 0 (see :class:`DecodedGroup`)."""
+    bounds = np.zeros(len(entry.members) + 1, dtype=np.int64)
+    np.cumsum(numels[[index[n] for n in entry.members]], out=bounds[1:])
+    return bounds
+
+
+def decode_patch_groups(
+    m: Manifest,
+    files: Mapping[str, bytes | bytearray | memoryview],
+    *,
+    mapper: Callable[[Callable[[PatchEntry], DecodedEntry], Sequence[PatchEntry]], Iterable[DecodedEntry]] = map,
+) -> list[DecodedEntry | DecodedGroup]:
+    """:func:`decode_patch`, but each group entry (format 2) as one :class:`DecodedGroup` (not split
+    per member): the same checks, the same errors."""
+    if m.kind != "patch":
+        raise ProtocolError(f"step {m.step} is an {m.kind}, not a patch")
+    for f in m.files:
+        if f.path not in files:
+            raise ProtocolError(f"step {m.step}: file {f.path} was not downloaded")
+        check_patch_file(m, f.path, files[f.path])
+    index, numels = inventory_sizes(m.inventory)
+    inventory = m.inventory
+    entries: list[PatchEntry] = []
+    bounds: dict[int, Ints] = {}
+    for e in m.entries:
+        if not isinstance(e, PatchEntry):
+            raise ProtocolError(f"step {m.step}: a patch lists an anchor entry for {e.tensor!r}")
+        if e.members:
+            bounds[len(entries)] = group_bounds(e, index, numels)
+        entries.append(e)
+    at = {e.tensor: k for k, e in enumerate(entries)}  # a tensor is in one entry (checked by the parse)
+
+    def one(e: PatchEntry) -> DecodedEntry:
+        b = bounds.get(at[e.tensor])
+        numel = int(b[-1]) if b is not None else int(numels[index[e.tensor]])
+        return decode_patch_entry(m, e, files[e.file], inventory[index[e.tensor]], numel=numel)
+
+    out: list[DecodedEntry | DecodedGroup] = []
+    for k, d in enumerate(mapper(one, entries)):
+        b = bounds.get(k)
+        out.append(d if b is None else DecodedGroup(d.entry, d.idx, d.values, b))
+    return out
+
+
 def decode_patch(
     m: Manifest,
     files: Mapping[str, bytes | bytearray | memoryview],
@@ -219,41 +318,33 @@ def decode_patch(
     and digests already checked). Nothing is applied; errors are ProtocolErrors.
     ``mapper`` runs the decode of each entry (``map``; a thread pool's ``map`` to decode tensors in
     parallel, as the fetcher does: the compiled decoders release the GIL); it must keep the entries'
-    order and raise the first failing entry's error. This module starts no threads.
+    order and raise the first failing entry's error. This module starts no threads. A group entry
+    (format 2) comes out as one change per member (:func:`decode_patch_groups` keeps it whole).
     """
-    if m.kind != "patch":
-        raise ProtocolError(f"step {m.step} is an {m.kind}, not a patch")
-    for f in m.files:
-        if f.path not in files:
-            raise ProtocolError(f"step {m.step}: file {f.path} was not downloaded")
-        check_patch_file(m, f.path, files[f.path])
-    inv = {t.name: t for t in m.inventory}
-    entries: list[PatchEntry] = []
-    for e in m.entries:
-        if not isinstance(e, PatchEntry):
-            raise ProtocolError(f"step {m.step}: a patch lists an anchor entry for {e.tensor!r}")
-        entries.append(e)
-
-    def one(e: PatchEntry) -> DecodedEntry:
-        return decode_patch_entry(m, e, files[e.file], inv[e.tensor])
-
     out: list[DecodedEntry] = []
-    for d in mapper(one, entries):
-        if d.entry.members:
-            out.extend(split_group(d, [inv[n].numel for n in d.entry.members]))
+    for d in decode_patch_groups(m, files, mapper=mapper):
+        if isinstance(d, DecodedGroup):
+            out.extend(d.split())
         else:
             out.append(d)
     return out
 
 
-def split_group(d: DecodedEntry, numels: Sequence[int]) -> list[DecodedEntry]:
-    """A group's decoded change as one change per member, positions local to it (views, no copies
-    but the subtraction); a member no position falls in gets an empty change (still proven)."""
-    bounds = np.zeros(len(numels) + 1, dtype=np.int64)
-    np.cumsum(numels, out=bounds[1:])
-    cuts = np.searchsorted(d.idx, bounds).tolist()
-    idx, vals = d.idx, d.values
+def split_group(
+    d: DecodedEntry, numels: Sequence[int] | None = None, *, bounds: Ints | None = None
+) -> list[DecodedEntry]:
+    """A group's decoded change as one change per member, positions local to it (views of one
+    array of local positions); a member no position falls in gets an empty change (still proven).
+    ``numels``: the members' element counts, or ``bounds`` their cumulative counts from 0."""
+    if bounds is None:
+        assert numels is not None
+        bounds = np.zeros(len(numels) + 1, dtype=np.int64)
+        np.cumsum(numels, out=bounds[1:])
+    cuts = np.searchsorted(d.idx, bounds)
+    # every position less its member's offset, in one pass: the members' shares are views of it
+    local = d.idx - np.repeat(bounds[:-1], np.diff(cuts))
+    vals, entry = d.values, d.entry
+    c = cuts.tolist()
     return [
-        DecodedEntry(d.entry, idx[a:b] - off, vals[a:b], name)
-        for name, off, a, b in zip(d.entry.members, bounds.tolist(), cuts, cuts[1:], strict=False)
+        DecodedEntry(entry, local[a:b], vals[a:b], name) for name, a, b in zip(entry.members, c, c[1:], strict=False)
     ]
