@@ -109,7 +109,9 @@ class HeldState:
             return False
         # the very views recorded (read-only, kept while the same tensors are at the same memory), or
         # views with the same keys
-        if (self.views is None or self.views() is not tensors) and [tensors[n].key for n in self.names] != self.keys:
+        if (self.views is None or self.views() is not tensors) and not all(
+            map(operator.eq, (tensors[n].key for n in self.names), self.keys)
+        ):
             return False
         now = _versions(objs)
         if now == self.versions:

@@ -301,8 +301,10 @@ class TargetViews:
                 and names == last.names
                 and list(map(id, objs)) == last.ids
                 and list(map(_ptr, objs)) == last.ptrs
-                and list(map(_stride, objs)) == last.strides
-                and list(map(_shape_dtype, objs)) == last.sd
+                # compared as they are read: a list of 18k tuples kept for a compare sets off the
+                # garbage collector's full passes over a big heap (100+ ms), a stream keeps nothing
+                and all(map(operator.eq, map(_stride, objs), last.strides))
+                and all(map(operator.eq, map(_shape_dtype, objs), last.sd))
             ):
                 return self._inventory, last.out
         self._seen.clear()
