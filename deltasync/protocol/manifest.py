@@ -127,7 +127,7 @@ class Manifest:
         entries: list[dict[str, Any]]
         digests: Any
         if self.format_version == 2:
-            index = {t.name: i for i, t in enumerate(self.inventory)}
+            index = inventory_facts(self.inventory).index  # kept per inventory: every step repeats it
             inventory = self._inventory_v2()
             entries = [
                 group_entry_to_json(e, index) if isinstance(e, PatchEntry) else e.to_json() for e in self.entries

@@ -143,9 +143,10 @@ class InventoryFacts:
     step of a run shares one: :func:`decode_inventory_digest` keeps it): names, dtypes and element
     counts by index, a name's entry and element count, the total, whether the names are unique."""
 
-    __slots__ = ("by_name", "dtypes", "names", "numel_of", "total", "unique")
+    __slots__ = ("_index", "by_name", "dtypes", "names", "numel_of", "total", "unique")
 
     def __init__(self, inventory: Sequence[TensorInfo]) -> None:
+        self._index: dict[str, int] | None = None
         self.names = [t.name for t in inventory]
         self.dtypes = [t.dtype for t in inventory]
         self.by_name = {t.name: t for t in inventory}
@@ -153,17 +154,27 @@ class InventoryFacts:
         self.unique = len(self.by_name) == len(self.names)
         self.total = sum(t.numel for t in inventory)
 
+    @property
+    def index(self) -> dict[str, int]:
+        """Each name's index in the inventory (made on first use: writers need it, readers do not)."""
+        if self._index is None:
+            self._index = {n: i for i, n in enumerate(self.names)}
+        return self._index
+
 
 _FACTS: list[tuple[tuple[TensorInfo, ...], InventoryFacts]] = []
+#: inventories whose facts are kept (a process that writes and reads a run holds two objects of it)
+_FACTS_KEPT = 4
 
 
 def inventory_facts(inventory: tuple[TensorInfo, ...]) -> InventoryFacts:
     """:class:`InventoryFacts` of ``inventory`` (the last tuple asked is kept, by identity: it is immutable)."""
-    for inv, facts in _FACTS[-1:]:
+    kept = list(_FACTS)  # a reader in another thread sees the old list or the new one, whole
+    for inv, facts in reversed(kept):
         if inv is inventory:
             return facts
     facts = InventoryFacts(inventory)
-    _FACTS[:] = [(inventory, facts)]  # one slot, replaced whole (a reader in another thread sees either)
+    _FACTS[:] = [*kept[-(_FACTS_KEPT - 1) :], (inventory, facts)]
     return facts
 
 
@@ -216,6 +227,12 @@ def group_entry_from_json(v: Any, inventory: Sequence[TensorInfo], what: str) ->
 
 def digests_to_json(digests: Mapping[str, str], inventory: Sequence[TensorInfo]) -> dict[str, Any]:
     """``{"tensors": [ascending inventory indices], "xxh3_128": "<32 hex per tensor, in that order>"}``."""
+    if len(digests) == len(inventory) and isinstance(inventory, tuple):
+        names = inventory_facts(inventory).names
+        try:  # every tensor digested (the uploader's default): one pass in inventory order
+            return {"tensors": list(range(len(names))), "xxh3_128": "".join(map(digests.__getitem__, names))}
+        except KeyError:
+            pass
     idx = [i for i, t in enumerate(inventory) if t.name in digests]
     return {"tensors": idx, "xxh3_128": "".join(digests[inventory[i].name] for i in idx)}
 
