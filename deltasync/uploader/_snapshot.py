@@ -346,12 +346,16 @@ class Snapshotter:
         if job.kind != "anchor":  # a packed tensor is hashed in place in its pack's buffer
             for pack, buf in zip(self._baseline.packs, self._baseline.bufs, strict=True):
                 s = (pack.starts * pack.itemsize).tolist()
-                spans = [
-                    (n, a, b)
-                    for n, a, b in zip(pack.names, s, s[1:], strict=False)
-                    if n in job.changes or n not in cache
-                ]
-                fresh.update(packed_digests(buf.numpy(), spans, self.format_version, mapper=self.pool.map))
+                changes = job.changes
+                if len(changes) >= len(pack.names) and all(map(changes.__contains__, pack.names)):
+                    names, starts, stops = pack.names, s[:-1], s[1:]  # every tensor changed (a MoE step)
+                else:
+                    keep = [i for i, n in enumerate(pack.names) if n in changes or n not in cache]
+                    names = [pack.names[i] for i in keep]
+                    starts, stops = [s[i] for i in keep], [s[i + 1] for i in keep]
+                fresh.update(
+                    packed_digests(buf.numpy(), names, starts, stops, self.format_version, mapper=self.pool.map)
+                )
                 packed.update(pack.names)
         for info in job.inventory:
             name = info.name
