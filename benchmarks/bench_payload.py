@@ -288,7 +288,7 @@ def _instrument(phases: Phases, up: Any, fetcher: Any, up_store: Any, fetch_stor
     phases.wrap(fetcher.reader, "chain", "fetch.manifests")
     phases.wrap(fetch_store, "get_many", "fetch.store_read")
     phases.wrap(freader, "xxh3_128", "fetch.file_xxh3")
-    phases.wrap(fexecute, "decode_patch", "fetch.decode")
+    phases.wrap(fexecute, "decode_patch_groups", "fetch.decode")
     phases.wrap(fpatch, "decode_positions", "fetch.decode_positions")
     phases.wrap(fpatch, "decode_values", "fetch.decode_values")
     phases.wrap(fexecute, "apply_changes", "fetch.apply_patch")
