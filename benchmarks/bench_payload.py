@@ -270,12 +270,11 @@ def _instrument(phases: Phases, up: Any, fetcher: Any, up_store: Any, fetch_stor
     import deltasync.protocol.patchfile as fpatch
     import deltasync.uploader._commit_step as ucommit
     import deltasync.uploader._snapshot as usnap
-    import deltasync.uploader._uploader as uupl
 
     snaps = up._snapshots  # the uploader's baseline owner (deltasync/uploader/_snapshot.py)
     # push() (caller thread)
     phases.wrap(snaps, "cast", "push.prepare")
-    phases.wrap(uupl, "inventory_of", "push.inventory")
+    phases.wrap(snaps, "inventory_of", "push.inventory")
     phases.wrap(snaps, "stage", "push.stage")
     # background (digest thread, commit thread, encode pool)
     phases.wrap(usnap, "diff_tensor", "bg.diff")
