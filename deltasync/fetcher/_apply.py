@@ -194,10 +194,6 @@ class HostGroup:
         if self.kern.group_apply(self.addrs, self.bounds, idx, vals, vals, 2) != idx.size:
             raise ProtocolError(f"positions outside a group of {int(self.bounds[-1])} elements")
 
-    def load(self, arr: Bits) -> None:
-        """Never called: a group is only written at positions."""
-        raise NotImplementedError("a group is written at positions only")
-
 
 #: the most groups' members a :class:`TensorViews` remembers (steps that change other tensors each
 #: time make other groups)
@@ -289,7 +285,8 @@ class Undo:
     def rollback(self) -> None:
         """Restore every element written, newest first."""
         for tensor, idx, old in reversed(self._log):
-            if idx is None:
+            if idx is None:  # a whole tensor (only :meth:`load` logs one; a group is written at positions)
+                assert isinstance(tensor, TargetTensor)
                 tensor.load(old)
             else:
                 tensor.put(idx, old)
