@@ -202,6 +202,19 @@ def _wait_serving(http: httpx.Client, step: int, proc: subprocess.Popen[bytes], 
     )
 
 
+def _wait_line(pattern: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+    """Until the inference block's output has a line matching ``pattern`` (bounded). The sidecar
+    reports a step once its audit is done, which may be after the engine already serves it."""
+    deadline = time.monotonic() + STEP_TIMEOUT
+    while time.monotonic() < deadline:
+        if re.search(pattern, log.read_text(), re.M):
+            return
+        if proc.poll() is not None:
+            break
+        time.sleep(0.5)
+    raise AssertionError(f"no line {pattern!r} in the inference block's output:\n{log.read_text()[-4000:]}")
+
+
 def test_the_quickstart_runs_as_printed_to_a_bit_exact_engine(vllm_python: Path, tmp_path: Path) -> None:
     sys.path.insert(0, str(SUPPORT))
     import engine_checks  # vLLM-layout checksums of a checkpoint (torch + safetensors only)
@@ -249,13 +262,12 @@ def test_the_quickstart_runs_as_printed_to_a_bit_exact_engine(vllm_python: Path,
         trainer.join(timeout=120)
         assert not trainer.is_alive() and trainer.error is None, trainer.error
         assert seen[-1] != seen[0]  # training moved the weights the engine serves
-        out_text = log.read_text()
         for s in range(1, STEPS):  # the sidecar's line per step, as the page says
-            assert re.search(
+            _wait_line(
                 rf"^step {s} -> http://127\.0\.0\.1:{port}: serving \((prepared in \d+ ms|not prepared), paused \d+ ms\)$",
-                out_text,
-                re.M,
-            ), out_text[-4000:]
+                proc,
+                log,
+            )
         # the checkpoint dir vLLM started from was written by `deltasync fetch --config-from base/`
         assert (work / "model" / "config.json").is_file() and (work / "base" / "config.json").is_file()
     finally:
