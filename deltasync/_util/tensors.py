@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any
@@ -162,6 +163,10 @@ def state_tensors(target: Any) -> dict[str, torch.Tensor]:
     if isinstance(target, torch.nn.Module):
         return dict(target.state_dict())
     if isinstance(target, Mapping):
+        if all(map(isinstance, target, itertools.repeat(str))) and all(
+            map(isinstance, target.values(), itertools.repeat(torch.Tensor))
+        ):
+            return dict(target)
         bad = [k for k, v in target.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
         if bad:
             raise TypeError(f"expected a mapping of str -> torch.Tensor; bad entries: {bad[:5]}")

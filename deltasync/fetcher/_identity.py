@@ -7,7 +7,7 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from deltasync.fetcher._target import TargetTensor, TargetViews
+from deltasync.fetcher._target import TargetTensor, TargetViews, TensorViews
 
 __all__ = ["HeldState", "HeldStates"]
 
@@ -84,7 +84,7 @@ class HeldState:
                 dead[0] = True  # an id of the list may be reused from now on
 
             refs = [weakref.ref(t, died) for t in objs]
-        keys = [tensors[n].key for n in names]
+        keys = tensors.keys_of(names) if isinstance(tensors, TensorViews) else [tensors[n].key for n in names]
         try:
             views: weakref.ref[Any] | None = weakref.ref(tensors)
         except TypeError:

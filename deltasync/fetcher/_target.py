@@ -10,14 +10,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
 import numpy as np
-import xxhash
 
 from deltasync._util.cpus import parallel_map
 from deltasync._util.tensors import DeviceBytes, flat_bits, numpy_bits, require_torch, st_dtype, state_tensors
 from deltasync.errors import ProtocolError
 from deltasync.fetcher._fold import Change, new_bits
 from deltasync.protocol import TensorInfo, kernels
-from deltasync.protocol.digests import GIL_HELD_BYTES, Digestible, tensor_digests
+from deltasync.protocol.digests import DIGEST_CHUNK, Digestible, hex_words, tensor_digests, words_hex, xxh3_128_words
 
 __all__ = [
     "DeviceTensor",
@@ -67,28 +66,58 @@ def target_digests(
 def digest_list(
     tensors: Mapping[str, TargetTensor], names: Sequence[str], format_version: int, *, threads: int = 1
 ) -> list[str]:
-    """:func:`target_digests` as a list in the order of ``names``. A host tensor of at most
-    :data:`~deltasync.protocol.digests.GIL_HELD_BYTES` (which python-xxhash hashes holding the GIL,
-    so threads cannot share the work) is hashed right here, in one pass over them (its digest is the
-    xxh3-128 of its bytes in every format); the rest as :func:`tensor_digests` does."""
-    out: list[str] = []
-    rest: dict[int, Digestible] = {}
-    for t in map(tensors.__getitem__, names):
-        lay = t.layout
-        if lay is not None and lay[1] * lay[2] <= GIL_HELD_BYTES and isinstance(t, HostTensor):
-            out.append(xxhash.xxh3_128_hexdigest(cast(Any, t.arr)))  # flat, C-contiguous: its bytes
+    """:func:`target_digests` as a list in the order of ``names``."""
+    words = digest_words(tensors, names, format_version, threads=threads)
+    return words_hex(words)
+
+
+def digest_words(
+    tensors: Mapping[str, TargetTensor], names: Sequence[str], format_version: int, *, threads: int = 1
+) -> np.ndarray[Any, np.dtype[np.uint64]]:
+    """The digests of :func:`target_digests` in the order of ``names``, as an ``(n, 2)`` uint64 array
+    (:func:`~deltasync.protocol.digests.hex_words`). A flat host tensor whose digest is one xxh3 of
+    its bytes is hashed where it lies: all of them in one compiled loop over their addresses, on the
+    pool (xxhash's own C function, the GIL released; no Python call per tensor). The rest (and every
+    tensor where that loop cannot run) as :func:`tensor_digests` does."""
+    mapper = functools.partial(parallel_map, threads=threads)
+    out = np.zeros((len(names), 2), dtype=np.uint64)
+    index, addrs, lens = host_ranges(tensors)
+    at = np.fromiter(map(index.__getitem__, names), dtype=np.int64, count=len(names))
+    whole = lens[at] >= 0
+    if format_version >= 2:
+        whole &= lens[at] <= DIGEST_CHUNK  # a larger one digests as its chunks' digest (is_tree_digest)
+    rest = np.flatnonzero(~whole)
+    if whole.any():
+        got = xxh3_128_words(addrs[at[whole]], lens[at[whole]], mapper=mapper)
+        if got is None:  # no compiled hasher here
+            rest = np.arange(len(names))
         else:
-            rest[len(out)] = t.digestible()
-            out.append("")
-    if rest:
-        got = tensor_digests(
-            {str(k): d for k, d in rest.items()},
-            format_version,
-            mapper=functools.partial(parallel_map, threads=threads),
-        )
-        for k in rest:
-            out[k] = got[str(k)]
+            out[whole] = got
+    if rest.size:
+        picked = [names[i] for i in rest.tolist()]
+        hexes = tensor_digests({n: tensors[n].digestible() for n in picked}, format_version, mapper=mapper)
+        out[rest] = hex_words([hexes[n] for n in picked])
     return out
+
+
+def host_ranges(
+    tensors: Mapping[str, TargetTensor],
+) -> tuple[dict[str, int], np.ndarray[Any, np.dtype[np.int64]], np.ndarray[Any, np.dtype[np.int64]]]:
+    """(position of each name, data addresses, byte sizes) of a target's tensors, the size -1 where a
+    tensor is not a flat C-contiguous host array. Kept with a :class:`TensorViews` (whose tensors keep
+    their memory and layout while it is handed out)."""
+    memo = getattr(tensors, "memo", None)
+    if memo is not None and "host_ranges" in memo:
+        hit: tuple[dict[str, int], np.ndarray[Any, np.dtype[np.int64]], np.ndarray[Any, np.dtype[np.int64]]]
+        hit = memo["host_ranges"]
+        return hit
+    lays = [t.layout if isinstance(t, HostTensor) else None for t in tensors.values()]
+    addrs = np.fromiter((0 if lay is None else lay[0] for lay in lays), dtype=np.int64, count=len(lays))
+    lens = np.fromiter((-1 if lay is None else lay[1] * lay[2] for lay in lays), dtype=np.int64, count=len(lays))
+    found = ({n: i for i, n in enumerate(tensors)}, addrs, lens)
+    if memo is not None:
+        memo["host_ranges"] = found
+    return found
 
 
 class TargetTensor(ABC):
@@ -241,7 +270,22 @@ class TensorViews(dict[str, TargetTensor]):
         if self._aliases is None:
             first: dict[Any, str] = {}
             self._aliases = {name: first.setdefault(self[name].key, name) for name in sorted(self)}
+            self.memo["tied"] = len(first) != len(self._aliases)
         return self._aliases
+
+    def tied(self) -> bool:
+        """Whether any two names share memory (computed once)."""
+        self.aliases()
+        return bool(self.memo["tied"])
+
+    def keys_of(self, names: Sequence[str]) -> list[Any]:
+        """The :attr:`TargetTensor.key` of each name, in order (kept for the last list of names asked)."""
+        last = self.memo.get("keys_of")
+        if last is not None and last[0] == names:
+            return cast(list[Any], last[1])
+        keys = [self[n].key for n in names]
+        self.memo["keys_of"] = (list(names), keys)
+        return keys
 
     def _frozen(self, *_: Any, **__: Any) -> Any:
         raise TypeError("a target's views are read-only")

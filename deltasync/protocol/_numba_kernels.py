@@ -509,3 +509,64 @@ def gather_bytes(dst: Arr, dst_words: Arr, addrs: Arr, starts: Arr) -> None:
             tail = carray(_pointer_like(src, dst), n)
             for j in range(done, n):
                 dst[a + j] = tail[j]
+
+
+# ---------------------------------------------------------------- xxh3-128 of many ranges (digests)
+
+#: the name compiled code calls python-xxhash's own ``XXH3_128bits`` by (registered below): one C call
+#: per tensor from a compiled loop, the GIL released, instead of one Python call per tensor
+_XXH3_SYMBOL = "deltasync_xxh3_128bits"
+
+
+def _register_xxh3() -> bool:
+    """Make ``XXH3_128bits`` of the xxhash extension already imported callable from compiled code.
+    False where that extension does not export it (the caller then hashes through python-xxhash)."""
+    import ctypes
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
+        return False  # the struct return below is {i64, i64} in registers on these two only
+    try:
+        import llvmlite.binding as llvm
+        import xxhash._xxhash as ext
+
+        fn = ctypes.CDLL(ext.__file__).XXH3_128bits
+    except (ImportError, OSError, AttributeError):
+        return False
+    llvm.add_symbol(_XXH3_SYMBOL, ctypes.cast(fn, ctypes.c_void_p).value)
+    return True
+
+
+HAVE_XXH3 = _register_xxh3()
+
+
+def _xxh3_typer(typingctx: Any, addr: Any, n: Any) -> Any:
+    """``XXH3_128bits(addr, n)`` as (low64, high64) (an intrinsic: XXH128_hash_t is two uint64
+    returned in registers)."""
+    from llvmlite import ir
+
+    sig = types.UniTuple(types.uint64, 2)(types.intp, types.intp)  # type: ignore[no-untyped-call]
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        i64 = ir.IntType(64)
+        fnty = ir.FunctionType(ir.LiteralStructType([i64, i64]), [ir.IntType(8).as_pointer(), i64])
+        fn = builder.module.globals.get(_XXH3_SYMBOL) or ir.Function(builder.module, fnty, _XXH3_SYMBOL)
+        res = builder.call(fn, [builder.inttoptr(args[0], ir.IntType(8).as_pointer()), args[1]])
+        lo, hi = builder.extract_value(res, 0), builder.extract_value(res, 1)
+        return context.make_tuple(builder, signature.return_type, [lo, hi])
+
+    return sig, codegen
+
+
+_xxh3: Any = intrinsic(_xxh3_typer)
+
+
+@_jit
+def xxh3_ranges(addrs: Arr, lens: Arr, lo: int, hi: int, out: Arr) -> None:
+    """The xxh3-128 of the ``lens[i]`` bytes at host address ``addrs[i]``, for ``lo <= i < hi``, into
+    ``out[i]`` as (high64, low64): the canonical (big-endian) digest's two halves. The caller keeps
+    the memory alive and vouches for the sizes: this reads raw memory."""
+    for i in range(lo, hi):
+        d = _xxh3(addrs[i], lens[i])
+        out[i, 0] = d[1]
+        out[i, 1] = d[0]

@@ -12,15 +12,21 @@ import pytest
 import xxhash
 
 from deltasync._util.cpus import parallel_map
+from deltasync.protocol import kernels
 from deltasync.protocol.digests import (
     DIGEST_CHUNK,
     GIL_HELD_BYTES,
     TASK_BYTES,
     digests_comparable,
+    hex_words,
     is_tree_digest,
+    packed_digests,
     tensor_digest,
     tensor_digests,
+    words_hex,
     xxh3_128_array,
+    xxh3_128_ranges,
+    xxh3_128_words,
 )
 
 CHUNK = 1 << 24  # the SPEC's CHUNK, written out: the code's constant must not drift from it
@@ -157,3 +163,57 @@ def test_a_failing_task_raises() -> None:
         tensor_digests(
             {"a": np.zeros(10, np.uint8), "w": Broken(big())}, 2, mapper=lambda f, xs: parallel_map(f, xs, 2)
         )
+
+
+# ---------------------------------------------------------------- the compiled batch hasher
+
+#: lengths around xxh3's internal boundaries (16, 128, 240 bytes; its 1 kB stripes and 64 kB blocks)
+RANGE_LENS = [0, 1, 3, 4, 8, 9, 16, 17, 64, 127, 128, 129, 239, 240, 241, 1023, 1024, 1025, 65536, 100_003, 1 << 20]
+
+
+@pytest.mark.skipif(not kernels.available(), reason="numba cannot be imported here")
+@pytest.mark.parametrize("offset", [0, 1, 7])
+def test_ranges_equal_python_xxhash_at_every_length_and_alignment(offset: int) -> None:
+    rng = np.random.default_rng(offset)
+    buf = rng.integers(0, 256, sum(RANGE_LENS) + 64, dtype=np.uint8)
+    lens = np.array(RANGE_LENS, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]]) + offset
+    with kernels.using("numba"):
+        got = xxh3_128_ranges(buf.ctypes.data + starts, lens, mapper=lambda f, xs: parallel_map(f, xs, threads=3))
+    assert got == [xxhash.xxh3_128_hexdigest(buf[a : a + n].tobytes()) for a, n in zip(starts, lens, strict=True)]
+
+
+def test_ranges_say_none_on_the_numpy_fallback() -> None:
+    """Without the compiled kernels the caller hashes its buffers itself (it is told so, not given junk)."""
+    buf = np.arange(100, dtype=np.uint8)
+    with kernels.using("numpy"):
+        assert xxh3_128_words(np.array([buf.ctypes.data]), np.array([100])) is None
+
+
+def test_hex_words_round_trip_and_refuse_what_is_not_a_digest() -> None:
+    hexes = [xxhash.xxh3_128_hexdigest(bytes([i])) for i in range(5)]
+    words = hex_words(hexes)
+    assert words.shape == (5, 2) and words.dtype == np.uint64
+    assert words_hex(words) == hexes
+    # the high half first: the words order as the hex does
+    assert int(words[0, 0]) == int(hexes[0][:16], 16) and int(words[0, 1]) == int(hexes[0][16:], 16)
+    with pytest.raises(ValueError):
+        hex_words([hexes[0][:31], hexes[1] + "0"])  # 64 characters in all, but not 32 each
+    with pytest.raises(ValueError):
+        hex_words(["z" * 32])
+
+
+@pytest.mark.parametrize("backend", ["numba", "numpy"])
+@pytest.mark.parametrize("format_version", [1, 2])
+def test_packed_digests_equal_the_definition_on_both_backends(backend: str, format_version: int) -> None:
+    if backend == "numba" and not kernels.available():
+        pytest.skip("numba cannot be imported here")
+    rng = np.random.default_rng(3)
+    sizes = [0, 5, 64, GIL_HELD_BYTES + 1, 3000, (17 << 20) + 5, 11]
+    buf = rng.integers(0, 256, sum(sizes), dtype=np.uint8)
+    stops = np.cumsum(sizes).tolist()
+    starts = [0, *stops[:-1]]
+    names = [f"t{i}" for i in range(len(sizes))]
+    with kernels.using(backend):  # type: ignore[arg-type]
+        got = packed_digests(buf, names, starts, stops, format_version, mapper=ThreadPoolExecutor(2).map)
+    assert got == {n: reference(buf[a:b], format_version) for n, a, b in zip(names, starts, stops, strict=True)}
