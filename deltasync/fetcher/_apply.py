@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -16,6 +16,7 @@ from deltasync.fetcher._fold import Change, Folded, StepChange, new_bits, per_te
 from deltasync.fetcher._target import HostTensor, TargetTensor, TensorViews, digest_words
 from deltasync.protocol import DecodedEntry, Manifest, TensorInfo, kernels
 from deltasync.protocol.digests import hex_words, tensor_digests, words_hex
+from deltasync.protocol.manifest_v2 import DigestTable
 from deltasync.protocol.patchfile import DecodedGroup
 
 __all__ = [
@@ -86,28 +87,68 @@ def changed_names(m: Manifest, parent: Manifest | None, changes: Sequence[StepCh
     digests = m.tensor_digests
     if parent is None:
         out = list(digests)
+    elif isinstance(digests, DigestTable) and _same_facts(digests, parent.tensor_digests):
+        out = _differing(digests, cast(DigestTable, parent.tensor_digests))
     else:
         before = parent.tensor_digests
         out = [n for n, d in digests.items() if before.get(n) != d]
     listed = set(out)
-    extra = {n for n in touched(changes) if n not in listed}
+    extra = set(touched(changes))
+    extra.difference_update(listed)
     if extra:
         return sorted(listed | extra)
     out.sort()  # a writer's digests come in inventory order, sorted by name: one pass
     return out
 
 
+def _same_facts(a: DigestTable, b: Mapping[str, str]) -> bool:
+    """Whether two steps' digests were read against the very same inventory."""
+    return isinstance(b, DigestTable) and a.facts is b.facts
+
+
+def _differing(digests: DigestTable, before: DigestTable) -> list[str]:
+    """The names whose digest in ``digests`` is not the one in ``before`` (or is not there), in
+    inventory order: one compare of their words, row by row."""
+    pos = digests.positions()
+    rows = before.rows()[pos]
+    differ = rows < 0
+    have = ~differ
+    differ[have] = (before.words()[rows[have]] != digests.words()[have]).any(axis=1)
+    names = digests.facts.names
+    return list(map(names.__getitem__, pos[differ].tolist()))
+
+
+def _wanted(digests: Mapping[str, str], names: Sequence[str]) -> tuple[Sequence[str], np.ndarray[Any, Any] | None]:
+    """(the names that have a digest, their digests as words), or the words None where a digest is
+    not one (compared as text then)."""
+    if isinstance(digests, DigestTable):
+        try:
+            at = np.fromiter(map(digests.facts.index.__getitem__, names), dtype=np.int64, count=len(names))
+        except KeyError:  # a name the step's inventory does not hold
+            pass
+        else:
+            rows = digests.rows()[at]
+            keep = rows >= 0
+            named = names if keep.all() else [names[i] for i in np.flatnonzero(keep).tolist()]
+            return named, digests.words()[rows[keep]]
+    named = [n for n in names if n in digests]
+    try:
+        return named, hex_words([digests[n] for n in named])
+    except ValueError:
+        return named, None
+
+
 def check_digests(tensors: Mapping[str, TargetTensor], names: Sequence[str], m: Manifest, *, threads: int = 1) -> None:
     """Raise ChecksumMismatch unless each named tensor equals step ``m``'s digest of it (in ``m``'s
     format), hashed on up to ``threads`` threads at once."""
     digests = m.tensor_digests
-    named = [n for n in names if n in digests]
-    want = [digests[n] for n in named]
+    named, want = _wanted(digests, names)
     got = digest_words(tensors, named, m.format_version, threads=threads)
-    try:
-        bad = np.flatnonzero((got != hex_words(want)).any(axis=1))
-    except ValueError:  # a digest that is not one (a parsed manifest's are): compared as text
-        bad = np.flatnonzero(np.array(words_hex(got), dtype=object) != np.array(want, dtype=object))
+    if want is not None:
+        bad = np.flatnonzero((got != want).any(axis=1))
+    else:  # a digest that is not one (a parsed manifest's are): compared as text
+        text = [digests[n] for n in named]
+        bad = np.flatnonzero(np.array(words_hex(got), dtype=object) != np.array(text, dtype=object))
     if bad.size:
         name = named[int(bad[0])]
         raise ChecksumMismatch(f"step {m.step}: tensor {name!r} is not bit-exact after applying (digest mismatch)")

@@ -295,9 +295,27 @@ class TensorViews(dict[str, TargetTensor]):
 
 
 # C-level accessors, mapped over a target's tensors in one pass each
-_shape_dtype = operator.attrgetter("shape", "dtype")
+# (torch's own descriptors and unbound methods, called straight: half the cost of attrgetter and
+# methodcaller at 18k tensors; a Tensor subclass is still a Tensor to them)
+_shape = operator.attrgetter("shape")
+_dtype = operator.attrgetter("dtype")
 _ptr = operator.methodcaller("data_ptr")
 _stride = operator.methodcaller("stride")
+
+
+_ACCESSORS: list[Any] = []
+
+
+def _accessors() -> tuple[Any, Any, Any, Any]:
+    """(data_ptr, stride, shape, dtype) getters of torch tensors, fastest first."""
+    try:
+        torch = require_torch()
+        T = torch.Tensor
+        _ACCESSORS[:] = (T.data_ptr, T.stride, T.shape.__get__, T.dtype.__get__)
+    except (ImportError, AttributeError):
+        _ACCESSORS[:] = (_ptr, _stride, _shape, _dtype)
+    ptr, stride, shape, dtype = _ACCESSORS
+    return ptr, stride, shape, dtype
 
 
 class _Seen:
@@ -305,12 +323,20 @@ class _Seen:
     the tensor objects (by ``id()``, valid while they all live: the views forget everything once one
     is collected), their data addresses, strides, shapes and dtypes."""
 
-    __slots__ = ("ids", "names", "out", "ptrs", "sd", "strides")
+    __slots__ = ("dtypes", "ids", "names", "out", "ptrs", "shapes", "strides")
 
     def __init__(
-        self, names: list[str], ids: list[int], ptrs: list[int], strides: list[Any], sd: list[Any], out: TensorViews
+        self,
+        names: list[str],
+        ids: list[int],
+        ptrs: list[int],
+        strides: list[Any],
+        shapes: list[Any],
+        dtypes: list[Any],
+        out: TensorViews,
     ) -> None:
-        self.names, self.ids, self.ptrs, self.strides, self.sd, self.out = names, ids, ptrs, strides, sd, out
+        self.names, self.ids, self.ptrs, self.out = names, ids, ptrs, out
+        self.strides, self.shapes, self.dtypes = strides, shapes, dtypes
 
 
 class TargetViews:
@@ -339,16 +365,18 @@ class TargetViews:
         """(inventory sorted by name, a TargetTensor per name) of ``live``."""
         names = list(live)
         objs = list(live.values())
+        get_ptr, get_stride, get_shape, get_dtype = _ACCESSORS or _accessors()
         for last in self._seen:
             if (
                 len(self._cache) == len(names)
                 and names == last.names
                 and list(map(id, objs)) == last.ids
-                and list(map(_ptr, objs)) == last.ptrs
+                and list(map(get_ptr, objs)) == last.ptrs
+                and list(map(get_dtype, objs)) == last.dtypes
                 # compared as they are read: a list of 18k tuples kept for a compare sets off the
                 # garbage collector's full passes over a big heap (100+ ms), a stream keeps nothing
-                and all(map(operator.eq, map(_stride, objs), last.strides))
-                and all(map(operator.eq, map(_shape_dtype, objs), last.sd))
+                and all(map(operator.eq, map(get_stride, objs), last.strides))
+                and all(map(operator.eq, map(get_shape, objs), last.shapes))
             ):
                 return self._inventory, last.out
         self._seen.clear()
@@ -357,7 +385,8 @@ class TargetViews:
         out: dict[str, TargetTensor] = {}
         ptrs: list[int] = []
         strides: list[Any] = []
-        sd: list[Any] = []
+        shapes: list[Any] = []
+        dtypes: list[Any] = []
         for name, t in live.items():
             hit = cache.get(name)
             ptr, layout, dtype = t.data_ptr(), (t.shape, t.stride()), t.dtype  # an in-place t_() keeps the shape
@@ -368,12 +397,13 @@ class TargetViews:
             out[name] = hit[4]
             ptrs.append(ptr)
             strides.append(layout[1])
-            sd.append((layout[0], dtype))
+            shapes.append(layout[0])
+            dtypes.append(dtype)
         if not same:
             for name in [n for n in cache if n not in live]:
                 del cache[name]
             self._inventory = tuple(sorted((cache[n][5] for n in live), key=lambda i: i.name))
         views = TensorViews(out)
         if len(cache) == len(names):  # every tensor is remembered (none was collected meanwhile)
-            self._seen.append(_Seen(names, list(map(id, objs)), ptrs, strides, sd, views))
+            self._seen.append(_Seen(names, list(map(id, objs)), ptrs, strides, shapes, dtypes, views))
         return self._inventory, views

@@ -121,7 +121,7 @@ def hex_words(hexes: Sequence[str]) -> np.ndarray[Any, np.dtype[np.uint64]]:
     """Hex xxh3-128 digests as an ``(n, 2)`` uint64 array: row ``i`` is digest ``i``'s canonical
     (big-endian) bytes read as two big-endian words, high half first, so rows are equal exactly when
     the digests' values are. ValueError unless each is 32 hex characters."""
-    if any(len(h) != 32 for h in hexes):
+    if hexes and set(map(len, hexes)) != {32}:
         raise ValueError("an xxh3-128 hex digest is 32 characters")
     raw = bytes.fromhex("".join(hexes))  # ValueError: not hex
     return np.frombuffer(raw, dtype=">u8").astype(np.uint64).reshape(-1, 2)

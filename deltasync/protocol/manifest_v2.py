@@ -16,9 +16,10 @@ import itertools
 import json
 import operator
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import ItemsView, Iterator, KeysView, Mapping, Sequence, ValuesView
 from typing import Any
 
+import numpy as np
 import zstandard
 
 from deltasync.protocol.canonical import canonical_json, field_error, json_int, json_list, json_object
@@ -28,6 +29,7 @@ from deltasync.protocol.entries import ByteRange, PatchEntry, TensorInfo, invent
 from deltasync.protocol.keys import check_file_name
 
 __all__ = [
+    "DigestTable",
     "decode_inventory",
     "decode_inventory_digest",
     "digests_from_json",
@@ -225,8 +227,94 @@ def group_entry_from_json(v: Any, inventory: Sequence[TensorInfo], what: str) ->
     )
 
 
+class DigestTable(Mapping[str, str]):
+    """Format 2's tensor digests as read: ascending inventory positions and their 32-character hex
+    digests in one string. A mapping of name -> hex digest (its dict made on first use); readers in
+    bulk take :meth:`positions`, :meth:`words` and :meth:`rows` instead of 18k strings. Immutable."""
+
+    __slots__ = ("_dict", "_pos", "_rows", "_words", "facts", "hexes")
+
+    def __init__(self, facts: InventoryFacts, pos: list[int], hexes: str) -> None:
+        """``pos``: strictly ascending inventory positions; ``hexes``: 32 lower-case hex each (checked by the caller)."""
+        self.facts = facts
+        self.hexes = hexes
+        self._pos = pos
+        self._dict: dict[str, str] | None = None
+        self._words: np.ndarray[Any, np.dtype[np.uint64]] | None = None
+        self._rows: np.ndarray[Any, np.dtype[np.int64]] | None = None
+
+    def _map(self) -> dict[str, str]:
+        d = self._dict
+        if d is None:
+            names = self.facts.names
+            picked = names if len(self._pos) == len(names) else list(map(names.__getitem__, self._pos))
+            hexes = self.hexes
+            d = dict(zip(picked, [hexes[k : k + 32] for k in range(0, len(hexes), 32)], strict=True))
+            self._dict = d
+        return d
+
+    def __getitem__(self, name: str) -> str:
+        return self._map()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._map())
+
+    def __len__(self) -> int:
+        return len(self._pos)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._map()
+
+    def get(self, name: str, default: Any = None) -> Any:
+        # docstring inherited
+        return self._map().get(name, default)
+
+    def keys(self) -> KeysView[str]:
+        # docstring inherited
+        return self._map().keys()
+
+    def items(self) -> ItemsView[str, str]:
+        # docstring inherited
+        return self._map().items()
+
+    def values(self) -> ValuesView[str]:
+        # docstring inherited
+        return self._map().values()
+
+    def __repr__(self) -> str:
+        return f"DigestTable({self._map()!r})"
+
+    def __reduce__(self) -> Any:
+        return (dict, (self._map(),))  # a copy elsewhere is a plain dict (the facts are this process's)
+
+    def positions(self) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """The inventory positions digested, ascending."""
+        return np.asarray(self._pos, dtype=np.int64)
+
+    def words(self) -> np.ndarray[Any, np.dtype[np.uint64]]:
+        """The digests as an ``(n, 2)`` uint64 array, in :meth:`positions` order (see
+        :func:`~deltasync.protocol.digests.hex_words`)."""
+        if self._words is None:
+            self._words = np.frombuffer(bytes.fromhex(self.hexes), dtype=">u8").astype(np.uint64).reshape(-1, 2)
+        return self._words
+
+    def rows(self) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """Each inventory position's row in :meth:`words`, -1 where it has no digest."""
+        if self._rows is None:
+            rows = np.full(len(self.facts.names), -1, dtype=np.int64)
+            rows[self.positions()] = np.arange(len(self._pos), dtype=np.int64)
+            self._rows = rows
+        return self._rows
+
+
 def digests_to_json(digests: Mapping[str, str], inventory: Sequence[TensorInfo]) -> dict[str, Any]:
     """``{"tensors": [ascending inventory indices], "xxh3_128": "<32 hex per tensor, in that order>"}``."""
+    if (
+        isinstance(digests, DigestTable)
+        and isinstance(inventory, tuple)
+        and digests.facts is inventory_facts(inventory)
+    ):
+        return {"tensors": list(digests._pos), "xxh3_128": digests.hexes}  # as read
     if len(digests) == len(inventory) and isinstance(inventory, tuple):
         names = inventory_facts(inventory).names
         try:  # every tensor digested (the uploader's default): one pass in inventory order
@@ -237,7 +325,7 @@ def digests_to_json(digests: Mapping[str, str], inventory: Sequence[TensorInfo])
     return {"tensors": idx, "xxh3_128": "".join(digests[inventory[i].name] for i in idx)}
 
 
-def digests_from_json(v: Any, inventory: Sequence[TensorInfo], what: str) -> dict[str, str]:
+def digests_from_json(v: Any, inventory: Sequence[TensorInfo], what: str) -> Mapping[str, str]:
     """Parse format 2's tensor digests: strictly ascending indices, 32 lower-case hex characters each."""
     o = json_object(v, "tensor_digests", ("tensors", "xxh3_128"))
     idx = json_list(o["tensors"], "tensor_digests.tensors")
@@ -248,8 +336,7 @@ def digests_from_json(v: Any, inventory: Sequence[TensorInfo], what: str) -> dic
     if not isinstance(hexes, str) or len(hexes) != 32 * len(idx) or not _lower_hex(hexes):
         raise field_error(what, "tensor_digests.xxh3_128 must be 32 lower-case hex characters per tensor")
     facts = inventory_facts(inventory) if isinstance(inventory, tuple) else InventoryFacts(inventory)
-    names = facts.names if len(idx) == n else list(map(facts.names.__getitem__, idx))  # ascending: all of them
-    return dict(zip(names, [hexes[k : k + 32] for k in range(0, len(hexes), 32)], strict=True))
+    return DigestTable(facts, idx, hexes)
 
 
 def _lower_hex(s: str) -> bool:
