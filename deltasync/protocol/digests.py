@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, TypeAlias, cast
 
@@ -81,10 +82,8 @@ def xxh3_128_words(
     then. One compiled loop over the ranges that calls xxhash's C function and releases the GIL, cut
     into tasks of about :data:`TASK_BYTES` run through ``mapper``. The caller keeps the memory alive
     and vouches for the ranges: this reads raw memory."""
-    from deltasync.protocol import kernels
-
-    k = kernels.impl()
-    if k is None or not k.HAVE_XXH3:
+    k = _compiled_hasher()
+    if k is None:
         return None
     n = int(addrs.size)
     addrs = np.ascontiguousarray(addrs, dtype=np.int64)
@@ -101,6 +100,33 @@ def xxh3_128_words(
     for _ in cast(Any, mapper)(run, list(zip(cuts[:-1], cuts[1:], strict=True))):
         pass
     return out
+
+
+#: whether the compiled hasher gave python-xxhash's digests on this platform (checked once per process)
+_HASHER_OK: list[bool] = []
+
+
+def _compiled_hasher() -> Any:
+    """The kernel module when its batch hasher runs here and agrees with python-xxhash on a probe
+    (the C function's struct return is read per the platform's ABI: a disagreement turns it off
+    rather than write wrong digests); None otherwise."""
+    from deltasync.protocol import kernels
+
+    k = kernels.impl()
+    if k is None or not k.HAVE_XXH3:
+        return None
+    if not _HASHER_OK:
+        probe = np.frombuffer(bytes(range(256)) * 5, dtype=np.uint8)
+        lens = np.array([0, 17, 240, 1280], dtype=np.int64)
+        out = np.empty((lens.size, 2), dtype=np.uint64)
+        k.xxh3_ranges(np.full(lens.size, probe.ctypes.data, dtype=np.int64), lens, 0, lens.size, out)
+        want = [xxhash.xxh3_128_hexdigest(probe[:n].tobytes()) for n in lens.tolist()]
+        _HASHER_OK.append(words_hex(out) == want)
+        if not _HASHER_OK[0]:
+            logging.getLogger(__name__).warning(
+                "deltasync: the compiled xxh3 loop disagrees with python-xxhash on this platform; hashing through python-xxhash"
+            )
+    return k if _HASHER_OK[0] else None
 
 
 def xxh3_128_ranges(
