@@ -217,3 +217,15 @@ def test_packed_digests_equal_the_definition_on_both_backends(backend: str, form
     with kernels.using(backend):  # type: ignore[arg-type]
         got = packed_digests(buf, names, starts, stops, format_version, mapper=ThreadPoolExecutor(2).map)
     assert got == {n: reference(buf[a:b], format_version) for n, a, b in zip(names, starts, stops, strict=True)}
+
+
+def test_a_hasher_that_disagrees_on_its_probe_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the compiled loop would read xxhash's result wrongly (another ABI), digests still come
+    out right: the probe's verdict turns the loop off and python-xxhash hashes instead."""
+    from deltasync.protocol import digests
+
+    monkeypatch.setattr(digests, "_HASHER_OK", [False])
+    buf = np.arange(4096, dtype=np.uint8)
+    assert xxh3_128_words(np.array([buf.ctypes.data]), np.array([4096])) is None
+    got = packed_digests(buf, ["a", "b"], [0, 1000], [1000, 4096], 2)
+    assert got == {"a": reference(buf[:1000], 2), "b": reference(buf[1000:], 2)}
