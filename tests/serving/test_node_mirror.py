@@ -502,7 +502,8 @@ def test_a_full_filesystem_is_a_clear_error_and_leaves_the_engine_and_the_node_a
     real = node_module.write_tensor
     written: list[Path] = []
 
-    def filling(path: Path, tensor: Any) -> None:
+    def filling(path: Path | str, tensor: Any) -> None:
+        path = Path(path)
         if len(written) == 2:
             path.write_bytes(b"\0" * 100)  # a partial file, as a write cut short leaves
             raise OSError(28, "No space left on device", str(path))
@@ -674,3 +675,32 @@ def test_the_leader_starts_and_warms_up_before_the_first_step_is_asked_for(tmp_p
     assert set(pids) == {leader.pid} and worker.node.versions.version(1) is not None
     assert "request failed" not in (worker.node.dir / "leader.log").read_text()  # the start was no request
     worker.close()
+
+
+def test_an_index_replaced_on_disk_is_read_again(tmp_path: Path) -> None:
+    """The store keeps what it parsed of each index while the file is the same one (inode, mtime,
+    size): one replaced on disk (a rename over it, as publishing does) is read afresh, never served
+    from memory."""
+    import json
+    import os
+
+    from deltasync.serving.node.store import VersionStore
+    from deltasync.serving.node.versions import Version, VersionFile
+
+    vs = VersionStore(tmp_path / "node", reader=None, keep=2)  # type: ignore[arg-type]  # read() needs no run
+
+    def put(step: int) -> None:
+        doc = Version("v1", step, {"w": VersionFile(f"f{step}.bin", "float32", (2,))}, vs.data).to_json()
+        tmp = vs.index / ".v1.json.tmp"
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, vs.index / "v1.json")
+
+    put(3)
+    first = vs.read("v1")
+    assert first is not None and first.step == 3
+    assert vs.read("v1") is first  # the same file: parsed once
+    put(12)
+    again = vs.read("v1")
+    assert again is not None and again.step == 12 and again.files["w"].name == "f12.bin"
+    (vs.index / "v1.json").unlink()
+    assert vs.read("v1") is None

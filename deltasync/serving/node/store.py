@@ -63,6 +63,11 @@ class VersionStore:
             d.mkdir(mode=0o700, exist_ok=True)
         self.reader = reader
         self.keep = keep
+        self._data_dir = str(self.data)
+        #: index file name -> ((inode, mtime, size), the version parsed from it): an index is renamed
+        #: into place once and never rewritten, and a build reads every index several times (18k
+        #: entries each at a MoE's tensor count)
+        self._parsed: dict[str, tuple[tuple[int, int, int], Version]] = {}
 
     # ------------------------------------------------------------------ reading
 
@@ -72,12 +77,21 @@ class VersionStore:
 
     def _read(self, path: Path) -> Version | None:
         try:
+            st = os.stat(path)
+            key = (st.st_ino, st.st_mtime_ns, st.st_size)
+            hit = self._parsed.get(path.name)
+            if hit is not None and hit[0] == key:
+                return hit[1]
             doc = json.loads(path.read_text())
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as exc:
             raise DeltaSyncError(f"the node mirror's index {path} is unreadable ({exc}); delete {self.dir}") from exc
-        return Version.from_json(doc, self.data)
+        version = Version.from_json(doc, self.data)
+        if len(self._parsed) >= 4 * max(self.keep, 4):
+            self._parsed.clear()  # bounded: versions come and go
+        self._parsed[path.name] = (key, version)
+        return version
 
     def all_versions(self) -> list[Version]:
         """Every complete version, oldest first (unknown steps first)."""
@@ -132,25 +146,25 @@ class VersionStore:
         a :class:`~deltasync.protocol.TensorChange` carries them) of a tensor of ``numel`` elements
         (int32 where they fit); its name, for a version's ``positions``."""
         import numpy as np
-        import torch
 
         small = numel < 2**31
         name = secrets.token_hex(12) + (".i32" if small else ".i64")
-        if isinstance(positions, np.ndarray):
-            positions = torch.from_numpy(np.ascontiguousarray(positions))
-        self._write(name, positions.to(torch.int32 if small else torch.int64))
+        if not isinstance(positions, np.ndarray):
+            positions = positions.detach().cpu().numpy()
+        self._write(name, np.ascontiguousarray(positions, dtype=np.int32 if small else np.int64))
         return name
 
     def _write(self, name: str, tensor: Any) -> None:
         """A new data file; a full filesystem is one clear error (the caller's collection removes what
         the unfinished version wrote: no version names it)."""
-        path = self.data / name
+        path = os.path.join(self._data_dir, name)
         try:
             write_tensor(path, tensor)
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
-            path.unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
             raise DeltaSyncError(_no_room(self.dir.parent, self.keep)) from exc
 
     def publish(

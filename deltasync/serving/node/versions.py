@@ -9,10 +9,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from deltasync.protocol import TensorChange
 
@@ -244,14 +247,31 @@ def _libc() -> Any:
         return None
 
 
-def write_tensor(path: Path, tensor: Any) -> None:
-    """A tensor's raw bytes, to a new file (never over an existing one)."""
-    flat = tensor.detach().to("cpu").contiguous().view(-1)
-    with open(path, "xb") as fh:
-        if flat.numel():
-            import torch
+def write_tensor(path: Path | str, tensor: Any) -> None:
+    """A tensor's (or a numpy array's) raw bytes, to a new file (never over an existing one)."""
+    if isinstance(tensor, np.ndarray):
+        raw = np.ascontiguousarray(tensor).reshape(-1).view(np.uint8).data
+    else:
+        flat = tensor.detach()
+        if flat.device.type != "cpu":
+            flat = flat.cpu()
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        raw = memoryview(flat.view(-1).view(torch_uint8()).numpy()) if flat.numel() else memoryview(b"")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # as open(path, "xb")
+    try:
+        while raw.nbytes:
+            raw = raw[os.write(fd, raw) :]
+    finally:
+        os.close(fd)
 
-            fh.write(memoryview(flat.view(torch.uint8).numpy()))
+
+@functools.cache
+def torch_uint8() -> Any:
+    """``torch.uint8`` (torch imported on first use)."""
+    import torch
+
+    return torch.uint8
 
 
 def changed_positions(old: Any, new: Any) -> Any:
