@@ -53,7 +53,7 @@ from deltasync.protocol.checkpoint import build_checkpoint
 from deltasync.protocol.entries import TensorInfo
 from deltasync.protocol.keys import HEAD_KEY
 from deltasync.protocol.manifest import Writer
-from deltasync.protocol.manifest_v2 import inventory_fields
+from deltasync.protocol.manifest_v2 import InventoryFacts, inventory_facts, inventory_fields
 from deltasync.protocol.patchfile import build_patch_files
 from deltasync.storage import Store
 from deltasync.storage.base import Data
@@ -278,19 +278,25 @@ def change_groups(job: StepJob, group_numel: int) -> list[tuple[str, ...]]:
     return cut_groups(sorted(job.changes), job.inventory, group_numel)
 
 
+def _facts(inventory: Sequence[TensorInfo]) -> InventoryFacts:
+    """An inventory's element counts and entries by name (kept per inventory tuple: every step repeats it)."""
+    return inventory_facts(inventory) if isinstance(inventory, tuple) else InventoryFacts(inventory)
+
+
 def cut_groups(names: Sequence[str], inventory: Sequence[TensorInfo], group_numel: int) -> list[tuple[str, ...]]:
     """:func:`change_groups` of the changed tensors ``names`` (sorted)."""
-    info = {t.name: t for t in inventory}
+    facts = _facts(inventory)
+    info, numel_of = facts.by_name, facts.numel_of
     groups: list[tuple[str, ...]] = []
     cur: list[str] = []
     size, dtype = 0, ""
     for name in names:
-        t = info[name]
-        if cur and (t.dtype != dtype or size + t.numel > group_numel):
+        t_dtype, t_numel = info[name].dtype, numel_of[name]
+        if cur and (t_dtype != dtype or size + t_numel > group_numel):
             groups.append(tuple(cur))
             cur, size = [], 0
         cur.append(name)
-        size, dtype = size + t.numel, t.dtype
+        size, dtype = size + t_numel, t_dtype
     if cur:
         groups.append(tuple(cur))
     return groups
@@ -305,7 +311,7 @@ def encode_groups(
     """Encode every changed tensor (``group_numel`` > 0, format 2: every group of small tensors, see
     :func:`change_groups`), groups on ``pool`` at once; (tensor name or group of names, coding).
     A group of consecutive tensors of one pack is coded straight from the pack's arrays."""
-    numel = {t.name: t.numel for t in inventory}
+    numel = _facts(inventory).numel_of
     groups = cut_groups(sorted(changes), inventory, group_numel)
     packed = changes if isinstance(changes, ChangeSet) else None
 

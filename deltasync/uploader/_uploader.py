@@ -23,6 +23,7 @@ from deltasync._util.cpus import usable_cpus
 from deltasync._util.retry import RetryPolicy
 from deltasync._util.tensors import state_tensors
 from deltasync.errors import ProtocolError
+from deltasync.protocol.manifest_v2 import inventory_facts
 from deltasync.run import RunReader
 from deltasync.run.gc import RetentionWorker
 from deltasync.storage import Store, open_store
@@ -234,7 +235,7 @@ class DeltaUploader:
         snaps.wait_for_last()
         if cfg.on_backlog == "block":
             self._pipeline.wait_for_room()
-        total = sum(t.numel for t in inventory)
+        total = inventory_facts(inventory).total  # kept per inventory tuple (the Snapshotter keeps the object)
         if (
             chain.failed
             or inventory != snaps.inventory
