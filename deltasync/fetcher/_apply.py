@@ -93,8 +93,11 @@ def changed_names(m: Manifest, parent: Manifest | None, changes: Sequence[StepCh
         before = parent.tensor_digests
         out = [n for n, d in digests.items() if before.get(n) != d]
     listed = set(out)
-    extra = set(touched(changes))
-    extra.difference_update(listed)
+    if listed.issuperset(touched(changes)):
+        extra: set[str] = set()  # every tensor with an entry changed its digest (the usual step): one C pass
+    else:
+        extra = set(touched(changes))
+        extra.difference_update(listed)
     if extra:
         return sorted(listed | extra)
     out.sort()  # a writer's digests come in inventory order, sorted by name: one pass

@@ -10,6 +10,7 @@ out. The result is exactly the bits the steps give one after the other.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -62,12 +63,9 @@ def per_tensor(changes: Sequence[StepChange]) -> list[Change]:
 
 
 def touched(changes: Sequence[StepChange]) -> Iterator[str]:
-    """The names of the tensors ``changes`` carry a change to (a group's every member)."""
-    for c in changes:
-        if isinstance(c, DecodedGroup):
-            yield from c.members
-        else:
-            yield c.tensor
+    """The names of the tensors ``changes`` carry a change to (a group's every member), chained in C
+    (no Python frame per name: a step of 18k tensors)."""
+    return itertools.chain.from_iterable([c.members if isinstance(c, DecodedGroup) else (c.tensor,) for c in changes])
 
 
 def new_bits(c: Change, old: Bits) -> Bits:
