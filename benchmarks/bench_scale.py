@@ -24,7 +24,9 @@ Per model and density, medians over ``--steps`` patch steps:
   cuda: device->host and host->device through pinned memory), and commit / sync over it.
 
 ``--per-tensor`` runs the issue's comparison: the same elements as 288 dense tensors and as 18,432
-MoE-shaped ones (48 x 128 x 3), commit and sync side by side, and their ratio.
+MoE-shaped ones (48 x 128 x 3), commit and sync side by side, and their ratio; ``--repeat R`` runs
+the pair R times one after the other (288, 18,432, 288, ...) and prints each pair's ratios and
+their medians, so that a noisy machine's drift lands on both sides of a ratio alike.
 ``--thread-scan`` repeats one model at each thread count (uploader ``encode_threads`` and fetcher
 ``threads``) and prints the scaling against 1 thread.
 """
@@ -363,6 +365,7 @@ def main() -> None:
     ap.add_argument("--per-tensor", type=float, default=0, metavar="ELEMENTS", help="e.g. 200e6")
     ap.add_argument("--thread-scan", default="", help="thread counts, e.g. 1,2,4,8,16 (first model, 3%%)")
     ap.add_argument("--no-node", action="store_true")
+    ap.add_argument("--repeat", type=int, default=1, help="--per-tensor: run the pair this many times")
     ap.add_argument("--rates", action="store_true", help="one core's diff/encode/decode/hash rates, then exit")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -380,17 +383,29 @@ def main() -> None:
         print("\n".join(out))
         return
     if args.per_tensor:
-        rows = []
-        for label, shapes in per_tensor_pair(int(args.per_tensor)).items():
-            rows.append(run_one(label, list(shapes), 0.03, args, threads=args.threads, node=not args.no_node))
-        out += [table(rows), ""]
-        a, b = rows
-        out.append(
-            f"per-tensor ratio (18,432 / 288 tensors, same elements): commit {b['commit'] / a['commit']:.2f}x, "
-            f"sync {b['sync_host'] / a['sync_host']:.2f}x, manifest per step {b['manifest'] * b['tensors']:.0f} B vs "
-            f"{a['manifest'] * a['tensors']:.0f} B ({b['manifest']:.0f} B per tensor)"
-        )
-        out.append("")
+        ratios: dict[str, list[float]] = {"commit": [], "sync_host": []}
+        for _ in range(max(1, args.repeat)):
+            rows = []
+            for label, shapes in per_tensor_pair(int(args.per_tensor)).items():
+                rows.append(run_one(label, list(shapes), 0.03, args, threads=args.threads, node=not args.no_node))
+            out += [table(rows), ""]
+            a, b = rows
+            for k in ratios:
+                ratios[k].append(b[k] / a[k])
+            out.append(
+                f"per-tensor ratio (18,432 / 288 tensors, same elements): commit {b['commit'] / a['commit']:.2f}x, "
+                f"sync {b['sync_host'] / a['sync_host']:.2f}x, manifest per step {b['manifest'] * b['tensors']:.0f} B vs "
+                f"{a['manifest'] * a['tensors']:.0f} B ({b['manifest']:.0f} B per tensor)"
+            )
+            out.append("")
+        if len(ratios["commit"]) > 1:
+            out.append(
+                f"over {len(ratios['commit'])} pairs: commit {statistics.median(ratios['commit']):.2f}x "
+                f"({min(ratios['commit']):.2f}-{max(ratios['commit']):.2f}x), sync "
+                f"{statistics.median(ratios['sync_host']):.2f}x "
+                f"({min(ratios['sync_host']):.2f}-{max(ratios['sync_host']):.2f}x), medians (ranges)"
+            )
+            out.append("")
     models = [m for m in args.model.split(",") if m]
     if args.thread_scan:
         rows = []
