@@ -13,7 +13,7 @@ from deltasync._util.batches import map_batched
 from deltasync._util.cpus import parallel_map
 from deltasync.errors import ChecksumMismatch, InventoryMismatch, ProtocolError
 from deltasync.fetcher._fold import Change, Folded, StepChange, new_bits, per_tensor, touched
-from deltasync.fetcher._target import HostTensor, TargetTensor, TensorViews, digest_words
+from deltasync.fetcher._target import HostTensor, TargetTensor, TensorViews, digest_words, positions_in
 from deltasync.protocol import DecodedEntry, Manifest, TensorInfo, kernels
 from deltasync.protocol.digests import hex_words, tensor_digests, words_hex
 from deltasync.protocol.manifest_v2 import DigestTable
@@ -126,7 +126,7 @@ def _wanted(digests: Mapping[str, str], names: Sequence[str]) -> tuple[Sequence[
     not one (compared as text then)."""
     if isinstance(digests, DigestTable):
         try:
-            at = np.fromiter(map(digests.facts.index.__getitem__, names), dtype=np.int64, count=len(names))
+            at = positions_in(digests.facts.index, names, digests.facts.memo)
         except KeyError:  # a name the step's inventory does not hold
             pass
         else:

@@ -82,7 +82,7 @@ def digest_words(
     mapper = functools.partial(parallel_map, threads=threads)
     out = np.zeros((len(names), 2), dtype=np.uint64)
     index, addrs, lens = host_ranges(tensors)
-    at = np.fromiter(map(index.__getitem__, names), dtype=np.int64, count=len(names))
+    at = positions_in(index, names, getattr(tensors, "memo", None))
     whole = lens[at] >= 0
     if format_version >= 2:
         whole &= lens[at] <= DIGEST_CHUNK  # a larger one digests as its chunks' digest (is_tree_digest)
@@ -98,6 +98,22 @@ def digest_words(
         hexes = tensor_digests({n: tensors[n].digestible() for n in picked}, format_version, mapper=mapper)
         out[rest] = hex_words([hexes[n] for n in picked])
     return out
+
+
+def positions_in(index: Mapping[str, int], names: Sequence[str], memo: dict[Any, Any] | None) -> np.ndarray[Any, Any]:
+    """``index[name]`` of each name, as int64 (KeyError: a name ``index`` does not hold). The last
+    answer is kept in ``memo``, the dict kept with ``index`` (which must not change while it is):
+    a model synced step after step asks for the same 18k names each time, the very string objects."""
+    key = tuple(names)
+    last = None if memo is None else memo.get("positions_in")
+    if last is not None and last[0] is index and last[1] == key:
+        hit: np.ndarray[Any, Any] = last[2]
+        return hit
+    at = np.fromiter(map(index.__getitem__, key), dtype=np.int64, count=len(key))
+    at.flags.writeable = False  # shared by the callers that ask again
+    if memo is not None:
+        memo["positions_in"] = (index, key, at)
+    return at
 
 
 def host_ranges(

@@ -145,10 +145,12 @@ class InventoryFacts:
     step of a run shares one: :func:`decode_inventory_digest` keeps it): names, dtypes and element
     counts by index, a name's entry and element count, the total, whether the names are unique."""
 
-    __slots__ = ("_index", "by_name", "dtypes", "names", "numel_of", "total", "unique")
+    __slots__ = ("_index", "by_name", "dtypes", "memo", "names", "numel_of", "total", "unique")
 
     def __init__(self, inventory: Sequence[TensorInfo]) -> None:
         self._index: dict[str, int] | None = None
+        #: what readers derive from these facts and keep with them (bounded by whoever adds to it)
+        self.memo: dict[Any, Any] = {}
         self.names = [t.name for t in inventory]
         self.dtypes = [t.dtype for t in inventory]
         self.by_name = {t.name: t for t in inventory}

@@ -65,3 +65,20 @@ def test_changed_names_from_tables_equal_those_from_dicts() -> None:
     assert fast == slow
     expected = sorted({f"t{i:04d}" for i in after_pos if i in flip or i not in before_pos})
     assert fast == expected and fast  # something changed, and exactly that
+
+
+def test_positions_are_kept_for_the_same_names_and_asked_again_for_others() -> None:
+    import pytest
+
+    from deltasync.fetcher._target import positions_in
+
+    index = {"a": 0, "b": 1, "c": 2}
+    memo: dict[object, object] = {}
+    first = positions_in(index, ["c", "a"], memo)
+    assert first.tolist() == [2, 0] and not first.flags.writeable
+    assert positions_in(index, ("c", "a"), memo) is first  # the same names: kept
+    assert positions_in(index, ["a", "b"], memo).tolist() == [0, 1]  # other names: looked up
+    assert positions_in(dict(index), ["a", "b"], memo).tolist() == [0, 1]  # another index: looked up
+    with pytest.raises(KeyError):
+        positions_in(index, ["zz"], memo)
+    assert positions_in(index, ["b"], None).tolist() == [1]  # nothing to keep it in
