@@ -64,16 +64,22 @@ class HeldState:
         tensors: Mapping[str, TargetTensor],
         *,
         previous: HeldState | None = None,
+        checked: bool = False,
     ) -> HeldState:
         """The state of ``target`` now that it holds committed ``step`` (manifest ``digest``).
         ``previous``: what was recorded of it before, whose weak references are taken over when
-        it names the very same tensor objects."""
+        it names the very same tensor objects. ``checked``: ``tensors`` came from
+        :meth:`TargetViews.of` of this very ``live`` (then, when they are the views ``previous``
+        recorded, its names, ids and keys are these: only the version counters are read again)."""
         try:
             ref: weakref.ref[Any] | None = weakref.ref(target)
         except TypeError:  # a dict: its tensors carry the identity
             ref = None
-        names = list(live)
         objs = list(live.values())
+        if checked and previous is not None and not previous._dead[0] and previous._views_are(tensors):
+            p = previous
+            return cls(step, digest, ref, p.names, p.ids, p.refs, p._dead, _versions(objs), p.keys, p.views)
+        names = list(live)
         ids = list(map(id, objs))
         if previous is not None and not previous._dead[0] and previous.ids == ids:
             refs, dead = previous.refs, previous._dead  # the same objects, all alive: the same references
@@ -97,22 +103,30 @@ class HeldState:
             return self.target() is None
         return all(r() is None for r in self.refs)
 
-    def same(self, target: Any, live: Mapping[str, Any], tensors: Mapping[str, TargetTensor]) -> bool:
+    def _views_are(self, tensors: Mapping[str, TargetTensor]) -> bool:
+        return self.views is not None and self.views() is tensors
+
+    def same(
+        self, target: Any, live: Mapping[str, Any], tensors: Mapping[str, TargetTensor], *, checked: bool = False
+    ) -> bool:
         """True when ``target`` holds the very tensors this fetcher wrote, unmodified since (by torch's
-        version counters) and at the same memory."""
+        version counters) and at the same memory. ``checked``: ``tensors`` came from
+        :meth:`TargetViews.of` of this very ``live``, which compared the names, tensor objects and
+        memory (so, when they are the views recorded, only the version counters are left to compare)."""
         if self.target is not None and self.target() is not target:
             return False
         if self._dead[0]:  # a tensor recorded was collected: what has its id now is another object
             return False
         objs = list(live.values())
-        if list(live) != self.names or list(map(id, objs)) != self.ids:
-            return False
-        # the very views recorded (read-only, kept while the same tensors are at the same memory), or
-        # views with the same keys
-        if (self.views is None or self.views() is not tensors) and not all(
-            map(operator.eq, (tensors[n].key for n in self.names), self.keys)
-        ):
-            return False
+        if not (checked and self._views_are(tensors)):
+            if list(live) != self.names or list(map(id, objs)) != self.ids:
+                return False
+            # the very views recorded (read-only, kept while the same tensors are at the same memory), or
+            # views with the same keys
+            if not self._views_are(tensors) and not all(
+                map(operator.eq, (tensors[n].key for n in self.names), self.keys)
+            ):
+                return False
         now = _versions(objs)
         if now == self.versions:
             return True
@@ -134,11 +148,21 @@ class HeldStates:
         return self._by_id.get(id(target))
 
     def record(
-        self, target: Any, step: int, digest: str, live: Mapping[str, Any], tensors: Mapping[str, TargetTensor]
+        self,
+        target: Any,
+        step: int,
+        digest: str,
+        live: Mapping[str, Any],
+        tensors: Mapping[str, TargetTensor],
+        *,
+        checked: bool = False,
     ) -> None:
-        """``target`` now holds committed ``step`` (manifest ``digest``) in these very tensors."""
+        """``target`` now holds committed ``step`` (manifest ``digest``) in these very tensors
+        (``checked``: ``tensors`` are :attr:`views` of ``live``, see :meth:`HeldState.record`)."""
         previous = self._by_id.get(id(target))
-        self._by_id[id(target)] = HeldState.record(step, digest, target, live, tensors, previous=previous)
+        self._by_id[id(target)] = HeldState.record(
+            step, digest, target, live, tensors, previous=previous, checked=checked
+        )
 
     def forget(self, target: Any) -> None:
         """Nothing is known any more of what ``target`` holds."""

@@ -192,7 +192,7 @@ class Sync:
         verify = self.source.verify
         held = self.held.get(self.target)
         have: tuple[int, str] | None = None
-        if held is not None and held.same(self.target, self._live, tensors):
+        if held is not None and held.same(self.target, self._live, tensors, checked=True):
             have = (held.step, held.digest)
         elif held is not None:
             # another object at a reused id, or tensors changed behind our back: prove it or forget it
@@ -292,7 +292,7 @@ class Sync:
     def _record(self, reached: Committed) -> None:
         """The target holds ``reached`` now: remember it, fill the journal, close the stats."""
         assert self._tensors is not None
-        self.held.record(self.target, self.target_step, reached.digest, self._live, self._tensors)
+        self.held.record(self.target, self.target_step, reached.digest, self._live, self._tensors, checked=True)
         if self.journal is not None and self._keep is not None:
             restore = functools.partial(self.held.restore, self.target, self._before, self._live, self._tensors)
             base_step = self._found[0] if self._found else None

@@ -43,7 +43,7 @@ from deltasync.protocol.manifest_v2 import (
     digests_from_json,
     digests_to_json,
     encode_inventory,
-    group_entry_from_json,
+    group_entries_from_json,
     group_entry_to_json,
     inventory_facts,
 )
@@ -233,16 +233,20 @@ class Manifest:
         numel_of = facts.numel_of
         sizes = {f.path: f.size for f in files}
         entries: tuple[PatchEntry, ...] | tuple[AnchorEntry, ...]
+        counts: list[int] | None = None  # each entry's element count, with its tensors proven distinct
         if kind == "patch":
             if version == 2:
-                entries = tuple(group_entry_from_json(e, inventory, what) for e in json_list(o["entries"], "entries"))
+                entries, counts = group_entries_from_json(json_list(o["entries"], "entries"), inventory, what)
             else:
                 entries = tuple(PatchEntry.from_json(e) for e in json_list(o["entries"], "entries"))
-            for e in entries:
-                try:
-                    numel = sum(map(numel_of.__getitem__, e.tensors))
-                except KeyError:
-                    numel = -1  # a tensor the inventory does not hold
+            for k, e in enumerate(entries):
+                if counts is not None:
+                    numel = counts[k]
+                else:
+                    try:
+                        numel = sum(map(numel_of.__getitem__, e.tensors))
+                    except KeyError:
+                        numel = -1  # a tensor the inventory does not hold
                 if numel < 0 or e.count > numel or (e.positions == "dense" and e.count != numel):
                     raise field_error(what, f"patch entry {e.tensor!r} does not fit the inventory")
                 for r in (e.positions_range, e.values_range):
@@ -263,9 +267,10 @@ class Manifest:
             for a in entries:
                 if a.file not in sizes or a.range.end > sizes[a.file] or a.range.length != by_name[a.tensor].nbytes:
                     raise field_error(what, f"anchor entry {a.tensor!r} does not fit its file or its dtype/shape")
-        listed = [n for e in entries for n in (e.tensors if isinstance(e, PatchEntry) else (e.tensor,))]
-        if len(set(listed)) != len(listed):
-            raise field_error(what, "a tensor appears twice in entries")
+        if counts is None:
+            listed = [n for e in entries for n in (e.tensors if isinstance(e, PatchEntry) else (e.tensor,))]
+            if len(set(listed)) != len(listed):
+                raise field_error(what, "a tensor appears twice in entries")
         _check_disjoint(entries, what)
         tdig = o["tensor_digests"]
         if version == 2:

@@ -17,11 +17,12 @@ import json
 import operator
 import threading
 from collections.abc import ItemsView, Iterator, KeysView, Mapping, Sequence, ValuesView
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import zstandard
 
+from deltasync.errors import ProtocolError
 from deltasync.protocol.canonical import canonical_json, field_error, json_int, json_list, json_object
 from deltasync.protocol.digests import xxh3_128
 from deltasync.protocol.dtypes import DTYPES
@@ -35,6 +36,7 @@ __all__ = [
     "digests_from_json",
     "digests_to_json",
     "encode_inventory",
+    "group_entries_from_json",
     "group_entry_from_json",
     "group_entry_to_json",
     "inventory_facts",
@@ -158,6 +160,19 @@ class InventoryFacts:
         self.unique = len(self.by_name) == len(self.names)
         self.total = sum(t.numel for t in inventory)
 
+    def arrays(self) -> tuple[np.ndarray[Any, np.dtype[np.int64]], np.ndarray[Any, np.dtype[np.int64]]]:
+        """(a code per dtype, the element count) of each inventory position, as int64 arrays (made once)."""
+        got = self.memo.get("arrays")
+        if got is None:
+            codes: dict[str, int] = {}
+            got = self.memo["arrays"] = (
+                np.fromiter((codes.setdefault(d, len(codes)) for d in self.dtypes), np.int64, len(self.dtypes)),
+                np.fromiter(self.numel_of.values(), np.int64, len(self.numel_of))
+                if self.unique
+                else np.fromiter((self.numel_of[n] for n in self.names), np.int64, len(self.names)),
+            )
+        return cast(tuple[Any, Any], got)
+
     @property
     def index(self) -> dict[str, int]:
         """Each name's index in the inventory (made on first use: writers need it, readers do not)."""
@@ -214,6 +229,44 @@ def group_entry_from_json(v: Any, inventory: Sequence[TensorInfo], what: str) ->
     names = tuple(map(facts.names.__getitem__, idx))
     if len(set(map(facts.dtypes.__getitem__, idx))) != 1:
         raise field_error(what, f"patch entry {names[0]!r}: the tensors of a group must share one dtype")
+    return _group_entry(o, names, what)
+
+
+def group_entries_from_json(
+    v: list[Any], inventory: tuple[TensorInfo, ...], what: str
+) -> tuple[tuple[PatchEntry, ...], list[int] | None]:
+    """Every format-2 patch entry of a manifest, and each one's element count: the checks of
+    :func:`group_entry_from_json` in one pass over all the entries' indices together (which also
+    proves that no tensor is in two entries), or, when any of those fails, entry by entry, for
+    its own error (then the counts are None: the caller sums them, and finds a duplicate itself)."""
+    try:
+        objs = [json_object(e, "patch entry", _ENTRY_KEYS) for e in v]
+        idxs = [json_list(o["tensors"], "patch entry tensors") for o in objs]
+    except ProtocolError:  # the first bad entry's own error, as entry by entry finds it
+        return tuple(group_entry_from_json(e, inventory, what) for e in v), None
+    facts = inventory_facts(inventory)
+    flat = list(itertools.chain.from_iterable(idxs))
+    ok = all(idxs) and _index_list(flat, len(inventory)) and len(set(flat)) == len(flat)
+    if ok and flat:
+        codes, numels = facts.arrays()
+        at = np.asarray(flat, dtype=np.int64)
+        starts = np.zeros(len(idxs), dtype=np.int64)
+        np.cumsum([len(i) for i in idxs[:-1]], out=starts[1:])
+        c = codes[at]
+        ok = bool(np.array_equal(np.minimum.reduceat(c, starts), np.maximum.reduceat(c, starts)))
+        counts: list[int] = np.add.reduceat(numels[at], starts).tolist()
+    if not ok:
+        return tuple(group_entry_from_json(e, inventory, what) for e in v), None
+    names = facts.names
+    out = []
+    for o, idx in zip(objs, idxs, strict=True):
+        members = tuple(map(names.__getitem__, idx))
+        out.append(_group_entry(o, members, what))
+    return tuple(out), counts if flat else []
+
+
+def _group_entry(o: dict[str, Any], names: tuple[str, ...], what: str) -> PatchEntry:
+    """The entry ``o`` (its tensors checked: ``names``)."""
     if o["positions"] not in ("rice", "rice-z", "dense") or o["values"] not in ("xor-rank", "raw"):
         raise field_error(f"patch entry {names[0]!r}", f"unknown coding {o['positions']!r}/{o['values']!r}")
     return PatchEntry(
@@ -333,11 +386,13 @@ def digests_from_json(v: Any, inventory: Sequence[TensorInfo], what: str) -> Map
     idx = json_list(o["tensors"], "tensor_digests.tensors")
     hexes = o["xxh3_128"]
     n = len(inventory)
-    if not _index_list(idx, n) or any(map(operator.ge, idx, itertools.islice(idx, 1, None))):
+    facts = inventory_facts(inventory) if isinstance(inventory, tuple) else InventoryFacts(inventory)
+    # every tensor, in order (the writers' default); ints only (2.0 and True compare equal to ints)
+    every = len(idx) == n and idx == facts.memo.setdefault("every", list(range(n))) and set(map(type, idx)) == {int}
+    if not every and (not _index_list(idx, n) or any(map(operator.ge, idx, itertools.islice(idx, 1, None)))):
         raise field_error(what, "tensor_digests.tensors must be strictly ascending inventory indices")
     if not isinstance(hexes, str) or len(hexes) != 32 * len(idx) or not _lower_hex(hexes):
         raise field_error(what, "tensor_digests.xxh3_128 must be 32 lower-case hex characters per tensor")
-    facts = inventory_facts(inventory) if isinstance(inventory, tuple) else InventoryFacts(inventory)
     return DigestTable(facts, idx, hexes)
 
 

@@ -108,7 +108,11 @@ def test_verify_full_proves_tensors_a_patch_does_not_touch(run: ds.MemoryStore) 
     assert _equal(target, _state(6))
 
 
-def test_module_target_and_rebound_parameter(run: ds.MemoryStore) -> None:
+@pytest.mark.parametrize("verify", [True, False])
+def test_module_target_and_rebound_parameter(run: ds.MemoryStore, verify: bool) -> None:
+    """Without digests to fall back on (verify=False), the identity check alone must see the rebound
+    parameter: the views and the held state are both kept from the last sync, and both must let go."""
+
     class M(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -116,13 +120,18 @@ def test_module_target_and_rebound_parameter(run: ds.MemoryStore) -> None:
             self.register_buffer("v", torch.zeros(64))
 
     m = M()
-    fetcher = ds.DeltaFetcher(run)
+    fetcher = ds.DeltaFetcher(run, verify=verify)
     fetcher.sync(m, step=3)
-    assert fetcher.current_step(m) == 3
+    fetcher.sync(m, step=4)  # the views and the held state are the kept ones now
+    assert fetcher.current_step(m) == 4
     m.w.data = torch.zeros(512, dtype=torch.bfloat16)  # new memory behind the fetcher's back
     assert fetcher.current_step(m) is None
     fetcher.sync(m, step=5)
     assert _equal(dict(m.state_dict()), _state(5))
+    m.v.data = m.v.data.view(torch.int32).view(torch.float32).clone()  # same values, new memory
+    m.v.data[0] = 7.0  # untracked (a .data write bumps no version counter the fetcher reads)
+    fetcher.sync(m, step=6)
+    assert _equal(dict(m.state_dict()), _state(6))
 
 
 @pytest.mark.parametrize("version", [1, 2])

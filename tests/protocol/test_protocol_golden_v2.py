@@ -201,6 +201,12 @@ HOSTILE = {
         "tensor_digests.xxh3_128", "8BED3924046DE2EBA8C8F841DDFFD2B2d8cef1d4b31508383c101efb4a4bf0cb"
     ),
     "digests by name": _set("tensor_digests", {"a": "8bed3924046de2eba8c8f841ddffd2b2"}),
+    # every tensor in order is read in one compare with [0, 1, ...]: values equal to those ints but
+    # not ints are still refused
+    "digests every tensor, a float": _set("tensor_digests.tensors", [0, 1.0]),
+    "digests every tensor, bools": _set("tensor_digests.tensors", [False, True]),
+    "group index a float": _set("entries.0.tensors", [0, 1.0]),
+    "group not an object": _set("entries.0", [0, 1]),
 }
 
 
