@@ -92,6 +92,9 @@ def changed_names(m: Manifest, parent: Manifest | None, changes: Sequence[StepCh
     else:
         before = parent.tensor_digests
         out = [n for n, d in digests.items() if before.get(n) != d]
+    if isinstance(digests, DigestTable) and len(out) == len(digests.facts.names):
+        out.sort()  # every tensor of the inventory (distinct names): no change can name another
+        return out
     listed = set(out)
     if listed.issuperset(touched(changes)):
         extra: set[str] = set()  # every tensor with an entry changed its digest (the usual step): one C pass
@@ -113,11 +116,14 @@ def _differing(digests: DigestTable, before: DigestTable) -> list[str]:
     """The names whose digest in ``digests`` is not the one in ``before`` (or is not there), in
     inventory order: one compare of their words, row by row."""
     pos = digests.positions()
+    names = digests.facts.names
+    if len(digests) == len(before) == len(names):  # both digest every tensor: row i is tensor i
+        differ = (before.words() != digests.words()).any(axis=1)
+        return list(map(names.__getitem__, np.flatnonzero(differ).tolist()))
     rows = before.rows()[pos]
     differ = rows < 0
     have = ~differ
     differ[have] = (before.words()[rows[have]] != digests.words()[have]).any(axis=1)
-    names = digests.facts.names
     return list(map(names.__getitem__, pos[differ].tolist()))
 
 

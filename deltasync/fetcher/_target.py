@@ -334,12 +334,34 @@ def _accessors() -> tuple[Any, Any, Any, Any]:
     return ptr, stride, shape, dtype
 
 
+def _layout_guard(objs: list[Any], shapes: list[Any], strides: list[Any]) -> Any:
+    """A compiled check that each of ``objs`` still has its dtype, shape and strides (and Python
+    type, device, requires_grad and dispatch keys: anything else only fails the check, which the
+    caller answers with the full one), in one C++ pass over all of them: torch's own tensor guards,
+    which torch.compile uses to reuse a graph. None where this torch has none, or where the check
+    does not pass on the very tensors it was made from."""
+    try:
+        from torch._C._dynamo import guards
+
+        guard = cast(Any, guards).TensorGuards(
+            *objs,
+            dynamic_dims_sizes=[list(map(int, s)) for s in shapes],
+            dynamic_dims_strides=[list(map(int, s)) for s in strides],
+        )
+        if guard.check(*objs) is True:
+            return guard
+    except Exception:  # noqa: BLE001 - a private API: anything off means the plain compares
+        pass
+    return None
+
+
 class _Seen:
     """What :class:`TargetViews` last saw of a target, as lists compared in one pass each: the names,
     the tensor objects (by ``id()``, valid while they all live: the views forget everything once one
-    is collected), their data addresses, strides, shapes and dtypes."""
+    is collected), their data addresses, strides, shapes and dtypes (or, where torch has them, its
+    compiled guard of the dtypes, shapes and strides: :func:`_layout_guard`)."""
 
-    __slots__ = ("dtypes", "ids", "names", "out", "ptrs", "shapes", "strides")
+    __slots__ = ("dtypes", "guard", "ids", "names", "out", "ptrs", "shapes", "strides")
 
     def __init__(
         self,
@@ -353,6 +375,24 @@ class _Seen:
     ) -> None:
         self.names, self.ids, self.ptrs, self.out = names, ids, ptrs, out
         self.strides, self.shapes, self.dtypes = strides, shapes, dtypes
+        self.guard: Any = None
+
+    def same_layouts(self, objs: list[Any], get_stride: Any, get_shape: Any, get_dtype: Any) -> bool:
+        """Whether ``objs`` (the same tensor objects at the same addresses) still have the dtypes,
+        strides and shapes seen."""
+        if self.guard is not None:
+            return bool(self.guard.check(*objs))
+        return (
+            list(map(get_dtype, objs)) == self.dtypes
+            # compared as they are read: a list of 18k tuples kept for a compare sets off the
+            # garbage collector's full passes over a big heap (100+ ms), a stream keeps nothing
+            and all(map(operator.eq, map(get_stride, objs), self.strides))
+            and all(map(operator.eq, map(get_shape, objs), self.shapes))
+        )
+
+
+#: targets of at least this many tensors have their layouts checked by :func:`_layout_guard`
+GUARD_FROM = 64
 
 
 class TargetViews:
@@ -388,11 +428,7 @@ class TargetViews:
                 and names == last.names
                 and list(map(id, objs)) == last.ids
                 and list(map(get_ptr, objs)) == last.ptrs
-                and list(map(get_dtype, objs)) == last.dtypes
-                # compared as they are read: a list of 18k tuples kept for a compare sets off the
-                # garbage collector's full passes over a big heap (100+ ms), a stream keeps nothing
-                and all(map(operator.eq, map(get_stride, objs), last.strides))
-                and all(map(operator.eq, map(get_shape, objs), last.shapes))
+                and last.same_layouts(objs, get_stride, get_shape, get_dtype)
             ):
                 return self._inventory, last.out
         self._seen.clear()
@@ -421,5 +457,8 @@ class TargetViews:
             self._inventory = tuple(sorted((cache[n][5] for n in live), key=lambda i: i.name))
         views = TensorViews(out)
         if len(cache) == len(names):  # every tensor is remembered (none was collected meanwhile)
-            self._seen.append(_Seen(names, list(map(id, objs)), ptrs, strides, shapes, dtypes, views))
+            seen = _Seen(names, list(map(id, objs)), ptrs, strides, shapes, dtypes, views)
+            if len(objs) >= GUARD_FROM:
+                seen.guard = _layout_guard(objs, shapes, strides)
+            self._seen.append(seen)
         return self._inventory, views

@@ -287,13 +287,14 @@ class DigestTable(Mapping[str, str]):
     digests in one string. A mapping of name -> hex digest (its dict made on first use); readers in
     bulk take :meth:`positions`, :meth:`words` and :meth:`rows` instead of 18k strings. Immutable."""
 
-    __slots__ = ("_dict", "_pos", "_rows", "_words", "facts", "hexes")
+    __slots__ = ("_at", "_dict", "_pos", "_rows", "_words", "facts", "hexes")
 
     def __init__(self, facts: InventoryFacts, pos: list[int], hexes: str) -> None:
         """``pos``: strictly ascending inventory positions; ``hexes``: 32 lower-case hex each (checked by the caller)."""
         self.facts = facts
         self.hexes = hexes
         self._pos = pos
+        self._at: np.ndarray[Any, np.dtype[np.int64]] | None = None
         self._dict: dict[str, str] | None = None
         self._words: np.ndarray[Any, np.dtype[np.uint64]] | None = None
         self._rows: np.ndarray[Any, np.dtype[np.int64]] | None = None
@@ -344,7 +345,18 @@ class DigestTable(Mapping[str, str]):
 
     def positions(self) -> np.ndarray[Any, np.dtype[np.int64]]:
         """The inventory positions digested, ascending."""
-        return np.asarray(self._pos, dtype=np.int64)
+        if self._at is None:
+            n = len(self.facts.names)
+            if len(self._pos) == n:  # ascending and in range: every position (the writers' default)
+                at = self.facts.memo.get("arange")
+                if at is None:
+                    at = self.facts.memo["arange"] = np.arange(n, dtype=np.int64)
+                    at.flags.writeable = False
+            else:
+                at = np.asarray(self._pos, dtype=np.int64)
+                at.flags.writeable = False
+            self._at = at
+        return self._at
 
     def words(self) -> np.ndarray[Any, np.dtype[np.uint64]]:
         """The digests as an ``(n, 2)`` uint64 array, in :meth:`positions` order (see
@@ -356,9 +368,13 @@ class DigestTable(Mapping[str, str]):
     def rows(self) -> np.ndarray[Any, np.dtype[np.int64]]:
         """Each inventory position's row in :meth:`words`, -1 where it has no digest."""
         if self._rows is None:
-            rows = np.full(len(self.facts.names), -1, dtype=np.int64)
-            rows[self.positions()] = np.arange(len(self._pos), dtype=np.int64)
-            self._rows = rows
+            if len(self._pos) == len(self.facts.names):
+                self._rows = self.positions()  # every position: row i is position i
+            else:
+                rows = np.full(len(self.facts.names), -1, dtype=np.int64)
+                rows[self.positions()] = np.arange(len(self._pos), dtype=np.int64)
+                rows.flags.writeable = False
+                self._rows = rows
         return self._rows
 
 

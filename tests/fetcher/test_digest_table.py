@@ -7,6 +7,7 @@ from __future__ import annotations
 import pickle
 
 import numpy as np
+import pytest
 import xxhash
 
 from deltasync.fetcher._apply import changed_names
@@ -47,11 +48,13 @@ class _M:
         self.tensor_digests = digests
 
 
-def test_changed_names_from_tables_equal_those_from_dicts() -> None:
+@pytest.mark.parametrize("every", [False, True], ids=["some-tensors", "every-tensor"])
+def test_changed_names_from_tables_equal_those_from_dicts(every: bool) -> None:
+    """Also with every tensor digested on both sides (the writers' default), read row by row."""
     inv = _inventory(50)
     rng = np.random.default_rng(0)
-    before_pos = sorted(rng.choice(50, 40, replace=False).tolist())
-    after_pos = sorted(rng.choice(50, 45, replace=False).tolist())
+    before_pos = list(range(50)) if every else sorted(rng.choice(50, 40, replace=False).tolist())
+    after_pos = list(range(50)) if every else sorted(rng.choice(50, 45, replace=False).tolist())
     flip = set(rng.choice(after_pos, 12, replace=False).tolist())
 
     def body(pos: list[int], salted: set[int]) -> dict[str, object]:
@@ -82,3 +85,14 @@ def test_positions_are_kept_for_the_same_names_and_asked_again_for_others() -> N
     with pytest.raises(KeyError):
         positions_in(index, ["zz"], memo)
     assert positions_in(index, ["b"], None).tolist() == [1]  # nothing to keep it in
+
+
+def test_every_tensor_changed_is_every_name_sorted() -> None:
+    """Every digest differs (the usual RL step of an MoE: every expert moves): the names come back
+    sorted, each once, with no look at the changes (they can name nothing else)."""
+    inv = tuple(reversed(_inventory(30)))  # an inventory not in name order
+    pos = list(range(30))
+    before = digests_from_json({"tensors": pos, "xxh3_128": "".join(_hex(i, b"") for i in range(30))}, inv, "a")
+    after = digests_from_json({"tensors": pos, "xxh3_128": "".join(_hex(i, b"x") for i in range(30))}, inv, "b")
+    got = changed_names(_M(after), _M(before), ())  # type: ignore[arg-type]
+    assert got == sorted(t.name for t in inv)

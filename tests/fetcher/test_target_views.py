@@ -65,3 +65,34 @@ def test_replacing_tensors_between_syncs_syncs_right() -> None:
     assert_state_equal(target, states[2])
     f.sync(target, step=3)
     assert_state_equal(target, states[3])
+
+
+@pytest.mark.parametrize("guard", [True, False], ids=["torch-guard", "plain-compares"])
+def test_a_layout_changed_in_place_at_the_same_memory_is_seen(guard: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same tensor objects at the same addresses, with another shape, strides or dtype, are seen
+    afresh: by torch's compiled tensor guard where this torch has one (large targets), by the plain
+    compares otherwise."""
+    from deltasync.fetcher import _target
+
+    if guard:
+        monkeypatch.setattr(_target, "GUARD_FROM", 0)
+    else:
+        monkeypatch.setattr(_target, "_layout_guard", lambda *_: None)
+    views = TargetViews()
+    t = {"a": torch.zeros(4, 4), "b": torch.zeros(8, dtype=torch.bfloat16), "c": torch.zeros(3)}
+    inv, tens = views.of(t)
+    assert (views._seen[0].guard is not None) is guard  # noqa: SLF001 - the path under test
+    assert views.of(t)[1] is tens  # nothing changed: the very same views
+    ptr = t["a"].data_ptr()
+    t["a"].resize_(2, 4)  # same memory, same strides, another shape
+    assert t["a"].data_ptr() == ptr
+    inv, tens = views.of(t)
+    assert dict((i.name, i.shape) for i in inv)["a"] == (2, 4)
+    assert views.of(t)[1] is tens
+    t["b"].data = t["b"].data.view(torch.float16)  # same object, memory, shape and strides; another dtype
+    inv, tens = views.of(t)
+    assert dict((i.name, i.dtype) for i in inv)["b"] == "F16"
+    assert views.of(t)[1] is tens
+    t["c"].unsqueeze_(0)  # another shape and strides
+    inv, _ = views.of(t)
+    assert dict((i.name, i.shape) for i in inv)["c"] == (1, 3)
