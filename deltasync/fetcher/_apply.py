@@ -350,6 +350,9 @@ class Undo:
 
 #: a change of more positions than this is applied in parts of this many, on several threads at once
 APPLY_CHUNK = 1 << 22
+#: changes of at most this many positions in all are applied on the calling thread: a pool's threads
+#: cost more to start than their writes
+INLINE_POSITIONS = 1 << 16
 
 
 def _part(c: Change, a: int, b: int) -> Change:
@@ -391,7 +394,7 @@ def apply_changes(
                 jobs.extend((t, _part(d, a, min(n, a + APPLY_CHUNK)), (d.tensor,)) for a in range(0, n, APPLY_CHUNK))
             else:
                 jobs.append((t, d, (d.tensor,)))
-    if threads <= 1 or len(jobs) < 2:
+    if threads <= 1 or len(jobs) < 2 or sum(int(j[1].idx.size) for j in jobs) <= INLINE_POSITIONS:
         for target, c, names in jobs:
             undo.record(target, c.idx, _apply_one(target, c))
             undo.names.update(names)

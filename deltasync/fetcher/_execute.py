@@ -127,6 +127,9 @@ def decode_plan(
 #: an anchor plan's proof replays its tensors in groups of about this many bytes (copies of the anchor's
 #: tensors), so that each step's digests of a group are hashed at once on every thread
 PROVE_GROUP_BYTES = 256 << 20
+#: a patch step of at most this many bytes is decoded on the calling thread: a pool's threads cost
+#: more to start than a small step's decode
+INLINE_BYTES = 256 << 10
 
 
 def prove_anchor_plan(
@@ -341,7 +344,7 @@ def apply_decoded(
 def _decode(m: Manifest, files: Mapping[str, Any], threads: int) -> list[StepChange]:
     """Decode a patch step, up to ``threads`` entries at once (the compiled decoders release the GIL);
     a group stays whole (split only where it is not applied as one)."""
-    if threads <= 1 or len(m.entries) < 2:
+    if threads <= 1 or len(m.entries) < 2 or m.total_bytes <= INLINE_BYTES:
         return list(decode_patch_groups(m, files))
     # the pool's map keeps the manifest's order and re-raises the first failing entry's error
     with ThreadPoolExecutor(min(threads, len(m.entries)), thread_name_prefix="deltasync-decode") as pool:

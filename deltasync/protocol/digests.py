@@ -238,6 +238,7 @@ def tensor_digests(arrays: Mapping[str, Digestible], format_version: int, *, map
     batch: list[_Piece] = []
     batch_bytes = 0
     tiny: list[_Piece] = []  # hashed with the GIL held: one task, beside the others
+    total = 0
     for name, x in arrays.items():
         src: np.ndarray[Any, Any] | ByteSource
         if isinstance(x, np.ndarray):
@@ -245,6 +246,7 @@ def tensor_digests(arrays: Mapping[str, Digestible], format_version: int, *, map
             n = src.nbytes
         else:
             src, n = x, int(x.nbytes)
+        total += n
         if n <= GIL_HELD_BYTES:
             tiny.append((name, -1, src, 0, n))
             continue
@@ -268,6 +270,8 @@ def tensor_digests(arrays: Mapping[str, Digestible], format_version: int, *, map
     if tiny:
         tasks.insert(0, tuple(tiny))  # first: the longest task a pool should start early
     found = dict.fromkeys(arrays, "")  # in the caller's order
+    if total <= TASK_BYTES:
+        mapper = map  # a pool's threads cost more to start than hashing this little here
     for task, digests in zip(tasks, mapper(_run, tasks), strict=True):
         for (name, chunk, _, _, _), d in zip(task, digests, strict=True):
             if isinstance(d, str):

@@ -249,9 +249,14 @@ def test_a_run_written_by_one_implementation_reads_with_the_other(tmp_path: Any,
         assert out.stdout.strip() == ("numba" if backend == "auto" else backend)
 
 
-def test_parallel_apply_logs_every_write_when_one_tensor_fails() -> None:
-    """threads > 1: a tensor whose write fails does not lose the undo bits of those written beside it."""
+@pytest.mark.parametrize("pool", [True, False], ids=["on-a-pool", "small-so-inline"])
+def test_parallel_apply_logs_every_write_when_one_tensor_fails(pool: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """threads > 1: a tensor whose write fails does not lose the undo bits of those written beside it
+    (on a pool; or, a change this small, on the calling thread, which stops at the failure)."""
+    from deltasync.fetcher import _apply
     from deltasync.fetcher._apply import apply_changes
+
+    monkeypatch.setattr(_apply, "INLINE_POSITIONS", 0 if pool else 1 << 20)
     from deltasync.protocol import DecodedEntry, PatchEntry
     from deltasync.protocol.manifest import ByteRange
 
@@ -271,7 +276,7 @@ def test_parallel_apply_logs_every_write_when_one_tensor_fails() -> None:
     undo = Undo()
     with pytest.raises(ProtocolError, match="refused"):
         apply_changes(slots, changes, undo, threads=3)
-    assert undo.names == {"a", "b", "d"}
+    assert undo.names == ({"a", "b", "d"} if pool else {"a", "b"})
     assert not np.array_equal(arrays["a"], before["a"])
     undo.rollback()
     assert all(np.array_equal(arrays[n], before[n]) for n in arrays)
