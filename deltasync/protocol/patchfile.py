@@ -261,10 +261,26 @@ def inventory_sizes(inventory: tuple[TensorInfo, ...]) -> tuple[dict[str, int], 
     return index, numels
 
 
+#: the bounds of the newest inventory's groups by members (a run's groups recur step after step)
+_BOUNDS: list[tuple[dict[str, int], dict[tuple[str, ...], Ints]]] = []
+#: groups whose bounds are kept (for one inventory; a writer's grouping of it is a few thousand at most)
+_BOUNDS_KEPT = 8192
+
+
 def group_bounds(entry: PatchEntry, index: Mapping[str, int], numels: Ints) -> Ints:
-    """A group entry's members' cumulative element counts, from 0 (see :class:`DecodedGroup`)."""
+    """A group entry's members' cumulative element counts, from 0 (see :class:`DecodedGroup`), kept
+    for the same members of the same inventory (``index``, from :func:`inventory_sizes`): shared,
+    never to be written (writeable only because the compiled kernels take plain arrays)."""
+    kept = _BOUNDS[-1][1] if _BOUNDS and _BOUNDS[-1][0] is index else None
+    if kept is not None and (hit := kept.get(entry.members)) is not None:
+        return hit
     bounds = np.zeros(len(entry.members) + 1, dtype=np.int64)
     np.cumsum(numels[[index[n] for n in entry.members]], out=bounds[1:])
+    if isinstance(index, dict):
+        if kept is None or len(kept) >= _BOUNDS_KEPT:
+            kept = {}
+            _BOUNDS[:] = [(index, kept)]  # one slot, replaced whole (a reader in another thread sees either)
+        kept[entry.members] = bounds
     return bounds
 
 

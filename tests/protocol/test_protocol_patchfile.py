@@ -269,3 +269,20 @@ def test_entries_of_one_file_may_not_overlap() -> None:
     shifted = dataclasses.replace(e1, range=ByteRange(e1.range.start - 1, e1.range.end - 1))
     with pytest.raises(ProtocolError, match="overlap"):
         Manifest.from_json(dataclasses.replace(am, entries=(e0, shifted, *am.entries[2:])).to_json())
+
+
+def test_group_bounds_are_kept_per_inventory_not_by_names_alone() -> None:
+    """A group's bounds are kept for its members within one inventory; the same names in another
+    inventory (other shapes) get their own."""
+    from deltasync.protocol import PatchEntry, TensorInfo
+    from deltasync.protocol.entries import ByteRange
+    from deltasync.protocol.patchfile import group_bounds, inventory_sizes
+
+    entry = PatchEntry("a", "f", 1, "rice", 0, "raw", ByteRange(0, 0), ByteRange(0, 0), ("a", "b"))
+    small = (TensorInfo("a", "BF16", (2, 3)), TensorInfo("b", "BF16", (4,)))
+    large = (TensorInfo("a", "BF16", (5, 3)), TensorInfo("b", "BF16", (7,)))
+    first = group_bounds(entry, *inventory_sizes(small))
+    assert first.tolist() == [0, 6, 10]
+    assert group_bounds(entry, *inventory_sizes(small)) is first  # kept
+    assert group_bounds(entry, *inventory_sizes(large)).tolist() == [0, 15, 22]
+    assert group_bounds(entry, *inventory_sizes(small)).tolist() == [0, 6, 10]
