@@ -21,9 +21,7 @@ How the tests share code (one way each):
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -49,9 +47,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """Under pytest-xdist (``-n 2``, pyproject.toml): the tests of real-engine modules (marker ``vllm``)
     all go, in collection order, to the first worker (each engine takes the machine's cores; the vLLM
     venv and the trained runs are built once), which takes nothing else until they are done, while the
-    other workers take every other test as xdist's load scheduling hands them out. Where the vLLM
-    venv is not built yet, this process builds it on a thread and the first worker takes other tests,
-    two at a time, until it is (the engine tests are the longest chain: they go as soon as it is). Scheduled by index,
+    other workers take every other test as xdist's load scheduling hands them out. Scheduled by index,
     as xdist's own load scheduling is: items that share a node id (schemathesis's one per API
     operation) each run. (xdist's ``--dist loadgroup`` cannot see groups under pytest 9.2, and its
     scope scheduling keys tests by node id.)"""
@@ -59,7 +55,6 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
 
     root = config.rootpath
     engine_files: dict[str, bool] = {}
-    build: list[threading.Thread] = []  # the vLLM venv built beside the tests, when it was not there
 
     def uses_engines(nodeid: str) -> bool:
         path = nodeid.split("::", 1)[0]
@@ -70,8 +65,6 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
 
     class EnginesFirst(LoadScheduling):  # type: ignore[misc]
         engines: frozenset[int] = frozenset()
-        held: list[int] = []  # the engine tests, held back while their venv is built
-        first: Any = None
 
         def schedule(self) -> None:
             if self.collection is not None or len(self.nodes) < 2 or not self._check_nodes_have_same_collection():
@@ -83,71 +76,24 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
             self.pending[:] = [i for i in order if i not in self.engines]
             if self.maxschedchunk is None:
                 self.maxschedchunk = len(self.collection)
-            self.first, *others = self.nodes
+            first, *others = self.nodes
             if self.engines:
                 queue = sorted(self.engines)
-                if self.pending and _build_venv_beside(build):
-                    self.held = queue  # the first worker takes other tests until the venv is built
-                else:
-                    self._send_engines(queue)
-            chunk = max(2, len(self.pending) // max(1, len(others) if self.engines else len(self.nodes)) // 4)
-            if self.held:
-                self._send_tests(self.first, 2)
+                self.node2pending[first].extend(queue)
+                first.send_runtest_some(queue)
+            chunk = max(2, len(self.pending) // max(1, len(others)) // 4)
             for node in others if self.engines else self.nodes:
                 self._send_tests(node, chunk)
-            if not self.pending and not self.held:
+            if not self.pending:
                 for node in self.nodes:
                     node.shutdown()  # each ends once it has run what it was sent
 
-        def _send_engines(self, queue: list[int]) -> None:
-            self.node2pending[self.first].extend(queue)
-            self.first.send_runtest_some(queue)
-
         def check_schedule(self, node: Any, duration: float = 0) -> None:
-            if self.held and node is self.first:
-                if not build[0].is_alive() or not self.pending:
-                    # the venv is built (or there is nothing else to run: the engine tests wait for it)
-                    queue, self.held = self.held, []
-                    self._send_engines(queue)
-                else:  # two at a time: the engine tests (the longest chain) start as soon as it is built
-                    self._send_tests(node, 2 - len(self.node2pending[node]))
-                return
             if self.engines and any(i in self.engines for i in self.node2pending[node]):
                 return  # the engine worker takes more only once its engine tests are done
             super().check_schedule(node, duration)
 
-        def remove_node(self, node: Any) -> Any:
-            if self.held and node is self.first:  # the engine worker is gone: any worker may take them
-                self.pending.extend(self.held)
-                self.held = []
-            return super().remove_node(node)
-
-        @property
-        def tests_finished(self) -> bool:
-            return not self.held and bool(super().tests_finished)
-
     return EnginesFirst(config, log)
-
-
-def _build_venv_beside(build: list[threading.Thread]) -> bool:
-    """Start building the vLLM venv on a thread of this (the controller's) process when it is not
-    there, so that the engine worker runs other tests meanwhile instead of waiting on pip; True when
-    a build started. The engine tests' fixture takes the harness's lock and finds the venv built (or
-    waits for the build, or sees and reports its failure by trying again)."""
-    from vllm_harness import VenvUnavailable, build_vllm_venv, venv_dir, venv_ready
-
-    venv = venv_dir()
-    if venv_ready(venv):
-        return False
-
-    def run() -> None:
-        # a failure: the fixture builds again and reports it, as without this thread
-        with contextlib.suppress(VenvUnavailable, OSError):
-            build_vllm_venv(venv)
-
-    build.append(threading.Thread(target=run, name="vllm-venv-build", daemon=True))
-    build[0].start()
-    return True
 
 
 # ------------------------------------------------------------------ node mirrors

@@ -139,12 +139,6 @@ def _versions(python: Path, names: tuple[str, ...]) -> dict[str, str | None]:
     return json.loads(_run([str(python), "-c", code, *names], timeout=120, what="reading package versions"))
 
 
-def venv_ready(venv: Path) -> bool:
-    """Whether ``venv`` is a complete vLLM venv this harness built (nothing to build)."""
-    marker = venv / COMPLETE
-    return marker.is_file() and _python_of(venv).exists() and marker.read_text().strip() == VLLM_REQUIREMENT
-
-
 def build_vllm_venv(venv: Path) -> Path:
     """Create ``venv`` with vLLM unless a complete one is there; return its python. Takes the lock.
 
