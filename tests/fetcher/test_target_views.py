@@ -4,6 +4,7 @@ same tensors at the same memory and layout; anything else is seen afresh (and pr
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 from tensors import assert_state_equal, snapshot
@@ -41,13 +42,21 @@ def test_views_are_kept_only_for_the_same_tensors() -> None:
     assert [i.name for i in views.of(t2)[0]] == ["b"]
 
 
-def test_a_dropped_target_is_forgotten() -> None:
+@pytest.mark.parametrize("guard", [True, False], ids=["torch-guard", "plain-compares"])
+def test_a_dropped_target_is_forgotten(guard: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Neither the views nor torch's tensor guard keep a dropped target's tensors alive."""
+    from deltasync.fetcher import _target
+
+    monkeypatch.setattr(_target, "GUARD_FROM", 0 if guard else 1 << 30)
     views = TargetViews()
     t = {"a": torch.zeros(1000)}
+    ref = weakref.ref(t["a"])
     views.of(t)
+    assert (views._seen[0].guard is not None) is guard  # noqa: SLF001 - the path under test
     del t
     gc.collect()
     assert not views._cache  # noqa: SLF001 - the views no longer hold the tensor's memory
+    assert ref() is None
 
 
 def test_replacing_tensors_between_syncs_syncs_right() -> None:
