@@ -345,8 +345,8 @@ def _layout_guard(objs: list[Any], shapes: list[Any], strides: list[Any]) -> Any
 
         guard = cast(Any, guards).TensorGuards(
             *objs,
-            dynamic_dims_sizes=[list(map(int, s)) for s in shapes],
-            dynamic_dims_strides=[list(map(int, s)) for s in strides],
+            dynamic_dims_sizes=list(map(list, shapes)),  # torch.Size and stride tuples hold ints
+            dynamic_dims_strides=list(map(list, strides)),
         )
         if guard.check(*objs) is True:
             return guard
@@ -361,7 +361,7 @@ class _Seen:
     is collected), their data addresses, strides, shapes and dtypes (or, where torch has them, its
     compiled guard of the dtypes, shapes and strides: :func:`_layout_guard`)."""
 
-    __slots__ = ("dtypes", "guard", "ids", "names", "out", "ptrs", "shapes", "strides")
+    __slots__ = ("dtypes", "guard", "guarded", "ids", "names", "out", "ptrs", "shapes", "strides")
 
     def __init__(
         self,
@@ -376,6 +376,7 @@ class _Seen:
         self.names, self.ids, self.ptrs, self.out = names, ids, ptrs, out
         self.strides, self.shapes, self.dtypes = strides, shapes, dtypes
         self.guard: Any = None
+        self.guarded = False  # a guard was tried
 
     def same_layouts(self, objs: list[Any], get_stride: Any, get_shape: Any, get_dtype: Any) -> bool:
         """Whether ``objs`` (the same tensor objects at the same addresses) still have the dtypes,
@@ -391,7 +392,8 @@ class _Seen:
         )
 
 
-#: targets of at least this many tensors have their layouts checked by :func:`_layout_guard`
+#: targets of at least this many tensors have their layouts checked by :func:`_layout_guard` (from
+#: the third sync of the same tensors on: the second finds them by the plain compares and builds it)
 GUARD_FROM = 64
 
 
@@ -430,6 +432,11 @@ class TargetViews:
                 and list(map(get_ptr, objs)) == last.ptrs
                 and last.same_layouts(objs, get_stride, get_shape, get_dtype)
             ):
+                if last.guard is None and not last.guarded and len(objs) >= GUARD_FROM:
+                    # seen twice: a target synced step after step; its guard pays from the next sync on
+                    # (a target seen once, as a node build's, never builds one)
+                    last.guarded = True
+                    last.guard = _layout_guard(objs, last.shapes, last.strides)
                 return self._inventory, last.out
         self._seen.clear()
         cache = self._cache
@@ -457,8 +464,5 @@ class TargetViews:
             self._inventory = tuple(sorted((cache[n][5] for n in live), key=lambda i: i.name))
         views = TensorViews(out)
         if len(cache) == len(names):  # every tensor is remembered (none was collected meanwhile)
-            seen = _Seen(names, list(map(id, objs)), ptrs, strides, shapes, dtypes, views)
-            if len(objs) >= GUARD_FROM:
-                seen.guard = _layout_guard(objs, shapes, strides)
-            self._seen.append(seen)
+            self._seen.append(_Seen(names, list(map(id, objs)), ptrs, strides, shapes, dtypes, views))
         return self._inventory, views

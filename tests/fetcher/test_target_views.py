@@ -52,6 +52,8 @@ def test_a_dropped_target_is_forgotten(guard: bool, monkeypatch: pytest.MonkeyPa
     t = {"a": torch.zeros(1000)}
     ref = weakref.ref(t["a"])
     views.of(t)
+    assert views._seen[0].guard is None  # noqa: SLF001 - a target seen once builds no guard
+    views.of(t)
     assert (views._seen[0].guard is not None) is guard  # noqa: SLF001 - the path under test
     del t
     gc.collect()
@@ -90,8 +92,8 @@ def test_a_layout_changed_in_place_at_the_same_memory_is_seen(guard: bool, monke
     views = TargetViews()
     t = {"a": torch.zeros(4, 4), "b": torch.zeros(8, dtype=torch.bfloat16), "c": torch.zeros(3)}
     inv, tens = views.of(t)
+    assert views.of(t)[1] is tens  # nothing changed: the very same views (and, seen twice, a guard)
     assert (views._seen[0].guard is not None) is guard  # noqa: SLF001 - the path under test
-    assert views.of(t)[1] is tens  # nothing changed: the very same views
     ptr = t["a"].data_ptr()
     t["a"].resize_(2, 4)  # same memory, same strides, another shape
     assert t["a"].data_ptr() == ptr

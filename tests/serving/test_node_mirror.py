@@ -84,7 +84,9 @@ def _data_files(node: NodeMirror) -> set[str]:
 
 def _named_files(node: NodeMirror) -> set[str]:
     return {
-        f for v in node.versions.all_versions() for f in [*(e.name for e in v.files.values()), *v.positions.values()]
+        f
+        for v in node.versions.all_versions()
+        for f in [*(e.name for e in v.files.values()), *(p.file for p in v.positions.values())]
     }
 
 
@@ -264,7 +266,8 @@ def test_a_build_in_this_process_reads_with_a_fetcher_of_its_own(tmp_path: Path)
 
 def test_a_version_s_index_and_the_leader_s_config_keep_their_form(tmp_path: Path) -> None:
     """The index on disk and the line a leader reads are what engines of other deltasync versions on the
-    same node read and write: the same keys, a tensor as ``[file, dtype, shape]``."""
+    same node read and write: the same keys, a tensor as ``[file, dtype, shape, offset]`` (index format
+    2; format 1 had no offset, and a deltasync of another format keeps its own folder)."""
     import json
 
     from deltasync.serving.node._link import LeaderConfig
@@ -275,10 +278,12 @@ def test_a_version_s_index_and_the_leader_s_config_keep_their_form(tmp_path: Pat
     (seed,) = worker.node.versions.all_versions()
     doc = json.loads((worker.node.versions.index / f"{seed.id}.json").read_text())
     assert sorted(doc) == ["base", "digest", "files", "format", "id", "positions", "stats", "step"]
-    assert doc["format"] == 1 and doc["step"] == 0 and doc["digest"] is not None
-    file, dtype, shape = doc["files"][NAMES[0]]
+    assert doc["format"] == 2 and doc["step"] == 0 and doc["digest"] is not None
+    file, dtype, shape, offset = doc["files"][NAMES[0]]
     assert (dtype, shape) == ("bfloat16", list(SHAPE)) and (worker.node.versions.data / file).exists()
-    assert seed.files[NAMES[0]] == VersionFile(file, "bfloat16", SHAPE)
+    assert seed.files[NAMES[0]] == VersionFile(file, "bfloat16", SHAPE, offset)
+    assert len({f[0] for f in doc["files"].values()}) == 1  # the seed is one pack, each tensor at a page
+    assert all(f[3] % 4096 == 0 for f in doc["files"].values())
     assert Version.from_json(seed.to_json(), seed.data) == seed
     worker.close()
     config = LeaderConfig(tmp_path / "node" / "x", url, "full", b"\x01key", 1 << 20)
@@ -432,12 +437,14 @@ def test_a_cuda_engine_updates_bit_exact_from_registered_pages(tmp_path: Path) -
 
 
 def _mapping(ptr: int) -> tuple[str, int]:
-    """The permissions (``r--s``...) and resident KiB of this process's mapping that starts at ``ptr``."""
+    """The permissions (``r--s``...) and resident KiB of this process's mapping that holds ``ptr`` (a
+    version's pack is one mapping of many tensors)."""
     perms = None
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
-            perms = line.split()[1] if int(head.split("-")[0], 16) == ptr else None
+            start, end = (int(x, 16) for x in head.split("-"))
+            perms = line.split()[1] if start <= ptr < end else None
         elif perms is not None and head == "Rss:":
             return perms, int(line.split()[1])
     raise AssertionError(f"no mapping at {ptr:#x}")
@@ -487,11 +494,12 @@ def _no_room_said(exc: BaseException) -> None:
     assert "no room for the node mirror" in text and "DELTASYNC_NODE_DIR" in text and "--shm-size" in text, text
 
 
+@pytest.mark.parametrize("fails", [0, 1], ids=["pack", "positions"])
 def test_a_full_filesystem_is_a_clear_error_and_leaves_the_engine_and_the_node_at_their_step(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fails: int
 ) -> None:
     """The build runs in this process here (``spawn=False``) so that the write can fail on cue: the
-    filesystem fills up on the third file of step 1 (test_a_real_full_tmpfs_... runs the leader on a
+    filesystem fills up on step 1's pack, or on its positions file after the pack (test_a_real_full_tmpfs_... runs the leader on a
     real full tmpfs where the machine lets it mount one)."""
     from deltasync.serving.node import store as node_module
 
@@ -499,25 +507,25 @@ def test_a_full_filesystem_is_a_clear_error_and_leaves_the_engine_and_the_node_a
     engine = Engine(_state(0))
     worker = _worker(url, tmp_path / "node", engine, spawn=False)
     node = worker.node
-    real = node_module.write_tensor
+    real = node_module.write_buffers
     written: list[Path] = []
 
-    def filling(path: Path | str, tensor: Any) -> None:
+    def filling(path: Path | str, buffers: Any) -> None:
         path = Path(path)
-        if len(written) == 2:
+        if len(written) == fails:
             path.write_bytes(b"\0" * 100)  # a partial file, as a write cut short leaves
             raise OSError(28, "No space left on device", str(path))
         written.append(path)
-        real(path, tensor)
+        real(path, buffers)
 
-    monkeypatch.setattr(node_module, "write_tensor", filling)
+    monkeypatch.setattr(node_module, "write_buffers", filling)
     with pytest.raises(UpdateRolledBack) as caught:
         worker.commit(1)
     _no_room_said(caught.value)
     assert worker.serving == 0 and _equal(engine.weights, _state(0))
     assert [v.step for v in node.versions.all_versions()] == [0]
     assert _data_files(node) == _named_files(node)  # nothing of the unfinished version is left
-    monkeypatch.setattr(node_module, "write_tensor", real)  # room again: the same step goes through
+    monkeypatch.setattr(node_module, "write_buffers", real)  # room again: the same step goes through
     assert worker.commit(1).step == 1 and _equal(engine.weights, _state(1))
     worker.close()
 
@@ -527,16 +535,18 @@ def test_a_seed_that_does_not_fit_leaves_nothing_behind(tmp_path: Path, monkeypa
     from deltasync.serving.node import store as node_module
 
     url = _push(tmp_path / "run", range(1))
-    calls = [0]
-    real = node_module.write_tensor
+    real = node_module.write_buffers
 
-    def filling(path: Path, tensor: Any) -> None:
-        calls[0] += 1
-        if calls[0] == 4:
-            raise OSError(28, "No space left on device", str(path))
-        real(path, tensor)
+    def filling(path: Path, buffers: Any) -> None:
+        def cut_short() -> Any:  # the third tensor does not fit: the file is left half-written
+            for i, b in enumerate(buffers):
+                if i == 4:
+                    raise OSError(28, "No space left on device", str(path))
+                yield b
 
-    monkeypatch.setattr(node_module, "write_tensor", filling)
+        real(path, cut_short())
+
+    monkeypatch.setattr(node_module, "write_buffers", filling)
     with pytest.raises(DeltaSyncError) as caught:
         _worker(url, tmp_path / "node", Engine(_state(0)), spawn=False)
     _no_room_said(caught.value)
@@ -614,8 +624,10 @@ def test_a_build_writes_the_positions_the_patch_carried_without_comparing(
             version = node.ensure(s)
             carried = _carried(url, s)
             assert version.base == step_id(s - 1) and sorted(version.positions) == sorted(carried) == NAMES
-            for name, file in version.positions.items():
-                written = np.fromfile(version.data / file, dtype=np.int32 if file.endswith(".i32") else np.int64)
+            for name, ref in version.positions.items():
+                written = np.fromfile(
+                    version.data / ref.file, np.int32 if ref.width == 4 else np.int64, ref.count, offset=ref.offset
+                )
                 assert np.array_equal(written, carried[name])
         assert node.ensure(3).step == 3  # no positions file (two steps folded: denser than POSITIONS_DENSITY)
         assert compared == []
@@ -647,8 +659,8 @@ def test_a_build_over_an_anchor_load_compares_the_tensors_it_wrote(
         version = node.ensure(1)
         assert len(compared) == 1  # the one tensor whose bits differed was written whole
         assert sorted(version.positions) == [NAMES[0]]
-        file = version.positions[NAMES[0]]
-        written = np.fromfile(version.data / file, dtype=np.int32)
+        ref = version.positions[NAMES[0]]
+        written = np.fromfile(version.data / ref.file, np.int32, ref.count, offset=ref.offset)
         want = torch.nonzero(
             seed[NAMES[0]].view(-1).view(torch.int16) != _state(1)[NAMES[0]].view(-1).view(torch.int16)
         )

@@ -158,7 +158,7 @@ class NodeMirror:
                 check({n: (t.dtype, tuple(t.shape)) for n, t in state.items()})
             versions.collect()
             try:
-                files = {n: versions.write_tensor(t) for n, t in state.items()}
+                files = versions.write_pack(state.items())
             except BaseException:
                 versions.collect()  # what was written names no version
                 raise
@@ -188,7 +188,11 @@ class NodeMirror:
             )
 
     def mapped(
-        self, get: Callable[[], Version], *, reuse: Mapping[str, Any] | None = None, read_only: bool = False
+        self,
+        get: Callable[[], Version],
+        *,
+        reuse: Mapping[tuple[str, int], Any] | None = None,
+        read_only: bool = False,
     ) -> tuple[Version, dict[str, Any]]:
         """``get()``'s version and its tensors, mapped: once mapped, a version's data outlives its
         collection. A version collected between the two is asked for again. ``reuse`` and

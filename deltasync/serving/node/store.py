@@ -5,8 +5,9 @@
     <root>/<run key>/
         versions/<id>.json    a complete version (:meth:`~deltasync.serving.node.versions.Version.to_json`):
                               written last, by rename (the commit point)
-        data/<file>           one tensor's raw bytes (or the positions of a step's changes in it);
-                              immutable once written, shared by every version in which it did not change
+        data/<file>.pack      the tensors one build wrote (each at a page boundary), or the positions
+                              of their changes; immutable once written, shared by every version that
+                              names a tensor in it
         building.json         who builds which step, and how far it got (for operators)
 
 Anyone may read; writing and collecting are for the holder of the node lock
@@ -24,18 +25,33 @@ import json
 import os
 import secrets
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from deltasync.errors import DeltaSyncError, ObjectNotFound
 from deltasync.run import RunReader
-from deltasync.serving.node.versions import Version, VersionFile, step_id, write_tensor
+from deltasync.serving.node.versions import (
+    INDEX_FORMAT,
+    PACK_ALIGN,
+    POSITIONS_ALIGN,
+    PositionsRef,
+    Version,
+    VersionFile,
+    raw_bytes,
+    step_id,
+    write_buffers,
+)
 
-__all__ = ["KEEP", "VersionStore", "run_key"]
+__all__ = ["COMPACT_BELOW", "KEEP", "VersionStore", "run_key"]
 
 #: versions a collection keeps: the two published last (the one engines serve and the next)
 KEEP = 2
+#: a build copies the tensors a new version would still take from an older pack into its own pack
+#: when they are less than this fraction of that pack's bytes: a pack stays in memory while any
+#: tensor in it is named (or mapped), so the node holds at most 1/COMPACT_BELOW times a version's bytes
+COMPACT_BELOW = 0.5
+_ZEROS = memoryview(bytes(PACK_ALIGN))
 
 
 def run_key(url: str, verify: object, signing_key: bytes | None) -> str:
@@ -44,6 +60,8 @@ def run_key(url: str, verify: object, signing_key: bytes | None) -> str:
     h.update(url.encode())
     h.update(b"\0" + repr(verify).encode())
     h.update(b"\0" + hashlib.sha256(signing_key or b"").digest())
+    if INDEX_FORMAT != 1:  # a deltasync of another index format on the node keeps its own folder
+        h.update(b"\0index-format-%d" % INDEX_FORMAT)
     return h.hexdigest()[:24]
 
 
@@ -83,15 +101,26 @@ class VersionStore:
             if hit is not None and hit[0] == key:
                 return hit[1]
             doc = json.loads(path.read_text())
+            if int(doc.get("format", 1)) > INDEX_FORMAT:
+                raise ValueError(f"index format {doc['format']}, this deltasync reads up to {INDEX_FORMAT}")
+            version = Version.from_json(doc, self.data)
         except FileNotFoundError:
             return None
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, TypeError, KeyError) as exc:
             raise DeltaSyncError(f"the node mirror's index {path} is unreadable ({exc}); delete {self.dir}") from exc
-        version = Version.from_json(doc, self.data)
+        self._remember(path, version, key)
+        return version
+
+    def _remember(self, path: Path, version: Version, key: tuple[int, int, int] | None = None) -> None:
+        if key is None:
+            try:
+                st = os.stat(path)
+            except OSError:
+                return
+            key = (st.st_ino, st.st_mtime_ns, st.st_size)
         if len(self._parsed) >= 4 * max(self.keep, 4):
             self._parsed.clear()  # bounded: versions come and go
         self._parsed[path.name] = (key, version)
-        return version
 
     def all_versions(self) -> list[Version]:
         """Every complete version, oldest first (unknown steps first)."""
@@ -122,8 +151,12 @@ class VersionStore:
         return have if self.current(have) else None
 
     def file_bytes(self, files: Mapping[str, VersionFile]) -> int:
-        """Bytes on disk of the data files of ``files``."""
-        return sum(os.stat(os.path.join(self._data_dir, f.name)).st_size for f in files.values())
+        """Bytes of the tensors of ``files`` in the node's data files."""
+        return sum(f.nbytes for f in files.values())
+
+    def file_size(self, name: str) -> int:
+        """Bytes of the data file ``name`` (FileNotFoundError: collected)."""
+        return os.stat(os.path.join(self._data_dir, name)).st_size
 
     def nbytes_on_disk(self) -> int:
         """Bytes of the node's data files (what the mirror holds in shared memory)."""
@@ -135,31 +168,59 @@ class VersionStore:
 
     # ------------------------------------------------------------------ writing (under the lock)
 
-    def write_tensor(self, tensor: Any) -> VersionFile:
-        """A new data file holding ``tensor``'s bytes, for a version to name."""
-        entry = VersionFile.of(secrets.token_hex(12) + ".bin", tensor)
-        self._write(entry.name, tensor)
-        return entry
+    def write_pack(self, tensors: Iterable[tuple[str, Any]]) -> dict[str, VersionFile]:
+        """A new pack file holding the bytes of ``tensors`` ((name, tensor) pairs; a device tensor is
+        copied to the host as it is written), each from a page boundary; their entries, for a version
+        to name. One file and a few system calls for any number of tensors."""
+        file = secrets.token_hex(12) + ".pack"
+        entries: dict[str, VersionFile] = {}
 
-    def write_positions(self, positions: Any, numel: int) -> str:
-        """A new data file holding the flat ``positions`` (sorted; a numpy array or a torch tensor, as
-        a :class:`~deltasync.protocol.TensorChange` carries them) of a tensor of ``numel`` elements
-        (int32 where they fit); its name, for a version's ``positions``."""
+        def buffers() -> Iterator[memoryview]:
+            at = 0
+            for name, tensor in tensors:
+                pad = -at % PACK_ALIGN
+                if pad:
+                    yield _ZEROS[:pad]
+                    at += pad
+                raw = raw_bytes(tensor)
+                entries[name] = VersionFile.of(file, tensor, at)
+                yield raw
+                at += raw.nbytes
+
+        self._write(file, buffers())
+        return entries
+
+    def write_positions(self, positions: Iterable[tuple[str, Any, int]]) -> dict[str, PositionsRef]:
+        """A new file holding, for each (name, flat positions (sorted; numpy or torch, as a
+        :class:`~deltasync.protocol.TensorChange` carries them), numel of the tensor), the positions
+        (int32 where they fit); where each lies, for a version's ``positions``."""
         import numpy as np
 
-        small = numel < 2**31
-        name = secrets.token_hex(12) + (".i32" if small else ".i64")
-        if not isinstance(positions, np.ndarray):
-            positions = positions.detach().cpu().numpy()
-        self._write(name, np.ascontiguousarray(positions, dtype=np.int32 if small else np.int64))
-        return name
+        file = secrets.token_hex(12) + ".pos"
+        refs: dict[str, PositionsRef] = {}
+        buffers: list[memoryview] = []
+        at = 0
+        for name, pos, numel in positions:
+            if not isinstance(pos, np.ndarray):
+                pos = pos.detach().cpu().numpy()
+            width = 4 if numel < 2**31 else 8
+            arr = np.ascontiguousarray(pos, dtype=np.int32 if width == 4 else np.int64)
+            pad = -at % POSITIONS_ALIGN
+            if pad:
+                buffers.append(_ZEROS[:pad])
+                at += pad
+            refs[name] = PositionsRef(file, at, int(arr.size), width)
+            buffers.append(raw_bytes(arr))
+            at += arr.nbytes
+        self._write(file, buffers)
+        return refs
 
-    def _write(self, name: str, tensor: Any) -> None:
+    def _write(self, name: str, buffers: Iterable[memoryview]) -> None:
         """A new data file; a full filesystem is one clear error (the caller's collection removes what
         the unfinished version wrote: no version names it)."""
         path = os.path.join(self._data_dir, name)
         try:
-            write_tensor(path, tensor)
+            write_buffers(path, buffers)
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
@@ -174,7 +235,7 @@ class VersionStore:
         files: Mapping[str, VersionFile],
         stats: Mapping[str, Any],
         base: str | None = None,
-        positions: Mapping[str, str] | None = None,
+        positions: Mapping[str, PositionsRef] | None = None,
     ) -> Version:
         """Make the version ``vid`` exist: its index, renamed into place after every file it names was
         written. ``base``: the version it was built from; ``positions``: for the tensors that changed
@@ -183,7 +244,9 @@ class VersionStore:
         version = Version(vid, step, dict(files), self.data, dict(stats), digest, base, dict(positions or {}))
         tmp = self.index / f".{vid}.{secrets.token_hex(4)}.tmp"
         tmp.write_text(json.dumps(version.to_json()))
-        os.replace(tmp, self.index / f"{vid}.json")
+        path = self.index / f"{vid}.json"
+        os.replace(tmp, path)
+        self._remember(path, version)  # the collection right after reads it: 18k entries at a MoE's count
         return version
 
     def mark_building(self, step: int, phase: str) -> None:
@@ -222,7 +285,7 @@ class VersionStore:
         for v in versions:
             if v not in kept:
                 (self.index / f"{v.id}.json").unlink(missing_ok=True)
-        live = {f.name for v in kept for f in v.files.values()} | {f for v in kept for f in v.positions.values()}
+        live = {f.name for v in kept for f in v.files.values()} | {p.file for v in kept for p in v.positions.values()}
         for name in os.listdir(self._data_dir):  # names, not Paths: 18k+ files at a MoE's tensor count
             if name not in live:
                 with contextlib.suppress(FileNotFoundError):

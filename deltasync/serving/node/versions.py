@@ -21,6 +21,9 @@ from deltasync.protocol import TensorChange
 
 __all__ = [
     "INDEX_FORMAT",
+    "PACK_ALIGN",
+    "POSITIONS_ALIGN",
+    "PositionsRef",
     "Version",
     "VersionFile",
     "changed_positions",
@@ -28,36 +31,100 @@ __all__ = [
     "populate",
     "step_id",
     "trim_heap",
-    "write_tensor",
+    "map_writable",
+    "raw_bytes",
+    "write_buffers",
 ]
 
-#: the ``format`` a version's index is written with
-INDEX_FORMAT = 1
+#: the ``format`` a version's index is written with: 2 names a tensor by (file, offset) in a pack file
+#: (format 1: one file per tensor, read as offset 0). A node folder holds one format (see ``run_key``)
+INDEX_FORMAT = 2
+#: a tensor in a pack starts at a multiple of this (a page: CUDA registers each tensor's own pages,
+#: and a page shared by two tensors could not be registered twice)
+PACK_ALIGN = 4096
+#: positions in a pack start at a multiple of this (a cache line)
+POSITIONS_ALIGN = 64
+
+_ITEMSIZE = {
+    "bool": 1, "uint8": 1, "int8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2,
+    "int32": 4, "uint32": 4, "float32": 4,
+    "int64": 8, "uint64": 8, "float64": 8, "complex64": 8, "complex128": 16,
+}  # fmt: skip
+
+
+def _itemsize(dtype: str) -> int:
+    size = _ITEMSIZE.get(dtype)
+    if size is None:
+        import torch
+
+        size = _ITEMSIZE[dtype] = getattr(torch, dtype).itemsize
+    return size
 
 
 @dataclass(frozen=True, slots=True)
 class VersionFile:
-    """One tensor of a version: the data file that holds its raw bytes, its dtype (a torch dtype's name
-    without ``torch.``) and its shape. Versions that share a tensor name the same file."""
+    """One tensor of a version: the data file that holds its raw bytes from ``offset`` on (a pack file
+    holds the tensors one build wrote), its dtype (a torch dtype's name without ``torch.``) and its
+    shape. Versions that share a tensor name the same file and offset."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
+    offset: int = 0
 
     @classmethod
-    def of(cls, name: str, tensor: Any) -> VersionFile:
-        """The entry of ``tensor``, written to the data file ``name``."""
-        return cls(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
+    def of(cls, name: str, tensor: Any, offset: int = 0) -> VersionFile:
+        """The entry of ``tensor``, written to the data file ``name`` at ``offset``."""
+        return cls(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset)
+
+    def holds_layout_of(self, tensor: Any) -> bool:
+        """Whether ``tensor`` has this entry's dtype and shape."""
+        return str(tensor.dtype).removeprefix("torch.") == self.dtype and tuple(tensor.shape) == self.shape
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        return numel * _itemsize(self.dtype)
 
     def to_json(self) -> list[Any]:
-        """The index's form: ``[file, dtype, shape]``."""
-        return [self.name, self.dtype, list(self.shape)]
+        """The index's form: ``[file, dtype, shape, offset]``."""
+        return [self.name, self.dtype, list(self.shape), self.offset]
 
     @classmethod
     def from_json(cls, doc: Any) -> VersionFile:
-        """An entry read back from an index (see :meth:`to_json`)."""
-        name, dtype, shape = doc
-        return cls(str(name), str(dtype), tuple(int(x) for x in shape))
+        """An entry read back from an index (see :meth:`to_json`; format 1 has no offset)."""
+        name, dtype, shape, *rest = doc
+        offset = int(rest[0]) if rest else 0
+        if len(rest) > 1 or offset < 0:
+            raise ValueError(f"not a tensor entry: {doc!r}")
+        return cls(str(name), str(dtype), tuple(map(int, shape)), offset)
+
+
+@dataclass(frozen=True, slots=True)
+class PositionsRef:
+    """Where a tensor's changed flat positions (sorted) lie: ``count`` integers of ``width`` bytes
+    (4: int32, 8: int64) from ``offset`` in data file ``file``. Format 1 named a whole file of them
+    (``count`` -1: as many as the file holds; the width from its ``.i32``/``.i64`` suffix)."""
+
+    file: str
+    offset: int
+    count: int
+    width: int
+
+    def to_json(self) -> list[Any]:
+        return [self.file, self.offset, self.count, self.width]
+
+    @classmethod
+    def from_json(cls, doc: Any) -> PositionsRef:
+        if isinstance(doc, str):  # format 1
+            return cls(doc, 0, -1, 4 if doc.endswith(".i32") else 8)
+        file, offset, count, width = doc
+        if width not in (4, 8) or int(offset) < 0 or int(count) < 0:
+            raise ValueError(f"not a positions entry: {doc!r}")
+        return cls(str(file), int(offset), int(count), int(width))
 
 
 @dataclass(frozen=True)
@@ -75,10 +142,10 @@ class Version:
     stats: Mapping[str, Any] = field(default_factory=dict)
     #: the digest of the step's manifest when built (a run re-created at the same URL does not match)
     digest: str | None = None
-    #: the version this one was built from, and for each tensor that changed sparsely since, the file
-    #: of its changed flat positions (sorted; int32 or int64)
+    #: the version this one was built from, and for each tensor that changed sparsely since, where its
+    #: changed flat positions lie (sorted; int32 or int64)
     base: str | None = None
-    positions: Mapping[str, str] = field(default_factory=dict)
+    positions: Mapping[str, PositionsRef] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """The version's index document (``versions/<id>.json``; the data folder is where it lies)."""
@@ -90,7 +157,7 @@ class Version:
             "files": {n: f.to_json() for n, f in self.files.items()},
             "stats": dict(self.stats),
             "base": self.base,
-            "positions": dict(self.positions),
+            "positions": {n: p.to_json() for n, p in self.positions.items()},
         }
 
     @classmethod
@@ -104,7 +171,7 @@ class Version:
             doc.get("stats", {}),
             doc.get("digest"),
             doc.get("base"),
-            doc.get("positions", {}),
+            {n: PositionsRef.from_json(p) for n, p in doc.get("positions", {}).items()},
         )
 
     def changes(self, served: Version | None, names: Iterable[str] | None = None) -> dict[str, TensorChange]:
@@ -113,20 +180,23 @@ class Version:
         int64 numpy arrays mapped from the node's positions files) of the tensors changed sparsely
         since ``served`` when this version was built straight from it, and ``positions`` None (the
         whole tensor) for the others."""
-        import torch
+        import mmap
 
         known = self.base is not None and served is not None and self.base == served.id
         out: dict[str, TensorChange] = {}
+        maps: dict[str, Any] = {}
         for name in self.changed_from(served) if names is None else names:
-            file = self.positions.get(name) if known else None
-            if file is None:
+            ref = self.positions.get(name) if known else None
+            if ref is None:
                 out[name] = TensorChange(name)
                 continue
-            size = (self.data / file).stat().st_size
-            dtype = torch.int32 if file.endswith(".i32") else torch.int64
-            out[name] = TensorChange(
-                name, map_tensor(torch, self.data / file, dtype, (size // dtype.itemsize,)).numpy()
-            )
+            mm = maps.get(ref.file)
+            if mm is None:
+                with open(self.data / ref.file, "rb") as fh:  # private: the arrays are writable, the file is not
+                    mm = maps[ref.file] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+            count = (len(mm) - ref.offset) // ref.width if ref.count < 0 else ref.count
+            dtype = np.int32 if ref.width == 4 else np.int64
+            out[name] = TensorChange(name, np.frombuffer(mm, dtype=dtype, count=count, offset=ref.offset))
         return out
 
     def changed_from(self, other: Version | None) -> list[str]:
@@ -136,7 +206,11 @@ class Version:
         return sorted(n for n, f in self.files.items() if other.files.get(n) != f)
 
     def tensors(
-        self, names: Iterable[str] | None = None, *, reuse: Mapping[str, Any] | None = None, read_only: bool = False
+        self,
+        names: Iterable[str] | None = None,
+        *,
+        reuse: Mapping[tuple[str, int], Any] | None = None,
+        read_only: bool = False,
     ) -> dict[str, Any]:
         """The tensors, mapped from the node's files: copy-on-write (a write stays private), or with
         ``read_only`` shared and write-protected (see :func:`map_tensor`). ``reuse``: tensors already
@@ -145,20 +219,34 @@ class Version:
 
         out: dict[str, Any] = {}
         data = str(self.data)  # joined as strings: a Path per file costs more than the mapping at 18k files
-        for name in self.files if names is None else names:
+        wanted = list(self.files) if names is None else list(names)
+        extent: dict[str, int] = {}  # bytes of each file to map: up to the end of its last tensor wanted
+        for name in wanted:
             entry = self.files[name]
-            have = None if reuse is None else reuse.get(entry.name)
-            if have is not None and VersionFile.of(entry.name, have) == entry:
+            end = entry.offset + entry.nbytes
+            if end > extent.get(entry.name, 0):
+                extent[entry.name] = end
+        carvers: dict[str, Carver] = {}
+        for name in wanted:
+            entry = self.files[name]
+            have = None if reuse is None else reuse.get((entry.name, entry.offset))
+            if have is not None and entry.holds_layout_of(have):
                 out[name] = have
-            else:
-                dtype = getattr(torch, entry.dtype)
+                continue
+            if entry.nbytes == 0:
+                out[name] = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype))
+                continue
+            carver = carvers.get(entry.name)
+            if carver is None:
                 path = os.path.join(data, entry.name)
-                out[name] = map_tensor(torch, path, dtype, entry.shape, read_only=read_only)
+                carver = carvers[entry.name] = Carver(_map_file(torch, path, extent[entry.name], read_only))
+            out[name] = carver(entry)
         return out
 
-    def by_file(self, view: Mapping[str, Any]) -> dict[str, Any]:
-        """``view`` (this version's tensors by name) by data file name, for :meth:`tensors` ``reuse``."""
-        return {self.files[n].name: t for n, t in view.items() if n in self.files}
+    def by_file(self, view: Mapping[str, Any]) -> dict[tuple[str, int], Any]:
+        """``view`` (this version's tensors by name) by (data file, offset), for :meth:`tensors` ``reuse``."""
+        files = self.files
+        return {(f.name, f.offset): t for n, t in view.items() if (f := files.get(n)) is not None}
 
     def layout(self) -> dict[str, tuple[Any, tuple[int, ...]]]:
         """checkpoint name -> (torch dtype, shape)."""
@@ -167,16 +255,8 @@ class Version:
         return {n: (getattr(torch, f.dtype), f.shape) for n, f in self.files.items()}
 
     def nbytes(self, names: Iterable[str] | None = None) -> int:
-        import torch
-
-        total = 0
-        for n in self.files if names is None else names:
-            entry = self.files[n]
-            numel = 1
-            for d in entry.shape:
-                numel *= d
-            total += numel * getattr(torch, entry.dtype).itemsize
-        return total
+        files = self.files
+        return sum(files[n].nbytes for n in (files if names is None else names))
 
 
 def step_id(step: int) -> str:
@@ -204,6 +284,60 @@ def map_tensor(torch: Any, path: Path | str, dtype: Any, shape: tuple[int, ...],
         raise
 
 
+def _map_file(torch: Any, path: str, nbytes: int, read_only: bool) -> Any:
+    """The first ``nbytes`` of a data file as one uint8 tensor: mapped copy-on-write, or with
+    ``read_only`` shared and write-protected (see :func:`map_tensor`)."""
+    if read_only:
+        return _map_read_only(torch, path, torch.uint8, nbytes)
+    try:
+        return torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8)
+    except RuntimeError:
+        if not os.path.exists(path):  # collected since the version was read: the caller reads it again
+            raise FileNotFoundError(path) from None
+        raise
+
+
+class Carver:
+    """The tensors of one mapped data file (a uint8 tensor over its bytes), each a strided view of it:
+    one torch call per tensor (a slice and two views take three)."""
+
+    def __init__(self, whole: Any) -> None:
+        self.whole = whole
+        self._typed: dict[str, tuple[Any, int]] = {}
+        self._strides: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+    def __call__(self, entry: VersionFile) -> Any:
+        typed = self._typed.get(entry.dtype)
+        if typed is None:
+            import torch
+
+            dtype = getattr(torch, entry.dtype)
+            size = dtype.itemsize
+            n = self.whole.numel()
+            typed = self._typed[entry.dtype] = (self.whole[: n - n % size].view(dtype), size)
+        shape = entry.shape
+        strides = self._strides.get(shape)
+        if strides is None:
+            acc, out = 1, []
+            for d in reversed(shape):
+                out.append(acc)
+                acc *= max(d, 1)
+            strides = self._strides[shape] = tuple(reversed(out))
+        if entry.offset % typed[1]:
+            raise ValueError(f"{entry.name}: offset {entry.offset} is not a multiple of {entry.dtype}'s size")
+        return typed[0].as_strided(shape, strides, entry.offset // typed[1])
+
+
+def map_writable(path: str, nbytes: int) -> Any:
+    """A data file's first ``nbytes`` as one uint8 tensor mapped shared and writable (a write reaches the
+    file: a build applies a step in place into the pack it just wrote), its page tables filled now."""
+    import torch
+
+    whole = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    _populate_range(whole.data_ptr(), nbytes, _MADV_POPULATE_WRITE)
+    return whole
+
+
 def _map_read_only(torch: Any, path: Path | str, dtype: Any, numel: int) -> Any:
     import mmap
     import warnings
@@ -217,7 +351,18 @@ def _map_read_only(torch: Any, path: Path | str, dtype: Any, numel: int) -> Any:
 
 
 _MADV_POPULATE_READ = 22  # Linux 5.14+
+_MADV_POPULATE_WRITE = 23
 _populate_works = True
+
+
+def _populate_range(ptr: int, nbytes: int, advice: int) -> None:
+    """``madvise(advice)`` over a range; an older kernel (EINVAL) leaves the faults to the first touch."""
+    global _populate_works
+    libc = _libc() if _populate_works else None
+    if libc is None or not nbytes:
+        return
+    if libc.madvise(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), advice) != 0:
+        _populate_works = False
 
 
 def populate(tensors: Iterable[Any]) -> None:
@@ -249,23 +394,54 @@ def _libc() -> Any:
         return None
 
 
-def write_tensor(path: Path | str, tensor: Any) -> None:
-    """A tensor's (or a numpy array's) raw bytes, to a new file (never over an existing one)."""
+def raw_bytes(tensor: Any) -> memoryview:
+    """A host tensor's (or numpy array's) bytes, without a copy where it is contiguous."""
     if isinstance(tensor, np.ndarray):
-        raw = np.ascontiguousarray(tensor).reshape(-1).view(np.uint8).data
-    else:
-        flat = tensor.detach()
-        if flat.device.type != "cpu":
-            flat = flat.cpu()
-        if not flat.is_contiguous():
-            flat = flat.contiguous()
-        raw = memoryview(flat.view(-1).view(torch_uint8()).numpy()) if flat.numel() else memoryview(b"")
+        return np.ascontiguousarray(tensor).reshape(-1).view(np.uint8).data
+    flat = tensor.detach()
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    return memoryview(flat.view(-1).view(torch_uint8()).numpy()) if flat.numel() else memoryview(b"")
+
+
+#: buffers per ``writev`` (Linux's IOV_MAX is 1024), and bytes at most held for one (a device tensor's
+#: bytes are a host copy made as they are asked for)
+_IOV = 1024
+_BATCH_BYTES = 256 << 20
+
+
+def write_buffers(path: Path | str, buffers: Iterable[memoryview]) -> None:
+    """``buffers`` one after the other, to a new file (never over an existing one), a batch of them
+    per system call."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # as open(path, "xb")
     try:
-        while raw.nbytes:
-            raw = raw[os.write(fd, raw) :]
+        batch: list[memoryview] = []
+        held = 0
+        for b in buffers:
+            if b.nbytes:
+                batch.append(b)
+                held += b.nbytes
+            if len(batch) == _IOV or held >= _BATCH_BYTES:
+                _writev_all(fd, batch)
+                batch, held = [], 0
+        _writev_all(fd, batch)
     finally:
         os.close(fd)
+
+
+def _writev_all(fd: int, todo: list[memoryview]) -> None:
+    i = 0
+    while i < len(todo):
+        n = os.writev(fd, todo[i : i + _IOV])
+        while n and i < len(todo):  # a short write: go on from where it stopped
+            if n >= todo[i].nbytes:
+                n -= todo[i].nbytes
+                i += 1
+            else:
+                todo[i] = todo[i][n:]
+                n = 0
 
 
 @functools.cache
