@@ -716,3 +716,78 @@ def test_an_index_replaced_on_disk_is_read_again(tmp_path: Path) -> None:
     assert again is not None and again.step == 12 and again.files["w"].name == "f12.bin"
     (vs.index / "v1.json").unlink()
     assert vs.read("v1") is None
+
+
+def test_a_build_packs_what_the_step_changes_and_compacts_packs_mostly_superseded(tmp_path: Path) -> None:
+    """Each build writes one pack file with the tensors its step changes (the step applied in place in
+    it); the tensors it leaves alone stay in the packs they were in, until a pack would be named for
+    less than half of its bytes: then they move into the new pack, and the old one is collected once
+    no kept version names it. Every version reads back bit-exact."""
+    from deltasync.serving.node.store import COMPACT_BELOW
+
+    assert COMPACT_BELOW == 0.5
+    names = ["a", "b", "c", "d"]
+    g = torch.Generator().manual_seed(3)
+    state = {n: torch.randn(64, 32, generator=g).to(torch.bfloat16) for n in names}  # 4 KiB each: no padding
+    states = [{n: t.clone() for n, t in state.items()}]
+    touched = [names, ["a"], ["b"], ["c"], ["a"]]  # steps 1..5 change these
+    for ns in touched:
+        for n in ns:
+            state[n].view(-1)[::7] = (state[n].view(-1)[::7].float() * 1.01 + 1e-3).to(torch.bfloat16)
+        states.append({n: t.clone() for n, t in state.items()})
+    with ds.DeltaUploader(str(tmp_path / "run"), anchor_every=1000, anchor_bytes_fraction=0, span_levels=()) as up:
+        for s, st in enumerate(states):
+            up.push(st, s).result()
+    node = NodeMirror(ds.DeltaFetcher((tmp_path / "run").as_uri()), root=tmp_path / "node", spawn=False)
+    try:
+        node.seed(states[0], 0)
+        packs: dict[int, dict[str, str]] = {}
+        for s in range(1, 6):
+            version = node.ensure(s)
+            assert _equal(version.tensors(), states[s])
+            packs[s] = {n: f.name for n, f in version.files.items()}
+            assert {packs[s][n] for n in touched[s - 1]} == {version.stats["pack"]}  # one new pack holds them
+        p1 = packs[1]["a"]
+        assert set(packs[1].values()) == {p1}  # step 1 changed all four: one pack
+        assert [packs[2][n] == p1 for n in names] == [False, True, True, True]  # 3/4 of p1 still named
+        assert [packs[3][n] == p1 for n in names] == [False, False, True, True]  # 1/2: not below the bar
+        # step 4 changes c: d alone would keep 1/4 of p1 alive, so d moved into step 4's pack
+        assert packs[4]["d"] == packs[4]["c"] != p1 and p1 not in packs[4].values()
+        assert p1 not in _data_files(node)  # versions 4 and 5 are kept, neither names it
+        assert _data_files(node) == _named_files(node)
+    finally:
+        node.close()
+
+
+def test_a_format_1_index_still_reads(tmp_path: Path) -> None:
+    """A version indexed in format 1 (one data file per tensor, a positions file per tensor named by a
+    string) reads as offset 0 and whole files."""
+    import json
+
+    from deltasync.serving.node.store import VersionStore
+
+    vs = VersionStore(tmp_path / "node", reader=None, keep=2)  # type: ignore[arg-type]  # read() needs no run
+    t = torch.arange(12, dtype=torch.float32).view(3, 4)
+    (vs.data / "t.bin").write_bytes(t.numpy().tobytes())
+    (vs.data / "t.i32").write_bytes(np.array([1, 5, 7], dtype=np.int32).tobytes())
+    doc = {
+        "format": 1,
+        "id": "v2",
+        "step": 2,
+        "digest": None,
+        "files": {"w": ["t.bin", "float32", [3, 4]]},
+        "stats": {},
+        "base": "v1",
+        "positions": {"w": "t.i32"},
+    }
+    (vs.index / "v2.json").write_text(json.dumps(doc))
+    version = vs.read("v2")
+    assert version is not None and version.files["w"].offset == 0
+    assert torch.equal(version.tensors()["w"], t)
+    served = SimpleNamespace(id="v1", files={"w": None})
+    change = version.changes(served, ["w"])["w"]  # type: ignore[arg-type]
+    assert change.positions is not None and change.positions.tolist() == [1, 5, 7]
+    doc["format"] = 3  # a newer deltasync's: a clear error, not a guess
+    (vs.index / "v3.json").write_text(json.dumps(doc))
+    with pytest.raises(ds.errors.DeltaSyncError, match="index format 3"):
+        vs.read("v3")

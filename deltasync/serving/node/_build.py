@@ -109,15 +109,17 @@ def build(
     candidates = [v for v in versions.all_versions() if v.step is None or (v.step <= step and versions.current(v))]
     base = max(candidates, key=lambda v: (v.step is not None, v.step or 0), default=None)
     phase("start")
-    view: dict[str, Any] = base.tensors() if base is not None else {}
+    view: dict[str, Any] = {}
     packed: dict[str, VersionFile] = {}
     if base is not None:
         expected = _expected(fetcher, base, step)
         ahead = [*expected, *_to_compact(versions, base, set(expected))]
         if ahead:
-            packed = versions.write_pack((n, view[n]) for n in ahead)
-            view.update(_map_pack(versions, packed))
+            packed = versions.copy_pack(base, ahead)
             phase("wrote")
+        view = base.tensors([n for n in base.files if n not in packed])  # the rest: mapped copy-on-write
+        if packed:
+            view.update(_map_pack(versions, packed))
     journal = SyncJournal()
     try:
         fetcher.sync(view, step, have_step=base.step if base is not None else None, journal=journal)
@@ -161,6 +163,7 @@ def build(
     info = {
         "base": None if base is None else base.id,
         "tensors_written": new,
+        "pack": next(iter(packed.values())).name if packed else None,
         "bytes_written": versions.file_bytes({n: files[n] for n in written if n in files}),
         "store_bytes": 0 if stats is None else stats.nbytes,
         "sync": {} if stats is None else {f: getattr(stats, f) for f in SYNC_FIELDS},

@@ -190,6 +190,59 @@ class VersionStore:
         self._write(file, buffers())
         return entries
 
+    def copy_pack(self, version: Version, names: Iterable[str]) -> dict[str, VersionFile]:
+        """A new pack file holding the bytes ``version`` has for ``names``, copied from its data files
+        as runs: tensors that lie one after the other in a pack (the usual case: a step changes every
+        tensor of the previous pack) are one buffer, at the same distances in the new pack. Their
+        entries, as :meth:`write_pack`."""
+        import mmap
+
+        file = secrets.token_hex(12) + ".pack"
+        files = version.files
+        picked = sorted((files[n].name, files[n].offset, n) for n in names)
+        entries: dict[str, VersionFile] = {}
+        maps: dict[str, mmap.mmap] = {}
+
+        def source(name: str) -> memoryview:
+            mm = maps.get(name)
+            if mm is None:
+                with open(os.path.join(self._data_dir, name), "rb") as fh:  # FileNotFoundError: collected
+                    mm = maps[name] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            return memoryview(mm)
+
+        def buffers() -> Iterator[memoryview]:
+            at = 0
+            i = 0
+            while i < len(picked):
+                src, start, _ = picked[i]
+                end = start
+                j = i
+                while j < len(picked):  # the run: each next tensor where the pack put the one after
+                    f, off, n = picked[j]
+                    if f != src or (j > i and off != end + (-end % PACK_ALIGN)):
+                        break
+                    end = off + files[n].nbytes
+                    j += 1
+                pad = -at % PACK_ALIGN
+                if pad:
+                    yield _ZEROS[:pad]
+                    at += pad
+                for _, off, n in picked[i:j]:
+                    e = files[n]
+                    entries[n] = VersionFile(file, e.dtype, e.shape, at + off - start)
+                if end > start:
+                    yield source(src)[start:end]
+                at += end - start
+                i = j
+
+        try:
+            self._write(file, buffers())
+        finally:
+            for mm in maps.values():
+                with contextlib.suppress(BufferError):  # a view still exported: closed when collected
+                    mm.close()
+        return entries
+
     def write_positions(self, positions: Iterable[tuple[str, Any, int]]) -> dict[str, PositionsRef]:
         """A new file holding, for each (name, flat positions (sorted; numpy or torch, as a
         :class:`~deltasync.protocol.TensorChange` carries them), numel of the tensor), the positions
