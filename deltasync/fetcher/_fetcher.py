@@ -14,6 +14,8 @@ from typing import Any
 
 from deltasync._util.cpus import usable_cpus
 from deltasync._util.tensors import DEFAULT_MAX_ALLOC_BYTES
+from deltasync.errors import DeltaSyncError
+from deltasync.fetcher._apply import changed_names
 from deltasync.fetcher._follow import follow as _follow
 from deltasync.fetcher._identity import HeldStates
 from deltasync.fetcher._journal import SyncJournal
@@ -157,6 +159,29 @@ class DeltaFetcher:
         reached = sync.run()
         self.last_stats = sync.stats
         return reached
+
+    def expected_changes(self, have_step: int, step: int) -> list[str] | None:
+        """The tensors a sync of a target holding committed ``have_step`` to ``step`` is expected to
+        write, as the manifests of its plan say (a tensor whose digest differs from its parent's),
+        before anything is downloaded: sorted names, or None where the plan loads an anchor (which
+        rewrites every tensor) or cannot be made now (a sync would say why). A guess to place data by
+        (a node mirror's build copies these tensors where the step is then applied); a sync proves
+        what it writes either way."""
+        try:
+            reader = self.reader
+            have = reader.committed(have_step)
+            plan = reader.plan(step, (have_step, have.digest))
+            if plan.base != "current":
+                return None
+            parent = have.manifest
+            names: set[str] = set()
+            for e in plan.elements:
+                m = (reader.committed(e.step) if e.span is None else reader.span(e.span, e.step)).manifest
+                names.update(changed_names(m, parent, ()))
+                parent = m
+        except DeltaSyncError:
+            return None
+        return sorted(names)
 
     def follow(self, target: Any, **options: Any) -> int | None:
         """Apply each new step to ``target`` as it is signalled (SSE), polling the store when the

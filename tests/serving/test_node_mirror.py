@@ -277,7 +277,7 @@ def test_a_version_s_index_and_the_leader_s_config_keep_their_form(tmp_path: Pat
     worker = _worker(url, tmp_path / "node", Engine(_state(0)))
     (seed,) = worker.node.versions.all_versions()
     doc = json.loads((worker.node.versions.index / f"{seed.id}.json").read_text())
-    assert sorted(doc) == ["base", "digest", "files", "format", "id", "positions", "stats", "step"]
+    assert sorted(doc) == ["base", "digest", "files", "format", "id", "moved", "positions", "stats", "step"]
     assert doc["format"] == 2 and doc["step"] == 0 and doc["digest"] is not None
     file, dtype, shape, offset = doc["files"][NAMES[0]]
     assert (dtype, shape) == ("bfloat16", list(SHAPE)) and (worker.node.versions.data / file).exists()
@@ -742,8 +742,9 @@ def test_a_build_packs_what_the_step_changes_and_compacts_packs_mostly_supersede
     try:
         node.seed(states[0], 0)
         packs: dict[int, dict[str, str]] = {}
+        built = {}
         for s in range(1, 6):
-            version = node.ensure(s)
+            version = built[s] = node.ensure(s)
             assert _equal(version.tensors(), states[s])
             packs[s] = {n: f.name for n, f in version.files.items()}
             assert {packs[s][n] for n in touched[s - 1]} == {version.stats["pack"]}  # one new pack holds them
@@ -753,6 +754,9 @@ def test_a_build_packs_what_the_step_changes_and_compacts_packs_mostly_supersede
         assert [packs[3][n] == p1 for n in names] == [False, False, True, True]  # 1/2: not below the bar
         # step 4 changes c: d alone would keep 1/4 of p1 alive, so d moved into step 4's pack
         assert packs[4]["d"] == packs[4]["c"] != p1 and p1 not in packs[4].values()
+        # d holds the bits it had: an engine serving step 3 loads c alone
+        assert built[4].moved == {"d": built[3].files["d"]} and built[4].changed_from(built[3]) == ["c"]
+        assert built[4].changed_from(built[2]) == ["b", "c"]
         assert p1 not in _data_files(node)  # versions 4 and 5 are kept, neither names it
         assert _data_files(node) == _named_files(node)
     finally:

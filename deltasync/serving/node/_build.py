@@ -11,13 +11,13 @@ from collections.abc import Callable
 from typing import Any
 
 from deltasync._util import gcpause
-from deltasync.errors import DeltaSyncError, InventoryMismatch
+from deltasync.errors import InventoryMismatch
 from deltasync.fetcher import DeltaFetcher, SyncJournal
-from deltasync.fetcher._apply import changed_names
 from deltasync.protocol import TensorChange
 from deltasync.serving.node.lock import NodeLock
 from deltasync.serving.node.store import COMPACT_BELOW, VersionStore
 from deltasync.serving.node.versions import (
+    PACK_ALIGN,
     Carver,
     Version,
     VersionFile,
@@ -150,8 +150,10 @@ def build(
         else:
             rest.append(name)
         new += 1
-    for name, entry in packed.items():  # compacted (or expected, written with the same bits): the pack's copy
-        if name not in written:
+    moved: dict[str, VersionFile] = {}
+    for name, entry in packed.items():  # compacted (or expected and not written): the pack's copy
+        if name not in written and base is not None and name in base.files:
+            moved[name] = base.files[name]
             files[name] = entry
     if rest:
         files.update(versions.write_pack((n, view[n]) for n in rest))
@@ -173,40 +175,26 @@ def build(
         "pid": os.getpid(),
     }
     phase("publish")
-    versions.publish(step_id(step), step, files, info, None if base is None else base.id, positions)
+    versions.publish(step_id(step), step, files, info, None if base is None else base.id, positions, moved)
     del view, journal
     trim_heap()
     return info
 
 
 def _expected(fetcher: DeltaFetcher, base: Version, step: int) -> list[str]:
-    """The tensors of ``base`` that a sync from it to ``step`` changes, as the manifests of the plan say
-    (their digests differ from the parent's), before anything is downloaded; empty where the plan loads
-    an anchor (it rewrites every tensor) or cannot be made now (the sync then says why). A guess that
-    only decides where the data goes: the sync proves what it writes either way."""
+    """The tensors of ``base`` a sync from it to ``step`` is expected to write
+    (:meth:`DeltaFetcher.expected_changes`; none where the plan loads an anchor or base is of no step)."""
     if base.step is None:
         return []
-    try:
-        reader = fetcher.reader
-        have = reader.committed(base.step)
-        plan = reader.plan(step, (base.step, have.digest))
-        if plan.base != "current" or plan.is_noop:
-            return []
-        parent = have.manifest
-        names: set[str] = set()
-        for e in plan.elements:
-            m = (reader.committed(e.step) if e.span is None else reader.span(e.span, e.step)).manifest
-            names.update(changed_names(m, parent, ()))
-            parent = m
-    except DeltaSyncError:
-        return []
-    return sorted(n for n in names if n in base.files)
+    names = fetcher.expected_changes(base.step, step)
+    return [] if names is None else [n for n in names if n in base.files]
 
 
 def _to_compact(versions: VersionStore, base: Version, moving: set[str]) -> list[str]:
     """The tensors of ``base`` (not ``moving`` to the new pack) that lie in packs of which the new
-    version would name less than :data:`COMPACT_BELOW` of the bytes: copied into the new pack so
-    that those packs can go."""
+    version would name less than :data:`COMPACT_BELOW` of the pages: copied into the new pack so
+    that those packs can go (an engine then loads them again, with the same bits: the price of
+    bounding the node's memory, paid only by steps that leave most of a pack alone)."""
     named: dict[str, list[str]] = {}
     for name, f in base.files.items():
         if name not in moving:
@@ -220,7 +208,8 @@ def _to_compact(versions: VersionStore, base: Version, moving: set[str]) -> list
             size = versions.file_size(file)
         except FileNotFoundError:
             continue  # the sync will say what is missing
-        if sum(base.files[n].nbytes for n in names) < COMPACT_BELOW * size:
+        live = sum(-(-base.files[n].nbytes // PACK_ALIGN) * PACK_ALIGN for n in names)  # pages they take
+        if live < COMPACT_BELOW * size:
             out.extend(names)
     return out
 

@@ -289,12 +289,16 @@ class VersionStore:
         stats: Mapping[str, Any],
         base: str | None = None,
         positions: Mapping[str, PositionsRef] | None = None,
+        moved: Mapping[str, VersionFile] | None = None,
     ) -> Version:
         """Make the version ``vid`` exist: its index, renamed into place after every file it names was
         written. ``base``: the version it was built from; ``positions``: for the tensors that changed
-        sparsely since, their positions files."""
+        sparsely since, their positions files; ``moved``: the tensors that hold the bits of the base's
+        entry given, moved into this build's pack."""
         digest = None if step is None else self.digest(step)
-        version = Version(vid, step, dict(files), self.data, dict(stats), digest, base, dict(positions or {}))
+        version = Version(
+            vid, step, dict(files), self.data, dict(stats), digest, base, dict(positions or {}), dict(moved or {})
+        )
         tmp = self.index / f".{vid}.{secrets.token_hex(4)}.tmp"
         tmp.write_text(json.dumps(version.to_json()))
         path = self.index / f"{vid}.json"

@@ -146,6 +146,9 @@ class Version:
     #: changed flat positions lie (sorted; int32 or int64)
     base: str | None = None
     positions: Mapping[str, PositionsRef] = field(default_factory=dict)
+    #: tensors this version holds with the very bits of the entry given, at another place: moved into
+    #: the build's pack (a compaction) without changing (not changed since a version naming that entry)
+    moved: Mapping[str, VersionFile] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """The version's index document (``versions/<id>.json``; the data folder is where it lies)."""
@@ -158,6 +161,7 @@ class Version:
             "stats": dict(self.stats),
             "base": self.base,
             "positions": {n: p.to_json() for n, p in self.positions.items()},
+            "moved": {n: f.to_json() for n, f in self.moved.items()},
         }
 
     @classmethod
@@ -172,6 +176,7 @@ class Version:
             doc.get("digest"),
             doc.get("base"),
             {n: PositionsRef.from_json(p) for n, p in doc.get("positions", {}).items()},
+            {n: VersionFile.from_json(f) for n, f in doc.get("moved", {}).items()},
         )
 
     def changes(self, served: Version | None, names: Iterable[str] | None = None) -> dict[str, TensorChange]:
@@ -200,10 +205,14 @@ class Version:
         return out
 
     def changed_from(self, other: Version | None) -> list[str]:
-        """The names whose bits may differ from ``other`` (all of them when ``other`` is None)."""
+        """The names whose bits may differ from ``other`` (all of them when ``other`` is None): not a
+        tensor at the same place, nor one moved here from the place ``other`` names."""
         if other is None:
             return sorted(self.files)
-        return sorted(n for n, f in self.files.items() if other.files.get(n) != f)
+        theirs, moved = other.files, self.moved
+        return sorted(
+            n for n, f in self.files.items() if (o := theirs.get(n)) != f and (o is None or moved.get(n) != o)
+        )
 
     def tensors(
         self,
