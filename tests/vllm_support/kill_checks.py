@@ -200,7 +200,9 @@ def incomplete(node_dir: str) -> list[str]:
     for run in glob.glob(os.path.join(node_dir, "*")):
         for v in glob.glob(os.path.join(run, "versions", "*.json")):
             doc = json.loads(Path(v).read_text())
-            names = [f for f, _, _ in doc["files"].values()] + list(doc.get("positions", {}).values())
+            # a tensor is [file, dtype, shape(, offset)]; positions [file, offset, count, width] (format 1: file)
+            names = [f[0] for f in doc["files"].values()]
+            names += [p if isinstance(p, str) else p[0] for p in doc.get("positions", {}).values()]
             out += [f"{v}: {f}" for f in names if not os.path.exists(os.path.join(run, "data", f))]
     return out
 
