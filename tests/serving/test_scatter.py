@@ -110,12 +110,34 @@ def _bits(model: Any) -> dict[str, Any]:
     return {n: p.detach().contiguous().clone().view(torch.uint8) for n, p in model.named_parameters()}
 
 
+def _packed(tensors: dict[str, Any]) -> dict[str, Any]:
+    """The same tensors as views into one shared buffer, each from a 4 KiB boundary (as a node
+    version's pack holds them): none starts at its storage's first element but the first."""
+    sizes = [-(-t.numel() * t.element_size() // 4096) * 4096 for t in tensors.values()]
+    buf = torch.zeros(sum(sizes) + 4096, dtype=torch.uint8)
+    out, at = {}, 4096
+    for (name, t), size in zip(tensors.items(), sizes, strict=True):
+        nbytes = t.numel() * t.element_size()
+        view = buf[at : at + nbytes].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        out[name] = view
+        at += size
+    return out
+
+
 def _check_same_as_loader(
-    make: Callable[[], Any], seed: int = 0, densities: dict[str, float | None] | None = None, **kw: Any
+    make: Callable[[], Any],
+    seed: int = 0,
+    densities: dict[str, float | None] | None = None,
+    packed: bool = False,
+    **kw: Any,
 ) -> tuple[ScatterLoader, Any]:
-    """Scatter into one model and ``load_weights`` the full tensors into another: the same bits."""
+    """Scatter into one model and ``load_weights`` the full tensors into another: the same bits.
+    ``packed``: the new tensors lie in one storage (:func:`_packed`)."""
     a, b = make(), make()
     old, new, changes = _update(a.layout(), seed, densities)
+    if packed:
+        new = _packed(new)
     a.load_weights(old.items())
     b.load_weights(old.items())
     calls: list[list[str]] = []
@@ -161,6 +183,15 @@ def test_above_the_density_threshold_or_without_positions_a_tensor_is_copied_who
     densities: dict[str, float | None] = {"q": 0.05, "k": 0.5, "v": None}
     _, (counts, calls) = _check_same_as_loader(Attention, seed=1, densities=densities, max_density=0.1)
     assert counts.copied == 5 and counts.scattered == 1 and calls == []  # q only
+
+
+def test_tensors_inside_one_shared_storage_copy_and_scatter_the_loaders_bits() -> None:
+    """A node version's tensors are views into one pack: a whole copy reads each from its own first
+    element, not from the storage's (the traced offsets count from the tensor)."""
+    densities: dict[str, float | None] = {"q": 0.05, "k": 0.5, "v": None}
+    _, (counts, calls) = _check_same_as_loader(Attention, seed=1, densities=densities, max_density=0.1, packed=True)
+    assert counts.copied == 5 and counts.scattered == 1 and calls == []
+    _check_same_as_loader(lambda: Attention(1, 2), seed=2, max_density=0.9, packed=True)
 
 
 class Refusing(Attention):

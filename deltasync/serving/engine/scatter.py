@@ -120,7 +120,12 @@ class Segment:
         return self.flat.detach().view(bits).numpy()
 
     def src_view(self, full: torch.Tensor) -> torch.Tensor:
-        return full.as_strided(self.shape, self.src_strides, self.src_offset)
+        """The part of checkpoint tensor ``full`` this segment copies: its offsets and strides were
+        traced on a contiguous tensor of its own, so they count from ``full``'s first element (which
+        may lie anywhere in its storage: a node version's tensors share one pack)."""
+        if not full.is_contiguous():
+            full = full.contiguous()
+        return full.as_strided(self.shape, self.src_strides, full.storage_offset() + self.src_offset)
 
     def dst_view(self) -> torch.Tensor:
         return self.param.as_strided(self.shape, self.dst_strides, self.dst_offset)
