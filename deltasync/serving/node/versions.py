@@ -419,6 +419,7 @@ def raw_bytes(tensor: Any) -> memoryview:
 #: bytes are a host copy made as they are asked for)
 _IOV = 1024
 _BATCH_BYTES = 256 << 20
+_SLICE = 64 << 20
 
 
 def write_buffers(path: Path | str, buffers: Iterable[memoryview]) -> None:
@@ -428,13 +429,16 @@ def write_buffers(path: Path | str, buffers: Iterable[memoryview]) -> None:
     try:
         batch: list[memoryview] = []
         held = 0
-        for b in buffers:
-            if b.nbytes:
+        for whole in buffers:
+            # a run of a whole pack is one buffer: written in slices (one 1.6 GB writev took 1.3x
+            # the time of 64 MiB ones from a mapped file here)
+            for at in range(0, whole.nbytes, _SLICE):
+                b = whole[at : at + _SLICE] if whole.nbytes > _SLICE else whole
                 batch.append(b)
                 held += b.nbytes
-            if len(batch) == _IOV or held >= _BATCH_BYTES:
-                _writev_all(fd, batch)
-                batch, held = [], 0
+                if len(batch) == _IOV or held >= _BATCH_BYTES:
+                    _writev_all(fd, batch)
+                    batch, held = [], 0
         _writev_all(fd, batch)
     finally:
         os.close(fd)
