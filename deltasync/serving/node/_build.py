@@ -14,15 +14,14 @@ from deltasync._util import gcpause
 from deltasync.errors import InventoryMismatch
 from deltasync.fetcher import DeltaFetcher, SyncJournal
 from deltasync.protocol import TensorChange
+from deltasync.serving.node.datafiles import Carver, map_writable
 from deltasync.serving.node.lock import NodeLock
 from deltasync.serving.node.store import COMPACT_BELOW, VersionStore
 from deltasync.serving.node.versions import (
     PACK_ALIGN,
-    Carver,
     Version,
     VersionFile,
     changed_positions,
-    map_writable,
     step_id,
     trim_heap,
 )

@@ -31,6 +31,7 @@ from typing import Any
 
 from deltasync.errors import DeltaSyncError, ObjectNotFound
 from deltasync.run import RunReader
+from deltasync.serving.node.datafiles import raw_bytes, write_buffers
 from deltasync.serving.node.versions import (
     INDEX_FORMAT,
     PACK_ALIGN,
@@ -38,9 +39,7 @@ from deltasync.serving.node.versions import (
     PositionsRef,
     Version,
     VersionFile,
-    raw_bytes,
     step_id,
-    write_buffers,
 )
 
 __all__ = ["COMPACT_BELOW", "KEEP", "VersionStore", "run_key"]
