@@ -795,3 +795,21 @@ def test_a_format_1_index_still_reads(tmp_path: Path) -> None:
     (vs.index / "v3.json").write_text(json.dumps(doc))
     with pytest.raises(ds.errors.DeltaSyncError, match="index format 3"):
         vs.read("v3")
+
+
+def test_a_data_file_cut_short_is_a_clear_error_and_the_node_keeps_its_versions(tmp_path: Path) -> None:
+    from deltasync.errors import DeltaSyncError
+
+    url = _push(tmp_path / "run", range(2))
+    node = NodeMirror(ds.DeltaFetcher(url), root=tmp_path / "node", spawn=False)
+    try:
+        seed = node.seed(_state(0), 0)
+        (pack,) = {f.name for f in seed.files.values()}
+        path = seed.data / pack
+        os.truncate(path, path.stat().st_size // 2)
+        with pytest.raises(DeltaSyncError, match="cut short"):
+            node.ensure(1)
+        assert [v.step for v in node.versions.all_versions()] == [0]
+        assert _data_files(node) == _named_files(node)  # what the failed build wrote is gone
+    finally:
+        node.close()

@@ -192,8 +192,8 @@ def _expected(fetcher: DeltaFetcher, base: Version, step: int) -> list[str]:
 def _to_compact(versions: VersionStore, base: Version, moving: set[str]) -> list[str]:
     """The tensors of ``base`` (not ``moving`` to the new pack) that lie in packs of which the new
     version would name less than :data:`COMPACT_BELOW` of the pages: copied into the new pack so
-    that those packs can go (an engine then loads them again, with the same bits: the price of
-    bounding the node's memory, paid only by steps that leave most of a pack alone)."""
+    that those packs can go (the version says they moved with their bits, ``Version.moved``: an
+    engine does not load them again; the copy is paid only by steps that leave most of a pack alone)."""
     named: dict[str, list[str]] = {}
     for name, f in base.files.items():
         if name not in moving:

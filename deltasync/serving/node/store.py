@@ -230,7 +230,13 @@ class VersionStore:
                     e = files[n]
                     entries[n] = VersionFile(file, e.dtype, e.shape, at + off - start)
                 if end > start:
-                    yield source(src)[start:end]
+                    run = source(src)[start:end]
+                    if run.nbytes != end - start:
+                        raise DeltaSyncError(
+                            f"the node mirror's data file {src} holds {start + run.nbytes:,} bytes, its version "
+                            f"names {end:,}: it was cut short; delete {self.dir}"
+                        )
+                    yield run
                 at += end - start
                 i = j
 
