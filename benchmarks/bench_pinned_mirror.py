@@ -1,7 +1,7 @@
 """GPU engines: copying from the node mirror's pages as they are (pageable) vs registered with CUDA.
 
 The node mirror keeps each tensor of a version in its own file in shared memory, and workers map
-those files (:func:`deltasync.serving.node.versions.map_tensor`). A copy from such pages to the
+those files (:func:`deltasync.serving.node.datafiles.map_file`). A copy from such pages to the
 GPU goes through the driver's staging buffer; the same pages registered with ``cudaHostRegister``
 (read-only: no copy-on-write of a private mapping) are copied by DMA. Plain torch, the Qwen3-0.6B
 tensor shapes (bf16, TP=1), one file per tensor in ``--dir`` (default /dev/shm). Prints, medians of

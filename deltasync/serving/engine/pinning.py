@@ -7,7 +7,7 @@ registered with ``cudaHostRegister`` are read by the copy engine directly. Measu
 tensor copied from pageable pages took 128 ms (9.3 GB/s), from registered ones 22 ms (53 GB/s),
 0.17x. Registering is a one-off per mapping and is done while preparing (the engine keeps serving):
 89 ms for those 1.11 GiB. The views of a registered engine are mapped shared and write-protected
-(:func:`~deltasync.serving.node.versions.map_tensor` ``read_only``): CUDA registers those 6.8x
+(:func:`~deltasync.serving.node.datafiles.map_file` ``read_only``): CUDA registers those 6.8x
 faster than copy-on-write mappings (605 ms), nothing is copied (the process's private memory did
 not grow), and a loader that wrote into its input would fault rather than change the node's copy.
 

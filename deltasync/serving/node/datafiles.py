@@ -16,6 +16,17 @@ from typing import Any, Protocol
 
 import numpy as np
 
+__all__ = [
+    "Carver",
+    "Placed",
+    "map_file",
+    "map_writable",
+    "populate",
+    "raw_bytes",
+    "torch_uint8",
+    "write_buffers",
+]
+
 
 class Placed(Protocol):
     """Where a tensor lies in a data file (a :class:`~deltasync.serving.node.versions.VersionFile`)."""
@@ -30,42 +41,11 @@ class Placed(Protocol):
     def offset(self) -> int: ...
 
 
-__all__ = [
-    "Carver",
-    "Placed",
-    "map_file",
-    "map_tensor",
-    "map_writable",
-    "populate",
-    "raw_bytes",
-    "torch_uint8",
-    "write_buffers",
-]
-
-
-def map_tensor(torch: Any, path: Path | str, dtype: Any, shape: tuple[int, ...], *, read_only: bool = False) -> Any:
-    """A tensor over a data file: mapped copy-on-write (``MAP_PRIVATE``: a write stays this process's),
-    or with ``read_only`` mapped shared and write-protected (``PROT_READ``: a write faults instead of
-    reaching the node's copy). CUDA registers a read-only shared mapping 6.8x faster than a private
-    one (an H200: 89 vs 605 ms for 1.11 GiB, ``benchmarks/bench_pinned_mirror.py --map``)."""
-    numel = 1
-    for d in shape:
-        numel *= d
-    if numel == 0:
-        return torch.empty(shape, dtype=dtype)
-    if read_only:
-        return _map_read_only(torch, path, dtype, numel).view(shape)
-    try:
-        return torch.from_file(str(path), shared=False, size=numel, dtype=dtype).view(shape)
-    except RuntimeError:
-        if not os.path.exists(path):  # collected since the version was read: the caller reads it again
-            raise FileNotFoundError(path) from None
-        raise
-
-
 def map_file(torch: Any, path: str, nbytes: int, read_only: bool) -> Any:
-    """The first ``nbytes`` of a data file as one uint8 tensor: mapped copy-on-write, or with
-    ``read_only`` shared and write-protected (see :func:`map_tensor`)."""
+    """The first ``nbytes`` of a data file as one uint8 tensor: mapped copy-on-write (``MAP_PRIVATE``:
+    a write stays this process's), or with ``read_only`` shared and write-protected (``PROT_READ``: a
+    write faults instead of reaching the node's copy). CUDA registers a read-only shared mapping 6.8x
+    faster than a private one (an H200: 89 vs 605 ms for 1.11 GiB, ``benchmarks/bench_pinned_mirror.py --map``)."""
     if read_only:
         return _map_read_only(torch, path, torch.uint8, nbytes)
     try:

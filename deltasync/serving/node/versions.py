@@ -18,10 +18,9 @@ from typing import Any
 import numpy as np
 
 from deltasync.protocol import TensorChange
-from deltasync.serving.node.datafiles import (  # map_tensor, populate: re-exported
+from deltasync.serving.node.datafiles import (  # populate: re-exported
     Carver,
     map_file,
-    map_tensor,
     populate,
 )
 
@@ -33,7 +32,6 @@ __all__ = [
     "Version",
     "VersionFile",
     "changed_positions",
-    "map_tensor",
     "populate",
     "step_id",
     "trim_heap",
@@ -225,7 +223,7 @@ class Version:
         read_only: bool = False,
     ) -> dict[str, Any]:
         """The tensors, mapped from the node's files: copy-on-write (a write stays private), or with
-        ``read_only`` shared and write-protected (see :func:`map_tensor`). ``reuse``: tensors already
+        ``read_only`` shared and write-protected (see :func:`~deltasync.serving.node.datafiles.map_file`). ``reuse``: tensors already
         mapped, by data file name (another version's that shares files)."""
         import torch
 
