@@ -48,7 +48,7 @@ __all__ = ["COMPACT_BELOW", "KEEP", "VersionStore", "run_key"]
 KEEP = 2
 #: a build copies the tensors a new version would still take from an older pack into its own pack
 #: when they are less than this fraction of that pack's bytes: a pack stays in memory while any
-#: tensor in it is named (or mapped), so the node holds at most 1/COMPACT_BELOW times a version's bytes
+#: tensor in it is named (or mapped), so the packs a version names hold at most 1/COMPACT_BELOW times its bytes
 COMPACT_BELOW = 0.5
 _ZEROS = memoryview(bytes(PACK_ALIGN))
 
