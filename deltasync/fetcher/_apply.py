@@ -222,11 +222,15 @@ class HostGroup:
     """The members of a format-2 group as one target: host tensors, flat and C-contiguous, as wide as
     the group's values, written in place by one compiled call (:func:`host_group` builds one)."""
 
-    def __init__(self, members: Sequence[TargetTensor], addrs: Bits, bounds: Bits, kern: Any) -> None:
+    def __init__(
+        self, members: Sequence[TargetTensor], addrs: Bits, bounds: Bits, kern: Any, order: Bits | None = None
+    ) -> None:
         self.members = members  # holds their arrays (the memory written through ``addrs``)
         self.addrs = addrs
         self.bounds = bounds
         self.kern = kern  # the compiled kernels (a rollback uses them whatever the backend is by then)
+        #: the members by address when that is not their order (written so, memory walked forwards)
+        self.order = order
 
     def apply(self, g: DecodedGroup) -> Bits:
         """Apply the group's change in place; returns the bits it overwrote (for the undo log).
@@ -234,7 +238,14 @@ class HostGroup:
         kern = self.kern
         idx = g.idx
         old: Bits = np.empty(idx.size, dtype=g.values.dtype)
-        done = kern.group_apply(self.addrs, self.bounds, idx, g.values, old, 0 if g.coding == "xor-rank" else 1)
+        mode = 0 if g.coding == "xor-rank" else 1
+        if self.order is not None:
+            # members named out of address order (a model's tensors sorted by name): written in
+            # address order, all positions checked first (-2: a bad one, nothing written; the plain
+            # pass below finds it)
+            if kern.group_apply_ordered(self.addrs, self.bounds, idx, g.values, old, mode, self.order) == idx.size:
+                return old
+        done = kern.group_apply(self.addrs, self.bounds, idx, g.values, old, mode)
         if done != idx.size:
             if done > 0:  # the positions before the bad one were written: put them back
                 kern.group_apply(self.addrs, self.bounds, idx[:done], old[:done], old[:done], 2)
@@ -274,17 +285,18 @@ def host_group(tensors: Mapping[str, TargetTensor], g: DecodedGroup, alias: Mapp
             memo[members] = found
     if found is None:
         return None
-    targets, addrs, sizes, itemsize = found
+    targets, addrs, sizes, itemsize, order = found
     if itemsize != g.values.dtype.itemsize or not np.array_equal(sizes, np.diff(g.bounds)):
         return None
-    return HostGroup(targets, addrs, g.bounds, kern)
+    return HostGroup(targets, addrs, g.bounds, kern, order)
 
 
 def _members(
     tensors: Mapping[str, TargetTensor], members: tuple[str, ...], alias: Mapping[str, str]
-) -> tuple[list[TargetTensor], Bits, Bits, int] | None:
-    """(the members' tensors, their addresses, sizes, the common itemsize (-1: several)) when they are
-    all untied flat C-contiguous writable host arrays; None otherwise."""
+) -> tuple[list[TargetTensor], Bits, Bits, int, Bits | None] | None:
+    """(the members' tensors, their addresses, sizes, the common itemsize (-1: several), their order
+    by address or None when that is theirs) when they are all untied flat C-contiguous writable host
+    arrays; None otherwise."""
     try:
         if any(alias[n] != n for n in members):
             return None
@@ -297,7 +309,9 @@ def _members(
     lay = np.array(layouts, dtype=np.int64).reshape(len(members), 3)
     widths = np.unique(lay[:, 2])
     itemsize = int(widths[0]) if widths.size == 1 else -1
-    return targets, np.ascontiguousarray(lay[:, 0]), np.ascontiguousarray(lay[:, 1]), itemsize
+    addrs = np.ascontiguousarray(lay[:, 0])
+    order = np.argsort(addrs, kind="stable") if bool((addrs[1:] < addrs[:-1]).any()) else None
+    return targets, addrs, np.ascontiguousarray(lay[:, 1]), itemsize, order
 
 
 #: what the undo log restores: a tensor, or a group's members together

@@ -485,6 +485,46 @@ def group_apply(addrs: Arr, bounds: Arr, idx: Arr, vals: Arr, old: Arr, mode: in
     return n
 
 
+
+@_jit
+def group_apply_ordered(addrs: Arr, bounds: Arr, idx: Arr, vals: Arr, old: Arr, mode: int, order: Arr) -> int:
+    """:func:`group_apply` visiting the members in ``order`` (a permutation of their indices: by
+    address, so that the writes walk memory forwards however the members are named). Only for
+    positions that are all valid: it first checks that ``idx`` ascends strictly inside the members'
+    concatenation and returns -2 having written nothing when it does not (the caller runs
+    :func:`group_apply` then, which says how far a bad run goes); otherwise writes all and returns
+    ``idx.size`` (-1: ``bounds`` or ``order`` malformed, nothing written)."""
+    n: int = idx.size
+    nm = addrs.size
+    if bounds.size != nm + 1 or bounds[0] != 0 or order.size != nm:
+        return -1
+    for m in range(nm):
+        if bounds[m + 1] < bounds[m] or order[m] < 0 or order[m] >= nm:
+            return -1
+    if n == 0:
+        return 0
+    bad = (idx[0] < 0) | (idx[n - 1] >= bounds[nm])
+    for k in range(1, n):
+        bad |= idx[k] <= idx[k - 1]
+    if bad:
+        return -2
+    starts = np.searchsorted(idx, bounds)  # member m's run is idx[starts[m]:starts[m + 1]]
+    for j in range(nm):
+        m = order[j]
+        i = starts[m]
+        e = starts[m + 1]
+        if e == i:
+            continue
+        lo = bounds[m]
+        a = carray(_pointer_like(addrs[m], vals), bounds[m + 1] - lo)
+        if mode == 0:
+            _run_xor(a, idx[i:e], vals[i:e], old[i:e], lo)
+        elif mode == 1:
+            _run_set(a, idx[i:e], vals[i:e], old[i:e], lo)
+        else:
+            _run_put(a, idx[i:e], vals[i:e], lo)
+    return n
+
 # ---------------------------------------------------------------- gather (the uploader's packed staging)
 
 

@@ -88,6 +88,13 @@ def xxh3_128_words(
     n = int(addrs.size)
     addrs = np.ascontiguousarray(addrs, dtype=np.int64)
     lens = np.ascontiguousarray(lens, dtype=np.int64)
+    order = None
+    if n > 1 and bool((addrs[1:] < addrs[:-1]).any()):
+        # hashed in address order: ranges asked for in another order (names sorted, a model's tensors
+        # allocated in module order) jump about memory, and each jump restarts the prefetchers (18k
+        # tensors of 21 kB in name order hashed at 0.6x the speed of the same in address order)
+        order = np.argsort(addrs, kind="stable")
+        addrs, lens = addrs[order], lens[order]
     out = np.empty((n, 2), dtype=np.uint64)
     total = int(lens.sum())
     # cut where the running byte count crosses each multiple of TASK_BYTES
@@ -99,6 +106,10 @@ def xxh3_128_words(
 
     for _ in cast(Any, mapper)(run, list(zip(cuts[:-1], cuts[1:], strict=True))):
         pass
+    if order is not None:
+        back = np.empty_like(out)
+        back[order] = out
+        return back
     return out
 
 

@@ -129,6 +129,81 @@ def test_bad_positions_write_nothing(idx: list[int]) -> None:
     assert _equal(arrays, before)
 
 
+
+def _backwards(g: DecodedGroup, seed: int) -> tuple[dict[str, Arr], Arr]:
+    """``g``'s members as views of one buffer laid out last member first (addresses descending in
+    the members' order, as a model's tensors sorted by name often are), and the buffer."""
+    sizes = np.diff(g.bounds).tolist()
+    buf = np.random.default_rng(seed).integers(-(2**15), 2**15, int(g.bounds[-1]) + 8 * len(sizes), dtype=np.int16)
+    out: dict[str, Arr] = {}
+    at = buf.size
+    for n, size in zip(g.members, sizes, strict=True):
+        at -= size + 8  # a gap between members
+        out[n] = buf[at : at + size]
+    return out, buf
+
+
+@pytest.mark.parametrize("coding", ["xor-rank", "raw"])
+def test_members_out_of_address_order_are_written_in_address_order_with_the_same_bits(coding: str) -> None:
+    g = _group([7, 0, 300, 1, 64, 1000, 5, 2000], 0.2, seed=21, coding=coding)
+    arrays, buf = _backwards(g, 22)
+    before, buf_before = {n: a.copy() for n, a in arrays.items()}, buf.copy()
+    tensors = _views(arrays)
+    group = host_group(tensors, g, tensors.aliases())
+    assert group is not None and group.order is not None  # the ordered pass is the one taken
+    undo = Undo()
+    apply_changes(tensors, [g], undo)
+    assert _equal(arrays, _expected(before, [g]))
+    written = np.zeros(buf.size, dtype=bool)
+    for a in arrays.values():
+        if a.size:
+            lo = (a.ctypes.data - buf.ctypes.data) // 2
+            written[lo : lo + a.size] = True
+    assert np.array_equal(buf[~written], buf_before[~written])  # the gaps between members untouched
+    undo.rollback()
+    assert np.array_equal(buf, buf_before)
+
+
+@pytest.mark.parametrize(
+    "idx",
+    [[0, 5, 40, 1000], [0, 5, 5, 9], [0, 30, 20, 90], [3, 2], [-1, 3], [95, 99, 100]],
+)
+def test_bad_positions_write_nothing_when_members_are_out_of_address_order(idx: list[int]) -> None:
+    sizes = [10, 10, 10, 70]
+    bounds = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=bounds[1:])
+    pos = np.array(idx, dtype=np.int64)
+    g = DecodedGroup(_entry(("a", "b", "c", "d"), pos.size), pos, np.full(pos.size, 0x7FFF, np.int16), bounds)
+    arrays, buf = _backwards(g, 23)
+    buf_before = buf.copy()
+    tensors = _views(arrays)
+    group = host_group(tensors, g, tensors.aliases())
+    assert group is not None and group.order is not None
+    with pytest.raises(ProtocolError):
+        group.apply(g)
+    assert np.array_equal(buf, buf_before)
+
+
+def test_the_ordered_kernel_checks_everything_before_writing() -> None:
+    """-1 for malformed bounds or an order outside the members, -2 for bad positions; nothing written."""
+    kern = kernels.impl()
+    assert kern is not None
+    a = np.zeros(8, dtype=np.int16)
+    addrs = np.array([a.ctypes.data + 8, a.ctypes.data], dtype=np.int64)
+    bounds = np.array([0, 4, 8], dtype=np.int64)
+    vals = np.ones(2, dtype=np.int16)
+    old = np.zeros(2, dtype=np.int16)
+    good = np.array([1, 0], dtype=np.int64)
+    two = np.array([1, 6], dtype=np.int64)
+    assert kern.group_apply_ordered(addrs, np.array([0, 4], dtype=np.int64), two, vals, old, 0, good) == -1
+    assert kern.group_apply_ordered(addrs, bounds, two, vals, old, 0, np.array([1, 2], dtype=np.int64)) == -1
+    assert kern.group_apply_ordered(addrs, bounds, two, vals, old, 0, np.array([0], dtype=np.int64)) == -1
+    for bad in ([6, 1], [1, 8], [-1, 3], [2, 2]):
+        assert kern.group_apply_ordered(addrs, bounds, np.array(bad, dtype=np.int64), vals, old, 0, good) == -2
+    assert not a.any()
+    assert kern.group_apply_ordered(addrs, bounds, two, vals, old, 0, good) == 2
+    assert a.tolist() == [0, 0, 1, 0, 0, 1, 0, 0]  # member 0 (position 1) at a[5], member 1 (position 6) at a[2]
+
 def test_bounds_that_are_not_cumulative_are_refused() -> None:
     kern = kernels.impl()
     assert kern is not None

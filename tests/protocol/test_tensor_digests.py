@@ -183,6 +183,25 @@ def test_ranges_equal_python_xxhash_at_every_length_and_alignment(offset: int) -
     assert got == [xxhash.xxh3_128_hexdigest(buf[a : a + n].tobytes()) for a, n in zip(starts, lens, strict=True)]
 
 
+
+@pytest.mark.skipif(not kernels.available(), reason="numba cannot be imported here")
+def test_ranges_asked_out_of_address_order_keep_the_callers_order() -> None:
+    """Ranges are hashed in address order (prefetch-friendly) but each digest comes back at the
+    caller's row: shuffled, repeated and backwards ranges."""
+    rng = np.random.default_rng(11)
+    buf = rng.integers(0, 256, 64 * 1000, dtype=np.uint8)
+    starts = rng.permutation(1000)[:300].astype(np.int64) * 64
+    starts = np.concatenate([starts, starts[:5], starts[::-1][:7]])
+    lens = rng.integers(0, 64 * 5, starts.size).astype(np.int64)
+    lens = np.minimum(lens, buf.size - starts)
+    want = [xxhash.xxh3_128_hexdigest(buf[a : a + n].tobytes()) for a, n in zip(starts, lens, strict=True)]
+    with kernels.using("numba"):
+        for threads in (1, 3):
+            got = xxh3_128_ranges(
+                buf.ctypes.data + starts, lens, mapper=lambda f, xs, t=threads: parallel_map(f, xs, threads=t)
+            )
+            assert got == want
+
 def test_ranges_say_none_on_the_numpy_fallback() -> None:
     """Without the compiled kernels the caller hashes its buffers itself (it is told so, not given junk)."""
     buf = np.arange(100, dtype=np.uint8)
