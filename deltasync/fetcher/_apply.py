@@ -239,12 +239,13 @@ class HostGroup:
         idx = g.idx
         old: Bits = np.empty(idx.size, dtype=g.values.dtype)
         mode = 0 if g.coding == "xor-rank" else 1
-        if self.order is not None:
-            # members named out of address order (a model's tensors sorted by name): written in
-            # address order, all positions checked first (-2: a bad one, nothing written; the plain
-            # pass below finds it)
-            if kern.group_apply_ordered(self.addrs, self.bounds, idx, g.values, old, mode, self.order) == idx.size:
-                return old
+        # members named out of address order (a model's tensors sorted by name) are written in address
+        # order, all positions checked first (-2: a bad one, nothing written; the plain pass finds it)
+        if (
+            self.order is not None
+            and kern.group_apply_ordered(self.addrs, self.bounds, idx, g.values, old, mode, self.order) == idx.size
+        ):
+            return old
         done = kern.group_apply(self.addrs, self.bounds, idx, g.values, old, mode)
         if done != idx.size:
             if done > 0:  # the positions before the bad one were written: put them back

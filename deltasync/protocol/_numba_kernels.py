@@ -508,7 +508,7 @@ def group_apply_ordered(addrs: Arr, bounds: Arr, idx: Arr, vals: Arr, old: Arr, 
         bad |= idx[k] <= idx[k - 1]
     if bad:
         return -2
-    starts = np.searchsorted(idx, bounds)  # member m's run is idx[starts[m]:starts[m + 1]]
+    starts: Arr = np.searchsorted(idx, bounds)  # member m's run is idx[starts[m]:starts[m + 1]]
     for j in range(nm):
         m = order[j]
         i = starts[m]
