@@ -485,7 +485,6 @@ def group_apply(addrs: Arr, bounds: Arr, idx: Arr, vals: Arr, old: Arr, mode: in
     return n
 
 
-
 @_jit
 def group_apply_ordered(addrs: Arr, bounds: Arr, idx: Arr, vals: Arr, old: Arr, mode: int, order: Arr) -> int:
     """:func:`group_apply` visiting the members in ``order`` (a permutation of their indices: by
@@ -524,6 +523,7 @@ def group_apply_ordered(addrs: Arr, bounds: Arr, idx: Arr, vals: Arr, old: Arr, 
         else:
             _run_put(a, idx[i:e], vals[i:e], lo)
     return n
+
 
 # ---------------------------------------------------------------- gather (the uploader's packed staging)
 

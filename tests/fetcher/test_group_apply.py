@@ -129,7 +129,6 @@ def test_bad_positions_write_nothing(idx: list[int]) -> None:
     assert _equal(arrays, before)
 
 
-
 def _backwards(g: DecodedGroup, seed: int) -> tuple[dict[str, Arr], Arr]:
     """``g``'s members as views of one buffer laid out last member first (addresses descending in
     the members' order, as a model's tensors sorted by name often are), and the buffer."""
@@ -203,6 +202,7 @@ def test_the_ordered_kernel_checks_everything_before_writing() -> None:
     assert not a.any()
     assert kern.group_apply_ordered(addrs, bounds, two, vals, old, 0, good) == 2
     assert a.tolist() == [0, 0, 1, 0, 0, 1, 0, 0]  # member 0 (position 1) at a[5], member 1 (position 6) at a[2]
+
 
 def test_bounds_that_are_not_cumulative_are_refused() -> None:
     kern = kernels.impl()

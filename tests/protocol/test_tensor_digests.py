@@ -183,7 +183,6 @@ def test_ranges_equal_python_xxhash_at_every_length_and_alignment(offset: int) -
     assert got == [xxhash.xxh3_128_hexdigest(buf[a : a + n].tobytes()) for a, n in zip(starts, lens, strict=True)]
 
 
-
 @pytest.mark.skipif(not kernels.available(), reason="numba cannot be imported here")
 def test_ranges_asked_out_of_address_order_keep_the_callers_order() -> None:
     """Ranges are hashed in address order (prefetch-friendly) but each digest comes back at the
@@ -201,6 +200,7 @@ def test_ranges_asked_out_of_address_order_keep_the_callers_order() -> None:
                 buf.ctypes.data + starts, lens, mapper=lambda f, xs, t=threads: parallel_map(f, xs, threads=t)
             )
             assert got == want
+
 
 def test_ranges_say_none_on_the_numpy_fallback() -> None:
     """Without the compiled kernels the caller hashes its buffers itself (it is told so, not given junk)."""
