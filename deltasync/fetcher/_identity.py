@@ -65,12 +65,16 @@ class HeldState:
         *,
         previous: HeldState | None = None,
         checked: bool = False,
+        versions: list[int | None] | None = None,
     ) -> HeldState:
         """The state of ``target`` now that it holds committed ``step`` (manifest ``digest``).
         ``previous``: what was recorded of it before, whose weak references are taken over when
         it names the very same tensor objects. ``checked``: ``tensors`` came from
         :meth:`TargetViews.of` of this very ``live`` (then, when they are the views ``previous``
-        recorded, its names, ids and keys are these: only the version counters are read again)."""
+        recorded, its names, ids and keys are these: only the version counters are read again).
+        ``versions``: the counters of ``live``'s tensors as :meth:`same` read them before this sync's
+        writes, which bumped none (written through their memory: :meth:`TensorViews.raw_writes`);
+        taken instead of reading 18k counters again, on a cache the writes have since emptied."""
         try:
             ref: weakref.ref[Any] | None = weakref.ref(target)
         except TypeError:  # a dict: its tensors carry the identity
@@ -78,7 +82,8 @@ class HeldState:
         objs = list(live.values())
         if checked and previous is not None and not previous._dead[0] and previous._views_are(tensors):
             p = previous
-            return cls(step, digest, ref, p.names, p.ids, p.refs, p._dead, _versions(objs), p.keys, p.views)
+            now = versions if versions is not None and len(versions) == len(objs) else _versions(objs)
+            return cls(step, digest, ref, p.names, p.ids, p.refs, p._dead, now, p.keys, p.views)
         names = list(live)
         ids = list(map(id, objs))
         if previous is not None and not previous._dead[0] and previous.ids == ids:
@@ -113,24 +118,30 @@ class HeldState:
         version counters) and at the same memory. ``checked``: ``tensors`` came from
         :meth:`TargetViews.of` of this very ``live``, which compared the names, tensor objects and
         memory (so, when they are the views recorded, only the version counters are left to compare)."""
+        return self.versions_if_same(target, live, tensors, checked=checked) is not None
+
+    def versions_if_same(
+        self, target: Any, live: Mapping[str, Any], tensors: Mapping[str, TargetTensor], *, checked: bool = False
+    ) -> list[int | None] | None:
+        """:meth:`same`, saying yes with the version counters it read (in ``live``'s order), no with None."""
         if self.target is not None and self.target() is not target:
-            return False
+            return None
         if self._dead[0]:  # a tensor recorded was collected: what has its id now is another object
-            return False
+            return None
         objs = list(live.values())
         if not (checked and self._views_are(tensors)):
             if list(live) != self.names or list(map(id, objs)) != self.ids:
-                return False
+                return None
             # the very views recorded (read-only, kept while the same tensors are at the same memory), or
             # views with the same keys
             if not self._views_are(tensors) and not all(
                 map(operator.eq, (tensors[n].key for n in self.names), self.keys)
             ):
-                return False
+                return None
         now = _versions(objs)
-        if now == self.versions:
-            return True
-        return all(v is None or w == v for v, w in zip(self.versions, now, strict=True))
+        if now == self.versions or all(v is None or w == v for v, w in zip(self.versions, now, strict=True)):
+            return now
+        return None
 
 
 class HeldStates:
@@ -156,12 +167,13 @@ class HeldStates:
         tensors: Mapping[str, TargetTensor],
         *,
         checked: bool = False,
+        versions: list[int | None] | None = None,
     ) -> None:
         """``target`` now holds committed ``step`` (manifest ``digest``) in these very tensors
-        (``checked``: ``tensors`` are :attr:`views` of ``live``, see :meth:`HeldState.record`)."""
+        (``checked``: ``tensors`` are :attr:`views` of ``live``; ``versions``: see :meth:`HeldState.record`)."""
         previous = self._by_id.get(id(target))
         self._by_id[id(target)] = HeldState.record(
-            step, digest, target, live, tensors, previous=previous, checked=checked
+            step, digest, target, live, tensors, previous=previous, checked=checked, versions=versions
         )
 
     def forget(self, target: Any) -> None:

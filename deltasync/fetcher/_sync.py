@@ -34,7 +34,7 @@ from deltasync.fetcher._journal import SyncJournal
 from deltasync.fetcher._lease import LeaseWriter, still_committed, unreachable_after_gc
 from deltasync.fetcher._source import DATA_ERRORS, Source
 from deltasync.fetcher._stats import SyncStats
-from deltasync.fetcher._target import TargetTensor, live_tensors, target_tensors
+from deltasync.fetcher._target import TargetTensor, TensorViews, live_tensors, target_tensors
 from deltasync.protocol import Committed, FetchPlan, Manifest, TensorInfo, file_key, step_prefix
 
 __all__ = ["Sync"]
@@ -88,6 +88,8 @@ class Sync:
         self._inventory: tuple[TensorInfo, ...] = ()
         self._have: tuple[int, str] | None = None
         self._found: tuple[int, str] | None = None
+        #: the target's version counters as read when it was found unchanged (None: it was not)
+        self._versions: list[int | None] | None = None
         self._before: HeldState | None = None
         self._base: Manifest | None = None
         self._keep: Undo | None = None
@@ -192,7 +194,9 @@ class Sync:
         verify = self.source.verify
         held = self.held.get(self.target)
         have: tuple[int, str] | None = None
-        if held is not None and held.same(self.target, self._live, tensors, checked=True):
+        self._versions = held.versions_if_same(self.target, self._live, tensors, checked=True) if held else None
+        if self._versions is not None:
+            assert held is not None
             have = (held.step, held.digest)
         elif held is not None:
             # another object at a reused id, or tensors changed behind our back: prove it or forget it
@@ -292,7 +296,11 @@ class Sync:
     def _record(self, reached: Committed) -> None:
         """The target holds ``reached`` now: remember it, fill the journal, close the stats."""
         assert self._tensors is not None
-        self.held.record(self.target, self.target_step, reached.digest, self._live, self._tensors, checked=True)
+        # writes through the tensors' memory bump no version counter: the ones read before them stand
+        versions = self._versions if isinstance(self._tensors, TensorViews) and self._tensors.raw_writes() else None
+        self.held.record(
+            self.target, self.target_step, reached.digest, self._live, self._tensors, checked=True, versions=versions
+        )
         if self.journal is not None and self._keep is not None:
             restore = functools.partial(self.held.restore, self.target, self._before, self._live, self._tensors)
             base_step = self._found[0] if self._found else None

@@ -294,6 +294,14 @@ class TensorViews(dict[str, TargetTensor]):
         self.aliases()
         return bool(self.memo["tied"])
 
+    def raw_writes(self) -> bool:
+        """Whether every tensor here is written through its memory (:class:`HostTensor`: numpy and the
+        compiled kernels), never by a torch operation, so writing bumps no version counter (computed once)."""
+        found = self.memo.get("raw_writes")
+        if found is None:
+            found = self.memo["raw_writes"] = all(type(t) is HostTensor for t in self.values())
+        return bool(found)
+
     def keys_of(self, names: Sequence[str]) -> list[Any]:
         """The :attr:`TargetTensor.key` of each name, in order (kept for the last list of names asked)."""
         last = self.memo.get("keys_of")

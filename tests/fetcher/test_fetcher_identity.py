@@ -99,6 +99,26 @@ def test_changes_behind_the_fetchers_back(run: ds.MemoryStore, verify: Any) -> N
     assert _equal(target, _state(7))
 
 
+@pytest.mark.parametrize("bump", [False, True])
+def test_a_version_bump_after_steps_in_a_row_is_noticed(run: ds.MemoryStore, bump: bool) -> None:
+    """Synced step after step, the fetcher keeps the version counters it read before writing (its
+    writes go through the tensors' memory and bump none): a tracked in-place op afterwards is still
+    noticed (without digests, the next sync starts again from the anchor), and without one the next
+    sync patches from the step held."""
+    fetcher = ds.DeltaFetcher(run, verify=False)
+    target = {k: v.clone() for k, v in _state(0).items()}
+    for step in range(1, 5):
+        fetcher.sync(target, step=step)
+        assert fetcher.last_stats is not None and fetcher.last_stats.base_step == (None if step == 1 else step - 1)
+    if bump:
+        with torch.no_grad():
+            target["v"].add_(0.0)  # the same bits, a new version
+    fetcher.sync(target, step=5)
+    assert fetcher.last_stats is not None
+    assert fetcher.last_stats.base_step == (None if bump else 4)
+    assert _equal(target, _state(5))
+
+
 def test_verify_full_proves_tensors_a_patch_does_not_touch(run: ds.MemoryStore) -> None:
     fetcher = ds.DeltaFetcher(run, verify="full")
     target = {k: v.clone() for k, v in _state(0).items()}
