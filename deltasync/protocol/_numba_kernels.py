@@ -528,27 +528,45 @@ def group_apply_ordered(addrs: Arr, bounds: Arr, idx: Arr, vals: Arr, old: Arr, 
 # ---------------------------------------------------------------- gather (the uploader's packed staging)
 
 
+def _copy_typer(typingctx: Any, dst: Any, src: Any, n: Any) -> Any:
+    """Copy ``n`` bytes from address ``src`` to address ``dst`` (ranges that do not overlap) as
+    LLVM's memcpy (an intrinsic: the C library's copy, wide loads and stores whatever the alignment)."""
+    from llvmlite import ir
+    from numba.core import cgutils
+
+    sig = types.void(types.intp, types.intp, types.intp)  # type: ignore[no-untyped-call]
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        i8p = ir.IntType(8).as_pointer()
+        cgutils.raw_memcpy(builder, builder.inttoptr(args[0], i8p), builder.inttoptr(args[1], i8p), args[2], 1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+_copy_bytes: Any = intrinsic(_copy_typer)
+
+
 @_jit
-def gather_bytes(dst: Arr, dst_words: Arr, addrs: Arr, starts: Arr) -> None:
+def gather_bytes(dst: Arr, addrs: Arr, starts: Arr, order: Arr) -> bool:
     """Copy ``starts[i+1] - starts[i]`` bytes from host address ``addrs[i]`` to ``dst[starts[i]:]``
-    for every ``i`` (``dst_words``: the same memory as uint64). The caller keeps the sources alive and
-    vouches for their sizes: this reads raw memory. 8-byte words where both ends are aligned."""
-    for i in range(addrs.size):
-        a = starts[i]
-        n = starts[i + 1] - a
-        src = addrs[i]
-        done = 0
-        if (a & 7) == 0 and (src & 7) == 0:
-            w = n >> 3
-            words = carray(_pointer_like(src, dst_words), w)
-            a8 = a >> 3
-            for j in range(w):
-                dst_words[a8 + j] = words[j]
-            done = w << 3
-        if done < n:
-            tail = carray(_pointer_like(src, dst), n)
-            for j in range(done, n):
-                dst[a + j] = tail[j]
+    for every ``i``, visiting ``i`` in ``order`` (a permutation: the sources by address, so the reads
+    walk memory forwards). The caller keeps the sources alive and vouches for their sizes and the
+    order: this reads raw memory. Nothing is written outside ``dst``'s ``starts[0]:starts[-1]``
+    (``starts`` must ascend within ``dst``; False otherwise, nothing copied)."""
+    n = addrs.size
+    if starts.size != n + 1 or order.size != n or starts[0] < 0 or starts[n] > dst.size:
+        return False
+    for i in range(n):
+        if starts[i + 1] < starts[i] or order[i] < 0 or order[i] >= n:
+            return False
+    base = dst.ctypes.data
+    for k in range(n):
+        i = order[k]
+        size = starts[i + 1] - starts[i]
+        if size > 0:
+            _copy_bytes(base + starts[i], addrs[i], size)
+    return True
 
 
 # ---------------------------------------------------------------- xxh3-128 of many ranges (digests)

@@ -42,8 +42,11 @@ def _gather(kern: Any, pack: Pack, buf: torch.Tensor, src: Sequence[torch.Tensor
     if addrs.size and int(addrs.min()) < 0:
         return False
     dst = buf.numpy().view(np.uint8)
-    words = dst[: dst.size - dst.size % 8].view(np.uint64)
-    kern.gather_bytes(dst, words, addrs, pack.starts * pack.itemsize)
+    # the sources read in address order: a state's tensors sorted by name are not in the order they
+    # were allocated in, and reads that jump about memory restart the prefetchers at each tensor
+    order = np.argsort(addrs, kind="stable")
+    if not kern.gather_bytes(dst, addrs, pack.starts * pack.itemsize, order):
+        raise AssertionError("gather_bytes: a pack's starts outside its buffer")  # pack plans make them
     return True
 
 

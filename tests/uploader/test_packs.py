@@ -148,14 +148,33 @@ def test_gather_copies_unaligned_spans_and_tails_exactly() -> None:
     srcs = [rng.integers(0, 255, n, dtype=np.uint8) for n in sizes]
     starts = np.zeros(len(sizes) + 1, dtype=np.int64)
     np.cumsum(sizes, out=starts[1:])
-    dst = np.zeros(int(starts[-1]) + 5, dtype=np.uint8)
-    words = dst[: dst.size - dst.size % 8].view(np.uint64)
     # some sources start off an 8-byte boundary
     srcs = [np.concatenate([np.zeros(1, np.uint8), s])[1:] if i % 2 else s for i, s in enumerate(srcs)]
     addrs = np.array([s.__array_interface__["data"][0] for s in srcs], dtype=np.int64)
-    kern.gather_bytes(dst, words, addrs, starts)
-    assert np.array_equal(dst[: starts[-1]], np.concatenate(srcs))
-    assert not dst[starts[-1] :].any()
+    for order in (np.arange(len(sizes)), np.arange(len(sizes))[::-1].copy(), np.argsort(addrs)):
+        dst = np.zeros(int(starts[-1]) + 5, dtype=np.uint8)
+        assert kern.gather_bytes(dst, addrs, starts, order.astype(np.int64))
+        assert np.array_equal(dst[: starts[-1]], np.concatenate(srcs))
+        assert not dst[starts[-1] :].any()
+
+
+@pytest.mark.skipif(kernels.impl() is None, reason="the compiled kernels are not available here")
+def test_gather_refuses_starts_or_an_order_outside_its_buffer() -> None:
+    """Malformed starts (past the buffer, descending, negative) or order: False, nothing copied."""
+    kern = kernels.impl()
+    src = np.arange(1, 9, dtype=np.uint8)
+    addrs = np.array([src.ctypes.data, src.ctypes.data], dtype=np.int64)
+    good = np.array([0, 1], dtype=np.int64)
+    for starts, order in (
+        ([0, 4, 9], good),  # past the 8-byte buffer
+        ([0, 5, 4], good),  # descending
+        ([-1, 2, 4], good),
+        ([0, 4, 8], np.array([0, 2], dtype=np.int64)),
+        ([0, 4], good),  # one start short
+    ):
+        dst = np.zeros(8, dtype=np.uint8)
+        assert not kern.gather_bytes(dst, addrs, np.array(starts, dtype=np.int64), order)
+        assert not dst.any()
 
 
 @pytest.mark.parametrize("version", [1, 2])
