@@ -534,11 +534,11 @@ def _copy_typer(typingctx: Any, dst: Any, src: Any, n: Any) -> Any:
     from llvmlite import ir
     from numba.core import cgutils
 
-    sig = types.void(types.intp, types.intp, types.intp)  # type: ignore[no-untyped-call]
+    sig = types.void(types.intp, types.intp, types.intp)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         i8p = ir.IntType(8).as_pointer()
-        cgutils.raw_memcpy(builder, builder.inttoptr(args[0], i8p), builder.inttoptr(args[1], i8p), args[2], 1)
+        cgutils.raw_memcpy(builder, builder.inttoptr(args[0], i8p), builder.inttoptr(args[1], i8p), args[2], 1)  # type: ignore[no-untyped-call]
         return context.get_dummy_value()
 
     return sig, codegen
