@@ -12,7 +12,15 @@ from typing import Any, cast
 import numpy as np
 
 from deltasync._util.cpus import parallel_map
-from deltasync._util.tensors import DeviceBytes, flat_bits, numpy_bits, require_torch, st_dtype, state_tensors
+from deltasync._util.tensors import (
+    DeviceBytes,
+    accessors,
+    flat_bits,
+    numpy_bits,
+    require_torch,
+    st_dtype,
+    state_tensors,
+)
 from deltasync.errors import ProtocolError
 from deltasync.fetcher._fold import Change, new_bits
 from deltasync.protocol import TensorInfo, kernels
@@ -318,28 +326,19 @@ class TensorViews(dict[str, TargetTensor]):
     clear = pop = popitem = setdefault = update = _frozen
 
 
-# C-level accessors, mapped over a target's tensors in one pass each
-# (torch's own descriptors and unbound methods, called straight: half the cost of attrgetter and
-# methodcaller at 18k tensors; a Tensor subclass is still a Tensor to them)
-_shape = operator.attrgetter("shape")
-_dtype = operator.attrgetter("dtype")
-_ptr = operator.methodcaller("data_ptr")
-_stride = operator.methodcaller("stride")
-
-
-_ACCESSORS: list[Any] = []
-
-
 def _accessors() -> tuple[Any, Any, Any, Any]:
-    """(data_ptr, stride, shape, dtype) getters of torch tensors, fastest first."""
+    """(data_ptr, stride, shape, dtype) getters of torch tensors, as one C-level pass each maps them
+    (by name where torch cannot be imported: tensor-like objects)."""
     try:
-        torch = require_torch()
-        T = torch.Tensor
-        _ACCESSORS[:] = (T.data_ptr, T.stride, T.shape.__get__, T.dtype.__get__)
-    except (ImportError, AttributeError):
-        _ACCESSORS[:] = (_ptr, _stride, _shape, _dtype)
-    ptr, stride, shape, dtype = _ACCESSORS
-    return ptr, stride, shape, dtype
+        a = accessors()
+    except ImportError:
+        return (
+            operator.methodcaller("data_ptr"),
+            operator.methodcaller("stride"),
+            operator.attrgetter("shape"),
+            operator.attrgetter("dtype"),
+        )
+    return a.data_ptr, a.stride, a.shape, a.dtype
 
 
 def _layout_guard(objs: list[Any], shapes: list[Any], strides: list[Any]) -> Any:
@@ -431,7 +430,7 @@ class TargetViews:
         """(inventory sorted by name, a TargetTensor per name) of ``live``."""
         names = list(live)
         objs = list(live.values())
-        get_ptr, get_stride, get_shape, get_dtype = _ACCESSORS or _accessors()
+        get_ptr, get_stride, get_shape, get_dtype = _accessors()
         for last in self._seen:
             if (
                 len(self._cache) == len(names)

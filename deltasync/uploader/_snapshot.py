@@ -10,6 +10,7 @@ snapshot first waits for them (:meth:`wait_for_last`).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from deltasync._util.batches import map_batched, results
-from deltasync._util.tensors import digest_tensors, flat_bits
+from deltasync._util.tensors import accessors, digest_tensors, flat_bits
 from deltasync.protocol import TensorInfo, kernels
 from deltasync.protocol.digests import digests_comparable, packed_digests
 from deltasync.uploader._diff import DIFF_CHUNK, Baseline, TensorDiff, diff_tensor, inventory_of, join_diffs
@@ -36,11 +37,10 @@ PACK_DIFF_CHUNK = 1 << 20
 def _gather(kern: Any, pack: Pack, buf: torch.Tensor, src: Sequence[torch.Tensor]) -> bool:
     """Copy ``src`` (the pack's tensors, of its dtype and shapes) into ``buf`` as raw bytes with one
     compiled call, when every one is a contiguous CPU tensor; False (nothing copied) otherwise."""
-    addrs = np.fromiter(
-        (t.data_ptr() if t.is_cpu and t.is_contiguous() else -1 for t in src), dtype=np.int64, count=len(src)
-    )
-    if addrs.size and int(addrs.min()) < 0:
+    a = accessors()
+    if not (all(map(a.is_cpu, src)) and all(map(a.is_contiguous, src))):
         return False
+    addrs = np.fromiter(map(a.data_ptr, src), dtype=np.int64, count=len(src))
     dst = buf.numpy().view(np.uint8)
     # the sources read in address order: a state's tensors sorted by name are not in the order they
     # were allocated in, and reads that jump about memory restart the prefetchers at each tensor
@@ -73,15 +73,11 @@ class Snapshotter:
         shapes are the same (compared in one pass that keeps nothing: building 18k entries, sorting
         them and the collections the kept objects set off cost more than the step's copy)."""
         last = self._last_layout
-        if (
-            last is not None
-            and len(tensors) == len(last[0])
-            and all(
-                n == n0 and t.dtype == d and t.shape == s
-                for (n, t), n0, d, s in zip(tensors.items(), last[0], last[1], last[2], strict=True)
-            )
-        ):
-            return last[3]
+        if last is not None and len(tensors) == len(last[0]) and list(tensors) == last[0]:
+            a, values = accessors(), list(tensors.values())
+            # compared as they are read, one C-level pass each
+            if list(map(a.dtype, values)) == last[1] and all(map(operator.eq, map(a.shape, values), last[2])):
+                return last[3]
         inventory = inventory_of(tensors)
         if inventory == self._baseline.inventory:
             inventory = self._baseline.inventory
@@ -212,7 +208,7 @@ class Snapshotter:
         done: set[str] = set()
         kern = kernels.impl()
         for pack, buf in zip(packs, bufs, strict=True):
-            src = [tensors[n] for n in pack.names]
+            src = list(map(tensors.__getitem__, pack.names))
             done.update(pack.names)
             if laid_out and kern is not None and _gather(kern, pack, buf, src):
                 continue
@@ -255,8 +251,10 @@ class Snapshotter:
         into reused staging buffers (one memcpy, about one compare pass).
         """
         packed = self._stage_packs(tensors)
-        done = {n for p, _ in packed for n in p.names} if packed else set()
         out: dict[str, torch.Tensor] = {}
+        if sum(len(p.names) for p, _ in packed) == len(tensors):
+            return out, packed  # every tensor is in a pack (a pack's names are distinct names of the state)
+        done = {n for p, _ in packed for n in p.names} if packed else set()
         for name, t in tensors.items():
             if name in done:
                 continue
