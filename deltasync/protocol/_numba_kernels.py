@@ -525,6 +525,23 @@ def group_apply_ordered(addrs: Arr, bounds: Arr, idx: Arr, vals: Arr, old: Arr, 
     return n
 
 
+@_jit
+def group_cuts(codes: Arr, numels: Arr, limit: int, cuts: Arr) -> int:
+    """Where a run of tensors (``codes[i]``: a dtype's code, ``numels[i]``: elements) is cut into
+    format-2 groups: consecutive tensors of one dtype until adding one would pass ``limit`` elements
+    (a tensor that large stands alone). Writes the indices that start a group after the first into
+    ``cuts`` and returns how many."""
+    c = 0
+    size = 0
+    for i in range(codes.size):
+        if i > 0 and (codes[i] != codes[i - 1] or size + numels[i] > limit):
+            cuts[c] = i
+            c += 1
+            size = 0
+        size += numels[i]
+    return c
+
+
 # ---------------------------------------------------------------- gather (the uploader's packed staging)
 
 

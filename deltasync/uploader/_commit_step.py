@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import numpy as np
 
@@ -45,6 +45,7 @@ from deltasync.protocol import (
     encode_changes,
     file_key,
     inventory_digest,
+    kernels,
     manifest_key,
     xxh3_128,
 )
@@ -275,7 +276,12 @@ GROUP_NUMEL = 1 << 22
 def change_groups(job: StepJob, group_numel: int) -> list[tuple[str, ...]]:
     """The changed tensors, sorted by name, cut into groups: consecutive tensors of one dtype until a
     group holds ``group_numel`` elements; a tensor that large stands alone (0: every tensor alone)."""
-    return cut_groups(sorted(job.changes), job.inventory, group_numel)
+    return cut_groups(_sorted_names(job.changes), job.inventory, group_numel)
+
+
+def _sorted_names(changes: Mapping[str, Any]) -> list[str]:
+    """The names of a step's changes, sorted."""
+    return changes.sorted_names() if isinstance(changes, ChangeSet) else sorted(changes)
 
 
 def _facts(inventory: Sequence[TensorInfo]) -> InventoryFacts:
@@ -286,6 +292,15 @@ def _facts(inventory: Sequence[TensorInfo]) -> InventoryFacts:
 def cut_groups(names: Sequence[str], inventory: Sequence[TensorInfo], group_numel: int) -> list[tuple[str, ...]]:
     """:func:`change_groups` of the changed tensors ``names`` (sorted)."""
     facts = _facts(inventory)
+    kern = kernels.impl()
+    if kern is not None and len(names) > 64 and facts.unique:
+        # one compiled pass over the names' dtype codes and sizes (a Python loop cost 10+ ms at 18k)
+        codes, numels = facts.arrays()
+        at = np.fromiter(map(facts.index.__getitem__, names), dtype=np.int64, count=len(names))
+        cuts = np.empty(len(names) + 1, dtype=np.int64)
+        n = kern.group_cuts(codes[at], numels[at], group_numel, cuts)
+        bounds = [0, *cuts[:n].tolist(), len(names)]
+        return [tuple(names[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
     info, numel_of = facts.by_name, facts.numel_of
     groups: list[tuple[str, ...]] = []
     cur: list[str] = []
@@ -312,7 +327,7 @@ def encode_groups(
     :func:`change_groups`), groups on ``pool`` at once; (tensor name or group of names, coding).
     A group of consecutive tensors of one pack is coded straight from the pack's arrays."""
     numel = _facts(inventory).numel_of
-    groups = cut_groups(sorted(changes), inventory, group_numel)
+    groups = cut_groups(_sorted_names(changes), inventory, group_numel)
     packed = changes if isinstance(changes, ChangeSet) else None
 
     def enc(group: tuple[str, ...]) -> EncodedTensor:

@@ -131,28 +131,64 @@ class ChangeSet(Mapping[str, TensorDiff]):
     def __init__(self, packed: Sequence[PackedDiff] = (), other: Mapping[str, TensorDiff] | None = None) -> None:
         self.packed = tuple(packed)
         self.other = dict(other or {})
-        where: dict[str, tuple[int, int]] = {}
+        self._where_made: dict[str, tuple[int, int]] | None = None
+
+    @property
+    def _where(self) -> dict[str, tuple[int, int]]:
+        """Each packed changed tensor's (pack, rank among the pack's changed ones), made on first use
+        (a step's commit asks :meth:`sorted_names`, :meth:`whole` and :meth:`group` instead: no
+        per-name dict at 18k tensors)."""
+        if self._where_made is None:
+            where: dict[str, tuple[int, int]] = {}
+            for p, d in enumerate(self.packed):
+                names = d.pack.names
+                for k, m in enumerate(d.members.tolist()):
+                    where[names[m]] = (p, k)
+            self._where_made = where
+        return self._where_made
+
+    def _find(self, name: str) -> tuple[int, int] | None:
+        """:attr:`_where`'s entry of ``name`` by a search in its pack's changed members (a name is in one
+        pack at most: packs hold distinct names)."""
+        if self._where_made is not None:
+            return self._where_made.get(name)
         for p, d in enumerate(self.packed):
-            names = d.pack.names
-            for k, m in enumerate(d.members.tolist()):
-                where[names[m]] = (p, k)
-        self._where = where
+            m = d.pack.index.get(name)
+            if m is not None:
+                k = int(np.searchsorted(d.members, m))
+                return (p, k) if k < d.members.size and int(d.members[k]) == m else None
+        return None
 
     def __getitem__(self, name: str) -> TensorDiff:
-        hit = self._where.get(name)
+        hit = self._find(name)
         if hit is None:
             return self.other[name]
         return self.packed[hit[0]].one(hit[1])
 
     def __contains__(self, name: object) -> bool:
-        return name in self._where or name in self.other
+        return (isinstance(name, str) and self._find(name) is not None) or name in self.other
 
     def __iter__(self) -> Iterator[str]:
         yield from self._where
         yield from self.other
 
     def __len__(self) -> int:
-        return len(self._where) + len(self.other)
+        return sum(int(d.members.size) for d in self.packed) + len(self.other)
+
+    def sorted_names(self) -> list[str]:
+        """The changed tensors' names, sorted (a pack's changed members are in name order already:
+        one C-level pass per pack)."""
+        out: list[str] = []
+        for d in self.packed:
+            out.extend(map(d.pack.names.__getitem__, d.members.tolist()))
+        if len(self.packed) > 1 or self.other:
+            out.extend(self.other)
+            out.sort()  # sorted runs: merged
+        return out
+
+    def whole(self, pack: Pack) -> bool:
+        """Whether every tensor of ``pack`` changed (a MoE step at RL densities)."""
+        return any(d.pack is pack and int(d.members.size) == len(pack.names) for d in self.packed)
 
     @property
     def changed(self) -> int:
@@ -184,8 +220,8 @@ class ChangeSet(Mapping[str, TensorDiff]):
         """``names`` as one format-2 group straight from their pack (positions into the
         concatenation, old, new, element count), when they are consecutive changed tensors of one
         pack; else None (the caller joins the tensors' own changes)."""
-        first = self._where.get(names[0])
-        last = self._where.get(names[-1])
+        first = self._find(names[0])
+        last = self._find(names[-1])
         if first is None or last is None or first[0] != last[0] or last[1] - first[1] != len(names) - 1:
             return None
         return self.packed[first[0]].run(first[1], last[1] + 1)

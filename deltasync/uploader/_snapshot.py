@@ -348,7 +348,9 @@ class Snapshotter:
             for pack, buf in zip(self._baseline.packs, self._baseline.bufs, strict=True):
                 s = (pack.starts * pack.itemsize).tolist()
                 changes = job.changes
-                if len(changes) >= len(pack.names) and all(map(changes.__contains__, pack.names)):
+                if (changes.whole(pack) if isinstance(changes, ChangeSet) else False) or (
+                    len(changes) >= len(pack.names) and all(map(changes.__contains__, pack.names))
+                ):
                     names, starts, stops = pack.names, s[:-1], s[1:]  # every tensor changed (a MoE step)
                 else:
                     keep = [i for i, n in enumerate(pack.names) if n in changes or n not in cache]

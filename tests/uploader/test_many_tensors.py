@@ -86,6 +86,28 @@ def test_change_groups_cut_by_dtype_and_size() -> None:
     assert change_groups(job, 0) == [(n,) for n in "abcdef"]
 
 
+@pytest.mark.parametrize("limit", [0, 1, 7, 64, 1 << 22])
+def test_compiled_group_cuts_equal_the_python_loop(limit: int) -> None:
+    """Past 64 names the cut is one compiled pass: the same groups as the per-name loop, with
+    dtype changes, empty tensors and tensors over the limit."""
+    from deltasync.protocol import kernels
+    from deltasync.uploader._commit_step import cut_groups
+
+    if not kernels.available():
+        pytest.skip("numba cannot be imported here")
+    rng = np.random.default_rng(limit)
+    inv = tuple(
+        TensorInfo(f"t{i:04d}", str(rng.choice(["BF16", "BF16", "BF16", "F32"])), (int(rng.integers(0, 40)),))
+        for i in range(300)
+    )
+    names = sorted(rng.choice([t.name for t in inv], 200, replace=False).tolist())
+    with kernels.using("numba"):
+        fast = cut_groups(names, inv, limit)
+    with kernels.using("numpy"):
+        slow = cut_groups(names, inv, limit)
+    assert fast == slow and sum(map(len, fast)) == len(names)
+
+
 def test_a_large_tensor_is_diffed_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     """A tensor of more than DIFF_CHUNK elements is diffed chunk by chunk (on several threads); the
     patch and the follower are the same as when it is diffed whole."""

@@ -207,6 +207,26 @@ def test_a_change_set_reads_as_the_per_tensor_changes() -> None:
     assert idx_g.tolist() == [1, 3, 5, 9, 10, 12] and numel == 13 and old_g.tolist() == old.tolist()
     assert cs.group(["t2", "t4"])[0].tolist() == [1, 5, 6, 8]
     assert cs.group(["t0", "other"]) is None and cs.group(["t0", "t4"]) is None
+    # read without the per-name table (what a commit asks), then with it: the same answers
+    fresh = ChangeSet([d], {"other": cs.other["other"]})
+    assert fresh.sorted_names() == ["other", "t0", "t2", "t4"] and len(fresh) == 4
+    assert [n in fresh for n in ("t0", "t1", "t3", "t4", "other", "nope", 3)] == [
+        True,
+        False,
+        False,
+        True,
+        True,
+        False,
+        False,
+    ]
+    assert not fresh.whole(pack)
+    assert sorted(fresh) == ["other", "t0", "t2", "t4"]  # iterating makes the table
+    assert [n in fresh for n in ("t0", "t1", "t3", "t4")] == [True, False, False, True]
+    every = ChangeSet([PackedDiff.of(pack, np.array([0, 4, 10, 17], dtype=np.int64), old[:4], new[:4])])
+    assert every.sorted_names() == ["t0", "t2", "t3", "t4"] and not every.whole(pack)  # t1 is empty
+    all_of = Pack("I16", tuple(i for i in inv if i.name != "t1"), 2)
+    full = ChangeSet([PackedDiff.of(all_of, np.array([0, 4, 10, 17], dtype=np.int64), old[:4], new[:4])])
+    assert full.whole(all_of) and not full.whole(pack)
 
 
 def test_packed_change_sets_merge_pack_by_pack_as_tensor_by_tensor() -> None:
