@@ -440,6 +440,17 @@ def _run_put(a: Arr, idx: Arr, vals: Arr, lo: int) -> None:
 
 
 @_jit
+def _run_write(a: Arr, idx: Arr, vals: Arr, old: Arr, lo: int, mode: int) -> None:
+    """One member's run written by ``mode`` (0: XOR, 1: set, both keeping the old bits; 2: put)."""
+    if mode == 0:
+        _run_xor(a, idx, vals, old, lo)
+    elif mode == 1:
+        _run_set(a, idx, vals, old, lo)
+    else:
+        _run_put(a, idx, vals, lo)
+
+
+@_jit
 def group_apply(addrs: Arr, bounds: Arr, idx: Arr, vals: Arr, old: Arr, mode: int) -> int:
     """Apply a group's change to its members in place: member ``m`` is the C-contiguous array of
     ``bounds[m+1] - bounds[m]`` elements (each as wide as ``vals``'s) at address ``addrs[m]``, and
@@ -472,13 +483,7 @@ def group_apply(addrs: Arr, bounds: Arr, idx: Arr, vals: Arr, old: Arr, mode: in
         e = i + np.searchsorted(idx[i:], lo + size)  # the run's end when ascending (checked next)
         if e == i or not _run_ok(idx[i:e], lo, size, prev):
             return i
-        a = carray(_pointer_like(addrs[m], vals), size)
-        if mode == 0:
-            _run_xor(a, idx[i:e], vals[i:e], old[i:e], lo)
-        elif mode == 1:
-            _run_set(a, idx[i:e], vals[i:e], old[i:e], lo)
-        else:
-            _run_put(a, idx[i:e], vals[i:e], lo)
+        _run_write(carray(_pointer_like(addrs[m], vals), size), idx[i:e], vals[i:e], old[i:e], lo, mode)
         prev = idx[e - 1]
         i = e
         m += 1
@@ -515,13 +520,7 @@ def group_apply_ordered(addrs: Arr, bounds: Arr, idx: Arr, vals: Arr, old: Arr, 
         if e == i:
             continue
         lo = bounds[m]
-        a = carray(_pointer_like(addrs[m], vals), bounds[m + 1] - lo)
-        if mode == 0:
-            _run_xor(a, idx[i:e], vals[i:e], old[i:e], lo)
-        elif mode == 1:
-            _run_set(a, idx[i:e], vals[i:e], old[i:e], lo)
-        else:
-            _run_put(a, idx[i:e], vals[i:e], lo)
+        _run_write(carray(_pointer_like(addrs[m], vals), bounds[m + 1] - lo), idx[i:e], vals[i:e], old[i:e], lo, mode)
     return n
 
 

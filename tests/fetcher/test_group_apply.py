@@ -103,42 +103,20 @@ def test_a_later_failure_rolls_the_group_back() -> None:
     assert _equal(arrays, before)  # ...and is undone
 
 
-@pytest.mark.parametrize(
-    "idx",
-    [
-        [0, 5, 40, 1000],  # past the last member
-        [0, 5, 5, 9],  # repeated
-        [0, 30, 20, 90],  # descending across members
-        [3, 2],  # descending within a member
-        [-1, 3],  # negative
-    ],
-)
-def test_bad_positions_write_nothing(idx: list[int]) -> None:
-    sizes = [10, 10, 10, 70]
-    bounds = np.zeros(len(sizes) + 1, dtype=np.int64)
-    np.cumsum(sizes, out=bounds[1:])
-    pos = np.array(idx, dtype=np.int64)
-    g = DecodedGroup(_entry(("a", "b", "c", "d"), pos.size), pos, np.full(pos.size, 0x7FFF, np.int16), bounds)
-    arrays = _arrays(g, 7)
-    before = {n: a.copy() for n, a in arrays.items()}
-    tensors = _views(arrays)
-    group = host_group(tensors, g, tensors.aliases())
-    assert group is not None
-    with pytest.raises(ProtocolError):
-        group.apply(g)
-    assert _equal(arrays, before)
-
-
-def _backwards(g: DecodedGroup, seed: int) -> tuple[dict[str, Arr], Arr]:
+def _backwards(g: DecodedGroup, seed: int, backwards: bool = True) -> tuple[dict[str, Arr], Arr]:
     """``g``'s members as views of one buffer laid out last member first (addresses descending in
-    the members' order, as a model's tensors sorted by name often are), and the buffer."""
+    the members' order, as a model's tensors sorted by name often are; first member first with
+    ``backwards=False``), and the buffer."""
     sizes = np.diff(g.bounds).tolist()
     buf = np.random.default_rng(seed).integers(-(2**15), 2**15, int(g.bounds[-1]) + 8 * len(sizes), dtype=np.int16)
     out: dict[str, Arr] = {}
-    at = buf.size
+    at = buf.size if backwards else 0
     for n, size in zip(g.members, sizes, strict=True):
-        at -= size + 8  # a gap between members
+        if backwards:
+            at -= size + 8  # a gap between members
         out[n] = buf[at : at + size]
+        if not backwards:
+            at += size + 8
     return out, buf
 
 
@@ -165,22 +143,31 @@ def test_members_out_of_address_order_are_written_in_address_order_with_the_same
 
 @pytest.mark.parametrize(
     "idx",
-    [[0, 5, 40, 1000], [0, 5, 5, 9], [0, 30, 20, 90], [3, 2], [-1, 3], [95, 99, 100]],
+    [
+        [0, 5, 40, 1000],  # past the last member
+        [0, 5, 5, 9],  # repeated
+        [0, 30, 20, 90],  # descending across members
+        [3, 2],  # descending within a member
+        [-1, 3],  # negative
+        [95, 99, 100],  # one past the end
+    ],
 )
-def test_bad_positions_write_nothing_when_members_are_out_of_address_order(idx: list[int]) -> None:
+@pytest.mark.parametrize("backwards", [False, True])
+def test_bad_positions_write_nothing(idx: list[int], backwards: bool) -> None:
+    """Members in address order (their own arrays) or out of it (the ordered pass checks first)."""
     sizes = [10, 10, 10, 70]
     bounds = np.zeros(len(sizes) + 1, dtype=np.int64)
     np.cumsum(sizes, out=bounds[1:])
     pos = np.array(idx, dtype=np.int64)
     g = DecodedGroup(_entry(("a", "b", "c", "d"), pos.size), pos, np.full(pos.size, 0x7FFF, np.int16), bounds)
-    arrays, buf = _backwards(g, 23)
-    buf_before = buf.copy()
+    arrays, _ = _backwards(g, 23, backwards)
+    before = {n: a.copy() for n, a in arrays.items()}
     tensors = _views(arrays)
     group = host_group(tensors, g, tensors.aliases())
-    assert group is not None and group.order is not None
+    assert group is not None and (group.order is not None) == backwards
     with pytest.raises(ProtocolError):
         group.apply(g)
-    assert np.array_equal(buf, buf_before)
+    assert _equal(arrays, before)
 
 
 def test_the_ordered_kernel_checks_everything_before_writing() -> None:
