@@ -101,7 +101,8 @@ def main() -> None:
         before = rep["before"]
 
         def added(m: dict[str, int], before: dict[str, int] = before) -> float:
-            return (m["pss"] - m["node_mapped"]) - (before["pss"] - before["node_mapped"]) + m["node"]
+            # private memory (not PSS, which moves as other processes map the same libraries)
+            return (m["uss"] - m["node_private"]) - (before["uss"] - before["node_private"]) + m["node"]
 
         tail = rep["steps"][-4:]
         read = sum(

@@ -92,9 +92,11 @@ def measured(
 
 
 def _added(m: dict[str, Any], before: dict[str, Any]) -> int:
-    """Host memory deltasync added: the engine processes' PSS (its leader's included) outside the node
-    mirror's files, plus those files once (mapped or not)."""
-    return int((m["pss"] - m["node_mapped"]) - (before["pss"] - before["node_mapped"]) + m["node"])
+    """Host memory deltasync added: the engine processes' private memory (its leader's included;
+    pages no other process maps) outside the node mirror's files, plus those files once (mapped or
+    not). Not PSS: PSS splits the shared libraries' pages among every process mapping them, and
+    the other tests' engines starting and stopping beside this one moved it by 100+ MiB."""
+    return int((m["uss"] - m["node_private"]) - (before["uss"] - before["node_private"]) + m["node"])
 
 
 def test_every_update_is_bit_exact(measured: dict[int, dict[str, Any]]) -> None:

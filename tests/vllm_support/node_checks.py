@@ -31,7 +31,11 @@ def engine_procs() -> list[Any]:
 
 
 def memory(node_dir: str) -> dict[str, int]:
-    out = {"rss": 0, "pss": 0, "node_mapped": 0, "procs": 0}
+    """The engine processes' memory from smaps: RSS, PSS, USS (pages no other process maps) and the
+    PSS and USS of their mappings of the node mirror's files, and the node's data files' bytes.
+    PSS splits a shared library's pages among every process that maps it, other tests' engines
+    included, so it moves when they start and stop; USS does not."""
+    out = {"rss": 0, "pss": 0, "uss": 0, "node_mapped": 0, "node_private": 0, "procs": 0}
     for proc in engine_procs():
         try:
             text = Path(f"/proc/{proc.pid}/smaps").read_text()
@@ -51,6 +55,10 @@ def memory(node_dir: str) -> dict[str, int]:
                 out["pss"] += int(head[1]) << 10
                 if in_node:
                     out["node_mapped"] += int(head[1]) << 10
+            elif head[0] in ("Private_Clean:", "Private_Dirty:"):
+                out["uss"] += int(head[1]) << 10
+                if in_node:
+                    out["node_private"] += int(head[1]) << 10
     out["node"] = sum(f.stat().st_size for f in Path(node_dir).glob("*/data/*"))
     return out
 
