@@ -274,10 +274,35 @@ def rice_z_positions(pairs: Arr, esc: Arr, bigs: Arr, planes: Arr, k: int, count
 
 
 @_jit
-def xor_histogram(old: Arr, new: Arr, counts: Arr) -> None:
-    """counts[old ^ new] += 1 over all elements (u8/u16 bits)."""
+def xor_rank_table(old: Arr, new: Arr, nvals: int) -> tuple[Arr, Arr]:
+    """(the up to 255 commonest values of ``old ^ new``, most frequent first, ties by value; rank
+    lookup table of ``nvals`` entries, ESCAPE where a value is not in the table): the histogram and
+    the ranking in one call (u8/u16 bits, ``nvals`` = 256 / 65536), the same table as
+    ``values._table_of_counts`` of the histogram."""
+    counts = np.zeros(nvals, np.int64)
     for i in range(old.size):
         counts[old[i] ^ new[i]] += 1
+    m = 0
+    for v in range(nvals):
+        if counts[v]:
+            m += 1
+    # one sort of unique keys: fewer occurrences sort later, equal counts by value
+    keys = np.empty(m, np.int64)
+    j = 0
+    for v in range(nvals):
+        c = counts[v]
+        if c:
+            keys[j] = (old.size - c) * nvals + v
+            j += 1
+    keys.sort()
+    t = min(m, ESCAPE)
+    order = np.empty(t, np.int64)
+    lut = np.full(nvals, ESCAPE, np.uint8)
+    for r in range(t):
+        v = keys[r] % nvals
+        order[r] = v
+        lut[v] = r
+    return order, lut
 
 
 @_jit

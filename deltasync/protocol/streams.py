@@ -44,6 +44,15 @@ def _cctx() -> zstandard.ZstdCompressor:
     return c
 
 
+def _dctx() -> zstandard.ZstdDecompressor:
+    # kept per thread: a fresh one costs ~45 us a frame (its context made and sized on first use,
+    # holding the GIL), most of a small frame's decode; each one-shot decompress starts clean
+    d = getattr(_local, "dctx", None)
+    if d is None:
+        d = _local.dctx = zstandard.ZstdDecompressor()
+    return d
+
+
 # ---------------------------------------------------------------- zstd helpers
 
 
@@ -66,7 +75,7 @@ def decompress(blob: bytes | memoryview, expected: int, what: str) -> bytes:
     if declared != expected:
         raise ProtocolError(f"{what}: zstd frame declares {declared} bytes, expected {expected}")
     try:
-        out = zstandard.ZstdDecompressor().decompress(blob, max_output_size=expected, allow_extra_data=False)
+        out = _dctx().decompress(blob, max_output_size=expected, allow_extra_data=False)
     except zstandard.ZstdError as exc:
         raise ProtocolError(f"{what}: corrupt zstd frame ({exc})") from None
     if len(out) != expected:

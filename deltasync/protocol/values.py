@@ -52,9 +52,7 @@ def _unsigned(a: Ints) -> Ints:
 def _xor_rank_kernel(kern: ModuleType, old: Ints, new: Ints) -> bytes:
     """:func:`encode_xor_rank` of ``old ^ new`` (bits of at most 2 bytes) in two compiled passes."""
     o, n = _unsigned(old), _unsigned(new)
-    counts = np.zeros(1 << (8 * old.dtype.itemsize), dtype=np.int64)
-    kern.xor_histogram(o, n, counts)
-    order, lut = _table_of_counts(counts)
+    order, lut = kern.xor_rank_table(o, n, 1 << (8 * old.dtype.itemsize))
     table = order.astype(o.dtype).view(old.dtype)
     pairs, pesc, ne, vesc, nv = kern.xor_rank_parts(o, n, lut)
     rank_p = pairs_blob(pairs, pesc[:ne])

@@ -165,6 +165,27 @@ def test_diff_kernel_matches_numpy(density: float, width: int) -> None:
     assert (out["numba"] is None) == (not hit.any())
 
 
+@pytest.mark.parametrize(("width", "distinct", "n"), [(1, 3, 10), (1, 256, 5000), (2, 40, 999), (2, 4000, 20000)])
+def test_rank_table_kernel_ranks_as_numpy(width: int, distinct: int, n: int) -> None:
+    """The compiled histogram + ranking gives the table and lookup numpy's bincount + stable argsort
+    give: most frequent first, equal counts by value (ties on purpose: few counts, many values), the
+    table cut at 255 entries."""
+    from deltasync.protocol import _numba_kernels as nk
+    from deltasync.protocol.values import _table_of_counts
+
+    rng = np.random.default_rng(distinct)
+    u = np.dtype(f"u{width}")
+    pool = rng.choice(1 << (8 * width), distinct, replace=False).astype(u)
+    xor = pool[rng.integers(0, distinct, n) % rng.integers(1, distinct + 1, n)]  # skewed, with ties
+    old = rng.integers(0, 1 << (8 * width), n).astype(u)
+    new = old ^ xor
+    order, lut = nk.xor_rank_table(old, new, 1 << (8 * width))
+    want_order, want_lut = _table_of_counts(np.bincount(xor, minlength=1 << (8 * width)))
+    assert order.tolist() == want_order.tolist()
+    assert np.array_equal(lut, want_lut)
+    assert order.size == min(255, np.unique(xor).size)
+
+
 @pytest.mark.parametrize("coding", ["xor-rank", "raw"])
 def test_apply_kernel_writes_and_rolls_back(coding: str) -> None:
     from deltasync.protocol import DecodedEntry, PatchEntry
