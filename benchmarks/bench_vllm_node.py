@@ -101,8 +101,9 @@ def main() -> None:
         before = rep["before"]
 
         def added(m: dict[str, int], before: dict[str, int] = before) -> float:
-            # private memory (not PSS, which moves as other processes map the same libraries)
-            return (m["uss"] - m["node_private"]) - (before["uss"] - before["node_private"]) + m["node"]
+            # anonymous memory plus the node's files once (not PSS, which moves as other processes map
+            # the same libraries; not USS, whose clean file pages the kernel drops under memory pressure)
+            return m["anon"] - before["anon"] + m["node"]
 
         tail = rep["steps"][-4:]
         read = sum(

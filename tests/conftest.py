@@ -22,6 +22,7 @@ How the tests share code (one way each):
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,14 @@ S3_BUCKETS = ["test", "cli"]
 
 #: modules of real-engine tests (marker ``vllm``): under pytest-xdist they run on one worker
 _ENGINE_MARK = "mark.vllm"
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The shared memory this process's vLLM engines created and left behind (they end by SIGKILL or
+    ``os._exit``) is unlinked once they are all stopped: ``vllm_harness.unlink_all_logged_shm``."""
+    harness = sys.modules.get("vllm_harness")
+    if harness is not None:
+        harness.unlink_all_logged_shm()
 
 
 @pytest.hookimpl(optionalhook=True)

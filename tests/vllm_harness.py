@@ -30,12 +30,15 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
+import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -345,6 +348,24 @@ class VllmScriptFailed(AssertionError):
     """A vLLM script exited non-zero, timed out, or wrote no result."""
 
 
+#: the environment variable naming the file where the test-only sitecustomize logs the shared-memory
+#: blocks an engine's processes create (see ``sitecustomize._log_shared_memory``)
+SHM_LOG = "DELTASYNC_TEST_SHM_LOG"
+
+
+def unlink_logged_shm(log: Path) -> None:
+    """Unlink the shared-memory blocks named in ``log`` (those the stopped engine's processes created:
+    they end by ``os._exit`` or SIGKILL, so vLLM never unlinks its ring buffers, and each engine left
+    160-240 MiB files in /dev/shm that outlived the run); names another engine made are never touched."""
+    if not log.is_file():
+        return
+    for name in log.read_text().split():
+        if re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+            with contextlib.suppress(OSError):
+                os.unlink(f"/dev/shm/{name}")
+    log.unlink()
+
+
 def vllm_env(*, tp: int = 1, multiprocessing: bool = False, extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of a vLLM subprocess: quiet logs, the test-only sitecustomize, CPU settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "PYTHON"))}
@@ -364,9 +385,28 @@ def vllm_env(*, tp: int = 1, multiprocessing: bool = False, extra: Mapping[str, 
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
     if tp == 1 and not multiprocessing:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process: starts in ~3 s
+    # every engine logs the shared memory it creates; what stopping it leaves is unlinked by whoever
+    # stops it (run_vllm, vllm_server) or, at the latest, when this pytest process ends
+    env[SHM_LOG] = str(_shm_logs() / f"{uuid.uuid4().hex}.shm")
     if extra:
         env.update(extra)
     return env
+
+
+def _shm_logs() -> Path:
+    d = Path(tempfile.gettempdir()) / f"deltasync-test-shm-{os.getpid()}"
+    d.mkdir(exist_ok=True)
+    return d
+
+
+def unlink_all_logged_shm() -> None:
+    """At the end of a pytest process (its engines are all stopped): unlink what any of them left."""
+    d = Path(tempfile.gettempdir()) / f"deltasync-test-shm-{os.getpid()}"
+    if d.is_dir():
+        for log in d.glob("*.shm"):
+            unlink_logged_shm(log)
+        with contextlib.suppress(OSError):
+            d.rmdir()
 
 
 def run_vllm(
@@ -391,14 +431,16 @@ def run_vllm(
     name = f"vllm-{len(list(workdir.glob('vllm-*.py')))}"
     script_path = workdir / f"{name}.py"
     script_path.write_text(textwrap.dedent(script))
-    params_path, result_path, log_path = (workdir / f"{name}.{ext}" for ext in ("params.json", "result.json", "log"))
+    params_path, result_path, log_path, shm_log = (
+        workdir / f"{name}.{ext}" for ext in ("params.json", "result.json", "log", "shm")
+    )
     params_path.write_text(json.dumps(dict(params), default=str))
     t0 = time.monotonic()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [str(python), str(script_path), str(params_path), str(result_path)],
             cwd=workdir,
-            env=vllm_env(tp=tp, multiprocessing=multiprocessing, extra=env),
+            env=vllm_env(tp=tp, multiprocessing=multiprocessing, extra={**(env or {}), SHM_LOG: str(shm_log)}),
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # one process group: the engine's workers die with it
@@ -411,6 +453,7 @@ def run_vllm(
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)  # stray workers too
             proc.wait()
+            unlink_logged_shm(shm_log)
     elapsed = time.monotonic() - t0
     tail = log_path.read_text(errors="replace")[-6000:]
     if rc is None:
@@ -471,6 +514,7 @@ def vllm_server(
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
+    shm_log = log_path.with_name(log_path.name + ".shm")
     log = open(log_path, "wb")  # noqa: SIM115 - closed in finally
     server = subprocess.Popen(
         [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", "bfloat16",
@@ -478,7 +522,7 @@ def vllm_server(
          "--port", str(port), "--tensor-parallel-size", str(tp),
          "--weight-transfer-config", json.dumps({"backend": "deltasync"}),
          "--worker-extension-cls", worker_extension],
-        env=vllm_env(tp=tp, multiprocessing=True, extra={"VLLM_SERVER_DEV_MODE": "1", **(env or {})}),
+        env=vllm_env(tp=tp, multiprocessing=True, extra={"VLLM_SERVER_DEV_MODE": "1", **(env or {}), SHM_LOG: str(shm_log)}),
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -491,6 +535,7 @@ def vllm_server(
             os.killpg(server.pid, signal.SIGKILL)
         server.wait()
         log.close()
+        unlink_logged_shm(shm_log)
 
 
 def publish_step(src: Path, dst: Path, step: int) -> None:

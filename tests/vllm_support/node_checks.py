@@ -31,11 +31,14 @@ def engine_procs() -> list[Any]:
 
 
 def memory(node_dir: str) -> dict[str, int]:
-    """The engine processes' memory from smaps: RSS, PSS, USS (pages no other process maps) and the
-    PSS and USS of their mappings of the node mirror's files, and the node's data files' bytes.
-    PSS splits a shared library's pages among every process that maps it, other tests' engines
-    included, so it moves when they start and stop; USS does not."""
-    out = {"rss": 0, "pss": 0, "uss": 0, "node_mapped": 0, "node_private": 0, "procs": 0}
+    """The engine processes' memory from smaps: RSS, PSS, USS (pages no other process maps),
+    anonymous memory (``anon``: heap, tensors, copied-on-write pages; what the kernel cannot take back
+    without swap), the PSS and USS of their mappings of the node mirror's files, and the node's data
+    files' bytes. PSS splits a shared library's pages among every process that maps it, other tests'
+    engines included, so it moves when they start and stop; USS counts clean file pages (libraries,
+    the model's safetensors) that the kernel drops and faults back in under memory pressure, so it
+    moves with the load of the machine; ``anon`` moves with neither."""
+    out = {"rss": 0, "pss": 0, "uss": 0, "anon": 0, "node_mapped": 0, "node_private": 0, "procs": 0}
     for proc in engine_procs():
         try:
             text = Path(f"/proc/{proc.pid}/smaps").read_text()
@@ -55,6 +58,8 @@ def memory(node_dir: str) -> dict[str, int]:
                 out["pss"] += int(head[1]) << 10
                 if in_node:
                     out["node_mapped"] += int(head[1]) << 10
+            elif head[0] == "Anonymous:":
+                out["anon"] += int(head[1]) << 10
             elif head[0] in ("Private_Clean:", "Private_Dirty:"):
                 out["uss"] += int(head[1]) << 10
                 if in_node:

@@ -95,3 +95,26 @@ def _patch_engine_core(module: Any) -> None:
 
 if os.environ.get("DELTASYNC_TEST_FAULTS"):  # a dir of switches: see audit_faults.py
     sys.meta_path.insert(0, _Finder("vllm.v1.engine.core", _patch_engine_core))
+
+
+def _log_shared_memory(log: str) -> None:
+    """TEST-ONLY: append the name of every shared-memory block this process creates through
+    ``multiprocessing.shared_memory`` (vLLM's message-queue ring buffers, 160-240 MiB each) to the
+    file ``log``, one per line. vLLM unlinks them at a clean shutdown; the tests' engines end by
+    ``os._exit`` or SIGKILL, so the harness unlinks exactly the names logged once the engine's
+    processes are gone (``vllm_harness.unlink_logged_shm``), and no one else's."""
+    from multiprocessing import shared_memory
+
+    original = shared_memory.SharedMemory.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        if kwargs.get("create", args[1] if len(args) > 1 else False):
+            with open(log, "a") as fh:
+                fh.write(self.name + "\n")
+
+    shared_memory.SharedMemory.__init__ = __init__  # type: ignore[method-assign]
+
+
+if os.environ.get("DELTASYNC_TEST_SHM_LOG"):
+    _log_shared_memory(os.environ["DELTASYNC_TEST_SHM_LOG"])
