@@ -355,12 +355,13 @@ SHM_LOG = "DELTASYNC_TEST_SHM_LOG"
 
 def unlink_logged_shm(log: Path) -> None:
     """Unlink the shared-memory blocks named in ``log`` (those the stopped engine's processes created:
-    they end by ``os._exit`` or SIGKILL, so vLLM never unlinks its ring buffers, and each engine left
-    160-240 MiB files in /dev/shm that outlived the run); names another engine made are never touched."""
+    they end by ``os._exit`` or SIGKILL, so vLLM never unlinks its ring buffers, 160-240 MiB each, or
+    its CPU all-reduce files, and every engine left them in /dev/shm); names another engine made are
+    never touched."""
     if not log.is_file():
         return
     for name in log.read_text().split():
-        if re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+        if re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.:\[\]-]*", name):  # a name in /dev/shm, never a path
             with contextlib.suppress(OSError):
                 os.unlink(f"/dev/shm/{name}")
     log.unlink()

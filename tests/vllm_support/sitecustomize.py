@@ -116,5 +116,23 @@ def _log_shared_memory(log: str) -> None:
     shared_memory.SharedMemory.__init__ = __init__  # type: ignore[method-assign]
 
 
+def _log_cpu_shm(module: Any) -> None:
+    """TEST-ONLY: log (as :func:`_log_shared_memory`) the files of vLLM's CPU all-reduce (TP > 1), which
+    its C++ side creates as ``/dev/shm/<group name>_<local rank>``, 4 MiB each."""
+    cls = getattr(module, "_CPUSHMDistributed", None)
+    if cls is None or not hasattr(cls, "make_group_name"):  # another vLLM: nothing logged, nothing broken
+        return
+    original = cls.make_group_name
+
+    def make_group_name(communicator: Any) -> str:
+        name: str = original(communicator)
+        with open(os.environ["DELTASYNC_TEST_SHM_LOG"], "a") as fh:
+            fh.writelines(f"{name}_{i}\n" for i in range(len(communicator.ranks)))
+        return name
+
+    cls.make_group_name = staticmethod(make_group_name)
+
+
 if os.environ.get("DELTASYNC_TEST_SHM_LOG"):
     _log_shared_memory(os.environ["DELTASYNC_TEST_SHM_LOG"])
+    sys.meta_path.insert(0, _Finder("vllm.distributed.device_communicators.cpu_communicator", _log_cpu_shm))
