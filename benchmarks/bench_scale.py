@@ -3,6 +3,7 @@
     python benchmarks/bench_scale.py [--model qwen3-8b,qwen3-30b-a3b] [--scale 0.01] [--density 0.01,0.03,0.1]
                                      [--steps 3] [--threads N] [--per-tensor] [--thread-scan 1,2,4,8,16]
                                      [--device cpu|cuda|both] [--format 1|2] [--out FILE]
+                                     [--codec-scan 1,2,4,8,16] [--rates]
 
 The states are synthetic bf16 tensors with the models' real tensor names and shapes (Qwen3-8B: 36
 layers, hidden 4096, 399 tensors; Qwen3-30B-A3B: 48 layers x 128 experts x 3 projections plus
@@ -29,6 +30,8 @@ the pair R times one after the other (288, 18,432, 288, ...) and prints each pai
 their medians, so that a noisy machine's drift lands on both sides of a ratio alike.
 ``--thread-scan`` repeats one model at each thread count (uploader ``encode_threads`` and fetcher
 ``threads``) and prints the scaling against 1 thread.
+``--codec-scan 1,2,4,8,16`` runs the codec alone (diff, encode, decode+apply, xxh3-128 over many
+4M-element groups on the product's pool) at each thread count and prints GB/s and the speedup.
 """
 
 from __future__ import annotations
