@@ -103,7 +103,8 @@ def main() -> None:
         def added(m: dict[str, int], before: dict[str, int] = before) -> float:
             # anonymous memory plus the node's files once (not PSS, which moves as other processes map
             # the same libraries; not USS, whose clean file pages the kernel drops under memory pressure)
-            return m["anon"] - before["anon"] + m["node"]
+            key = "pss_anon" if m["pss_anon"] >= 0 and before["pss_anon"] >= 0 else "anon"
+            return m[key] - before[key] + m["node"]
 
         tail = rep["steps"][-4:]
         read = sum(

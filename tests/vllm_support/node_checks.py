@@ -15,6 +15,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import statistics
 import threading
 import time
@@ -33,18 +34,27 @@ def engine_procs() -> list[Any]:
 def memory(node_dir: str) -> dict[str, int]:
     """The engine processes' memory from smaps: RSS, PSS, USS (pages no other process maps),
     anonymous memory (``anon``: heap, tensors, copied-on-write pages; what the kernel cannot take back
-    without swap), the PSS and USS of their mappings of the node mirror's files, and the node's data
-    files' bytes. PSS splits a shared library's pages among every process that maps it, other tests'
-    engines included, so it moves when they start and stop; USS counts clean file pages (libraries,
-    the model's safetensors) that the kernel drops and faults back in under memory pressure, so it
-    moves with the load of the machine; ``anon`` moves with neither."""
-    out = {"rss": 0, "pss": 0, "uss": 0, "anon": 0, "node_mapped": 0, "node_private": 0, "procs": 0}
+    without swap) and its proportional share (``pss_anon``, -1 where the kernel does not report it),
+    the PSS and USS of their mappings of the node mirror's files, and the node's data files' bytes.
+    PSS splits a shared library's pages among every process that maps it, other tests' engines
+    included, so it moves when they start and stop; USS counts clean file pages (libraries, the
+    model's safetensors) that the kernel drops and faults back in under memory pressure, so it moves
+    with the load of the machine; ``anon`` counts a page shared by two processes twice, as it is the
+    instant a process forks a child that has not yet run exec (a child that borrows its parent's
+    whole heap); ``pss_anon`` summed over the processes counts every anonymous page once."""
+    out = {"rss": 0, "pss": 0, "uss": 0, "anon": 0, "pss_anon": 0, "node_mapped": 0, "node_private": 0, "procs": 0}
     for proc in engine_procs():
         try:
             text = Path(f"/proc/{proc.pid}/smaps").read_text()
+            rollup = Path(f"/proc/{proc.pid}/smaps_rollup").read_text()
         except OSError:
             continue
         out["procs"] += 1
+        pss_anon = re.search(r"^Pss_Anon:\s+(\d+) kB", rollup, re.M)
+        if pss_anon is None or out["pss_anon"] < 0:
+            out["pss_anon"] = -1  # a kernel without it (before 5.9): the caller takes "anon"
+        else:
+            out["pss_anon"] += int(pss_anon.group(1)) << 10
         in_node = False
         for line in text.splitlines():
             head = line.split()
