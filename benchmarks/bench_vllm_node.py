@@ -100,18 +100,19 @@ def main() -> None:
         rep = run_vllm(python, NODE_SCRIPT, params, work / "scripts", tp=tp, timeout=3600)
         before = rep["before"]
 
-        def added(m: dict[str, int], before: dict[str, int] = before) -> float:
+        def added(m: dict[str, int], before: dict[str, int] = before, leader: bool = True) -> float:
             # anonymous memory plus the node's files once (not PSS, which moves as other processes map
-            # the same libraries; not USS, whose clean file pages the kernel drops under memory pressure)
+            # the same libraries; not USS, whose clean file pages the kernel drops under memory pressure);
+            # at init without the leader, measured somewhere in its start-up
             key = "pss_anon" if m["pss_anon"] >= 0 and before["pss_anon"] >= 0 else "anon"
-            return m[key] - before[key] + m["node"]
+            return m[key] - before[key] + m["node"] - (0 if leader else m[f"leader_{key}"])
 
         tail = rep["steps"][-4:]
         read = sum(
             int(x) for t in rep["metrics"] for x in re.findall(r"^deltasync_downloaded_bytes_total\S* (\d+)", t, re.M)
         )
         rows[tp] = {
-            "added at init": added(rep["after_init"]),
+            "added at init": added(rep["after_init"], leader=False),
             "added, steady": statistics.median(added(m) for m in tail),
             "engine RSS, steady": statistics.median(m["rss"] for m in tail),
             "engine PSS, steady": statistics.median(m["pss"] for m in tail),

@@ -31,30 +31,57 @@ def engine_procs() -> list[Any]:
     return [me, *me.children(recursive=True)]
 
 
+#: what the node's leader runs (``python -m deltasync.serving.node.leader``)
+LEADER = "deltasync.serving.node.leader"
+
+
+def _own_memory(procs: list[Any]) -> list[tuple[Any, bool]]:
+    """(process, whether it is the node's leader) of each of ``procs`` with memory of its own: a
+    child whose command line is its parent's is a fork that has not run exec yet (under ``vfork``,
+    which Python's subprocess uses, it borrows its parent's memory, and its smaps are the parent's:
+    a worker starting the leader showed its 1.5 GiB twice once), so it is left out."""
+    out = []
+    for proc in procs:
+        try:
+            cmd = proc.cmdline()
+            parent = proc.parent() if proc.pid != os.getpid() else None  # this process always counts
+            if parent is not None and parent.cmdline() == cmd:
+                continue
+        except (psutil.Error, OSError):
+            continue
+        out.append((proc, any(LEADER in part for part in cmd)))
+    return out
+
+
 def memory(node_dir: str) -> dict[str, int]:
     """The engine processes' memory from smaps: RSS, PSS, USS (pages no other process maps),
     anonymous memory (``anon``: heap, tensors, copied-on-write pages; what the kernel cannot take back
     without swap) and its proportional share (``pss_anon``, -1 where the kernel does not report it),
-    the PSS and USS of their mappings of the node mirror's files, and the node's data files' bytes.
+    the leader's part of both (``leader_anon``, ``leader_pss_anon``), the PSS and USS of their
+    mappings of the node mirror's files, and the node's data files' bytes.
     PSS splits a shared library's pages among every process that maps it, other tests' engines
     included, so it moves when they start and stop; USS counts clean file pages (libraries, the
     model's safetensors) that the kernel drops and faults back in under memory pressure, so it moves
-    with the load of the machine; ``anon`` counts a page shared by two processes twice, as it is the
-    instant a process forks a child that has not yet run exec (a child that borrows its parent's
-    whole heap); ``pss_anon`` summed over the processes counts every anonymous page once."""
-    out = {"rss": 0, "pss": 0, "uss": 0, "anon": 0, "pss_anon": 0, "node_mapped": 0, "node_private": 0, "procs": 0}
-    for proc in engine_procs():
+    with the load of the machine; ``anon`` counts a page that two processes share (after a fork)
+    in both; ``pss_anon`` summed over the processes counts every anonymous page once."""
+    keys = ("rss", "pss", "uss", "anon", "pss_anon", "leader_anon", "leader_pss_anon", "node_mapped", "node_private")
+    out = dict.fromkeys(keys, 0) | {"procs": 0}
+    for proc, is_leader in _own_memory(engine_procs()):
         try:
             text = Path(f"/proc/{proc.pid}/smaps").read_text()
             rollup = Path(f"/proc/{proc.pid}/smaps_rollup").read_text()
         except OSError:
             continue
         out["procs"] += 1
+        anon = re.search(r"^Anonymous:\s+(\d+) kB", rollup, re.M)
         pss_anon = re.search(r"^Pss_Anon:\s+(\d+) kB", rollup, re.M)
+        out["anon"] += int(anon.group(1)) << 10 if anon else 0
+        out["leader_anon"] += int(anon.group(1)) << 10 if anon and is_leader else 0
         if pss_anon is None or out["pss_anon"] < 0:
-            out["pss_anon"] = -1  # a kernel without it (before 5.9): the caller takes "anon"
+            out["pss_anon"] = out["leader_pss_anon"] = -1  # a kernel without it (before 5.9): "anon" instead
         else:
             out["pss_anon"] += int(pss_anon.group(1)) << 10
+            out["leader_pss_anon"] += int(pss_anon.group(1)) << 10 if is_leader else 0
         in_node = False
         for line in text.splitlines():
             head = line.split()
@@ -68,8 +95,6 @@ def memory(node_dir: str) -> dict[str, int]:
                 out["pss"] += int(head[1]) << 10
                 if in_node:
                     out["node_mapped"] += int(head[1]) << 10
-            elif head[0] == "Anonymous:":
-                out["anon"] += int(head[1]) << 10
             elif head[0] in ("Private_Clean:", "Private_Dirty:"):
                 out["uss"] += int(head[1]) << 10
                 if in_node:
@@ -124,12 +149,23 @@ def _orphans(node_dir: str) -> list[str]:
     return out
 
 
+def _await_leader(timeout: float = 120.0) -> None:
+    """Until a process of this engine runs the node's leader (bounded; the first update starts one
+    if the init's did not)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(is_leader for _, is_leader in _own_memory(engine_procs())):
+            return
+        time.sleep(0.2)
+
+
 def check(p: dict[str, Any]) -> dict[str, Any]:
     url, tp, node_dir = p["store"], p["tp"], p["node_dir"]
     expected = p.get("expected")
     llm = ec.make_llm(p["model"], tp=tp, weight_transfer_config={"backend": "deltasync"})
     out: dict[str, Any] = {"before": memory(node_dir), "steps": [], "ok": [], "pause": [], "prepare": []}
     llm.init_weight_transfer_engine({"init_info": {"store": url, "node_dir": node_dir}})
+    _await_leader()  # started in the background by the init: measured once its exec is done
     out["after_init"] = memory(node_dir)
     for step in range(1, p["updates"] + 1):
         if p.get("prefetch", True):
