@@ -394,15 +394,17 @@ def vllm_env(*, tp: int = 1, multiprocessing: bool = False, extra: Mapping[str, 
     return env
 
 
-def _shm_logs() -> Path:
+def _shm_logs(*, make: bool = True) -> Path:
+    """This pytest process's directory of shared-memory logs (made when ``make``)."""
     d = Path(tempfile.gettempdir()) / f"deltasync-test-shm-{os.getpid()}"
-    d.mkdir(exist_ok=True)
+    if make:
+        d.mkdir(exist_ok=True)
     return d
 
 
 def unlink_all_logged_shm() -> None:
     """At the end of a pytest process (its engines are all stopped): unlink what any of them left."""
-    d = Path(tempfile.gettempdir()) / f"deltasync-test-shm-{os.getpid()}"
+    d = _shm_logs(make=False)
     if d.is_dir():
         for log in d.glob("*.shm"):
             unlink_logged_shm(log)
