@@ -7,7 +7,8 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from deltasync.fetcher._target import TargetTensor, TargetViews, TensorViews
+from deltasync.fetcher._target import TargetTensor, TensorViews
+from deltasync.fetcher._views import TargetViews
 
 __all__ = ["HeldState", "HeldStates"]
 

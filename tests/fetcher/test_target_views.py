@@ -11,7 +11,7 @@ from tensors import assert_state_equal, snapshot
 
 import deltasync as ds
 from deltasync.errors import InventoryMismatch
-from deltasync.fetcher._target import TargetViews
+from deltasync.fetcher._views import TargetViews
 
 torch = pytest.importorskip("torch")
 
@@ -45,9 +45,9 @@ def test_views_are_kept_only_for_the_same_tensors() -> None:
 @pytest.mark.parametrize("guard", [True, False], ids=["torch-guard", "plain-compares"])
 def test_a_dropped_target_is_forgotten(guard: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Neither the views nor torch's tensor guard keep a dropped target's tensors alive."""
-    from deltasync.fetcher import _target
+    from deltasync.fetcher import _views
 
-    monkeypatch.setattr(_target, "GUARD_FROM", 0 if guard else 1 << 30)
+    monkeypatch.setattr(_views, "GUARD_FROM", 0 if guard else 1 << 30)
     views = TargetViews()
     t = {"a": torch.zeros(1000)}
     ref = weakref.ref(t["a"])
@@ -83,12 +83,12 @@ def test_a_layout_changed_in_place_at_the_same_memory_is_seen(guard: bool, monke
     """The same tensor objects at the same addresses, with another shape, strides or dtype, are seen
     afresh: by torch's compiled tensor guard where this torch has one (large targets), by the plain
     compares otherwise."""
-    from deltasync.fetcher import _target
+    from deltasync.fetcher import _views
 
     if guard:
-        monkeypatch.setattr(_target, "GUARD_FROM", 0)
+        monkeypatch.setattr(_views, "GUARD_FROM", 0)
     else:
-        monkeypatch.setattr(_target, "_layout_guard", lambda *_: None)
+        monkeypatch.setattr(_views, "_layout_guard", lambda *_: None)
     views = TargetViews()
     t = {"a": torch.zeros(4, 4), "b": torch.zeros(8, dtype=torch.bfloat16), "c": torch.zeros(3)}
     inv, tens = views.of(t)
