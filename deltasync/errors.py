@@ -13,7 +13,8 @@ builtin exception means the same thing, the class also subclasses it, so
     │   ├── TransientStorageError         throttling, 5xx, timeout, lost connection, partial batch: retry may succeed
     │   └── InvalidKey                    (also ValueError) key escapes the store or is malformed
     ├── ProtocolError                     (also ValueError) bytes that are not valid protocol v1
-    │   └── UnsupportedVersion            written by a newer (or unknown) format version
+    │   ├── UnsupportedVersion            written by a newer (or unknown) format version
+    │   └── ObjectTooLarge                an object over its format's size limit, refused before it is read
     ├── ChecksumMismatch                  a file or tensor digest does not match its manifest
     │   └── SignatureMismatch             the manifest's HMAC signature is missing or wrong
     ├── InventoryMismatch                 (also ValueError) target tensors differ from the manifest
@@ -55,6 +56,7 @@ __all__ = [
     "InvalidKey",
     "InventoryMismatch",
     "ObjectNotFound",
+    "ObjectTooLarge",
     "PreconditionFailed",
     "ProtocolError",
     "RunNotFound",
@@ -144,6 +146,13 @@ class UnsupportedVersion(ProtocolError):
     """An object declares a format version this reader does not understand."""
 
     code = "unsupported_version"
+
+
+class ObjectTooLarge(ProtocolError):
+    """An object is larger than the limit of what it holds (a manifest, ``probes.json``, ...): the store
+    refused it from its size (a stat, a HEAD, a ranged read) before reading more than the limit."""
+
+    code = "object_too_large"
 
 
 class ChecksumMismatch(DeltaSyncError):
