@@ -30,6 +30,7 @@ builtin exception means the same thing, the class also subclasses it, so
     ├── UpdateRolledBack                  a live engine refused a step; it still serves its previous step, bit-exact
     ├── WorkerNeedsReplacement            a live engine's weights could not be restored: replace the worker
     ├── EngineIncompatible                a live engine's parameters are not the checkpoint's tensors: refused before any load
+    ├── UnsafePath                        a local folder or file is not this user's own (owner, mode, symlink): refused
     ├── StalenessTimeout                  (also TimeoutError) the fleet's replicas did not reach a step in time
     └── DemoError                         (also ValueError) `deltasync demo` cannot start as asked
 
@@ -68,6 +69,7 @@ __all__ = [
     "StalenessTimeout",
     "StorageError",
     "TransientStorageError",
+    "UnsafePath",
     "UnsupportedVersion",
     "UpdateRolledBack",
     "WebhookVerificationError",
@@ -255,6 +257,15 @@ class EngineIncompatible(DeltaSyncError):
     before anything is loaded; the engine keeps serving what it loaded at start."""
 
     code = "engine_incompatible"
+
+
+class UnsafePath(DeltaSyncError):
+    """A local folder or file deltasync would use is not this user's own: another owner, group or other
+    access, a symbolic link, or a name that leaves its folder (a node mirror's folder, its index's file
+    names). Refused before anything is read or written there; the message names the path, what was
+    found and the fix."""
+
+    code = "unsafe_path"
 
 
 class DemoError(DeltaSyncError, ValueError):

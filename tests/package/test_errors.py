@@ -44,6 +44,7 @@ BUILTIN_PARENTS: dict[str, tuple[type[BaseException], ...]] = {
     "UpdateRolledBack": (Exception,),
     "WorkerNeedsReplacement": (Exception,),
     "EngineIncompatible": (Exception,),
+    "UnsafePath": (Exception,),
     "StalenessTimeout": (TimeoutError, OSError),
 }
 
@@ -76,6 +77,7 @@ TREE_PARENTS: dict[str, str | None] = {
     "UpdateRolledBack": "DeltaSyncError",
     "WorkerNeedsReplacement": "DeltaSyncError",
     "EngineIncompatible": "DeltaSyncError",
+    "UnsafePath": "DeltaSyncError",
     "StalenessTimeout": "DeltaSyncError",
 }
 
