@@ -1,7 +1,8 @@
 """The behavioural audit's math (SPEC.md "Probes and references"): fingerprints, divergence, policy.
 
 One pure module both sides use: the trainer's references and the receivers' audits are compared
-with the same functions, so "diverged" means the same everywhere. No I/O, no torch, no numpy.
+with the same functions, so "diverged" means the same everywhere. No I/O, no torch (numpy only to
+group a fleet's fingerprints).
 
 Inputs are *probe logprobs*: for each probe (a token sequence of length ``L``), the ``L - 1``
 per-token logprobs ``log p(t[i] | t[:i])`` for ``i = 1 .. L - 1`` (the first token has none).
@@ -22,8 +23,10 @@ Logprobs below :data:`LOGPROB_FLOOR` (``-inf`` included) are clamped to it befor
   from the engine it estimates ``KL(engine || trainer)``. Probe tokens are not sampled from
   either policy, so here it is a mismatch score on the same scale, not an unbiased KL. ``r`` is
   clipped to ``[-MAX_LOG_RATIO, MAX_LOG_RATIO]`` inside the exponential so it stays finite.
-- :func:`group_fingerprints`: replicas audited at the same step, grouped by agreeing fingerprints;
-  where one group holds a strict majority, every replica outside it is an *odd one out*.
+- :func:`group_fingerprints` / :func:`group_step`: replicas audited at the same step, grouped by
+  agreeing fingerprints (within the run's tolerance, never a report's) around a robust centre,
+  in O(n) vector comparisons per step; where one group holds a strict majority, every replica
+  outside it is an *odd one out*.
 - :class:`AuditPolicy`: a run's thresholds; :meth:`AuditPolicy.breaches` names the ones a
   divergence goes over. A receiver over any threshold reports its replica ``diverged``.
 """
@@ -31,9 +34,12 @@ Logprobs below :data:`LOGPROB_FLOOR` (``-inf`` included) are clamped to it befor
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 from deltasync.errors import ProtocolError
 from deltasync.protocol.canonical import field_error, json_int, json_object
@@ -42,6 +48,7 @@ __all__ = [
     "DEFAULT_TOLERANCE",
     "LOGPROB_FLOOR",
     "MAX_LOG_RATIO",
+    "MAX_REPRESENTATIVES",
     "QUANTUM",
     "SEGMENTS",
     "AuditPolicy",
@@ -54,6 +61,8 @@ __all__ = [
     "fingerprint_distance",
     "fingerprints_agree",
     "group_fingerprints",
+    "group_step",
+    "parse_fingerprint",
 ]
 
 #: logprobs are clamped to at least this (nats) before any math: ``-inf`` stays comparable
@@ -308,35 +317,168 @@ class FingerprintGroup:
     odd_one_out: bool
 
 
-def group_fingerprints(audits: Mapping[str, AuditReport]) -> dict[str, FingerprintGroup]:
-    """Group replicas (id -> last audit) by (audited step, agreeing fingerprint).
+def parse_fingerprint(fp: str) -> tuple[str, npt.NDArray[np.int32]]:
+    """A well-formed fingerprint's probe tag (8 hex digits) and segment values (in quanta), parsed once.
 
-    At each step, the replica whose fingerprint agrees with the most others (ties: the smallest id)
-    anchors group 0: every replica that agrees with it, within the larger of the two tolerances
-    they reported. The rest are grouped the same way among themselves. When group 0 holds more
-    than half of the step's replicas, every replica outside it is an odd one out; without a strict
-    majority (two replicas that disagree, say) nobody is singled out, though the groups still show
-    the disagreement.
+    What the fleet keeps per replica, so that grouping never re-parses; a ProtocolError otherwise.
     """
-    by_step: dict[int, list[str]] = {}
-    for rid in sorted(audits):
-        by_step.setdefault(audits[rid].audited_step, []).append(rid)
+    if not isinstance(fp, str) or len(fp) > MAX_FINGERPRINT or not fp.startswith(_PREFIX):
+        raise ProtocolError(f"not a fingerprint: {str(fp)[:80]!r}")
+    tag, sep, body = fp[len(_PREFIX) :].partition("-")
+    hexdigits = "0123456789abcdef"
+    if (
+        not sep
+        or len(tag) != 8
+        or not body
+        or len(body) % (_HEX * SEGMENTS)
+        or not set(tag) <= set(hexdigits)
+        or not set(body) <= set(hexdigits)
+    ):
+        raise ProtocolError(f"not a fingerprint: {fp[:80]!r}")
+    b = np.frombuffer(bytes.fromhex(body), dtype=np.uint8).reshape(-1, _HEX // 2).astype(np.int32)
+    q = (b[:, 0] << 16) | (b[:, 1] << 8) | b[:, 2]
+    vec: npt.NDArray[np.int32] = np.where(q >= _SPAN >> 1, q - _SPAN, q).astype(np.int32)
+    vec.flags.writeable = False
+    return tag, vec
+
+
+#: greedy groups per (step, probe set) compared by distance after the centre's; the rest group by exact vector
+MAX_REPRESENTATIVES = 16
+
+
+def _limit(tolerance: float) -> int:
+    """The largest distance in quanta that agrees within ``tolerance`` (as :func:`fingerprints_agree`)."""
+    if not math.isfinite(tolerance) or tolerance < 0:
+        raise ProtocolError(f"fingerprint tolerance must be a finite number >= 0, got {tolerance!r}")
+    return math.floor((tolerance + QUANTUM / 2) / QUANTUM)
+
+
+def group_step(
+    step: int,
+    vectors: Mapping[str, tuple[str, npt.NDArray[np.int32]]],
+    tolerance: float = DEFAULT_TOLERANCE,
+    bound: Collection[str] = (),
+    *,
+    max_representatives: int = MAX_REPRESENTATIVES,
+    on_compare: Callable[[int], None] | None = None,
+) -> dict[str, FingerprintGroup]:
+    """Group the replicas audited at ``step`` (id -> parsed fingerprint, :func:`parse_fingerprint`).
+
+    Only fingerprints of the same probe set (tag and length) can agree; two agree when no segment
+    value differs by more than ``tolerance`` (the run's, never a report's). Agreement within a
+    tolerance is not transitive, so groups are cut around representatives, per probe set:
+
+    1. the *centre*, the coordinate-wise (lower) median of the deciding replicas' vectors: every
+       replica within ``tolerance`` of it is a group. A strict majority that agrees pairwise lies in
+       it whatever the others report (each coordinate's median lies within the majority's range);
+    2. then up to ``max_representatives`` greedy groups: the smallest remaining id and every
+       remaining replica within ``tolerance`` of it;
+    3. the rest by identical vector.
+
+    Groups are numbered by size (ties: the smallest id first): group 0 is the largest; when it
+    holds more than half of the deciding replicas, every replica outside it is an odd one out.
+
+    *Deciding* replicas: the ``bound`` ones (whose reports are bound to their identity) when any
+    is audited at ``step``, else all. The others are placed in the first group whose representative
+    they agree with (else the group of an identical vector, else groups of their own, numbered
+    after), and never change a deciding replica's group, the sizes or the majority: ``size`` and
+    ``of`` count deciding replicas only. Cost: O((2 + max_representatives) * n * d) for n replicas of
+    d segment values, however they disagree; ``on_compare`` is told the number of vector
+    comparisons made (a work counter for tests and benchmarks).
+    """
+    limit = _limit(tolerance)
+    ids = sorted(vectors)
+    deciding = [r for r in ids if r in bound] or ids
+    deciding_set = set(deciding)
+    others = [r for r in ids if r not in deciding_set]
+    compared = 0
+    parts: dict[tuple[str, int], list[str]] = {}
+    for rid in deciding:
+        tag, vec = vectors[rid]
+        parts.setdefault((tag, len(vec)), []).append(rid)
+    # each group: (probe set, representative vector or None for an exact group, member ids)
+    groups: list[tuple[tuple[str, int], npt.NDArray[np.int32], list[str], bool]] = []
+    for key in sorted(parts):
+        pids = parts[key]
+        mat = np.stack([vectors[r][1] for r in pids])
+        m = len(pids)
+        mid = (m - 1) // 2
+        centre = np.partition(mat, mid, axis=0)[mid]
+        near = np.abs(mat - centre).max(axis=1) <= limit
+        compared += m
+        left = np.flatnonzero(~near)
+        if near.any():
+            groups.append((key, centre, [pids[i] for i in np.flatnonzero(near)], True))
+        reps = 0
+        while left.size and reps < max_representatives:
+            rep = mat[left[0]]
+            near = np.abs(mat[left] - rep).max(axis=1) <= limit
+            compared += int(left.size)
+            groups.append((key, rep, [pids[i] for i in left[near]], True))
+            left = left[~near]
+            reps += 1
+        exact: dict[bytes, list[int]] = {}
+        for i in left:
+            exact.setdefault(mat[i].tobytes(), []).append(int(i))
+        groups.extend((key, mat[idx[0]], [pids[i] for i in idx], False) for idx in exact.values())
+    groups.sort(key=lambda g: (-len(g[2]), g[2][0]))
+    of = len(deciding)
+    majority = bool(groups) and 2 * len(groups[0][2]) > of
     out: dict[str, FingerprintGroup] = {}
-    for step, ids in by_step.items():
-
-        def agree(a: str, b: str) -> bool:
-            ra, rb = audits[a], audits[b]
-            return fingerprints_agree(ra.fingerprint, rb.fingerprint, max(ra.tolerance, rb.tolerance))
-
-        left = list(ids)
-        groups: list[list[str]] = []
-        while left:
-            anchor = max(left, key=lambda a: (sum(agree(a, b) for b in left), -left.index(a)))
-            members = [b for b in left if b == anchor or agree(anchor, b)]
-            groups.append(members)
-            left = [b for b in left if b not in members]
-        majority = 2 * len(groups[0]) > len(ids)
-        for g, members in enumerate(groups):
+    for g, (_, _, members, _) in enumerate(groups):
+        for rid in members:
+            out[rid] = FingerprintGroup(step, g, len(members), of, majority and g > 0)
+    if others:
+        by_key: dict[tuple[str, int], list[int]] = {}
+        exact_of: dict[tuple[tuple[str, int], bytes], int] = {}
+        for g, (key, rep, _, compare) in enumerate(groups):
+            if compare:
+                by_key.setdefault(key, []).append(g)
+            else:
+                exact_of[(key, rep.tobytes())] = g
+        reps_of = {key: np.stack([groups[g][1] for g in gs]) for key, gs in by_key.items()}
+        extra: dict[tuple[tuple[str, int], bytes], list[str]] = {}
+        for rid in others:
+            tag, vec = vectors[rid]
+            key = (tag, len(vec))
+            found: int | None = None
+            if key in reps_of:
+                hits = np.flatnonzero(np.abs(reps_of[key] - vec).max(axis=1) <= limit)
+                compared += len(reps_of[key])
+                if hits.size:
+                    found = by_key[key][int(hits[0])]
+            if found is None:
+                found = exact_of.get((key, vec.tobytes()))
+            if found is None:
+                extra.setdefault((key, vec.tobytes()), []).append(rid)
+                continue
+            out[rid] = FingerprintGroup(step, found, len(groups[found][2]), of, majority and found > 0)
+        for n, members in enumerate(extra.values()):
             for rid in members:
-                out[rid] = FingerprintGroup(step, g, len(members), len(ids), majority and g > 0)
+                out[rid] = FingerprintGroup(step, len(groups) + n, len(members), of, majority)
+    if on_compare is not None:
+        on_compare(compared)
+    return out
+
+
+def group_fingerprints(
+    audits: Mapping[str, AuditReport],
+    tolerance: float = DEFAULT_TOLERANCE,
+    bound: Collection[str] = (),
+) -> dict[str, FingerprintGroup]:
+    """Group replicas (id -> last audit) by audited step, then by agreeing fingerprint (:func:`group_step`).
+
+    ``tolerance`` is the run's fingerprint tolerance (its policy's); a report's own ``tolerance`` is
+    ignored, so that no report can widen what counts as agreement. ``bound``: the ids whose reports
+    are bound to their identity; where any is audited at a step, they alone decide the groups and
+    the majority there. When group 0 holds more than half of a step's deciding replicas, every
+    replica outside it is an odd one out; without a strict majority (two replicas that disagree,
+    say) nobody is singled out, though the groups still show the disagreement.
+    """
+    by_step: dict[int, dict[str, tuple[str, npt.NDArray[np.int32]]]] = {}
+    for rid, a in audits.items():
+        by_step.setdefault(a.audited_step, {})[rid] = parse_fingerprint(a.fingerprint)
+    out: dict[str, FingerprintGroup] = {}
+    for step, vectors in by_step.items():
+        out.update(group_step(step, vectors, tolerance, bound))
     return out

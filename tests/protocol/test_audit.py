@@ -210,8 +210,10 @@ def test_without_a_strict_majority_nobody_is_singled_out_but_the_groups_show_the
     lp = rows()
     groups = group_fingerprints({"a": report(3, lp), "b": report(3, shift(lp, 1.0))})
     assert sorted((g.group, g.odd_one_out) for g in groups.values()) == [(0, False), (1, False)]
-    # a larger tolerance reported by either side makes them agree
+    # a report's own tolerance is ignored (one report must not widen agreement); the run's decides
     groups = group_fingerprints({"a": report(3, lp), "b": report(3, shift(lp, 1.0), tol=1.5)})
+    assert {g.group for g in groups.values()} == {0, 1}
+    groups = group_fingerprints({"a": report(3, lp), "b": report(3, shift(lp, 1.0))}, tolerance=1.5)
     assert {g.group for g in groups.values()} == {0} and group_fingerprints({}) == {}
 
 
