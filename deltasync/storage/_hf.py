@@ -16,7 +16,8 @@ What the bucket API gives and does not give, and how this backend copes:
   uploads: best effort, not atomic against a concurrent writer. The deltasync commit
   protocol does not rely on it: a step's files go up before its manifest, in a
   separate batch, objects are written once, and ``HEAD.json`` is only a hint.
-* downloads: ``paths-info`` for the keys (a missing one raises ObjectNotFound), then
+* downloads: ``paths-info`` for the keys (a missing one raises ObjectNotFound; for a bounded
+  read, one over its limit raises ObjectTooLarge before anything is downloaded), then
   ``download_bucket_files`` into a private temp dir, read and removed.
   ``get_range`` downloads the whole object and slices it (Xet reconstructs whole
   files; the protocol reads whole files anyway).
@@ -48,7 +49,7 @@ from deltasync.errors import (
     TransientStorageError,
 )
 from deltasync.storage._hf_reach import check_reachable
-from deltasync.storage.base import Data, ObjectInfo, PutMode, Store, validate_key
+from deltasync.storage.base import Data, ObjectInfo, PutMode, Store, check_limit, too_large, validate_key
 
 __all__ = ["DEFAULT_ENDPOINT", "HFBucketStore", "parse_hf_url"]
 
@@ -270,11 +271,22 @@ class HFBucketStore(Store):
 
     def get_many(self, keys: Sequence[str]) -> dict[str, bytes]:
         # docstring inherited
-        remotes = {key: self._remote(key) for key in keys}
+        return self._get(dict.fromkeys(keys))
+
+    def get_many_bounded(self, limits: Mapping[str, int]) -> dict[str, bytes]:
+        # docstring inherited (the sizes come from paths-info, before any download)
+        return self._get({key: check_limit(limit) for key, limit in limits.items()})
+
+    def _get(self, limits: Mapping[str, int | None]) -> dict[str, bytes]:
+        """Objects ``limits`` names, each at most its limit (None: any size)."""
+        remotes = {key: self._remote(key) for key in limits}
         infos = self._infos(sorted(set(remotes.values())))
         for key, remote in remotes.items():
             if remote not in infos:
                 raise ObjectNotFound(f"{self.url}: no object {key}")
+            limit = limits[key]
+            if limit is not None and int(infos[remote].size) > limit:
+                raise too_large(self.url, key, int(infos[remote].size), limit)
         out: dict[str, bytes] = {}
         todo: list[tuple[Any, str | Path]] = []
         dest = Path(tempfile.mkdtemp(prefix="get-", dir=self._tmpdir()))
@@ -292,14 +304,15 @@ class HFBucketStore(Store):
                 if remote not in local:
                     out[key] = b""
                     continue
+                size = int(infos[remote].size)
                 try:
-                    out[key] = local[remote].read_bytes()
+                    with open(local[remote], "rb") as f:
+                        out[key] = f.read(size + 1)  # a download longer than listed is read no further
                 except FileNotFoundError:
                     raise ObjectNotFound(f"{self.url}: {key} vanished while downloading") from None
-                if len(out[key]) != infos[remote].size:
-                    raise TransientStorageError(
-                        f"{self.url}: {key}: downloaded {len(out[key])} bytes, the bucket lists {infos[remote].size}"
-                    )
+                if len(out[key]) != size:
+                    got = f"{len(out[key])}" if len(out[key]) <= size else f"more than {size}"
+                    raise TransientStorageError(f"{self.url}: {key}: downloaded {got} bytes, the bucket lists {size}")
         finally:
             shutil.rmtree(dest, ignore_errors=True)
         return out

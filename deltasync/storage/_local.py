@@ -2,18 +2,38 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import stat
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from deltasync.errors import AlreadyExists, InvalidKey, ObjectNotFound, StorageError
-from deltasync.storage.base import Data, ObjectInfo, PutMode, Store, map_os_errors, validate_key
+from deltasync.storage.base import (
+    Data,
+    ObjectInfo,
+    PutMode,
+    Store,
+    check_limit,
+    map_os_errors,
+    too_large,
+    validate_key,
+)
 
 __all__ = ["LocalStore"]
 
 TMP_DIR = ".deltasync-tmp"
+#: how an object's file is opened: never through a symlink (the last component), never waiting on
+#: a FIFO's writer (O_NONBLOCK: the open returns at once and fstat refuses it)
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
 
 
 def _raise_unless_gone(exc: OSError) -> None:
@@ -115,30 +135,77 @@ class LocalStore(Store):
                 if self._fsync:
                     _fsync_dir(final.parent)
 
-    def get_many(self, keys: Sequence[str]) -> dict[str, bytes]:
-        # docstring inherited
-        out: dict[str, bytes] = {}
-        for key in keys:
-            path = self._path(key)
+    def _open(self, key: str) -> tuple[int, os.stat_result]:
+        """An fd of ``key``'s file and its ``fstat``: a regular file, or a typed error before any read.
+
+        Objects are files this store wrote (temp file, then rename or link): a symlink (even one to
+        a regular file), a FIFO, a device or a socket under a key is refused. The store's root and
+        the directories above an object may be symlinks (only the last component is not followed).
+        """
+        path = self._path(key)
+        try:
+            fd = os.open(path, _OPEN_FLAGS)
+        except (FileNotFoundError, NotADirectoryError):
+            raise ObjectNotFound(f"{self.url}: no object {key}") from None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP or (exc.errno == errno.EMLINK and os.path.islink(path)):
+                raise StorageError(
+                    f"{self.url}: cannot read {key}: it is a symbolic link; a local store's objects are regular "
+                    "files written by the store (remove the link)"
+                ) from None
+            raise StorageError(f"{self.url}: cannot read {key}: {exc.strerror or exc}") from exc
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):  # a prefix of other keys, not an object
+                raise ObjectNotFound(f"{self.url}: no object {key}")
+            if not stat.S_ISREG(st.st_mode):
+                kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a regular file")
+                raise StorageError(
+                    f"{self.url}: cannot read {key}: it is {kind}, not a regular file; a local store's objects "
+                    "are regular files written by the store (remove it)"
+                )
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, st
+
+    def _read(self, key: str, limit: int | None = None) -> bytes:
+        """The whole object ``key``; with ``limit``, ObjectTooLarge unless it holds at most ``limit`` bytes
+        (known from ``fstat`` before reading; at most ``limit + 1`` bytes are read, should it grow)."""
+        fd, st = self._open(key)
+        with open(fd, "rb", closefd=True) as f:
             try:
-                out[key] = path.read_bytes()
-            except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-                raise ObjectNotFound(f"{self.url}: no object {key}") from None
+                if limit is None:
+                    return f.read()
+                if st.st_size > limit:
+                    raise too_large(self.url, key, st.st_size, limit)
+                data = f.read(st.st_size + 1)  # +1: sees the end of file, or growth since the fstat
+                while len(data) <= limit:
+                    more = f.read(min(1 << 20, limit + 1 - len(data)))
+                    if not more:
+                        return data
+                    data += more
+                raise too_large(self.url, key, None, limit)
             except OSError as exc:
                 raise StorageError(f"{self.url}: cannot read {key}: {exc.strerror or exc}") from exc
-        return out
+
+    def get_many(self, keys: Sequence[str]) -> dict[str, bytes]:
+        # docstring inherited
+        return {key: self._read(key) for key in keys}
+
+    def get_many_bounded(self, limits: Mapping[str, int]) -> dict[str, bytes]:
+        # docstring inherited
+        return {key: self._read(key, check_limit(limit)) for key, limit in limits.items()}
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
         # docstring inherited
-        path = self._path(key)
-        try:
-            with open(path, "rb") as f:
+        fd, _ = self._open(key)
+        with open(fd, "rb", closefd=True) as f:
+            try:
                 f.seek(start)
                 return f.read(max(0, end - start))
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-            raise ObjectNotFound(f"{self.url}: no object {key}") from None
-        except OSError as exc:
-            raise StorageError(f"{self.url}: cannot read {key}: {exc.strerror or exc}") from exc
+            except OSError as exc:
+                raise StorageError(f"{self.url}: cannot read {key}: {exc.strerror or exc}") from exc
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         # docstring inherited

@@ -43,7 +43,16 @@ from deltasync.errors import (
     StorageError,
     TransientStorageError,
 )
-from deltasync.storage.base import Data, ObjectInfo, PutMode, Store, map_os_errors, validate_key
+from deltasync.storage.base import (
+    Data,
+    ObjectInfo,
+    PutMode,
+    Store,
+    check_limit,
+    map_os_errors,
+    too_large,
+    validate_key,
+)
 
 try:
     import obstore as obs
@@ -329,23 +338,32 @@ class S3Store(Store):
             opts["if_match"] = etag
         return self._call("read", key, lambda: obs.get(self._s3, key, options=opts).bytes())  # type: ignore[arg-type]
 
-    def _get_first(self, key: str) -> tuple[Any, int, str]:
-        """The first part of an object, its size and ETag."""
+    def _get_first(self, key: str, limit: int | None = None) -> tuple[Any, int, str]:
+        """The first part of an object, its size and ETag. With ``limit``, the part is at most
+        ``limit + 1`` bytes and an object over ``limit`` raises ObjectTooLarge (its size is the
+        ranged answer's ``Content-Range``): nothing more of it is read."""
+        first = self._part_size if limit is None else min(self._part_size, limit + 1)
         try:
-            res = obs.get(self._s3, key, options={"range": (0, self._part_size)})
+            res = obs.get(self._s3, key, options={"range": (0, first)})
         except Exception as exc:
             if not any(m in str(exc) for m in (_RANGE_UNSATISFIABLE, _RANGE_IGNORED)):
                 raise
-            # an empty object has no byte 0; some servers answer a ranged GET in full
+            # an empty object has no byte 0; some servers answer a ranged GET in full: HEAD first
+            # when the size matters, so that an object over the limit is never read whole
+            if limit is not None and (size := obs.head(self._s3, key)["size"]) > limit:
+                raise too_large(self.url, key, size, limit) from None
             res = obs.get(self._s3, key)
         meta = res.meta
+        if limit is not None and meta["size"] > limit:
+            raise too_large(self.url, key, meta["size"], limit)
         return res.bytes(), meta["size"], meta.get("e_tag") or ""
 
-    def _get_whole(self, key: str) -> tuple[bytes, str]:
-        """The object and its ETag: one ranged GET, then parallel ranged GETs for the rest."""
+    def _get_whole(self, key: str, limit: int | None = None) -> tuple[bytes, str]:
+        """The object and its ETag: one ranged GET, then parallel ranged GETs for the rest (with
+        ``limit``: ObjectTooLarge from the first GET's answer when the object is over it)."""
         chunk = self._part_size
         for _ in range(3):
-            head, size, etag = self._call("read", key, lambda: self._get_first(key))
+            head, size, etag = self._call("read", key, lambda: self._get_first(key, limit))
             if size <= len(head):
                 return bytes(head), etag
             parts = [
@@ -364,6 +382,12 @@ class S3Store(Store):
         unique = list(dict.fromkeys(validate_key(k) for k in keys))
         blobs = self._fan_out(self._batch, [functools.partial(self._get_whole, k) for k in unique])
         return {k: b for k, (b, _) in zip(unique, blobs, strict=True)}
+
+    def get_many_bounded(self, limits: Mapping[str, int]) -> dict[str, bytes]:
+        # docstring inherited
+        todo = [(validate_key(k), check_limit(limit)) for k, limit in limits.items()]
+        blobs = self._fan_out(self._batch, [functools.partial(self._get_whole, k, limit) for k, limit in todo])
+        return {k: b for (k, _), (b, _) in zip(todo, blobs, strict=True)}
 
     def get_with_etag(self, key: str) -> tuple[bytes, str]:
         """An object and its ETag, for a later :meth:`put_if_match`."""

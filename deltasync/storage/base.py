@@ -16,9 +16,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import ClassVar, Literal
 
-from deltasync.errors import DeltaSyncError, InvalidKey, StorageError
+from deltasync.errors import DeltaSyncError, InvalidKey, ObjectTooLarge, StorageError
 
-__all__ = ["Data", "ObjectInfo", "PutMode", "Store", "map_os_errors", "validate_key"]
+__all__ = ["Data", "ObjectInfo", "PutMode", "Store", "check_limit", "map_os_errors", "too_large", "validate_key"]
 
 PutMode = Literal["overwrite", "create"]
 Data = bytes | bytearray | memoryview | Path
@@ -50,6 +50,22 @@ def data_size(data: Data) -> int:
     if isinstance(data, Path):
         return data.stat().st_size
     return memoryview(data).nbytes
+
+
+def too_large(url: str, key: str, size: int | None, limit: int) -> ObjectTooLarge:
+    """The error of an object over ``limit`` bytes (``size``: its size where known, else "more than")."""
+    held = f"{size} bytes" if size is not None else f"more than {limit} bytes"
+    return ObjectTooLarge(
+        f"{url}: {key} holds {held}, over the {limit}-byte limit of what it may hold; refused before reading it "
+        "(a damaged or hostile object: delete or rewrite it)"
+    )
+
+
+def check_limit(limit: int) -> int:
+    """``limit`` if it is a non-negative int (bools refused), else ValueError."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise ValueError(f"a read limit is a non-negative number of bytes, got {limit!r}")
+    return limit
 
 
 @contextmanager
@@ -106,6 +122,27 @@ class Store(ABC):
     def get_range(self, key: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of an object (the default reads it whole)."""
         return self.get(key)[start:end]
+
+    def get_many_bounded(self, limits: Mapping[str, int]) -> dict[str, bytes]:
+        """Read objects that may each hold at most ``limits[key]`` bytes.
+
+        An object over its limit raises :class:`~deltasync.errors.ObjectTooLarge` (naming it, its
+        size and the limit) and a missing one ObjectNotFound. The backends of deltasync learn the
+        size first (``fstat``, the first ranged GET's ``Content-Range``, the bucket's path info)
+        and never read more than ``limit + 1`` bytes of an object; this default, for stores that
+        do not override it, reads through :meth:`get_many` and checks after.
+        """
+        for limit in limits.values():
+            check_limit(limit)
+        out = self.get_many(list(limits))
+        for key, blob in out.items():
+            if len(blob) > limits[key]:
+                raise too_large(self.url, key, len(blob), limits[key])
+        return out
+
+    def get_bounded(self, key: str, limit: int) -> bytes:
+        """Read one object of at most ``limit`` bytes (see :meth:`get_many_bounded`)."""
+        return self.get_many_bounded({key: limit})[key]
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections and threads. The default does nothing."""

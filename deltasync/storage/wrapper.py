@@ -5,7 +5,7 @@ method of :class:`~deltasync.storage.Store` and its capability flag to ``inner``
 overrides only what it observes or changes (``put_many`` to fail or hold writes, ``get_many`` and
 ``get_range`` to record reads, ...).
 
-The conveniences ``get``, ``put`` and ``exists`` are *not* delegated: they stay built on the batch
+The conveniences ``get``, ``get_bounded``, ``put`` and ``exists`` are *not* delegated: they stay built on the batch
 methods of the wrapper (as :class:`~deltasync.storage.Store` builds them), so a subclass that
 overrides ``get_many`` or ``put_many`` sees the single-object calls too.
 """
@@ -59,6 +59,13 @@ class WrapperStore(Store, Generic[S]):
     def get_range(self, key: str, start: int, end: int) -> bytes:
         # docstring inherited
         return self.inner.get_range(key, start, end)
+
+    def get_many_bounded(self, limits: Mapping[str, int]) -> dict[str, bytes]:
+        """The inner store's bounded read; through this wrapper's ``get_many`` (then checked) when a
+        subclass overrides ``get_many`` (to observe or fail reads), so that it sees these reads too."""
+        if type(self).get_many is not WrapperStore.get_many:
+            return super().get_many_bounded(limits)
+        return self.inner.get_many_bounded(limits)
 
     def close(self) -> None:
         # docstring inherited

@@ -46,6 +46,10 @@ What the suite pins down, beyond the docstrings of :class:`~deltasync.storage.St
   a plain-text prefix, not a key, so any prefix is allowed and simply matches
   nothing outside the store;
 * ``list`` shows objects only: no temp files, no directories, sorted by key;
+* ``get_bounded`` / ``get_many_bounded`` return objects of at most their limit and
+  raise :class:`~deltasync.errors.ObjectTooLarge` (a ``ProtocolError``) naming the key,
+  its size and the limit for one over it, whatever its size (a multi-MB object
+  against a 1 KiB limit too);
 * with ``supports_conditional_put``, ``mode="create"`` has exactly one winner
   among racing writers; every backend keeps each object whole under racing
   overwrites.
@@ -71,7 +75,15 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from deltasync.errors import AlreadyExists, DeltaSyncError, InvalidKey, ObjectNotFound, StorageError
+from deltasync.errors import (
+    AlreadyExists,
+    DeltaSyncError,
+    InvalidKey,
+    ObjectNotFound,
+    ObjectTooLarge,
+    ProtocolError,
+    StorageError,
+)
 from deltasync.storage.base import ObjectInfo, Store
 from deltasync.testing.stateful import StoreStateMachine, checked_listing
 from deltasync.testing.strategies import INVALID_KEYS, PAYLOAD_KINDS, as_payload, random_bytes
@@ -413,6 +425,46 @@ class StoreTests(ABC, Generic[S]):
         store.delete_many(["steps/000000000001/manifest.json"])
         assert not store.exists("steps/000000000001/manifest.json")
 
+    # -- bounded reads ---------------------------------------------------------------
+
+    def test_get_bounded_within_the_limit(self, store: S) -> None:
+        store.put_many({"probes.json": b"x" * 100, "empty": b"", "HEAD.json": b"{}"})
+        assert store.get_bounded("probes.json", 100) == b"x" * 100  # exactly the limit
+        assert store.get_bounded("probes.json", 1 << 20) == b"x" * 100
+        assert store.get_bounded("empty", 0) == b""
+        got = store.get_many_bounded({"probes.json": 100, "empty": 0, "HEAD.json": 2})
+        assert got == {"probes.json": b"x" * 100, "empty": b"", "HEAD.json": b"{}"}
+        assert all(type(v) is bytes for v in got.values())
+        assert store.get_many_bounded({}) == {}
+
+    def test_get_bounded_refuses_an_object_over_its_limit(self, store: S) -> None:
+        big = random_bytes(self.big_object_size, seed=11)
+        store.put_many({"probes.json": b"x" * 101, "big.bin": big, "ok": b"fine"})
+        for call in (
+            lambda: store.get_bounded("probes.json", 100),
+            lambda: store.get_many_bounded({"ok": 4, "probes.json": 100}),
+        ):
+            with pytest.raises(ObjectTooLarge) as info:
+                call()
+            assert isinstance(info.value, ProtocolError)
+            assert "probes.json" in str(info.value) and "100" in str(info.value)
+        with pytest.raises(ObjectTooLarge, match=rf"big\.bin.*{self.big_object_size} bytes.*1024"):
+            store.get_bounded("big.bin", 1024)
+        with pytest.raises(ObjectTooLarge):
+            store.get_bounded("ok", 0)
+        assert store.get_bounded("big.bin", self.big_object_size) == big
+        assert store.get("probes.json") == b"x" * 101, "a refused read changes nothing"
+
+    def test_get_bounded_of_a_missing_key_or_a_bad_limit(self, store: S) -> None:
+        store.put("ok", b"fine")
+        with pytest.raises(ObjectNotFound):
+            store.get_bounded("steps/000000000001/manifest.json", 10)
+        with pytest.raises(ObjectNotFound):
+            store.get_many_bounded({"ok": 10, "missing": 10})
+        for bad in (-1, True, 1.5):
+            with pytest.raises(ValueError, match="read limit"):
+                store.get_bounded("ok", bad)  # type: ignore[arg-type]
+
     # -- invalid keys ---------------------------------------------------------------
 
     @pytest.mark.parametrize("key", INVALID_KEYS, ids=ascii)
@@ -426,6 +478,8 @@ class StoreTests(ABC, Generic[S]):
             "get": lambda: store.get(key),
             "get_many": lambda: store.get_many(["ok", key]),
             "get_range": lambda: store.get_range(key, 0, 1),
+            "get_bounded": lambda: store.get_bounded(key, 10),
+            "get_many_bounded": lambda: store.get_many_bounded({"ok": 10, key: 10}),
             "exists": lambda: store.exists(key),
             "delete_many": lambda: store.delete_many([key]),
         }

@@ -424,11 +424,14 @@ def test_local_read_only_directory(tmp_path: Path) -> None:
 
 def test_local_read_error_is_a_storage_error(local: LocalStore, monkeypatch: pytest.MonkeyPatch) -> None:
     local.put("k", b"v")
+    real_open = os.open
 
-    def boom(self: Path) -> bytes:
-        raise PermissionError(errno.EACCES, "Permission denied (injected)")
+    def boom(path: Any, *args: Any, **kwargs: Any) -> int:
+        if Path(path) == local.root / "k":
+            raise PermissionError(errno.EACCES, "Permission denied (injected)")
+        return real_open(path, *args, **kwargs)
 
-    monkeypatch.setattr(Path, "read_bytes", boom)
+    monkeypatch.setattr(os, "open", boom)
     with pytest.raises(StorageError, match="Permission denied") as info:
         local.get("k")
     assert not isinstance(info.value, ObjectNotFound)
