@@ -39,12 +39,22 @@ __all__ = [
     "group_entries_from_json",
     "group_entry_from_json",
     "group_entry_to_json",
+    "inventory_bound",
     "inventory_facts",
     "inventory_fields",
 ]
 
 #: the most bytes a format-2 inventory decompresses to (a manifest's own limit)
 MAX_INVENTORY_BYTES = 256 * 1024 * 1024
+#: and at most this many times its compressed frame (above :data:`INVENTORY_FLOOR_BYTES`): real
+#: inventories compress 8x (a 25-tensor toy) to 132x (a 128-expert MoE of 36,945 tensors; 87x for a
+#: 94k-tensor fp8 one), so 256x leaves room, while a frame of a few KiB cannot make a reader parse
+#: more than ~1 MiB of JSON (SPEC.md "Manifest, format 2")
+INVENTORY_RATIO = 256
+#: the bound of a small frame's inventory (any real inventory this small compresses less than 256x)
+INVENTORY_FLOOR_BYTES = 1 << 20
+#: compressed bytes fed to zstd at a time: one feed inflates at most ~8 MiB (64 RLE blocks of 128 KiB)
+_FEED = 256
 _MAX_SHAPE = 2**48
 _ENTRY_KEYS = ("tensors", "file", "count", "positions", "rice_k", "values", "positions_range", "values_range")
 _INV_KEYS = frozenset(("name", "dtype", "shape"))
@@ -106,19 +116,13 @@ def _decode_inventory_digest(v: Any, what: str) -> tuple[tuple[TensorInfo, ...],
         frame = base64.b64decode(v, validate=True)
     except (binascii.Error, ValueError):
         raise field_error(what, "inventory is not valid base64") from None
+    raw = _inflate(frame, what)
     try:
-        declared = zstandard.frame_content_size(frame)
-    except zstandard.ZstdError:
-        raise field_error(what, "inventory is not a zstd frame") from None
-    if declared < 0 or declared > MAX_INVENTORY_BYTES:
-        raise field_error(what, f"inventory frame declares {declared} bytes (at most {MAX_INVENTORY_BYTES})")
-    try:
-        raw = zstandard.ZstdDecompressor().decompress(frame, max_output_size=declared, allow_extra_data=False)
         lst = json.loads(raw.decode("utf-8"))
         canon = canonical_json(lst)  # lone surrogates parse but cannot be written (as load_json checks)
-    except (zstandard.ZstdError, UnicodeError, ValueError, RecursionError):
+    except (UnicodeError, ValueError, RecursionError):
         raise field_error(what, "inventory frame is corrupt or not UTF-8 JSON") from None
-    if len(raw) != declared or not isinstance(lst, list):
+    if not isinstance(lst, list):
         raise field_error(what, "inventory must decompress to a JSON array")
     out = []
     for t in lst:
@@ -140,6 +144,45 @@ def _decode_inventory_digest(v: Any, what: str) -> tuple[tuple[TensorInfo, ...],
     if names == sorted(names) and canon == raw:
         return tuple(out), xxh3_128(raw)
     return tuple(out), inventory_digest(out)
+
+
+def inventory_bound(frame_bytes: int) -> int:
+    """The most bytes the inventory of a ``frame_bytes``-byte zstd frame may decompress to:
+    ``min(256 MiB, max(1 MiB, 256 * frame_bytes))``."""
+    return min(MAX_INVENTORY_BYTES, max(INVENTORY_FLOOR_BYTES, INVENTORY_RATIO * frame_bytes))
+
+
+def _inflate(frame: bytes, what: str) -> bytes:
+    """The content of the one zstd ``frame``: its declared size checked against
+    :func:`inventory_bound` before zstd runs, then decompressed a few bytes of input at a time and
+    refused as soon as it yields more than it declared (a lying header); nothing after the frame."""
+    try:
+        declared = zstandard.frame_content_size(frame)
+    except zstandard.ZstdError:
+        raise field_error(what, "inventory is not a zstd frame") from None
+    bound = inventory_bound(len(frame))
+    if declared < 0:
+        raise field_error(what, "inventory frame does not declare its content size")
+    if declared > bound:
+        raise field_error(
+            what,
+            f"inventory frame declares {declared} bytes, over the {bound}-byte bound of a {len(frame)}-byte frame "
+            f"(max({INVENTORY_FLOOR_BYTES}, {INVENTORY_RATIO} x its size), at most {MAX_INVENTORY_BYTES})",
+        )
+    obj = zstandard.ZstdDecompressor().decompressobj()
+    out = bytearray()
+    at = 0
+    try:
+        while at < len(frame) and not obj.eof:
+            out += obj.decompress(frame[at : at + _FEED])
+            at += _FEED
+            if len(out) > declared:
+                raise field_error(what, f"inventory frame inflates past the {declared} bytes it declares")
+    except zstandard.ZstdError:
+        raise field_error(what, "inventory frame is corrupt or not UTF-8 JSON") from None
+    if not obj.eof or obj.unused_data or at < len(frame) or len(out) != declared:
+        raise field_error(what, "inventory must be one whole zstd frame of the size it declares, nothing after it")
+    return bytes(out)
 
 
 class InventoryFacts:
