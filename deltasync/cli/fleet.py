@@ -20,7 +20,8 @@ DESCRIPTION = """
         the step it serves, its lag behind the run's head, its state and last error. With --wait
         STEP, wait until every live replica (or --quorum of them) serves STEP - --max-lag or newer:
         exit 0 with the fleet, or exit 1 after --timeout seconds with who is behind. The token is
-        DELTASYNC_SUBSCRIBE_TOKEN (or, when that is unset, DELTASYNC_PUBLISH_TOKEN).
+        DELTASYNC_SUBSCRIBE_TOKEN (or, when that is unset, DELTASYNC_PUBLISH_TOKEN). What replicas
+        report (ids, last errors) is printed escaped: a control or bidi character shows as \x1b, \u202e.
         """
 EPILOG: str | None = """
         examples:
@@ -90,6 +91,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the run's fleet, after waiting for it with --wait; exit 1 when the wait times out."""
+    from deltasync._util.text import escape_text
     from deltasync.signal import FleetView, SignalClient, wait_for_fleet
 
     if args.max_lag < 0 or args.min_replicas < 0:
@@ -123,7 +125,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(asdict(view), indent=2))
     else:
-        print(f"run {view.run}: head {'-' if view.head is None else view.head}, {len(view.replicas)} live replicas")
+        print(
+            f"run {escape_text(view.run)}: head {'-' if view.head is None else view.head}, {len(view.replicas)} live replicas"
+        )
         if view.replicas:
             print(view.table())
     sys.stdout.flush()

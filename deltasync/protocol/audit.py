@@ -47,8 +47,10 @@ from deltasync.protocol.canonical import field_error, json_int, json_object
 __all__ = [
     "DEFAULT_TOLERANCE",
     "LOGPROB_FLOOR",
+    "MAX_DIVERGENCE",
     "MAX_LOG_RATIO",
     "MAX_REPRESENTATIVES",
+    "MAX_TOLERANCE",
     "QUANTUM",
     "SEGMENTS",
     "AuditPolicy",
@@ -75,6 +77,13 @@ SEGMENTS = 4
 QUANTUM = 1.0 / 4096
 #: how far (nats) a segment mean may move between replicas that compute the same thing
 DEFAULT_TOLERANCE = 0.02
+#: the largest fingerprint tolerance (nats) a policy or a report may name (SPEC.md): wider than any
+#: honest engine's noise by far, and still short of agreeing with everything
+MAX_TOLERANCE = 100.0
+#: the largest value (nats) of a divergence field or a policy threshold (SPEC.md): :func:`divergence`
+#: saturates at it (an engine that far off is diverged whatever the exact figure; k3 alone could reach
+#: ``exp(MAX_LOG_RATIO)`` ~ 5e21), and parsers refuse more (1e308 is not a divergence)
+MAX_DIVERGENCE = 1.0e6
 #: fingerprint prefix: the format (1), then the first 8 hex digits of the probe set's digest
 _PREFIX = "fp1-"
 #: hex digits per segment value (24-bit two's complement: +-2048 nats at 1/4096)
@@ -173,14 +182,19 @@ class Divergence:
 
     @classmethod
     def from_dict(cls, raw: Any) -> Divergence:
-        """Parse ``{"mean_abs", "max_abs", "kl"}`` (finite, non-negative numbers), else a ProtocolError."""
+        """Parse ``{"mean_abs", "max_abs", "kl"}`` (numbers in ``[0, MAX_DIVERGENCE]``), else a ProtocolError."""
         o = json_object(raw, "divergence", ("mean_abs", "max_abs", "kl"))
-        return cls(*(_nonneg(o[k], f"divergence {k}") for k in ("mean_abs", "max_abs", "kl")))
+        return cls(*(_bounded(o[k], f"divergence {k}", MAX_DIVERGENCE) for k in ("mean_abs", "max_abs", "kl")))
+
+    def __post_init__(self) -> None:
+        for k in ("mean_abs", "max_abs", "kl"):
+            _bounded(getattr(self, k), f"divergence {k}", MAX_DIVERGENCE)
 
 
-def _nonneg(v: Any, what: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
-        raise field_error(what, f"expected a finite number >= 0, got {v!r}")
+def _bounded(v: Any, what: str, hi: float) -> float:
+    """``v`` as a float if it is a number in ``[0, hi]``, else a ProtocolError naming ``what`` and the range."""
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or not 0 <= v <= hi:
+        raise field_error(what, f"expected a finite number in [0, {hi:g}], got {v!r}")
     return float(v)
 
 
@@ -200,7 +214,8 @@ def divergence(engine: Sequence[Sequence[float]], reference: Sequence[Sequence[f
             k3.append(math.expm1(c) - c)
     if not diffs:
         raise ProtocolError("divergence: the probes have no tokens")
-    return Divergence(math.fsum(diffs) / len(diffs), max(diffs), max(0.0, math.fsum(k3) / len(k3)))
+    kl = max(0.0, math.fsum(k3) / len(k3))
+    return Divergence(*(min(v, MAX_DIVERGENCE) for v in (math.fsum(diffs) / len(diffs), max(diffs), kl)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,8 +223,10 @@ class AuditPolicy:
     """A run's audit thresholds (nats; None: not checked). Stored with the probes; receivers may override.
 
     ``max_mean_abs``, ``max_max_abs``, ``max_kl``: the largest :class:`Divergence` fields a healthy
-    replica may report against the trainer's reference. ``fingerprint_tolerance``: how far replicas'
-    fingerprints may differ and still agree (:func:`fingerprints_agree`).
+    replica may report against the trainer's reference, each in ``[0, MAX_DIVERGENCE]``.
+    ``fingerprint_tolerance``: how far replicas' fingerprints may differ and still agree
+    (:func:`fingerprints_agree`), in ``[0, MAX_TOLERANCE]``: the signal server groups the fleet with it.
+    Anything else is a ProtocolError, at construction and at parse.
     """
 
     max_mean_abs: float | None = 0.1
@@ -221,8 +238,8 @@ class AuditPolicy:
         for name in ("max_mean_abs", "max_max_abs", "max_kl"):
             v = getattr(self, name)
             if v is not None:
-                _nonneg(v, name)
-        _nonneg(self.fingerprint_tolerance, "fingerprint_tolerance")
+                _bounded(v, name, MAX_DIVERGENCE)
+        _bounded(self.fingerprint_tolerance, "fingerprint_tolerance", MAX_TOLERANCE)
 
     def breaches(self, d: Divergence) -> tuple[str, ...]:
         """The thresholds ``d`` goes over, as readable phrases (empty: within the policy)."""
@@ -248,13 +265,13 @@ class AuditPolicy:
         o = json_object(raw, "policy", ("max_mean_abs", "max_max_abs", "max_kl", "fingerprint_tolerance"))
 
         def opt(k: str) -> float | None:
-            return None if o[k] is None else _nonneg(o[k], f"policy {k}")
+            return None if o[k] is None else _bounded(o[k], f"policy {k}", MAX_DIVERGENCE)
 
         return cls(
             opt("max_mean_abs"),
             opt("max_max_abs"),
             opt("max_kl"),
-            _nonneg(o["fingerprint_tolerance"], "policy fingerprint_tolerance"),
+            _bounded(o["fingerprint_tolerance"], "policy fingerprint_tolerance", MAX_TOLERANCE),
         )
 
 
@@ -264,8 +281,9 @@ class AuditReport:
 
     ``audited_step``: the step whose weights were probed; ``fingerprint``: :func:`fingerprint` of the
     engine's probe logprobs; ``divergence``: against the trainer's reference of that step (None: no
-    reference); ``tolerance``: the fingerprint tolerance of the receiver's policy, which the fleet
-    view uses to group replicas.
+    reference); ``tolerance``: the fingerprint tolerance of the receiver's policy, in
+    ``[0, MAX_TOLERANCE]``: informational, the fleet view groups with the run's own policy, never a
+    report's (a report could otherwise agree with everything).
     """
 
     audited_step: int
@@ -276,7 +294,7 @@ class AuditReport:
     def __post_init__(self) -> None:
         json_int(self.audited_step, "audited_step", 0, 10**12 - 1)
         check_fingerprint(self.fingerprint)
-        _nonneg(self.tolerance, "tolerance")
+        _bounded(self.tolerance, "tolerance", MAX_TOLERANCE)
 
     def to_dict(self) -> dict[str, Any]:
         """``{"audited_step", "fingerprint", "divergence", "tolerance"}`` (``divergence`` null without a reference)."""
@@ -297,7 +315,7 @@ class AuditReport:
             json_int(o["audited_step"], "audited_step", 0, 10**12 - 1),
             check_fingerprint(o["fingerprint"]),
             None if div is None else Divergence.from_dict(div),
-            DEFAULT_TOLERANCE if tol is None else _nonneg(tol, "tolerance"),
+            DEFAULT_TOLERANCE if tol is None else _bounded(tol, "tolerance", MAX_TOLERANCE),
         )
 
 

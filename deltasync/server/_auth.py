@@ -4,6 +4,12 @@
 ``report`` takes the ``report_token`` when the server has one, else the ``subscribe`` scope's
 tokens: a receiver holds a subscribe token already, and a report changes nothing but the fleet
 view. Set a report token where readers must not be able to speak for replicas.
+
+A *replica token* (:func:`deltasync.signal.replica_token`, made with the server's replica key)
+grants ``report`` for its own replica id(s) of its own run only: :data:`ReportAuth` tells the fleet
+routes which credential a report came with (:class:`ReportCredential`): a replica token or the
+publish token make it *bound*, the shared report/subscribe tokens (or none, on an open server)
+*unbound* (docs/fleet.md).
 """
 
 from __future__ import annotations
@@ -11,17 +17,20 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from deltasync.errors import SignalRejected
 from deltasync.server._deps import MetricsDep, SettingsDep
 from deltasync.server._input import no_unknown_query
 from deltasync.server._models import Problem
 from deltasync.server._settings import Settings
+from deltasync.signal import REPLICA_TOKEN_PREFIX, verify_replica_token
 
-__all__ = ["AUTH_RESPONSES", "Publish", "Report", "Subscribe", "require"]
+__all__ = ["AUTH_RESPONSES", "Publish", "Report", "ReportAuth", "ReportCredential", "Subscribe", "require"]
 
 _bearer = HTTPBearer(auto_error=False, description="publish, subscribe or report token")
 
@@ -75,6 +84,71 @@ def require(scope: Literal["publish", "subscribe", "report"]) -> Callable[..., A
 
     return check
 
+
+@dataclass(frozen=True, slots=True)
+class ReportCredential:
+    """What a fleet report (or goodbye) was authenticated with.
+
+    ``kind``: ``"replica"`` (a replica token of ``identity``: it covers the URL's replica id),
+    ``"publish"`` (the operator: may report or remove any replica) or ``"shared"`` (the report
+    token, a subscribe token, or nothing on a server whose report scope is open).
+    """
+
+    kind: Literal["replica", "publish", "shared"]
+    identity: str | None = None
+
+    @property
+    def bound(self) -> bool:
+        """Whether the report speaks for its replica with a credential of that replica (or the operator's)."""
+        return self.kind != "shared"
+
+
+async def report_credential(
+    request: Request,
+    settings: SettingsDep,
+    metrics: MetricsDep,
+    cred: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> ReportCredential:
+    """The ``report`` scope of ``/v1/runs/{run}/replicas/{replica}``, and which credential granted it
+    (401 none, 403 wrong: a replica token of another run or replica, or not made with this server's key)."""
+    given = None if cred is None else cred.credentials
+    if given is not None and given.startswith(REPLICA_TOKEN_PREFIX):
+        key = settings.replica_token_key
+        if key is None:
+            metrics.inc("deltasync_auth_failures_total", reason="wrong")
+            raise _auth_error(
+                403,
+                "this server takes no replica tokens: start it with DELTASYNC_REPLICA_KEY (or a publish token)",
+            )
+        run, replica = str(request.path_params.get("run", "")), str(request.path_params.get("replica", ""))
+        try:
+            identity = verify_replica_token(key, given, run, replica)
+        except SignalRejected as exc:
+            metrics.inc("deltasync_auth_failures_total", reason="wrong")
+            raise _auth_error(403, str(exc)) from None
+        no_unknown_query(request)
+        return ReportCredential("replica", identity)
+    wanted = _wanted(settings, "report")
+    is_publish = given is not None and settings.publish_token is not None and _same(given, settings.publish_token)
+    if wanted[0] is None:  # the scope is open
+        no_unknown_query(request)
+        return ReportCredential("publish" if is_publish else "shared")
+    if given is None:
+        metrics.inc("deltasync_auth_failures_total", reason="missing")
+        raise _auth_error(401, "this route needs a bearer token of scope 'report' (or this replica's replica token)")
+    ok = is_publish
+    for tok in wanted:
+        if tok is not None:
+            ok |= _same(given, tok)  # no short-circuit: same work for every token
+    if not ok:
+        metrics.inc("deltasync_auth_failures_total", reason="wrong")
+        raise _auth_error(403, "the bearer token does not grant scope 'report' (nor is it a replica token)")
+    no_unknown_query(request)
+    return ReportCredential("publish" if is_publish else "shared")
+
+
+#: the ``report`` scope of a replica's route, with the credential that granted it
+ReportAuth = Annotated[ReportCredential, Depends(report_credential)]
 
 Publish = Depends(require("publish"))
 Subscribe = Depends(require("subscribe"))

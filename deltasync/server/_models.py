@@ -7,8 +7,16 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
+from deltasync._util.text import escape_text
 from deltasync.errors import ProtocolError
-from deltasync.protocol.audit import MAX_FINGERPRINT, AuditReport, Divergence, check_fingerprint
+from deltasync.protocol.audit import (
+    MAX_DIVERGENCE,
+    MAX_FINGERPRINT,
+    MAX_TOLERANCE,
+    AuditReport,
+    Divergence,
+    check_fingerprint,
+)
 from deltasync.protocol.keys import MAX_STEP
 from deltasync.server._db import Commit, Webhook
 from deltasync.server._settings import DIGEST_PATTERN
@@ -22,6 +30,7 @@ __all__ = [
     "Problem",
     "ReplicaIn",
     "ReplicaOut",
+    "ReplicaTokenOut",
     "StepNo",
     "WebhookIn",
     "WebhookOut",
@@ -97,9 +106,16 @@ class DivergenceBody(BaseModel):
     """An engine's probe logprobs against the trainer's reference (nats; docs/audit.md)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    mean_abs: float = Field(ge=0, allow_inf_nan=False, description="mean |reference - engine| over the probe tokens")
-    max_abs: float = Field(ge=0, allow_inf_nan=False, description="largest |reference - engine|")
-    kl: float = Field(ge=0, allow_inf_nan=False, description="k3 estimate mean(exp(r) - 1 - r), r = reference - engine")
+    mean_abs: float = Field(
+        ge=0, le=MAX_DIVERGENCE, allow_inf_nan=False, description="mean |reference - engine| over the probe tokens"
+    )
+    max_abs: float = Field(ge=0, le=MAX_DIVERGENCE, allow_inf_nan=False, description="largest |reference - engine|")
+    kl: float = Field(
+        ge=0,
+        le=MAX_DIVERGENCE,
+        allow_inf_nan=False,
+        description="k3 estimate mean(exp(r) - 1 - r), r = reference - engine (saturates at the bound)",
+    )
 
 
 class AuditBody(BaseModel):
@@ -116,7 +132,12 @@ class AuditBody(BaseModel):
         default=None, description="against the trainer's reference of audited_step (null: none)"
     )
     tolerance: float | None = Field(
-        default=None, ge=0, le=100, allow_inf_nan=False, description="fingerprint tolerance (nats) of its policy"
+        default=None,
+        ge=0,
+        le=MAX_TOLERANCE,
+        allow_inf_nan=False,
+        description="fingerprint tolerance (nats) of the receiver's policy: accepted and shown, never used to "
+        "group (the fleet groups with the run's own policy, its probes.json)",
     )
 
     @field_validator("fingerprint")
@@ -163,11 +184,25 @@ class ReplicaIn(BaseModel):
         default=None, pattern=DIGEST_PATTERN, description="xxh3-128 of the served step's manifest.json, when known"
     )
     state: ReplicaState
-    last_error: str | None = Field(default=None, max_length=2000, description="the error of its last failed update")
+    last_error: str | None = Field(
+        default=None,
+        max_length=2000,
+        description="the error of its last failed update (kept with control, bidi and other non-printable "
+        "characters escaped: \\x1b, \\u202e; cut to 2000 characters)",
+    )
     ttl_s: float | None = Field(
         default=None, ge=1, le=86400, description="seconds it stays in the fleet without a report (default: server's)"
     )
     audit: AuditBody | None = Field(default=None, description="its last behavioural audit (docs/audit.md)")
+
+    @field_validator("last_error")
+    @classmethod
+    def _printable(cls, v: str | None) -> str | None:
+        # escaped, not refused: a traceback's newline must not cost the replica its report
+        if v is None:
+            return v
+        out = escape_text(v)
+        return out if len(out) <= 2000 else out[:1997] + "..."
 
 
 class ReplicaOut(BaseModel):
@@ -194,6 +229,14 @@ class ReplicaOut(BaseModel):
     #: a strict majority of the replicas audited at its step agree on another fingerprint (then a
     #: ``serving`` replica is shown ``diverged``)
     odd_one_out: bool = False
+
+
+class ReplicaTokenOut(BaseModel):
+    """Reply of ``POST /v1/runs/{run}/replicas/{replica}/token``: the replica token of that identity."""
+
+    token: str = Field(description="dsr1~<run>~<identity>~<mac>: send it as the replica's bearer token")
+    run: str
+    replica: str = Field(description="the identity: it covers this replica id and every <replica>-<suffix>")
 
 
 class FleetOut(BaseModel):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -25,9 +26,18 @@ from deltasync.protocol.audit import AuditReport
 from deltasync.signal._fleet import FleetView, ReplicaStatus
 from deltasync.signal._names import check_replica, check_run
 
-__all__ = ["CommitEvent", "Notifier", "SignalClient"]
+__all__ = ["LEASE_HEADER", "CommitEvent", "Notifier", "SignalClient", "new_lease"]
 
 log = logging.getLogger("deltasync.signal")
+
+#: the header of a replica report's lease: a secret the reporter draws at start, so that the server
+#: refuses (409) a report or goodbye for the same replica id from another reporter (docs/fleet.md)
+LEASE_HEADER = "Deltasync-Lease"
+
+
+def new_lease() -> str:
+    """A fresh lease secret for :data:`LEASE_HEADER` (43 base64url characters, 256 random bits)."""
+    return secrets.token_urlsafe(32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,9 +72,13 @@ class CommitEvent:
 
 def _token_hint(method: str, path: str, status: int, sent: bool) -> str:
     """What to set after a 401/403: the subscribe token for reads, the publish token for writes."""
-    if "/replicas/" in path:  # a receiver's report: its subscribe token, unless the server has a report token
+    if "/replicas/" in path and not path.endswith("/token"):
+        # a receiver's report: its subscribe token, unless the server has a report token or it holds a replica token
         scope, env = "subscribe", "DELTASYNC_SUBSCRIBE_TOKEN"
-        who = "or DELTASYNC_REPORT_TOKEN to its report token, where it has one; or pass token= / signal_token="
+        who = (
+            "or DELTASYNC_REPORT_TOKEN to its report token or to this replica's replica token "
+            "(`deltasync replica-token`); or pass token= / signal_token="
+        )
     elif method == "GET" and not path.rstrip("/").endswith("/webhooks"):
         scope, env = "subscribe", "DELTASYNC_SUBSCRIBE_TOKEN"
         who = "`deltasync fetch`/`follow` read it; or pass token= (the publish token works too)"
@@ -93,6 +107,10 @@ def _check(r: httpx.Response) -> httpx.Response:
     if r.status_code == 409:
         raise SignalConflict(msg)
     raise SignalRejected(msg)
+
+
+def _lease(lease: str | None) -> dict[str, str]:
+    return {} if lease is None else {LEASE_HEADER: lease}
 
 
 class SignalClient:
@@ -214,29 +232,51 @@ class SignalClient:
         last_error: str | None = None,
         ttl_s: float | None = None,
         audit: AuditReport | None = None,
+        lease: str | None = None,
     ) -> ReplicaStatus:
         """Tell the server what ``replica`` of ``run`` serves now (scope ``report``), with its last
-        behavioural ``audit`` if any; returns its entry."""
+        behavioural ``audit`` if any; returns its entry.
+
+        ``lease``: this reporter's lease secret (:func:`new_lease`), sent in :data:`LEASE_HEADER`: the
+        server then refuses the same replica id to a reporter with another lease (409,
+        SignalConflict), until this one leaves or ages out. A replica id held by a replica token is
+        refused to a shared token (403, SignalRejected)."""
         body: dict[str, Any] = {"step": step, "state": state, "digest": digest, "last_error": last_error}
         if ttl_s is not None:
             body["ttl_s"] = ttl_s
         if audit is not None:
             body["audit"] = audit.to_dict()
-        r = self._request("PUT", f"/v1/runs/{check_run(run)}/replicas/{check_replica(replica)}", json=body)
+        r = self._request(
+            "PUT", f"/v1/runs/{check_run(run)}/replicas/{check_replica(replica)}", json=body, headers=_lease(lease)
+        )
         try:
             return ReplicaStatus.from_json(r.json())
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise SignalUnavailable(f"malformed replica from the signal server: {r.text[:200]}") from exc
 
-    def leave(self, run: str, replica: str) -> bool:
-        """Remove ``replica`` from the run's fleet; whether it was there."""
+    def leave(self, run: str, replica: str, *, lease: str | None = None) -> bool:
+        """Remove ``replica`` from the run's fleet (with the ``lease`` it reported with); whether it was there."""
         try:
-            self._request("DELETE", f"/v1/runs/{check_run(run)}/replicas/{check_replica(replica)}")
+            self._request(
+                "DELETE", f"/v1/runs/{check_run(run)}/replicas/{check_replica(replica)}", headers=_lease(lease)
+            )
         except SignalRejected as exc:
             if "HTTP 404" in str(exc):
                 return False
             raise
         return True
+
+    def replica_token(self, run: str, replica: str) -> str:
+        """Mint the replica token of identity ``replica`` of ``run`` at the server (scope ``publish``);
+        :func:`deltasync.signal.replica_token` mints the same offline with the server's key."""
+        r = self._request("POST", f"/v1/runs/{check_run(run)}/replicas/{check_replica(replica)}/token")
+        try:
+            tok = r.json()["token"]
+            if not isinstance(tok, str):
+                raise TypeError("token")
+            return tok
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SignalUnavailable(f"malformed replica token from the signal server: {r.text[:200]}") from exc
 
     def fleet(self, run: str) -> FleetView:
         """The run's live replicas, each with its step, lag behind the head, state and last error."""

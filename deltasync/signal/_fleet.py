@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
+from deltasync._util.text import escape_text
 from deltasync.errors import ProtocolError, SignalUnavailable
 from deltasync.protocol.audit import AuditReport
 
@@ -137,18 +138,19 @@ class FleetView:
         return [r for r in self.replicas if r.state == "diverged"]
 
     def table(self) -> str:
-        """The fleet as a fixed-width text table (one line per replica)."""
+        """The fleet as a fixed-width text table (one line per replica), its text escaped
+        (:func:`deltasync._util.text.escape_text`: no control or bidi character is printed raw)."""
         rows = [("replica", "step", "lag", "state", "last seen", "audit", "last error")]
-        for r in self.replicas:
+        for r in self.replicas:  # every cell escaped: a report's free text never reaches the terminal raw
             rows.append(
                 (
-                    r.replica,
+                    escape_text(r.replica),
                     "-" if r.step is None else str(r.step),
                     "-" if r.lag is None else str(r.lag),
-                    r.state,
+                    escape_text(r.state),
                     f"{r.age_s:.1f} s ago",
-                    _audit_cell(r),
-                    (r.last_error or "").replace("\n", " ")[:120],
+                    escape_text(_audit_cell(r)),
+                    escape_text((r.last_error or "").replace("\n", " "))[:120],
                 )
             )
         widths = [max(len(row[i]) for row in rows) for i in range(6)]

@@ -7,6 +7,12 @@ the reporter's own :class:`~deltasync._util.worker.SerialWorker` sends it at onc
 silent for longer than ``ttl_s``). A failed report is logged once (then at debug level until
 reports go through again) and retried with :class:`~deltasync._util.retry.Backoff`; nothing ever
 reaches the caller. :meth:`FleetReporter.close` says goodbye (the replica leaves the fleet).
+
+Identity (docs/fleet.md): each reporter draws a lease secret at start and sends it with every report
+and goodbye, so the server refuses the replica id to another reporter (409) while this one holds it;
+with a replica token (``deltasync replica-token``) as its token, the replica is *bound* to that
+credential and no shared token can report, overwrite or remove it (403). A refusal is logged once
+with the server's message and retried like any failure.
 """
 
 from __future__ import annotations
@@ -20,9 +26,9 @@ import httpx
 
 from deltasync._util.retry import RetryPolicy
 from deltasync._util.worker import SerialWorker
-from deltasync.errors import SignalError
+from deltasync.errors import SignalError, SignalRejected
 from deltasync.protocol.audit import AuditReport
-from deltasync.signal._client import SignalClient
+from deltasync.signal._client import SignalClient, new_lease
 from deltasync.signal._fleet import ReplicaState, check_state
 from deltasync.signal._names import check_replica, check_run, default_replica
 
@@ -55,6 +61,10 @@ class FleetReporter:
     server, must not drop out of the fleet, where a staleness gate would stop waiting for it). ``retry``: the backoff after a failed
     report (capped by the heartbeat). ``transport`` replaces the network (tests). Starts reporting
     ``starting`` (no step) at once; :meth:`update` with what the replica serves.
+
+    ``token``: the server's report token (or subscribe token), or this replica's replica token, which
+    binds the replica to it (docs/fleet.md). ``lease``: the lease secret sent with every report
+    (default: a fresh random one, :func:`~deltasync.signal.new_lease`).
     """
 
     def __init__(
@@ -70,6 +80,7 @@ class FleetReporter:
         retry: RetryPolicy | None = None,
         transport: httpx.BaseTransport | None = None,
         initial: Served | None = None,
+        lease: str | None = None,
     ) -> None:
         if not heartbeat > 0:
             raise ValueError(f"heartbeat must be > 0 seconds, got {heartbeat!r}")
@@ -83,6 +94,7 @@ class FleetReporter:
         self.sent = 0
         self.failed = 0
         self._client = SignalClient(url, token, timeout=timeout, transport=transport)
+        self._lease = lease if lease is not None else new_lease()
         self._cond = threading.Condition()
         self._served = initial if initial is not None else Served(None, "starting")
         self._check(self._served)
@@ -155,6 +167,7 @@ class FleetReporter:
                     last_error=served.last_error,
                     ttl_s=self.ttl_s,
                     audit=served.audit,
+                    lease=self._lease,
                 )
             except SignalError as exc:
                 delay = min(backoff.next_delay(), self.heartbeat)
@@ -162,7 +175,16 @@ class FleetReporter:
                     self.failed += 1
                     first, self._failing = not self._failing, True
                     self._dirty = True  # not delivered: send it again
-                    if first:
+                    if first and isinstance(exc, SignalRejected):  # 403/409: another holder of the id, a token
+                        log.warning(
+                            "the signal server refuses the reports of replica %s of run %s (retrying every %.1f s at "
+                            "most; until one goes through, the fleet view does not show this reporter): %s",
+                            self.replica,
+                            self.run,
+                            self.heartbeat,
+                            exc,
+                        )
+                    elif first:
                         log.warning(
                             "cannot report replica %s of run %s to the signal server (retrying every %.1f s at most; "
                             "until then the fleet view shows it stale, then without it): %s",
@@ -200,7 +222,7 @@ class FleetReporter:
 
     def _leave(self) -> None:
         try:
-            self._client.leave(self.run, self.replica)
+            self._client.leave(self.run, self.replica, lease=self._lease)
         except SignalError as exc:
             log.debug(
                 "replica %s could not leave the fleet of run %s (it will age out): %s", self.replica, self.run, exc
