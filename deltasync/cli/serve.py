@@ -40,6 +40,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="a replica silent this long leaves the fleet view (a report may name its own)",
     )
+    p.add_argument(
+        "--max-replicas",
+        type=int,
+        default=4096,
+        metavar="N",
+        help="live replicas per run in the fleet view (a new unbound one past it gets 429)",
+    )
     p.add_argument("--insecure", action="store_true", help="allow a non-loopback host without a publish token")
     p.add_argument(
         "--log-level",
@@ -65,7 +72,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.store is not None:  # a mistyped URL fails now, not at the first publish
         print(f"store: {resolved_store_url(args.store)}", file=sys.stderr, flush=True)
-    settings = Settings.from_env(db_path=args.db, store_url=args.store, fleet_ttl_s=args.fleet_ttl)
+    settings = Settings.from_env(
+        db_path=args.db, store_url=args.store, fleet_ttl_s=args.fleet_ttl, max_replicas=args.max_replicas
+    )
     if not settings.secured and not is_loopback(args.host) and not args.insecure:
         raise DeltaSyncError(
             f"refusing to serve on {args.host} without DELTASYNC_PUBLISH_TOKEN: anyone could publish; "

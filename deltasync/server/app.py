@@ -24,11 +24,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 
 from deltasync.server._db import Database
-from deltasync.server._fleet import FleetBook, shown
+from deltasync.server._fleet import FleetBook
 from deltasync.server._fleet_routes import fleet_router
+from deltasync.server._identity import ReplicaClaims
 from deltasync.server._input import validation_error_reply
 from deltasync.server._limits import BodyLimit, limit_body
 from deltasync.server._metrics import Metrics
+from deltasync.server._policy import RunPolicies
 from deltasync.server._relay import CommitRelay, Conflict, NotInStore, StoreUnavailable
 from deltasync.server._routes import router
 from deltasync.server._settings import Settings
@@ -76,20 +78,28 @@ def _metrics() -> Metrics:
     metrics.declare("deltasync_fleet_reports_refused_total", "counter", "Replica reports refused: the fleet is full.")
     metrics.declare("deltasync_fleet_joined_total", "counter", "Replicas that joined a run's fleet.")
     metrics.declare("deltasync_fleet_expired_total", "counter", "Replicas dropped after their time to live.")
+    metrics.declare(
+        "deltasync_fleet_identity_refused_total",
+        "counter",
+        "Replica reports or goodbyes refused: the id is held by a replica token (403) or another lease (409).",
+    )
+    metrics.declare(
+        "deltasync_fleet_evicted_total", "counter", "Unbound replicas evicted from a full run by a bound replica."
+    )
     return metrics
 
 
 def _fleet_gauges(metrics: Metrics, fleet: FleetBook, relay: CommitRelay) -> None:
     """``deltasync_fleet_replicas{run,state}`` (the states the fleet view shows),
     ``deltasync_fleet_max_lag{run}`` and ``deltasync_replica_divergence{run,replica,step,stat}``,
-    computed when scraped."""
+    computed when scraped (``/metrics`` renders in a worker thread): the states from the book's
+    cached groups, which only the audited steps changed since the last read regroup."""
 
     def by_state() -> dict[tuple[tuple[str, str], ...], float]:
         out: dict[tuple[tuple[str, str], ...], float] = {}
-        for run, replicas in fleet.runs()[1].items():
-            states = [state for _, state, _ in shown(replicas)]
+        for run, counts in fleet.state_counts().items():
             for state in REPLICA_STATES:
-                out[(("run", run), ("state", state))] = sum(s == state for s in states)
+                out[(("run", run), ("state", state))] = counts[state]
         return out
 
     def divergence() -> dict[tuple[tuple[str, str], ...], float]:
@@ -182,7 +192,7 @@ def create_app(
     metrics.gauge_callback(
         "deltasync_sse_subscribers",
         "Open SSE streams per run.",
-        lambda: {(("run", r),): n for r, n in relay.subscribers.items()},
+        lambda: {(("run", r),): n for r, n in dict(relay.subscribers).items()},  # a copy: scraped off the loop
     )
 
     fleet = FleetBook(
@@ -191,6 +201,7 @@ def create_app(
         max_runs=settings.max_fleet_runs,
         clock=clock,
         on_expire=lambda n: metrics.inc("deltasync_fleet_expired_total", n),
+        on_evict=lambda n: metrics.inc("deltasync_fleet_evicted_total", n),
     )
     _fleet_gauges(metrics, fleet, relay)
 
@@ -212,6 +223,9 @@ def create_app(
     app.state.metrics = metrics
     app.state.relay = relay
     app.state.fleet = fleet
+    # who holds each replica id (docs/fleet.md), and each run's audit policy (its probes.json)
+    app.state.claims = ReplicaClaims(clock=clock, max_replicas=settings.max_replicas, max_runs=settings.max_fleet_runs)
+    app.state.policies = RunPolicies(store_for, clock=clock, max_runs=settings.max_fleet_runs)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, validation_error_reply)
     app.add_exception_handler(Conflict, _conflict)
