@@ -557,12 +557,13 @@ def test_a_seed_that_does_not_fit_leaves_nothing_behind(tmp_path: Path, monkeypa
 @pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Iterable[Path]:
     """A real 192 KiB tmpfs (the seed, 128 KiB, fits; a version of step 1 does not), where this machine
-    lets the test mount one (root with CAP_SYS_ADMIN, as CI's container has)."""
+    lets the test mount one (root with CAP_SYS_ADMIN, as CI's container has); mode 0700, as a node
+    folder must be (a tmpfs is mounted 1777 unless told)."""
     import subprocess
 
     mnt = tmp_path / "shm"
     mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=192k", "tmpfs", str(mnt)]).returncode:
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=192k,mode=0700", "tmpfs", str(mnt)]).returncode:
         pytest.skip("needs root allowed to mount a tmpfs")
     try:
         yield mnt
@@ -701,21 +702,23 @@ def test_an_index_replaced_on_disk_is_read_again(tmp_path: Path) -> None:
 
     vs = VersionStore(tmp_path / "node", reader=None, keep=2)  # type: ignore[arg-type]  # read() needs no run
 
+    vid = step_id(1)
+
     def put(step: int) -> None:
-        doc = Version("v1", step, {"w": VersionFile(f"f{step}.bin", "float32", (2,))}, vs.data).to_json()
-        tmp = vs.index / ".v1.json.tmp"
+        doc = Version(vid, step, {"w": VersionFile(f"{step:024x}.bin", "float32", (2,))}, vs.data).to_json()
+        tmp = vs.index / f".{vid}.json.tmp"
         tmp.write_text(json.dumps(doc))
-        os.replace(tmp, vs.index / "v1.json")
+        os.replace(tmp, vs.index / f"{vid}.json")
 
     put(3)
-    first = vs.read("v1")
+    first = vs.read(vid)
     assert first is not None and first.step == 3
-    assert vs.read("v1") is first  # the same file: parsed once
+    assert vs.read(vid) is first  # the same file: parsed once
     put(12)
-    again = vs.read("v1")
-    assert again is not None and again.step == 12 and again.files["w"].name == "f12.bin"
-    (vs.index / "v1.json").unlink()
-    assert vs.read("v1") is None
+    again = vs.read(vid)
+    assert again is not None and again.step == 12 and again.files["w"].name == f"{12:024x}.bin"
+    (vs.index / f"{vid}.json").unlink()
+    assert vs.read(vid) is None
 
 
 def test_a_build_packs_what_the_step_changes_and_compacts_packs_mostly_superseded(tmp_path: Path) -> None:
@@ -772,29 +775,30 @@ def test_a_format_1_index_still_reads(tmp_path: Path) -> None:
 
     vs = VersionStore(tmp_path / "node", reader=None, keep=2)  # type: ignore[arg-type]  # read() needs no run
     t = torch.arange(12, dtype=torch.float32).view(3, 4)
-    (vs.data / "t.bin").write_bytes(t.numpy().tobytes())
-    (vs.data / "t.i32").write_bytes(np.array([1, 5, 7], dtype=np.int32).tobytes())
+    name = "0123456789abcdef01234567"  # format 1's names: 24 hex digits, .bin and .i32 / .i64
+    (vs.data / f"{name}.bin").write_bytes(t.numpy().tobytes())
+    (vs.data / f"{name}.i32").write_bytes(np.array([1, 5, 7], dtype=np.int32).tobytes())
     doc = {
         "format": 1,
-        "id": "v2",
+        "id": step_id(2),
         "step": 2,
         "digest": None,
-        "files": {"w": ["t.bin", "float32", [3, 4]]},
+        "files": {"w": [f"{name}.bin", "float32", [3, 4]]},
         "stats": {},
         "base": "v1",
-        "positions": {"w": "t.i32"},
+        "positions": {"w": f"{name}.i32"},
     }
-    (vs.index / "v2.json").write_text(json.dumps(doc))
-    version = vs.read("v2")
+    (vs.index / f"{step_id(2)}.json").write_text(json.dumps(doc))
+    version = vs.read(step_id(2))
     assert version is not None and version.files["w"].offset == 0
     assert torch.equal(version.tensors()["w"], t)
     served = SimpleNamespace(id="v1", files={"w": None})
     change = version.changes(served, ["w"])["w"]  # type: ignore[arg-type]
     assert change.positions is not None and change.positions.tolist() == [1, 5, 7]
     doc["format"] = 3  # a newer deltasync's: a clear error, not a guess
-    (vs.index / "v3.json").write_text(json.dumps(doc))
+    (vs.index / f"{step_id(3)}.json").write_text(json.dumps(doc))
     with pytest.raises(ds.errors.DeltaSyncError, match="index format 3"):
-        vs.read("v3")
+        vs.read(step_id(3))
 
 
 def test_a_data_file_cut_short_is_a_clear_error_and_the_node_keeps_its_versions(tmp_path: Path) -> None:

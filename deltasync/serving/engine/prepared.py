@@ -11,7 +11,6 @@ and the engine core reads those files (:func:`wait_prepared`) while it goes on s
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -22,6 +21,7 @@ from typing import Any
 
 from deltasync._util.worker import run_in_background
 from deltasync.errors import DeltaSyncError
+from deltasync.serving.node._safedir import private_dir, read_regular, replace_file
 
 __all__ = ["PREPARE_TIMEOUT", "PreparedFile", "deferred_prepare", "result_within", "truthy", "wait_prepared"]
 
@@ -74,7 +74,8 @@ def deferred_prepare(start: Callable[[dict[str, Any]], Any], kwargs: Mapping[str
 
 class PreparedFile:
     """One worker's report file: ``{"prepared", "serving", "outcomes", ...the last prepare's report}``,
-    replaced atomically. ``outcomes`` maps the ids of the last asked prepares to their error (None:
+    replaced atomically (a new file made ``O_EXCL | O_NOFOLLOW`` under a random name, then renamed: a
+    link planted in its folder is never written through). ``outcomes`` maps the ids of the last asked prepares to their error (None:
     prepared), so that a waiter tells its own prepare's outcome from another's."""
 
     def __init__(self, path: Path) -> None:
@@ -88,10 +89,8 @@ class PreparedFile:
             while len(self._outcomes) > OUTCOMES:
                 del self._outcomes[next(iter(self._outcomes))]
         doc = {**(report or {}), "prepared": prepared, "serving": serving, "outcomes": self._outcomes}
-        self.path.parent.mkdir(mode=0o700, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text(json.dumps(doc))
-        os.replace(tmp, self.path)
+        private_dir(self.path.parent)  # in the node's folder: mode 0700, this user's, not a link
+        replace_file(self.path, json.dumps(doc).encode())  # a new O_EXCL file under a random name, renamed
 
     def remove(self) -> None:
         """The worker leaves: nothing to report any more."""
@@ -118,9 +117,11 @@ def wait_prepared(
         for i, answer in list(pending.items()):
             step = answer.get("preparing")
             try:
-                doc = json.loads(Path(answer["prepared_file"]).read_text())
+                doc = json.loads(read_regular(answer["prepared_file"]))  # O_NOFOLLOW, a regular file only
             except (OSError, ValueError):
                 continue  # being replaced, or not written yet
+            if not isinstance(doc, dict):
+                continue
             serving, prepared = doc.get("serving"), doc.get("prepared")
             if step is None or (serving is not None and serving >= step) or (prepared is not None and prepared >= step):
                 out[i].update(prepared=prepared, step=serving)

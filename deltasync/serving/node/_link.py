@@ -23,6 +23,7 @@ from typing import Any
 from deltasync._util.worker import run_in_background
 from deltasync.errors import DeltaSyncError, from_code
 from deltasync.fetcher import Verify
+from deltasync.serving.node._safedir import open_shared
 
 __all__ = ["LeaderConfig", "ensure_leader", "peer", "request", "socket_name"]
 
@@ -103,12 +104,14 @@ _children: list[subprocess.Popen[bytes]] = []  # leaders this process started (r
 def _start(config: LeaderConfig) -> socket.socket:
     """Connect to the leader of ``config.dir``, starting it first when there is none (one starter at a time)."""
     node_dir = config.dir
-    with open(node_dir / "spawn.lock", "a") as lock:
+    # both files are opened with O_NOFOLLOW and must be this user's regular files (``_safedir``): a
+    # link planted there never makes this process create or append to a file elsewhere
+    with os.fdopen(open_shared(node_dir / "spawn.lock", os.O_WRONLY | os.O_APPEND), "ab") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         sock = _connect(node_dir)
         if sock is not None:
             return sock
-        with open(node_dir / "leader.log", "ab") as log_file:
+        with os.fdopen(open_shared(node_dir / "leader.log", os.O_WRONLY | os.O_APPEND), "ab") as log_file:
             env = {k: v for k, v in os.environ.items() if k not in _BINDING}
             proc = subprocess.Popen(
                 [sys.executable, "-m", "deltasync.serving.node.leader"],

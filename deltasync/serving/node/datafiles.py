@@ -173,9 +173,9 @@ _SLICE = 64 << 20
 
 
 def write_buffers(path: Path | str, buffers: Iterable[memoryview]) -> None:
-    """``buffers`` one after the other, to a new file (never over an existing one), a batch of them
-    per system call."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # as open(path, "xb")
+    """``buffers`` one after the other, to a new file (never over an existing one, never through a
+    symbolic link: ``O_EXCL | O_NOFOLLOW``; mode 0600, this user's only), a batch of them per system call."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         batch: list[memoryview] = []
         held = 0

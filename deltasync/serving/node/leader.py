@@ -14,7 +14,10 @@ workers only map files. It leaves when no engine uses the mirror any more, and t
 versions engines that were killed (and never closed the mirror) left behind. While it builds, the
 folder holds ``building.json`` (its pid and the step) for operators.
 
-Protocol, one JSON object per line: the worker sends ``{"step": N, "pace": false}``; the leader
+Protocol, one JSON object per line: the worker sends ``{"step": N, "pace": false}`` (at most
+:data:`MAX_REQUEST` bytes, within :data:`REQUEST_TIMEOUT` seconds of connecting; anything else, a
+line that is not a JSON object of those types included, is answered with a
+:class:`~deltasync.errors.ProtocolError` and the leader serves the next worker); the leader
 answers ``{"phase": ...}`` lines (``start``, ``synced``, ``wrote``, ``publish``; with ``pace`` it
 waits for a newline after each, so tests can stop it at an exact point), then ``{"stats": {...}}`` or
 ``{"error": code, "message": ...}`` (the error's stable code, :func:`deltasync.errors.error_code`). A leader that dies mid-build answers nothing more: the
@@ -32,7 +35,7 @@ import sys
 from typing import Any
 
 from deltasync._util.worker import run_in_background
-from deltasync.errors import DeltaSyncError, error_code
+from deltasync.errors import DeltaSyncError, ProtocolError, error_code
 from deltasync.fetcher import DeltaFetcher
 from deltasync.serving.node._build import build_locked, builder_fetcher
 from deltasync.serving.node._link import LeaderConfig, peer, socket_name
@@ -47,6 +50,28 @@ log = logging.getLogger("deltasync.node")
 
 #: seconds between the leader's checks that some engine still uses its mirror
 CHECK_INTERVAL = 2.0
+#: the longest request line a leader reads (a worker's is ~30 bytes)
+MAX_REQUEST = 4096
+#: seconds a worker has to send its request once connected (a silent one must not hold the others)
+REQUEST_TIMEOUT = 30.0
+
+
+def parse_request(line: bytes) -> tuple[int, bool]:
+    """The (step, pace) of a worker's request line; :class:`ProtocolError` for anything else."""
+    if len(line) > MAX_REQUEST or not line.endswith(b"\n"):
+        raise ProtocolError(f"a node leader request is one JSON line of at most {MAX_REQUEST} bytes")
+    try:
+        job = json.loads(line)
+    except ValueError as exc:  # UnicodeDecodeError included
+        raise ProtocolError(f"a node leader request is not JSON: {exc}") from None
+    if not isinstance(job, dict):
+        raise ProtocolError(f'a node leader request is a JSON object {{"step": N, "pace": false}}, not {line[:80]!r}')
+    step, pace = job.get("step"), job.get("pace", False)
+    if type(step) is not int or step < 0:
+        raise ProtocolError(f"a node leader request's step is a non-negative integer, not {step!r}"[:200])
+    if not isinstance(pace, bool):
+        raise ProtocolError(f"a node leader request's pace is true or false, not {pace!r}"[:200])
+    return step, pace
 
 
 # ------------------------------------------------------------------------------------ the leader
@@ -72,13 +97,19 @@ class Leader:
         _, uid = peer(conn)
         if uid != os.getuid():
             return
-        versions, fetcher = self.versions()
+        conn.settimeout(REQUEST_TIMEOUT)  # TimeoutError (an OSError): the next worker's turn
         with conn.makefile("rb") as lines:
-            first = lines.readline()
+            first = lines.readline(MAX_REQUEST + 1)
             if not first.strip():
                 return  # a worker that only made sure the leader runs (``_link.ensure_leader``)
-            job = json.loads(first)
-            step, pace = int(job["step"]), bool(job.get("pace"))
+            try:
+                step, pace = parse_request(first)
+                conn.settimeout(None)  # a build takes what it takes (a worker that leaves is seen on send)
+                versions, fetcher = self.versions()  # UnsafePath: the folder is no longer this user's only
+            except DeltaSyncError as exc:
+                log.warning("refused a request: %s", exc)
+                conn.sendall(json.dumps({"error": error_code(exc), "message": str(exc)}).encode() + b"\n")
+                return
 
             asker = [True]  # the worker that asked is still there
 
@@ -214,8 +245,10 @@ def main() -> int:
         with conn:
             try:
                 leader.serve_one(conn)
-            except (OSError, ValueError) as exc:  # the worker went away or sent garbage
+            except (OSError, ValueError) as exc:  # the worker went away, or was too slow to ask
                 log.warning("a request failed: %s", exc)
+            except Exception:  # noqa: BLE001 - one request's failure never stops the node's leader
+                log.exception("a request failed")
 
 
 if __name__ == "__main__":

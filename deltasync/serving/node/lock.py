@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from deltasync.errors import DeltaSyncError
+from deltasync.serving.node._safedir import open_shared, private_dir
 
 __all__ = ["LOCK_TIMEOUT", "NodeLock", "NodeUsers"]
 
@@ -33,7 +34,7 @@ class NodeLock:
     def acquire(self, timeout: float = LOCK_TIMEOUT, stop: threading.Event | None = None) -> None:
         """Wait for the lock up to ``timeout`` seconds (0: try once), or until ``stop`` is set; raises
         :class:`DeltaSyncError` when it stays held."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = open_shared(self.path, os.O_RDWR)  # never through a link, only a regular file of ours
         deadline = time.monotonic() + timeout
         wait = 0.01
         waiter = stop or threading.Event()
@@ -71,12 +72,12 @@ class NodeUsers:
 
     def __init__(self, directory: Path, *, register: bool) -> None:
         self.dir = directory
-        directory.mkdir(mode=0o700, exist_ok=True)
+        private_dir(directory)  # mode 0700, this user's, not a link (see ``_safedir``)
         self.fd = -1
         self.path: Path | None = None
         if register:
             tmp = directory / f".{os.getpid()}-{secrets.token_hex(6)}.tmp"
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             fcntl.flock(fd, fcntl.LOCK_EX)
             path = tmp.with_name(tmp.name[1:].removesuffix(".tmp") + ".lock")
             os.replace(tmp, path)
@@ -88,8 +89,13 @@ class NodeUsers:
             if p == self.path:
                 continue
             try:
-                fd = os.open(p, os.O_RDWR)
+                fd = os.open(p, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
             except FileNotFoundError:
+                continue
+            except OSError as exc:
+                if exc.errno != errno.ELOOP:
+                    raise
+                p.unlink(missing_ok=True)  # a link is no user's file (only this user could have put it here)
                 continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

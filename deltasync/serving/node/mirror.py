@@ -28,6 +28,11 @@ A worker that asks for a step already built gets it at once. So the store is rea
 and step whatever the tensor-parallel degree, and download and decode buffers live in the leader
 (given back after each build): engine workers only map files.
 
+Trust: the folder's name is predictable and ``/dev/shm`` is writable by every local user, so the
+root and every folder below it must be this user's own, mode 0700, never a symbolic link (anything
+else is refused, :class:`~deltasync.errors.UnsafePath`); files are created ``O_EXCL | O_NOFOLLOW``
+and the index's file names are checked before use (:mod:`~deltasync.serving.node._safedir`).
+
 Crash safety: a version exists only once its index is renamed into place, after every data file
 it names. A leader killed half-way leaves files no index names; the next holder of the lock
 deletes them (:meth:`VersionStore.collect`). Workers load from versions only, so no engine ever
@@ -56,6 +61,7 @@ from deltasync.errors import DeltaSyncError
 from deltasync.fetcher import DeltaFetcher
 from deltasync.serving.node import _link
 from deltasync.serving.node._build import build_locked, builder_fetcher
+from deltasync.serving.node._safedir import private_dir, private_root
 from deltasync.serving.node.lock import LOCK_TIMEOUT, NodeLock, NodeUsers
 from deltasync.serving.node.store import KEEP, VersionStore, run_key
 from deltasync.serving.node.versions import Version, step_id, trim_heap
@@ -67,7 +73,8 @@ log = logging.getLogger("deltasync.node")
 
 def default_root() -> Path:
     """Where node mirrors live unless told: ``/dev/shm`` (RAM, shared by the node's processes), else the
-    temp dir; in a per-user folder. (The vLLM backend reads ``$DELTASYNC_NODE_DIR`` and passes it in.)"""
+    temp dir; in a per-user folder (``deltasync-<uid>``, mode 0700: one another user made first is
+    refused). (The vLLM backend reads ``$DELTASYNC_NODE_DIR`` and passes it in.)"""
     shm = Path("/dev/shm")
     base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
     return base / f"deltasync-{os.getuid()}"
@@ -78,7 +85,10 @@ class NodeMirror:
 
     fetcher: reads the run (its ``verify`` and signing key decide what is proven; its store's URL
         names the folder); only read here, never changed.
-    root: the parent folder (default :func:`default_root`).
+    root: the parent folder (default :func:`default_root`): made with mode 0700, or, when it exists, a
+        directory (not a symbolic link) this user owns with no group or other access, in folders no
+        other user can rename it out of; anything else raises :class:`~deltasync.errors.UnsafePath`
+        (see :mod:`~deltasync.serving.node._safedir`). The run's folder below it is checked the same way.
     spawn: build versions in the node's leader process (default: when the store can be opened from
         its URL in another process, i.e. not ``memory://``); False builds in the calling thread, with
         a fetcher of its own (:func:`~deltasync.serving.node._build.builder_fetcher`).
@@ -102,9 +112,9 @@ class NodeMirror:
         self._private: Path | None = None
         if root is None and in_process:  # a memory store's name is not a run's identity: never shared
             root = self._private = Path(tempfile.mkdtemp(prefix="deltasync-node-"))
-        self.root = Path(root) if root is not None else default_root()
-        self.root.mkdir(mode=0o700, exist_ok=True)
-        self.dir = self.root / run_key(url, fetcher.verify, fetcher.signing_key)
+        #: the parent folder, made or checked to be this user's only (``_safedir.private_root``)
+        self.root = private_root(root if root is not None else default_root())
+        self.dir = private_dir(self.root / run_key(url, fetcher.verify, fetcher.signing_key))
         #: the mirror's versions (their digests checked against the run as ``fetcher`` reads it)
         self.versions = VersionStore(self.dir, fetcher.reader, keep=keep)
         #: the mirror's users, this worker among them

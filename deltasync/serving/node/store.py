@@ -10,6 +10,14 @@
                               names a tensor in it
         building.json         who builds which step, and how far it got (for operators)
 
+Every folder is this user's own, mode 0700 (made or checked by
+:func:`~deltasync.serving.node._safedir.private_dir`); files are made with ``O_EXCL | O_NOFOLLOW``
+(new names, renamed into place) and indexes read with ``O_NOFOLLOW``. An index that does not parse,
+or names a file or version id the node does not write (``/``, ``..``, a leading dot: see
+:func:`~deltasync.serving.node.versions.checked_file_name`), is an error where it is asked for,
+skipped (logged) where versions are listed, and deleted by the next collection: the node builds on
+its last good version.
+
 Anyone may read; writing and collecting are for the holder of the node lock
 (:class:`~deltasync.serving.node.lock.NodeLock`). A version exists only once its index is in place,
 after every file it names: what a writer killed half-way leaves is named by no index, and the next
@@ -22,6 +30,7 @@ import contextlib
 import errno
 import hashlib
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -29,8 +38,9 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from deltasync.errors import DeltaSyncError, ObjectNotFound
+from deltasync.errors import DeltaSyncError, ObjectNotFound, ProtocolError, UnsafePath
 from deltasync.run import RunReader
+from deltasync.serving.node._safedir import private_dir, read_regular, replace_file
 from deltasync.serving.node.datafiles import raw_bytes, write_buffers
 from deltasync.serving.node.versions import (
     INDEX_FORMAT,
@@ -43,6 +53,8 @@ from deltasync.serving.node.versions import (
 )
 
 __all__ = ["COMPACT_BELOW", "KEEP", "VersionStore", "run_key"]
+
+log = logging.getLogger("deltasync.node")
 
 #: versions a collection keeps: the two published last (the one engines serve and the next)
 KEEP = 2
@@ -77,7 +89,7 @@ class VersionStore:
         self.data = directory / "data"
         self.index = directory / "versions"
         for d in (self.dir, self.data, self.index):
-            d.mkdir(mode=0o700, exist_ok=True)
+            private_dir(d)  # mode 0700, this user's, not a link: or UnsafePath
         self.reader = reader
         self.keep = keep
         self._data_dir = str(self.data)
@@ -99,13 +111,27 @@ class VersionStore:
             hit = self._parsed.get(path.name)
             if hit is not None and hit[0] == key:
                 return hit[1]
-            doc = json.loads(path.read_text())
+            doc = json.loads(read_regular(path))  # O_NOFOLLOW, a regular file only
+            if not isinstance(doc, dict):
+                raise TypeError(f"a JSON {type(doc).__name__}, not an object")
             if int(doc.get("format", 1)) > INDEX_FORMAT:
                 raise ValueError(f"index format {doc['format']}, this deltasync reads up to {INDEX_FORMAT}")
             version = Version.from_json(doc, self.data)
+            if f"{version.id}.json" != path.name:
+                raise UnsafePath(f"it names version {version.id!r}")
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, TypeError, KeyError) as exc:
+        except UnsafePath as exc:
+            raise UnsafePath(
+                f"the node mirror's index {path} is refused: {exc}. Delete it (the node rebuilds that step; the "
+                "next collection deletes it too)"
+            ) from exc
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise ProtocolError(
+                f"the node mirror's index {path} is unreadable ({exc}); delete it (the node rebuilds that step; "
+                "the next collection deletes it too)"
+            ) from exc
+        except OSError as exc:
             raise DeltaSyncError(f"the node mirror's index {path} is unreadable ({exc}); delete {self.dir}") from exc
         self._remember(path, version, key)
         return version
@@ -121,9 +147,18 @@ class VersionStore:
             self._parsed.clear()  # bounded: versions come and go
         self._parsed[path.name] = (key, version)
 
+    def _listed(self, path: Path) -> Version | None:
+        """The version indexed at ``path``, None when it is gone or refused (a bad index is logged and
+        left to the next collection: the node goes on from its good versions)."""
+        try:
+            return self._read(path)
+        except (ProtocolError, UnsafePath) as exc:
+            log.warning("node mirror: skipping a bad index: %s", exc)
+            return None
+
     def all_versions(self) -> list[Version]:
-        """Every complete version, oldest first (unknown steps first)."""
-        out = [v for p in self.index.glob("*.json") if (v := self._read(p)) is not None]
+        """Every complete version, oldest first (unknown steps first); bad indexes left out (logged)."""
+        out = [v for p in self.index.glob("*.json") if (v := self._listed(p)) is not None]
         return sorted(out, key=lambda v: (-1 if v.step is None else v.step, v.id))
 
     def digest(self, step: int) -> str | None:
@@ -304,18 +339,16 @@ class VersionStore:
         version = Version(
             vid, step, dict(files), self.data, dict(stats), digest, base, dict(positions or {}), dict(moved or {})
         )
-        tmp = self.index / f".{vid}.{secrets.token_hex(4)}.tmp"
-        tmp.write_text(json.dumps(version.to_json()))
         path = self.index / f"{vid}.json"
-        os.replace(tmp, path)
+        replace_file(path, json.dumps(version.to_json()).encode())  # a new O_EXCL file renamed over it
         self._remember(path, version)  # the collection right after reads it: 18k entries at a MoE's count
         return version
 
     def mark_building(self, step: int, phase: str) -> None:
         """Say who builds which step, and how far it got, in ``building.json`` (for operators)."""
-        tmp = self.dir / f".building.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps({"pid": os.getpid(), "step": step, "phase": phase}))
-        os.replace(tmp, self.dir / "building.json")
+        replace_file(
+            self.dir / "building.json", json.dumps({"pid": os.getpid(), "step": step, "phase": phase}).encode()
+        )
 
     def done_building(self) -> None:
         """The build said by ``building.json`` is over."""
@@ -329,7 +362,7 @@ class VersionStore:
         for p in self.index.glob("*.json"):
             try:
                 published = p.stat().st_mtime_ns  # the index is renamed into place once, when published
-                v = self._read(p)
+                v = self._listed(p)
             except FileNotFoundError:
                 continue
             if v is not None:
@@ -347,6 +380,10 @@ class VersionStore:
         for v in versions:
             if v not in kept:
                 (self.index / f"{v.id}.json").unlink(missing_ok=True)
+        good = {f"{v.id}.json" for v in versions}
+        for p in self.index.glob("*.json"):
+            if p.name not in good:  # refused when listed (the holder of the lock is the only writer)
+                p.unlink(missing_ok=True)
         live = {f.name for v in kept for f in v.files.values()} | {p.file for v in kept for p in v.positions.values()}
         for name in os.listdir(self._data_dir):  # names, not Paths: 18k+ files at a MoE's tensor count
             if name not in live:

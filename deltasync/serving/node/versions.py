@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from deltasync.errors import UnsafePath
 from deltasync.protocol import TensorChange
 from deltasync.serving.node.datafiles import (  # populate: re-exported
     Carver,
@@ -32,6 +34,8 @@ __all__ = [
     "Version",
     "VersionFile",
     "changed_positions",
+    "checked_file_name",
+    "checked_version_id",
     "populate",
     "step_id",
     "trim_heap",
@@ -45,6 +49,11 @@ INDEX_FORMAT = 2
 PACK_ALIGN = 4096
 #: positions in a pack start at a multiple of this (a cache line)
 POSITIONS_ALIGN = 64
+#: the only data file names a node writes (24 random hex digits; ``.pack``/``.pos``, format 1's
+#: ``.bin``/``.i32``/``.i64``) and version ids (:func:`step_id`; a seed's ``seed-<16 hex>``): an index
+#: naming anything else (``/``, ``..``, a leading dot) is refused before a name is joined to a folder
+_DATA_FILE = re.compile(r"[0-9a-f]{24}\.(?:pack|pos|bin|i32|i64)")
+_VERSION_ID = re.compile(r"[0-9]{12,20}|seed-[0-9a-f]{16}")
 
 _ITEMSIZE = {
     "bool": 1, "uint8": 1, "int8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
@@ -101,7 +110,7 @@ class VersionFile:
         offset = int(rest[0]) if rest else 0
         if len(rest) > 1 or offset < 0:
             raise ValueError(f"not a tensor entry: {doc!r}")
-        return cls(str(name), str(dtype), tuple(map(int, shape)), offset)
+        return cls(checked_file_name(name), str(dtype), tuple(map(int, shape)), offset)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,11 +130,11 @@ class PositionsRef:
     @classmethod
     def from_json(cls, doc: Any) -> PositionsRef:
         if isinstance(doc, str):  # format 1
-            return cls(doc, 0, -1, 4 if doc.endswith(".i32") else 8)
+            return cls(checked_file_name(doc), 0, -1, 4 if doc.endswith(".i32") else 8)
         file, offset, count, width = doc
         if width not in (4, 8) or int(offset) < 0 or int(count) < 0:
             raise ValueError(f"not a positions entry: {doc!r}")
-        return cls(str(file), int(offset), int(count), int(width))
+        return cls(checked_file_name(file), int(offset), int(count), int(width))
 
 
 @dataclass(frozen=True)
@@ -167,9 +176,10 @@ class Version:
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any], data: Path) -> Version:
-        """A version read back from its index (see :meth:`to_json`), its files in ``data``."""
+        """A version read back from its index (see :meth:`to_json`), its files in ``data``; an id or a
+        file name the node does not write is refused (:class:`~deltasync.errors.UnsafePath`)."""
         return cls(
-            doc["id"],
+            checked_version_id(doc["id"]),
             doc["step"],
             {n: VersionFile.from_json(f) for n, f in doc["files"].items()},
             data,
@@ -267,6 +277,21 @@ class Version:
     def nbytes(self, names: Iterable[str] | None = None) -> int:
         files = self.files
         return sum(files[n].nbytes for n in (files if names is None else names))
+
+
+def checked_file_name(name: object) -> str:
+    """``name`` when it is one the node gives its data files (see ``_DATA_FILE``), else :class:`UnsafePath`."""
+    if not isinstance(name, str) or not _DATA_FILE.fullmatch(name):
+        raise UnsafePath(f"the data file name {name!r} is not one a node writes (24 hex digits and .pack or .pos)")
+    return name
+
+
+def checked_version_id(vid: object) -> str:
+    """``vid`` when it is one the node gives its versions (:func:`step_id`, ``seed-<16 hex>``), else
+    :class:`UnsafePath`."""
+    if not isinstance(vid, str) or not _VERSION_ID.fullmatch(vid):
+        raise UnsafePath(f"the version id {vid!r} is not one a node writes (a 12-digit step or seed-<16 hex>)")
+    return vid
 
 
 def step_id(step: int) -> str:
