@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from deltasync.signal import RUN_PATTERN, check_run
+from deltasync.signal import MIN_REPLICA_KEY, RUN_PATTERN, check_run, replica_key
 
 __all__ = ["DIGEST_PATTERN", "RUN_PATTERN", "Settings", "check_run", "is_loopback"]
 
@@ -37,6 +37,11 @@ class Settings:
     report_token: bearer token of the ``report`` scope (receivers reporting what
         they serve to the fleet view). None: reporting takes the ``subscribe``
         scope's tokens (a receiver's token); the publish token always works.
+        These shared tokens report *unbound* replicas (docs/fleet.md).
+    replica_key: the key of replica tokens (``DELTASYNC_REPLICA_KEY``, at least 16
+        characters): a replica token (``deltasync replica-token``) reports only its own
+        replica id, *bound*. None: the key is derived from the publish token (so its
+        holder mints tokens offline); without either, there are no replica tokens.
     db_path: SQLite file that keeps heads, commit history and webhooks across
         restarts (``":memory:"`` keeps nothing).
     store_url: optional store URL; ``{run}`` in it is replaced by the run name.
@@ -59,6 +64,7 @@ class Settings:
     publish_token: str | None = None
     subscribe_token: str | None = None
     report_token: str | None = None
+    replica_key: str | None = None
     db_path: str = ":memory:"
     store_url: str | None = None
     max_body_bytes: int = 16 * 1024
@@ -77,6 +83,14 @@ class Settings:
             tok = getattr(self, name)
             if tok is not None and (not isinstance(tok, str) or len(tok) < 8 or not tok.isprintable() or " " in tok):
                 raise ValueError(f"{name} must be at least 8 printable characters without spaces")
+        if self.replica_key is not None and (
+            not isinstance(self.replica_key, str)
+            or len(self.replica_key) < MIN_REPLICA_KEY
+            or not self.replica_key.isprintable()
+        ):
+            raise ValueError(
+                f"replica_key must be at least {MIN_REPLICA_KEY} printable characters (e.g. `openssl rand -hex 32`)"
+            )
         if self.max_body_bytes < 256:
             raise ValueError("max_body_bytes must be >= 256")
         if self.heartbeat_s <= 0 or self.max_wait_s <= 0:
@@ -91,12 +105,13 @@ class Settings:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Settings:
         """Settings with tokens from ``DELTASYNC_PUBLISH_TOKEN`` / ``DELTASYNC_SUBSCRIBE_TOKEN`` /
-        ``DELTASYNC_REPORT_TOKEN``."""
+        ``DELTASYNC_REPORT_TOKEN``, and the replica key from ``DELTASYNC_REPLICA_KEY``."""
         env = os.environ if env is None else env
         values: dict[str, object] = {
             "publish_token": env.get("DELTASYNC_PUBLISH_TOKEN") or None,
             "subscribe_token": env.get("DELTASYNC_SUBSCRIBE_TOKEN") or None,
             "report_token": env.get("DELTASYNC_REPORT_TOKEN") or None,
+            "replica_key": env.get("DELTASYNC_REPLICA_KEY") or None,
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
@@ -105,3 +120,8 @@ class Settings:
     def secured(self) -> bool:
         """Whether publishing needs a token."""
         return self.publish_token is not None
+
+    @property
+    def replica_token_key(self) -> bytes | None:
+        """The key replica tokens are checked with (:func:`deltasync.signal.replica_key`); None: no replica tokens."""
+        return replica_key(self.replica_key, self.publish_token)
