@@ -6,7 +6,6 @@ SPEC.md "Probes and references". Pure parsing and validation; reading and writin
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -93,10 +92,17 @@ def _logprobs(row: Sequence[Any], what: str) -> tuple[float, ...]:
     ``-inf`` and anything below the floor clamped to it."""
     vals = []
     for v in row:
-        if isinstance(v, bool) or not isinstance(v, int | float) or math.isnan(v) or v > 1.0:
-            raise field_error(what, f"{v!r} is not a logprob (a number <= 0)")
-        vals.append(max(float(v), LOGPROB_FLOOR))
+        if isinstance(v, bool) or not isinstance(v, int | float) or v != v or v > 1.0:
+            raise field_error(what, f"{_short(v)} is not a logprob (a number <= 0)")
+        # an integer below any float (-10**400 parses as JSON) is below the floor too
+        vals.append(max(float(v), LOGPROB_FLOOR) if isinstance(v, float) or v > LOGPROB_FLOOR else LOGPROB_FLOOR)
     return tuple(vals)
+
+
+def _short(v: Any) -> str:
+    """``repr(v)``, cut to 40 characters (a hostile number may have thousands of digits)."""
+    text = repr(v) if not isinstance(v, int) or abs(v) < 10**30 else f"an integer of {len(str(abs(v)))} digits"
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 @dataclass(frozen=True, slots=True)

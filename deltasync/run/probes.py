@@ -17,6 +17,8 @@ from deltasync.errors import AlreadyExists, ObjectNotFound, ProtocolError, Unsup
 from deltasync.protocol import TensorInfo
 from deltasync.protocol.audit import AuditPolicy
 from deltasync.protocol.probes import (
+    MAX_PROBES_BYTES,
+    MAX_REFERENCE_BYTES,
     PROBES_KEY,
     REFERENCES_PREFIX,
     ProbeSet,
@@ -81,21 +83,22 @@ def default_probes(
     return ProbeSet(tokens, vocab, policy if policy is not None else AuditPolicy())
 
 
-def _write_once(store: Store, key: str, body: bytes, what: str) -> bool:
-    """Create ``key`` with ``body``; True when written, False when the same bytes were there (AlreadyExists otherwise)."""
+def _write_once(store: Store, key: str, body: bytes, what: str, limit: int) -> bool:
+    """Create ``key`` with ``body``; True when written, False when the same bytes were there (AlreadyExists otherwise).
+    ``limit``: the most bytes the object may hold (what is there is read no further)."""
     try:
-        old: bytes | None = store.get(key)
+        old: bytes | None = store.get_bounded(key, limit)
     except ObjectNotFound:
         old = None
     if old is None:
         try:
             store.put(key, body, mode="create")
         except AlreadyExists:
-            old = store.get(key)  # a racing writer created it first
+            old = store.get_bounded(key, limit)  # a racing writer created it first
         else:
             if store.supports_conditional_put:
                 return True
-            old = store.get(key)  # no create-only writes: read back who won
+            old = store.get_bounded(key, limit)  # no create-only writes: read back who won
             if old == body:
                 return True
     if old == body:
@@ -109,7 +112,7 @@ def write_probes(store: Store, probes: ProbeSet) -> bool:
     Raises AlreadyExists when the run already carries a different probe set (or policy).
     """
     try:
-        return _write_once(store, PROBES_KEY, probes.to_json(), "a different probe set")
+        return _write_once(store, PROBES_KEY, probes.to_json(), "a different probe set", MAX_PROBES_BYTES)
     except AlreadyExists:
         try:
             old = read_probes(store)
@@ -123,9 +126,10 @@ def write_probes(store: Store, probes: ProbeSet) -> bool:
 
 
 def read_probes(store: Store) -> ProbeSet | None:
-    """The run's probe set, or None when it has none (ProtocolError when ``probes.json`` is damaged)."""
+    """The run's probe set, or None when it has none (ProtocolError when ``probes.json`` is damaged:
+    ObjectTooLarge, from its size, before more than 1 MiB of it is read)."""
     try:
-        body = store.get(PROBES_KEY)
+        body = store.get_bounded(PROBES_KEY, MAX_PROBES_BYTES)
     except ObjectNotFound:
         return None
     try:
@@ -153,23 +157,49 @@ def write_reference(store: Store, reference: Reference, probes: ProbeSet | None 
         )
     probes.check_logprobs(reference.logprobs, f"reference of step {reference.step}")
     return _write_once(
-        store, reference_key(reference.step), reference.to_json(), f"a different reference of step {reference.step}"
+        store,
+        reference_key(reference.step),
+        reference.to_json(),
+        f"a different reference of step {reference.step}",
+        MAX_REFERENCE_BYTES,
     )
 
 
-def read_reference(store: Store, step: int) -> Reference | None:
-    """The trainer's reference of ``step``, or None when there is none (ProtocolError when damaged)."""
+def read_reference(store: Store, step: int, probes: ProbeSet | None = None) -> Reference | None:
+    """The trainer's reference of ``step``, or None when there is none.
+
+    Checked at read against ``probes`` (else the run's stored set, read only when a reference is
+    there): computed on those probes (their digest), one row of ``len(probe) - 1`` logprobs per
+    probe. A reference that is not, one of a run without a probe set, or one that does not parse
+    raises ProtocolError naming its key (and the probe and lengths that differ): the step has no
+    usable reference. ObjectTooLarge (a ProtocolError) when it is over 4 MiB, before it is read.
+    """
     key = reference_key(step)
     try:
-        body = store.get(key)
+        body = store.get_bounded(key, MAX_REFERENCE_BYTES)
     except ObjectNotFound:
         return None
     try:
-        return Reference.from_json(body, step)
+        ref = Reference.from_json(body, step)
     except UnsupportedVersion as exc:
         raise UnsupportedVersion(f"{store.url}: {exc}") from None
     except ProtocolError as exc:
         raise ProtocolError(f"{store.url}: {key} is damaged: {exc}") from None
+    probes = probes if probes is not None else read_probes(store)
+    if probes is None:
+        raise ProtocolError(
+            f"{store.url}: {key} cannot be checked: the run has no probe set ({PROBES_KEY}); a reference is written "
+            "after its probes (write_probes, then write_reference)"
+        )
+    if ref.probes_digest != probes.digest:
+        raise ProtocolError(
+            f"{store.url}: {key} is not usable: computed on probes {ref.probes_digest}, the run's are {probes.digest}"
+        )
+    try:
+        probes.check_logprobs(ref.logprobs, "its logprobs")
+    except ProtocolError as exc:
+        raise ProtocolError(f"{store.url}: {key} is damaged: {exc} (probes {probes.digest})") from None
+    return ref
 
 
 def list_references(store: Store) -> Sequence[int]:
