@@ -51,7 +51,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from deltasync.errors import DeltaSyncError, EngineIncompatible
+from deltasync.errors import DeltaSyncError, EngineIncompatible, UnsafePath
 from deltasync.fetcher import MARKER, DeltaFetcher, Verify
 from deltasync.integrations.vllm import engine_core
 from deltasync.integrations.vllm.engine_check import check_engine
@@ -95,7 +95,9 @@ class DeltasyncInitInfo(WeightTransferInitInfo):  # type: ignore[misc]
     poll_interval: seconds between store polls while prefetching.
     metrics_port: serve Prometheus metrics on 127.0.0.1 at this port plus the worker's rank.
     node_dir: where the node's shared mirror lives (default ``$DELTASYNC_NODE_DIR``, else ``/dev/shm``);
-        every engine on the node that names the same dir and run shares one copy and one download.
+        every engine on the node that names the same dir and run shares one copy and one download. A
+        folder this user owns with mode 0700 (made so when missing); another user's, one open to others
+        or a symbolic link is refused at init (:class:`~deltasync.errors.UnsafePath`, docs/vllm.md).
     scatter: in the pause, write only the changed elements into the parameters where the model's
         loaders allow it (``scatter.ScatterLoader``); False hands every changed tensor to ``load_weights``.
     pin: on a CUDA engine, register the node mirror's pages of the versions it serves and prepares
@@ -313,7 +315,7 @@ class WorkerSync:
             try:
                 self.mirror = new_mirror(seed)
             except (OSError, ValueError, DeltaSyncError) as exc:
-                if seed is None or isinstance(exc, EngineIncompatible):
+                if seed is None or isinstance(exc, (EngineIncompatible, UnsafePath)):  # not the seed's fault
                     raise
                 log.warning("cannot seed the mirror from %s (%s): the first update loads every tensor", seed.dir, exc)
                 self.mirror = new_mirror(None)
