@@ -1,4 +1,4 @@
-"""Command line: ``deltasync {fetch,inspect,gc,upload,serve,follow,fleet,demo}`` and ``delta-upload``.
+"""Command line: ``deltasync {fetch,inspect,gc,upload,serve,follow,fleet,replica-token,demo}`` and ``delta-upload``.
 
 The entry points and the error mapping; each command is one module of this package
 (``NAME``, ``SUMMARY``, ``DESCRIPTION``, ``EPILOG``, ``add_arguments(p)``, ``run(args)``),
@@ -13,7 +13,9 @@ s3:// stores the S3 client takes the usual AWS_* variables: AWS_ENDPOINT_URL
 AWS_SESSION_TOKEN, AWS_REGION, AWS_VIRTUAL_HOSTED_STYLE_REQUEST, AWS_ALLOW_HTTP.
 Signal server tokens: DELTASYNC_PUBLISH_TOKEN / DELTASYNC_SUBSCRIBE_TOKEN (
 ``serve`` requires them, ``delta-upload --signal`` sends the publish token,
-``follow --signal`` the subscribe token, or the publish token when that is unset).
+``follow --signal`` the subscribe token, or the publish token when that is unset);
+DELTASYNC_REPORT_TOKEN (``follow`` reports with it: the server's report token or a replica token)
+and DELTASYNC_REPLICA_KEY (``serve`` and ``replica-token``: the key of replica tokens).
 DELTASYNC_DEMO_FOLLOW, DELTASYNC_SIGNAL_URL, DELTASYNC_SIGNAL_RUN and DELTASYNC_DEMO_LOOP
 (``deltasync demo`` in a Space: follow that store / signal server and run instead of training
 here; retrain after N s).
@@ -29,7 +31,7 @@ import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from deltasync.cli import demo, fetch, fleet, follow, gc, inspect, serve, upload
+from deltasync.cli import demo, fetch, fleet, follow, gc, inspect, replica_token, serve, upload
 from deltasync.cli._common import HelpFormatter
 from deltasync.errors import DeltaSyncError
 
@@ -51,7 +53,7 @@ class Command(Protocol):
         """Do the command; the exit status."""
 
 
-COMMANDS: tuple[Command, ...] = (fetch, inspect, gc, upload, serve, follow, fleet, demo)
+COMMANDS: tuple[Command, ...] = (fetch, inspect, gc, upload, serve, follow, fleet, replica_token, demo)
 
 
 def _run(fn: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:

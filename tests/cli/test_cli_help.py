@@ -4,6 +4,7 @@ argparse parsers themselves, and on the real ``--help`` output of each installed
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -35,7 +36,7 @@ def _all_parsers() -> Iterator[tuple[str, argparse.ArgumentParser]]:
 
 
 PARSERS = dict(_all_parsers())
-COMMANDS = ["fetch", "inspect", "gc", "upload", "serve", "follow", "fleet", "demo"]
+COMMANDS = ["fetch", "inspect", "gc", "upload", "serve", "follow", "fleet", "replica-token", "demo"]
 
 
 def test_every_command_is_listed_with_a_summary() -> None:
@@ -95,7 +96,7 @@ def test_help_of_every_command_from_the_real_entry_points() -> None:
     options' help, with defaults, and exits 0."""
     top = _help("deltasync")
     for name in COMMANDS:
-        assert f"    {name} " in top, f"`deltasync --help` does not list {name}"
+        assert re.search(rf"^    {re.escape(name)}\s", top, re.M), f"`deltasync --help` does not list {name}"
     assert "--version" in top
     cases = {f"deltasync {c}": ("deltasync", c) for c in COMMANDS}
     cases |= {"delta-upload": ("delta-upload",), "delta-upload watch": ("delta-upload", "watch")}
