@@ -400,9 +400,10 @@ def group_step(
     is audited at ``step``, else all. The others are placed in the first group whose representative
     they agree with (else the group of an identical vector, else groups of their own, numbered
     after), and never change a deciding replica's group, the sizes or the majority: ``size`` and
-    ``of`` count deciding replicas only. Cost: O((2 + max_representatives) * n * d) for n replicas of
-    d segment values, however they disagree; ``on_compare`` is told the number of vector
-    comparisons made (a work counter for tests and benchmarks).
+    ``of`` count deciding replicas only (the size of a group of undeciding replicas counts them).
+    Cost: O((2 + max_representatives) * n * d) for n replicas of d segment values, however they
+    disagree; ``on_compare`` is told the number of vector comparisons made (a work counter for
+    tests and benchmarks).
     """
     limit = _limit(tolerance)
     ids = sorted(vectors)
