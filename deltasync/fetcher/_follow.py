@@ -26,6 +26,7 @@ from deltasync._util.retry import RetryPolicy
 from deltasync.errors import DeltaSyncError, InventoryMismatch, SignalRejected, StorageError
 from deltasync.fetcher._materialize import config_files
 from deltasync.protocol import Head
+from deltasync.protocol.head import MAX_HEAD_BYTES
 from deltasync.protocol.keys import HEAD_KEY
 from deltasync.signal import Attempt, FleetReporter, FollowLoop, StepSeen, StepWatcher, StorePoller
 
@@ -228,7 +229,7 @@ def follow(
         if run is not None:
             return run
         try:
-            return Head.from_json(fetcher.store.get(HEAD_KEY)).run_id
+            return Head.from_json(fetcher.store.get_bounded(HEAD_KEY, MAX_HEAD_BYTES)).run_id
         except DeltaSyncError:
             pass
         try:

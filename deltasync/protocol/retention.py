@@ -21,6 +21,7 @@ from deltasync.protocol.probes import PROBES_KEY, parse_reference_key
 from deltasync.protocol.writers import WriterClaim
 
 __all__ = [
+    "MAX_LEASE_BYTES",
     "LEASES_PREFIX",
     "SPANS_PREFIX",
     "Lease",
@@ -32,6 +33,9 @@ __all__ = [
     "plan_retention",
     "step_ranges",
 ]
+
+#: the most bytes a lease may hold (SPEC.md "Manifest")
+MAX_LEASE_BYTES = 4096
 
 LEASES_PREFIX = "leases/"
 SPANS_PREFIX = "spans/"
@@ -104,7 +108,7 @@ class Lease:
     @classmethod
     def from_json(cls, data: bytes | bytearray | memoryview) -> Lease:
         """Parse and validate (ProtocolError / UnsupportedVersion on bad bytes)."""
-        raw = load_json(data, "lease", 4096)
+        raw = load_json(data, "lease", MAX_LEASE_BYTES)
         check_version(raw, "lease")
         o: dict[str, Any] = json_object(raw, "lease", ("format_version", "id", "step", "target", "expires"))
         if not isinstance(o["id"], str):

@@ -17,7 +17,10 @@ from deltasync.protocol.canonical import (
 )
 from deltasync.protocol.keys import MAX_STEP
 
-__all__ = ["Writer", "WriterClaim"]
+__all__ = ["MAX_CLAIM_BYTES", "Writer", "WriterClaim"]
+
+#: the most bytes a writer claim may hold (SPEC.md "Manifest")
+MAX_CLAIM_BYTES = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +64,7 @@ class WriterClaim:
     @classmethod
     def from_json(cls, data: bytes | bytearray | memoryview) -> WriterClaim:
         """Parse and validate."""
-        raw = load_json(data, "writer claim", 4096)
+        raw = load_json(data, "writer claim", MAX_CLAIM_BYTES)
         check_version(raw, "writer claim")
         o = json_object(raw, "writer claim", ("format_version", "epoch", "writer", "after_step"))
         after = None if o["after_step"] is None else json_int(o["after_step"], "after_step", 0, MAX_STEP)

@@ -4,8 +4,9 @@ Readers get claims through :class:`deltasync.run.RunReader` (cached, listed incr
 
 from __future__ import annotations
 
-from deltasync.errors import AlreadyExists, ObjectNotFound, WriterFenced
+from deltasync.errors import AlreadyExists, ObjectNotFound, ObjectTooLarge, WriterFenced
 from deltasync.protocol import WRITERS_PREFIX, WriterClaim, parse_writer_key, writer_key
+from deltasync.protocol.writers import MAX_CLAIM_BYTES
 from deltasync.storage.base import Store
 
 __all__ = ["claim_epoch", "is_fenced", "newest_claim", "newest_epoch"]
@@ -23,7 +24,7 @@ def newest_claim(store: Store) -> WriterClaim:
     epoch = newest_epoch(store)
     if not epoch:
         raise ObjectNotFound(f"{store}: no writer claim")
-    return WriterClaim.from_json(store.get(writer_key(epoch)))
+    return WriterClaim.from_json(store.get_bounded(writer_key(epoch), MAX_CLAIM_BYTES))
 
 
 def claim_epoch(store: Store, writer: str, after_step: int | None) -> int:
@@ -40,7 +41,11 @@ def claim_epoch(store: Store, writer: str, after_step: int | None) -> int:
             store.put(writer_key(epoch), body, mode="create")
         except AlreadyExists:
             continue
-        if store.supports_conditional_put or store.get(writer_key(epoch)) == body:
+        try:  # no create-only writes: read back whose claim is there (a longer one is not ours)
+            ours = store.supports_conditional_put or store.get_bounded(writer_key(epoch), len(body)) == body
+        except ObjectTooLarge:
+            ours = False
+        if ours:
             return epoch
     raise WriterFenced(
         f"{store.url}: could not claim a writer epoch after {MAX_CLAIM_TRIES} tries: "

@@ -26,9 +26,11 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from deltasync._util.worker import SerialWorker, WorkerClosed
-from deltasync.errors import DeltaSyncError
+from deltasync.errors import DeltaSyncError, ObjectTooLarge
 from deltasync.protocol import Committed, WriterClaim, manifest_key, parse_manifest_key, parse_writer_key
-from deltasync.protocol.retention import Lease, RetentionPlan, parse_lease_key, plan_retention
+from deltasync.protocol.manifest import MAX_MANIFEST_BYTES
+from deltasync.protocol.retention import MAX_LEASE_BYTES, Lease, RetentionPlan, parse_lease_key, plan_retention
+from deltasync.protocol.writers import MAX_CLAIM_BYTES
 from deltasync.run.manifests import parse_committed
 from deltasync.run.reader import get_present
 from deltasync.storage.base import ObjectInfo, Store
@@ -78,16 +80,20 @@ def _read(store: Store, cache: dict[int, Committed | None], signing_key: bytes |
     steps = [s for o in listing if (s := parse_manifest_key(o.key)) is not None]
     want = [s for s in steps if s not in cache]
     for steps_batch in _batched(want, 256):
-        bodies = get_present(store, [manifest_key(s) for s in steps_batch])
+        refused: dict[str, ObjectTooLarge] = {}
+        bodies = get_present(store, dict.fromkeys(map(manifest_key, steps_batch), MAX_MANIFEST_BYTES), refused)
         for s in steps_batch:
             body = bodies.get(manifest_key(s))
-            if body is not None:  # a manifest gone since the listing: read again next round
+            if manifest_key(s) in refused:
+                cache[s] = None  # over a manifest's limit: as one that does not parse
+            elif body is not None:  # a manifest gone since the listing: read again next round
                 cache[s] = _parse(s, body, signing_key)
     claim_keys = [o.key for o in listing if parse_writer_key(o.key) is not None]
     lease_keys = [o.key for o in listing if parse_lease_key(o.key) is not None]
     bodies = {}
     for batch in _batched(claim_keys + lease_keys):
-        bodies.update(get_present(store, batch))
+        limits = {k: MAX_LEASE_BYTES if parse_lease_key(k) is not None else MAX_CLAIM_BYTES for k in batch}
+        bodies.update(get_present(store, limits, {}))  # one over its limit is left out, as one that does not parse
     claims = []
     for key in claim_keys:
         try:

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping
 
-from deltasync.errors import ChainBroken, DeltaSyncError, ObjectNotFound, RunNotFound
+from deltasync.errors import ChainBroken, DeltaSyncError, ObjectNotFound, ObjectTooLarge, RunNotFound
 from deltasync.protocol import (
     HEAD_KEY,
     SPANS_PREFIX,
@@ -48,7 +48,10 @@ from deltasync.protocol import (
     walk_chain,
     writer_key,
 )
+from deltasync.protocol.head import MAX_HEAD_BYTES
 from deltasync.protocol.keys import STEPS_PREFIX
+from deltasync.protocol.manifest import MAX_MANIFEST_BYTES
+from deltasync.protocol.writers import MAX_CLAIM_BYTES
 from deltasync.run.manifests import parse_committed
 from deltasync.storage.base import Store
 
@@ -58,20 +61,39 @@ __all__ = ["RunReader", "get_present"]
 MAX_PREFETCH = 1024
 
 
-def get_present(store: Store, keys: Sequence[str]) -> dict[str, bytes]:
-    """``get_many`` that leaves out keys that do not exist (one batch unless one is missing)."""
-    if not keys:
+def get_present(
+    store: Store, limits: Mapping[str, int], too_large: dict[str, ObjectTooLarge] | None = None
+) -> dict[str, bytes]:
+    """The objects ``limits`` names (key -> the most bytes it may hold) that exist, in one bounded
+    batch unless one is missing or over its limit; missing keys are left out.
+
+    An object over its limit raises ObjectTooLarge (before it is read), or, with ``too_large``,
+    is left out and its error put there (a damaged object the caller reports in its own time).
+    """
+    if not limits:
         return {}
     try:
-        return store.get_many(list(keys))
-    except ObjectNotFound:
+        return store.get_many_bounded(dict(limits))
+    except (ObjectNotFound, ObjectTooLarge):
         out: dict[str, bytes] = {}
-        for key in keys:
+        for key, limit in limits.items():
             try:
-                out[key] = store.get(key)
+                out[key] = store.get_bounded(key, limit)
             except ObjectNotFound:
                 continue
+            except ObjectTooLarge as exc:
+                if too_large is None:
+                    raise
+                too_large[key] = exc
         return out
+
+
+def _manifests(keys: Iterable[str]) -> dict[str, int]:
+    return dict.fromkeys(keys, MAX_MANIFEST_BYTES)
+
+
+def _claims(keys: Iterable[str]) -> dict[str, int]:
+    return dict.fromkeys(keys, MAX_CLAIM_BYTES)
 
 
 class RunReader:
@@ -127,7 +149,8 @@ class RunReader:
         with self._lock:
             hit = self._manifests.get(step)
             if hit is None:
-                hit = self._remember(step, self._parse(step, self.store.get(manifest_key(step))))
+                body = self.store.get_bounded(manifest_key(step), MAX_MANIFEST_BYTES)
+                hit = self._remember(step, self._parse(step, body))
                 self._steps.add(step)
             else:
                 self._manifests.move_to_end(step)
@@ -163,9 +186,17 @@ class RunReader:
             steps = list(steps)
             want = sorted({s for s in steps if s not in self._manifests})
             claim_keys = also_keys or {}
-            bodies = get_present(self.store, [manifest_key(s) for s in want] + sorted(claim_keys))
+            refused: dict[str, ObjectTooLarge] = {}
+            limits = {**_manifests(manifest_key(s) for s in want), **_claims(sorted(claim_keys))}
+            bodies = get_present(self.store, limits, refused)
+            for key in claim_keys:
+                if key in refused:
+                    raise refused[key]  # as a claim that does not parse
             self._take_claims(claim_keys, bodies)
             for s in want:
+                if manifest_key(s) in refused:
+                    self._broken[s] = refused[manifest_key(s)]  # raised by chain() when a walk needs this step
+                    continue
                 body = bodies.get(manifest_key(s))
                 if body is None:
                     continue
@@ -201,8 +232,8 @@ class RunReader:
                 return True
             fresh: Committed | None = None
             try:
-                body = self.store.get(manifest_key(step))
-            except ObjectNotFound:
+                body: bytes | None = self.store.get_bounded(manifest_key(step), MAX_MANIFEST_BYTES)
+            except (ObjectNotFound, ObjectTooLarge):
                 body = None
             if body is not None:
                 try:
@@ -238,7 +269,7 @@ class RunReader:
     def _head_floor(self) -> int | None:
         """Where a first listing may start: the anchor of the step HEAD names (a hint), or None."""
         try:
-            head = Head.from_json(self.store.get(HEAD_KEY))
+            head = Head.from_json(self.store.get_bounded(HEAD_KEY, MAX_HEAD_BYTES))
             top = self.committed(head.step)
         except DeltaSyncError:
             return None  # no HEAD, a bad one, or it names nothing committed: list everything
@@ -304,7 +335,7 @@ class RunReader:
 
     def _fetch_claims(self, start_after: str | None) -> None:
         keys = self._list_claims(start_after)
-        self._take_claims(keys, get_present(self.store, sorted(keys)))
+        self._take_claims(keys, get_present(self.store, _claims(sorted(keys))))
 
     def _ensure_claims_above(self, epoch: int) -> None:
         if self._claims_above is None or epoch < self._claims_above:
@@ -320,7 +351,7 @@ class RunReader:
 
     def _refresh_claims(self) -> None:
         keys = self._new_claim_keys()
-        self._take_claims(keys, get_present(self.store, sorted(keys)))
+        self._take_claims(keys, get_present(self.store, _claims(sorted(keys))))
 
     def claims(self) -> list[WriterClaim]:
         """Every writer claim of the run, newest epoch first (listed in full)."""
@@ -463,8 +494,12 @@ class RunReader:
             keys = [k for o in found if (k := parse_span_key(o.key)) is not None]
             want = [k for k in keys if start <= k[0] and k[1] <= end and k[0] in steps and k[1] in steps]
             new = [k for k in want if k not in self._spans]
-            bodies = get_present(self.store, [span_manifest_key(a, b) for a, b in new])
+            refused: dict[str, ObjectTooLarge] = {}
+            bodies = get_present(self.store, _manifests(span_manifest_key(a, b) for a, b in new), refused)
             for a, b in new:
+                if span_manifest_key(a, b) in refused:
+                    self._spans[(a, b)] = None
+                    continue
                 body = bodies.get(span_manifest_key(a, b))
                 if body is None:
                     continue  # deleted since listed

@@ -25,6 +25,7 @@ import httpx
 from deltasync._util.retry import RetryPolicy
 from deltasync.errors import DeltaSyncError, SignalError
 from deltasync.protocol import Head
+from deltasync.protocol.head import MAX_HEAD_BYTES
 from deltasync.protocol.keys import HEAD_KEY
 from deltasync.signal._client import SignalClient
 from deltasync.storage import Store
@@ -68,7 +69,7 @@ class StorePoller:
         self.polls += 1
         if self.polls % self.list_every != 1 % self.list_every:
             try:
-                return Head.from_json(self.store.get(HEAD_KEY)).step
+                return Head.from_json(self.store.get_bounded(HEAD_KEY, MAX_HEAD_BYTES)).step
             except DeltaSyncError:
                 pass
         return self.latest_step()
