@@ -13,23 +13,53 @@ import json
 import math
 from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Path, Response
+from fastapi import APIRouter, Depends, Header, HTTPException, Path, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from deltasync.protocol.audit import FingerprintGroup
-from deltasync.server._auth import AUTH_RESPONSES, Report, Subscribe
+from deltasync.server._auth import AUTH_RESPONSES, Publish, ReportAuth, Subscribe
 from deltasync.server._db import Commit
-from deltasync.server._deps import FleetDep, MetricsDep, RelayDep
+from deltasync.server._deps import FleetDep, MetricsDep, RelayDep, SettingsDep
 from deltasync.server._fleet import FleetFull, Replica, Shown
+from deltasync.server._identity import IdentityRefused, ReplicaClaims
 from deltasync.server._input import StrictRoute
-from deltasync.server._models import AuditBody, FleetOut, Problem, ReplicaIn, ReplicaOut
+from deltasync.server._models import AuditBody, FleetOut, Problem, ReplicaIn, ReplicaOut, ReplicaTokenOut
+from deltasync.server._policy import RunPolicies
 from deltasync.server._relay import CommitRelay
 from deltasync.server._routes import RunName
-from deltasync.signal import REPLICA_PATTERN, ReplicaState
+from deltasync.signal import LEASE_HEADER, REPLICA_PATTERN, ReplicaState, replica_token
 
 __all__ = ["ReplicaName", "fleet_router"]
 
 ReplicaName = Annotated[str, Path(pattern=REPLICA_PATTERN, max_length=128, description="replica id")]
+
+#: the reporter's lease secret (:func:`deltasync.signal.new_lease`): only its holder reports or removes
+#: an unbound replica id while it is live
+LeaseHeader = Annotated[
+    str | None,
+    Header(
+        alias=LEASE_HEADER,
+        max_length=256,
+        description="the reporter's lease secret, drawn at its start (deltasync.signal.new_lease: 43 random "
+        "base64url characters); only its hash is kept. A short one is the reporter's own risk",
+    ),
+]
+
+
+def get_claims(request: Request) -> ReplicaClaims:
+    """The app's :class:`~deltasync.server._identity.ReplicaClaims` (who holds each replica id)."""
+    claims: ReplicaClaims = request.app.state.claims
+    return claims
+
+
+def get_policies(request: Request) -> RunPolicies:
+    """The app's :class:`~deltasync.server._policy.RunPolicies` (each run's fingerprint tolerance)."""
+    policies: RunPolicies = request.app.state.policies
+    return policies
+
+
+ClaimsDep = Annotated[ReplicaClaims, Depends(get_claims)]
+PoliciesDep = Annotated[RunPolicies, Depends(get_policies)]
 
 #: The fleet routes; :func:`~deltasync.server.app.create_app` includes them.
 fleet_router = APIRouter(route_class=StrictRoute)
@@ -65,25 +95,61 @@ def _out(
 
 @fleet_router.put(
     "/v1/runs/{run}/replicas/{replica}",
-    dependencies=[Report],
-    responses={**AUTH_RESPONSES, 429: {"model": Problem, "description": "the run's fleet (or the server) is full"}},
+    responses={
+        **AUTH_RESPONSES,
+        403: {
+            "model": Problem,
+            "description": "the token lacks this scope, or the replica id is held by a replica token",
+        },
+        409: {"model": Problem, "description": "the replica id is held by another reporter (another lease)"},
+        429: {"model": Problem, "description": "the run's fleet (or the server) is full"},
+    },
     tags=["fleet"],
 )
 async def report(
-    run: RunName, replica: ReplicaName, body: ReplicaIn, fleet: FleetDep, relay: RelayDep, metrics: MetricsDep
+    run: RunName,
+    replica: ReplicaName,
+    body: ReplicaIn,
+    cred: ReportAuth,
+    fleet: FleetDep,
+    relay: RelayDep,
+    metrics: MetricsDep,
+    claims: ClaimsDep,
+    policies: PoliciesDep,
+    lease: LeaseHeader = None,
 ) -> ReplicaOut:
-    """Record what ``replica`` of ``run`` serves now (at each change, and as a heartbeat)."""
+    """Record what ``replica`` of ``run`` serves now (at each change, and as a heartbeat).
+
+    A replica token of the replica (or the publish token) reports it *bound*; the shared report or
+    subscribe token *unbound*, refused for an id a bound reporter holds (403) or another lease holds
+    (409). The fleet groups fingerprints with the run's own policy (its ``probes.json``), never with
+    the report's ``audit.tolerance`` (docs/fleet.md).
+    """
+    if body.audit is not None:  # the run's policy, read once per run off the event loop
+        fleet.set_tolerance(run, await policies.tolerance(run))
+    audit = None if body.audit is None else body.audit.report()
     try:
-        entry, joined = fleet.report(
+        entry, joined = claims.report(
             run,
             replica,
-            step=body.step,
-            digest=body.digest,
-            state=body.state,
-            last_error=body.last_error,
-            ttl_s=body.ttl_s,
-            audit=None if body.audit is None else body.audit.report(),
+            bound=cred.bound,
+            lease=lease,
+            record=lambda: fleet.report(
+                run,
+                replica,
+                step=body.step,
+                digest=body.digest,
+                state=body.state,
+                last_error=body.last_error,
+                ttl_s=body.ttl_s,
+                audit=audit,
+                bound=cred.bound,
+            ),
+            seen=lambda out: (out[0].last_seen, out[0].ttl_s),
         )
+    except IdentityRefused as exc:
+        metrics.inc("deltasync_fleet_identity_refused_total", status=str(exc.status))
+        raise HTTPException(exc.status, exc.detail) from None
     except FleetFull as exc:
         metrics.inc("deltasync_fleet_reports_refused_total")
         raise HTTPException(429, str(exc)) from exc
@@ -101,15 +167,56 @@ async def report(
 @fleet_router.delete(
     "/v1/runs/{run}/replicas/{replica}",
     status_code=204,
-    dependencies=[Report],
-    responses={**AUTH_RESPONSES, 404: {"model": Problem, "description": "no such live replica"}},
+    responses={
+        **AUTH_RESPONSES,
+        403: {
+            "model": Problem,
+            "description": "the token lacks this scope, or the replica id is held by a replica token",
+        },
+        404: {"model": Problem, "description": "no such live replica"},
+        409: {"model": Problem, "description": "the replica id is held by another reporter (another lease)"},
+    },
     tags=["fleet"],
 )
-async def leave(run: RunName, replica: ReplicaName, fleet: FleetDep) -> Response:
-    """Remove ``replica`` from the run's fleet (it shut down cleanly; else it ages out)."""
-    if not fleet.leave(run, replica):
+async def leave(
+    run: RunName,
+    replica: ReplicaName,
+    cred: ReportAuth,
+    fleet: FleetDep,
+    metrics: MetricsDep,
+    claims: ClaimsDep,
+    lease: LeaseHeader = None,
+) -> Response:
+    """Remove ``replica`` from the run's fleet (it shut down cleanly; else it ages out).
+
+    Its own replica token, the lease it reported with, or the publish token (an operator) may remove it.
+    """
+    try:
+        gone = claims.leave(run, replica, bound=cred.bound, lease=lease, remove=lambda: fleet.leave(run, replica))
+    except IdentityRefused as exc:
+        metrics.inc("deltasync_fleet_identity_refused_total", status=str(exc.status))
+        raise HTTPException(exc.status, exc.detail) from None
+    if not gone:
         raise HTTPException(404, f"run {run!r} has no live replica {replica!r}")
     return Response(status_code=204)
+
+
+@fleet_router.post(
+    "/v1/runs/{run}/replicas/{replica}/token",
+    dependencies=[Publish],
+    responses={**AUTH_RESPONSES, 409: {"model": Problem, "description": "the server has no replica key"}},
+    tags=["fleet"],
+)
+async def mint_token(run: RunName, replica: ReplicaName, settings: SettingsDep) -> ReplicaTokenOut:
+    """The replica token of identity ``replica`` of ``run`` (scope ``publish``): it reports that replica id
+    and every ``replica-<suffix>`` of the run, bound (docs/fleet.md). The same as ``deltasync replica-token``
+    computes offline from the server's replica key."""
+    key = settings.replica_token_key
+    if key is None:
+        raise HTTPException(
+            409, "this server has no replica key: start it with DELTASYNC_REPLICA_KEY (or a publish token)"
+        )
+    return ReplicaTokenOut(token=replica_token(key, run, replica), run=run, replica=replica)
 
 
 @fleet_router.get(
