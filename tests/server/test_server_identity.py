@@ -281,8 +281,8 @@ def test_the_fleet_groups_with_the_runs_policy_from_the_store(clock: Clock) -> N
     store = MemoryStore("policy")
     probes = ProbeSet(((1, 2, 3, 4, 5, 6),), 16, AuditPolicy(fingerprint_tolerance=0.5))
     write_probes(store, probes)
-    opts = {"publish_token": PUB, "subscribe_token": SUB, "report_token": REP}
-    with TestClient(create_app(Settings(**opts), store=store, clock=clock)) as c:
+    settings = Settings(publish_token=PUB, subscribe_token=SUB, report_token=REP)
+    with TestClient(create_app(settings, store=store, clock=clock)) as c:
         for name, delta in (("a", 0.0), ("b", 0.001), ("c", 0.3)):  # 0.3 nats off: within the run's 0.5
             assert put(c, name, serving(2, delta, tolerance=0.0), tok(name)).status_code == 200
         assert {v["state"] for v in view(c).values()} == {"serving"}
