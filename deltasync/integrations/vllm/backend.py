@@ -94,10 +94,8 @@ class DeltasyncInitInfo(WeightTransferInitInfo):  # type: ignore[misc]
     prefetch: prepare each new committed step in the background as soon as it lands (polled, and signalled by ``signal``).
     poll_interval: seconds between store polls while prefetching.
     metrics_port: serve Prometheus metrics on 127.0.0.1 at this port plus the worker's rank.
-    node_dir: where the node's shared mirror lives (default ``$DELTASYNC_NODE_DIR``, else ``/dev/shm``);
-        every engine on the node that names the same dir and run shares one copy and one download. A
-        folder this user owns with mode 0700 (made so when missing); another user's, one open to others
-        or a symbolic link is refused at init (:class:`~deltasync.errors.UnsafePath`, docs/vllm.md).
+    node_dir: the node's shared mirror (default ``$DELTASYNC_NODE_DIR``, else ``/dev/shm``), one copy and download per
+        run: a folder this user owns with mode 0700, or made so (else ``UnsafePath`` at init: docs/vllm.md).
     scatter: in the pause, write only the changed elements into the parameters where the model's
         loaders allow it (``scatter.ScatterLoader``); False hands every changed tensor to ``load_weights``.
     pin: on a CUDA engine, register the node mirror's pages of the versions it serves and prepares
