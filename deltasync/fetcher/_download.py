@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from deltasync.errors import ChecksumMismatch, ObjectNotFound
+from deltasync.errors import ChecksumMismatch, ObjectNotFound, ObjectTooLarge
 from deltasync.protocol import Manifest, file_key, span_file_key, xxh3_128
 from deltasync.storage import Store
 
@@ -45,15 +45,23 @@ def download(
         return file_key(m.step, name) if start is None else span_file_key(start, m.step, name)
 
     keys = {key(i, f.path): (i, f) for i, m in enumerate(manifests) for f in m.files}
-    try:
-        blobs = store.get_many(list(keys)) if keys else {}
+
+    def where(i: int) -> str:
+        return f"{manifests[i].step}" if via[i] is None else f"{manifests[i].step} (span from {via[i]})"
+
+    try:  # no file is read past the size its manifest gives it
+        blobs = store.get_many_bounded({k: f.size for k, (_, f) in keys.items()}) if keys else {}
     except ObjectNotFound as exc:
         steps = tuple(sorted({m.step for m in manifests}))
         raise PlanFilesGone(str(exc), steps) from exc
+    except ObjectTooLarge as exc:
+        k = next((k for k in keys if f" {k} holds " in str(exc)), None)
+        what = f"step {where(keys[k][0])}: file {keys[k][1].path}" if k is not None else "a file of the plan"
+        raise ChecksumMismatch(f"{what} is larger than its manifest says (truncated or replaced): {exc}") from None
     out: list[dict[str, bytes]] = [{} for _ in manifests]
     for k, (i, info) in keys.items():
         data = blobs[k]
-        step = manifests[i].step if via[i] is None else f"{manifests[i].step} (span from {via[i]})"
+        step = where(i)
         if len(data) != info.size:
             raise ChecksumMismatch(
                 f"step {step}: file {info.path} is {len(data)} bytes, manifest says {info.size} (truncated or replaced)"

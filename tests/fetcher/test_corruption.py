@@ -291,6 +291,18 @@ def test_truncated_file(plain: Run, name: str) -> None:
         )
 
 
+def test_a_patch_file_replaced_by_a_longer_one_is_read_no_further_than_its_manifest_says(plain: Run) -> None:
+    """Issue 45: the download is bounded by the manifest's file size (ObjectTooLarge from the
+    store's fstat, reported as the ChecksumMismatch of that file)."""
+    name = plain.name(2, "patch-00000.safetensors")
+    path = plain.path(2, "patch-00000.safetensors")
+    orig = path.read_bytes()
+    with rewritten(path, orig + b"\0" * (1 << 20)):
+        err = expect_failed_sync(plain, 2, (ChecksumMismatch,))
+    assert str(err).startswith(f"step 2: file {name} is larger than its manifest says (truncated or replaced)")
+    assert f"holds {len(orig) + (1 << 20)} bytes, over the {len(orig)}-byte limit" in str(err)
+
+
 def test_truncated_anchor_shard(plain: Run) -> None:
     path = plain.path(3, "model-00002-of-00002.safetensors")
     orig = path.read_bytes()
