@@ -29,6 +29,7 @@ from deltasync._util.retry import RetryPolicy
 from deltasync.errors import CommitFailed, ProtocolError, WriterFenced
 from deltasync.protocol import Committed, TensorInfo, inventory_digest
 from deltasync.protocol.keys import manifest_key
+from deltasync.protocol.manifest import MAX_MANIFEST_BYTES
 from deltasync.run.manifests import parse_committed
 from deltasync.uploader._commit_step import CommitContext, resolve_committed
 from deltasync.uploader._config import CommitInfo, UploaderConfig
@@ -298,7 +299,7 @@ class ShardedPush:
         wait = 0.05
         while True:
             try:
-                body = store.get(key) if store.exists(key) else None
+                body = store.get_bounded(key, MAX_MANIFEST_BYTES) if store.exists(key) else None
                 if body is not None:
                     c = parse_committed(step, bytes(body), where=store.url)
                     w = c.manifest.writer
