@@ -563,7 +563,10 @@ def small_tmpfs(tmp_path: Path) -> Iterable[Path]:
 
     mnt = tmp_path / "shm"
     mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=192k,mode=0700", "tmpfs", str(mnt)]).returncode:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=192k,mode=0700", "tmpfs", str(mnt)]).returncode
+    ):
         pytest.skip("needs root allowed to mount a tmpfs")
     try:
         yield mnt
