@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Literal
 
+from deltasync._util.text import escape_text
 from deltasync.errors import SignalRejected, SignalUnavailable, StalenessTimeout
 from deltasync.signal._client import SignalClient
 from deltasync.signal._fleet import FleetView, ReplicaStatus
@@ -126,17 +127,17 @@ def _report(
             lines.append("  behind:")
             for r in behind:
                 lines.append(
-                    f"    {r.replica}: step {'-' if r.step is None else r.step}, "
+                    f"    {escape_text(r.replica)}: step {'-' if r.step is None else r.step}, "
                     f"lag {'-' if r.lag is None else r.lag}, state {r.state}, "
-                    f"last seen {r.age_s:.1f} s ago, last error: {r.last_error or 'none'}"
+                    f"last seen {r.age_s:.1f} s ago, last error: {escape_text(r.last_error or 'none')}"
                 )
         excluded = _excluded(view, unreachable)
         if excluded:
             lines.append("  excluded (unreachable: not counted as live, unreachable='exclude'):")
             for r in excluded:
                 lines.append(
-                    f"    {r.replica}: last step {'-' if r.step is None else r.step}, "
-                    f"last seen {r.age_s:.1f} s ago, last error: {r.last_error or 'none'}"
+                    f"    {escape_text(r.replica)}: last step {'-' if r.step is None else r.step}, "
+                    f"last seen {r.age_s:.1f} s ago, last error: {escape_text(r.last_error or 'none')}"
                 )
         if live < min_replicas:
             lines.append(f"  only {live} replicas report to the signal server (min_replicas={min_replicas})")
@@ -204,7 +205,10 @@ def wait_for_fleet(
                         "run %r: released at step %d without the unreachable replica(s) %s (unreachable='exclude')",
                         run,
                         step - max_lag,
-                        ", ".join(f"{r.replica} (last step {r.step}: {r.last_error or 'no error'})" for r in excluded),
+                        ", ".join(
+                            f"{escape_text(r.replica)} (last step {r.step}: {escape_text(r.last_error or 'no error')})"
+                            for r in excluded
+                        ),
                     )
                 gone = sorted(behind - {r.replica for r in view.replicas})
                 if gone:

@@ -16,7 +16,7 @@ from server_harness import ThreadServer
 from deltasync import DeltaUploader, open_store
 from deltasync.cli import main
 from deltasync.server import Settings, create_app
-from deltasync.signal import FleetReporter, SignalClient
+from deltasync.signal import FleetReporter, FleetView, SignalClient
 
 torch = pytest.importorskip("torch")
 WAIT = 60.0
@@ -139,3 +139,28 @@ def test_fleet_wait_healthy_only_waits_for_a_diverged_replica(
             assert main([*base, "--healthy-only"]) == 1
             err = capsys.readouterr().err
             assert "healthy ones only" in err and "engine-a: step 1, lag 0, state diverged" in err
+
+
+HOSTILE = "boom\x1b[2J\x1b]0;owned\x07\rover\u202eevil\u2066\nnext"
+
+
+def test_fleet_prints_free_text_escaped(
+    signal: ThreadServer, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ESC, CR, BEL, bidi overrides and newlines in a last error never reach the terminal raw: the
+    server escapes them when a replica reports them, and the table escapes whatever a server sends."""
+    for var in ("DELTASYNC_SUBSCRIBE_TOKEN", "DELTASYNC_PUBLISH_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    run = "cli-escape"
+    with FleetReporter(signal.url, run, replica="engine-x") as rep:
+        rep.update(1, "failed", last_error=HOSTILE)
+        assert rep.wait_reported(WAIT)
+        assert main(["fleet", "--signal", signal.url, "--run", run]) == 0
+    out = capsys.readouterr().out
+    assert all(line.isprintable() for line in out.split("\n"))  # split on LF only: a raw CR would show
+    assert "boom\\x1b[2J\\x1b]0;owned\\x07\\rover\\u202eevil\\u2066\\nnext" in out
+    # a server that sends raw text (an old or hostile one): the table escapes it too
+    raw = {"replica": "x\u202ey", "step": 1, "lag": 0, "state": "failed", "last_error": HOSTILE, "age_s": 1.0}
+    table = FleetView.from_json({"run": "r", "head": 1, "time": 0.0, "replicas": [raw]}).table()
+    assert all(line.isprintable() for line in table.split("\n"))
+    assert "x\\u202ey" in table and "\\x1b[2J" in table
