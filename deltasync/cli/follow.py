@@ -22,7 +22,9 @@ DESCRIPTION = """
         the dir in atomically. Started before the trainer, it waits for the run's first commit. The
         signal server token is DELTASYNC_SUBSCRIBE_TOKEN (or, when that is unset,
         DELTASYNC_PUBLISH_TOKEN). With --signal, what the target serves is reported to the server's
-        fleet view (`deltasync fleet`), with DELTASYNC_REPORT_TOKEN when set.
+        fleet view (`deltasync fleet`), with DELTASYNC_REPORT_TOKEN when set: the server's report token,
+        or this replica's own token (`deltasync replica-token --replica ID`, for --replica ID; with
+        --vllm it covers the servers' ids ID-0, ID-1, ...), which binds the reports to it (docs/fleet.md).
         """
 EPILOG: str | None = """
         example:

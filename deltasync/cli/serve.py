@@ -18,7 +18,9 @@ DESCRIPTION = """
         SSE, long-poll or signed webhooks. Tokens come from the environment:
         DELTASYNC_PUBLISH_TOKEN (needed to publish; required off loopback) and
         DELTASYNC_SUBSCRIBE_TOKEN (needed to subscribe, when set) and DELTASYNC_REPORT_TOKEN
-        (needed to report to the fleet view, when set; else the subscribe token reports).
+        (needed to report to the fleet view, when set; else the subscribe token reports);
+        DELTASYNC_REPLICA_KEY (the key of replica tokens, `deltasync replica-token`; else derived from
+        the publish token).
         """
 EPILOG: str | None = None
 
@@ -86,6 +88,10 @@ def run(args: argparse.Namespace) -> int:
     )
     if settings.report_token:
         scopes += ", report: token"
+    if settings.replica_key or settings.publish_token:
+        scopes += (
+            f", replica tokens: {'DELTASYNC_REPLICA_KEY' if settings.replica_key else 'key from the publish token'}"
+        )
     print(
         f"deltasync signal server on http://{args.host}:{args.port} ({scopes}; db {settings.db_path}"
         + ("" if settings.store_url else "; no store: published steps are not checked")
