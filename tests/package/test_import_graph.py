@@ -200,7 +200,7 @@ OURS |= {"serving"}
 OURS |= {"testing", "errors", "_util", "_util.tensors", "_util.checkpoint_io"}
 #: the shared private machinery any layer may use (it imports nothing of ours but errors)
 MACHINERY = {"_util.worker", "_util.retry", "_util.prometheus", "_util.settings", "_util.cpus", "_util.batches"}
-MACHINERY |= {"_util.gcpause"}
+MACHINERY |= {"_util.gcpause", "_util.text"}
 OURS |= MACHINERY
 
 
