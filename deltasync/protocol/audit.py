@@ -34,6 +34,7 @@ Logprobs below :data:`LOGPROB_FLOOR` (``-inf`` included) are clamped to it befor
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -126,29 +127,13 @@ def fingerprint(probes_digest: str, logprobs: Sequence[Sequence[float]]) -> str:
 
 
 def _parse(fp: str) -> tuple[str, list[int]]:
-    if not isinstance(fp, str) or len(fp) > MAX_FINGERPRINT or not fp.startswith(_PREFIX):
-        raise ProtocolError(f"not a fingerprint: {str(fp)[:80]!r}")
-    tag, sep, body = fp[len(_PREFIX) :].partition("-")
-    hexdigits = "0123456789abcdef"
-    if (
-        not sep
-        or len(tag) != 8
-        or not body
-        or len(body) % (_HEX * SEGMENTS)
-        or not set(tag) <= set(hexdigits)
-        or not set(body) <= set(hexdigits)
-    ):
-        raise ProtocolError(f"not a fingerprint: {fp[:80]!r}")
-    vals = []
-    for i in range(0, len(body), _HEX):
-        q = int(body[i : i + _HEX], 16)
-        vals.append(q - _SPAN if q >= _SPAN >> 1 else q)
-    return tag, vals
+    tag, vec = parse_fingerprint(fp)
+    return tag, vec.tolist()
 
 
 def check_fingerprint(fp: Any) -> str:
     """``fp`` if it is a well-formed fingerprint, else a ProtocolError."""
-    _parse(fp)
+    parse_fingerprint(fp)
     return str(fp)
 
 
@@ -342,26 +327,34 @@ def parse_fingerprint(fp: str) -> tuple[str, npt.NDArray[np.int32]]:
     """
     if not isinstance(fp, str) or len(fp) > MAX_FINGERPRINT or not fp.startswith(_PREFIX):
         raise ProtocolError(f"not a fingerprint: {str(fp)[:80]!r}")
-    tag, sep, body = fp[len(_PREFIX) :].partition("-")
-    hexdigits = "0123456789abcdef"
-    if (
-        not sep
-        or len(tag) != 8
-        or not body
-        or len(body) % (_HEX * SEGMENTS)
-        or not set(tag) <= set(hexdigits)
-        or not set(body) <= set(hexdigits)
-    ):
+    m = _FINGERPRINT.fullmatch(fp)
+    if m is None or len(m.group(2)) % (_HEX * SEGMENTS):
         raise ProtocolError(f"not a fingerprint: {fp[:80]!r}")
-    b = np.frombuffer(bytes.fromhex(body), dtype=np.uint8).reshape(-1, _HEX // 2).astype(np.int32)
+    b = np.frombuffer(bytes.fromhex(m.group(2)), dtype=np.uint8).reshape(-1, _HEX // 2).astype(np.int32)
     q = (b[:, 0] << 16) | (b[:, 1] << 8) | b[:, 2]
-    vec: npt.NDArray[np.int32] = np.where(q >= _SPAN >> 1, q - _SPAN, q).astype(np.int32)
+    q[q >= _SPAN >> 1] -= _SPAN
+    vec: npt.NDArray[np.int32] = q
     vec.flags.writeable = False
-    return tag, vec
+    return m.group(1), vec
+
+
+#: ``fp1-<8 hex>-<hex>``, lower case only (``bytes.fromhex`` alone would take upper case and spaces)
+_FINGERPRINT = re.compile(r"fp1-([0-9a-f]{8})-([0-9a-f]+)")
 
 
 #: greedy groups per (step, probe set) compared by distance after the centre's; the rest group by exact vector
 MAX_REPRESENTATIVES = 16
+
+
+#: leading segment values compared first (a cheap filter before whole vectors)
+_LEAD = 8
+
+
+def _chebyshev(mat: npt.NDArray[np.int32], v: npt.NDArray[np.int32]) -> npt.NDArray[np.int32]:
+    """The largest absolute difference between each row of ``mat`` and ``v``."""
+    d = mat - v
+    out: npt.NDArray[np.int32] = np.maximum(d.max(axis=1), -d.min(axis=1))
+    return out
 
 
 def _limit(tolerance: float) -> int:
@@ -422,24 +415,37 @@ def group_step(
         mat = np.stack([vectors[r][1] for r in pids])
         m = len(pids)
         mid = (m - 1) // 2
-        centre = np.partition(mat, mid, axis=0)[mid]
-        near = np.abs(mat - centre).max(axis=1) <= limit
+        centre = np.partition(np.ascontiguousarray(mat.T), mid, axis=1)[:, mid]
+        near = _chebyshev(mat, centre) <= limit
         compared += m
         left = np.flatnonzero(~near)
         if near.any():
-            groups.append((key, centre, [pids[i] for i in np.flatnonzero(near)], True))
+            groups.append((key, centre, [pids[i] for i in np.flatnonzero(near).tolist()], True))
+        # a few leading values rule most candidates out before the whole vectors are compared
+        lead = np.ascontiguousarray(mat[:, :_LEAD])
         reps = 0
         while left.size and reps < max_representatives:
-            rep = mat[left[0]]
-            near = np.abs(mat[left] - rep).max(axis=1) <= limit
+            first = left[0]
+            cand = left[_chebyshev(lead[left], lead[first]) <= limit]
+            hit = cand[_chebyshev(mat[cand], mat[first]) <= limit]
             compared += int(left.size)
-            groups.append((key, rep, [pids[i] for i in left[near]], True))
-            left = left[~near]
+            groups.append((key, mat[first], [pids[i] for i in hit.tolist()], True))
+            left = np.setdiff1d(left, hit, assume_unique=True)
             reps += 1
-        exact: dict[bytes, list[int]] = {}
-        for i in left:
-            exact.setdefault(mat[i].tobytes(), []).append(int(i))
-        groups.extend((key, mat[idx[0]], [pids[i] for i in idx], False) for idx in exact.values())
+        if left.size:  # the rest by identical vector
+            rows = np.ascontiguousarray(mat[left])
+            _, first_of, inverse = np.unique(
+                rows.view(np.dtype((np.void, rows.shape[1] * rows.itemsize))).ravel(),
+                return_index=True,
+                return_inverse=True,
+            )
+            rest = left.tolist()
+            buckets: dict[int, list[str]] = {}
+            for u, i in zip(inverse.ravel().tolist(), rest, strict=True):
+                buckets.setdefault(u, []).append(pids[i])
+            starts = first_of.tolist()
+            groups.extend((key, mat[rest[starts[u]]], ids_u, False) for u, ids_u in buckets.items())
+            compared += len(rest)
     groups.sort(key=lambda g: (-len(g[2]), g[2][0]))
     of = len(deciding)
     majority = bool(groups) and 2 * len(groups[0][2]) > of

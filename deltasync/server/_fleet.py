@@ -83,8 +83,9 @@ class Shown:
     replica: Replica
     state: ReplicaState
     group: FingerprintGroup | None
-    #: the replica's audit as compact JSON, rendered once per audit (None: no audit)
-    audit_json: str | None = None
+    #: the fields that change only with a report (replica, step, digest, last_error, since,
+    #: last_seen, ttl_s, audit) as a JSON object's members, rendered once per report
+    fragment: bytes = b""
 
 
 @dataclass(slots=True)
@@ -102,6 +103,13 @@ class _Run:
     groups: dict[int, dict[str, FingerprintGroup]] = field(default_factory=dict)
     #: replica -> its audit as JSON (rendered when the audit changes, not at each read)
     audit_json: dict[str, str] = field(default_factory=dict)
+    #: replica -> :attr:`Shown.fragment` (rendered at each report: a heartbeat moves ``last_seen``)
+    fragments: dict[str, bytes] = field(default_factory=dict)
+    #: bumped by every change of what the fleet shows but ``last_seen`` (a state, an audit, a group,
+    #: a replica joining or leaving): the metrics' caches are keyed on it
+    version: int = 0
+    #: the shown states' counts at ``counts[0]`` == ``version``
+    counts: tuple[int, dict[ReplicaState, int]] | None = None
 
     def forget_audit(self, rid: str) -> None:
         old = self.parsed.pop(rid, None)
@@ -115,7 +123,9 @@ class _Run:
     def drop(self, rid: str) -> None:
         del self.replicas[rid]
         self.audit_json.pop(rid, None)
+        self.fragments.pop(rid, None)
         self.forget_audit(rid)
+        self.version += 1
 
 
 def _same_audit(a: AuditReport | None, b: AuditReport | None) -> bool:
@@ -214,7 +224,10 @@ class FleetBook:
         Raises :class:`FleetFull` for a new replica of a full run (unless a bound one can evict an
         unbound one), or a new run past the bound.
         """
-        parsed = None if audit is None else parse_fingerprint(audit.fingerprint)
+        known = self._runs.get(run)  # a peek (no lock): a heartbeat repeating its audit is not parsed again
+        seen = None if known is None else known.replicas.get(replica)
+        same = seen is not None and _same_audit(seen.audit, audit)
+        parsed = None if audit is None or same else parse_fingerprint(audit.fingerprint)
         with self._lock:
             now = self.clock()
             self._prune(now, run)
@@ -248,8 +261,13 @@ class FleetBook:
                 book.audit_json[replica] = _audit_json(audit)
             regroup = old is None or old.bound != bound or not _same_audit(old.audit, audit)
             book.replicas[replica] = entry
+            book.fragments[replica] = _fragment(entry, book.audit_json.get(replica))
+            if old is None or regroup or old.state != state or old.audit is not audit:
+                book.version += 1
             if regroup:
                 book.forget_audit(replica)
+                if audit is not None and parsed is None:  # another report changed it since the peek
+                    parsed = parse_fingerprint(audit.fingerprint)
                 if audit is not None and parsed is not None:
                     book.parsed[replica] = (audit.audited_step, parsed[0], parsed[1])
                     book.by_step.setdefault(audit.audited_step, set()).add(replica)
@@ -322,6 +340,7 @@ class FleetBook:
                             book.groups[step] = groups
                         else:
                             book.groups.pop(step, None)
+                    book.version += 1
 
     def view(self, run: str) -> tuple[float, list[Shown]]:
         """The clock's now and the live replicas of ``run`` as shown, sorted by id (regroups the
@@ -329,13 +348,23 @@ class FleetBook:
         with self._lock:
             self._prune(self.clock(), run)
         self._regroup([run])
-        with self._lock:
+        with self._lock:  # a snapshot (references, no copies of entries); the rows are built outside
             now = self.clock()
             self._prune(now, run)
             book = self._runs.get(run)
             if book is None:
                 return now, []
-            return now, [_shown(r, book) for _, r in sorted(book.replicas.items())]
+            entries = list(book.replicas.values())
+            groups = dict(book.groups)
+            fragments = dict(book.fragments)
+        entries.sort(key=lambda r: r.replica)
+        return now, [_shown(r, groups, fragments) for r in entries]
+
+    def versions(self) -> dict[str, int]:
+        """Every run's :attr:`_Run.version`: what a cache of its shown fleet (but ``last_seen``) is keyed on."""
+        with self._lock:
+            self._prune(self.clock())
+            return {run: book.version for run, book in self._runs.items()}
 
     def replicas(self, run: str) -> tuple[float, list[Replica]]:
         """The clock's now and the live replicas of ``run``, sorted by id."""
@@ -361,10 +390,23 @@ class FleetBook:
         self._regroup(runs)
         out: dict[str, dict[ReplicaState, int]] = {}
         with self._lock:
-            for run, book in sorted(self._runs.items()):
-                counts = Counter(_shown(r, book).state for r in book.replicas.values())
-                out[run] = {s: counts.get(s, 0) for s in REPLICA_STATES}
-        return out
+            todo = {
+                run: (book, book.version, list(book.replicas.values()), dict(book.groups))
+                for run, book in self._runs.items()
+                if book.counts is None or book.counts[0] != book.version
+            }
+        for run, (book, version, entries, groups) in todo.items():  # counted outside the lock
+            c = Counter(_shown(r, groups, {}).state for r in entries)
+            counted = {s: c.get(s, 0) for s in REPLICA_STATES}
+            with self._lock:
+                if book.version == version:
+                    book.counts = (version, counted)
+            out[run] = counted
+        with self._lock:
+            for run, book in self._runs.items():
+                if run not in out and book.counts is not None:
+                    out[run] = book.counts[1]
+        return dict(sorted(out.items()))
 
 
 def _finite(v: float) -> float | None:
@@ -385,12 +427,26 @@ def _audit_json(a: AuditReport) -> str:
     return json.dumps(body, separators=(",", ":"), allow_nan=False)
 
 
-def _shown(r: Replica, book: _Run) -> Shown:
+def _json_float(v: float) -> str:
+    return repr(float(v)) if math.isfinite(v) else "null"
+
+
+def _fragment(r: Replica, audit_json: str | None) -> bytes:
+    """:attr:`Shown.fragment` of ``r`` (strings through ``json.dumps``: every character escaped)."""
+    return (
+        f'"replica":{json.dumps(r.replica)},"step":{"null" if r.step is None else int(r.step)},'
+        f'"digest":{json.dumps(r.digest)},"last_error":{json.dumps(r.last_error)},'
+        f'"since":{_json_float(r.since)},"last_seen":{_json_float(r.last_seen)},"ttl_s":{_json_float(r.ttl_s)},'
+        f'"audit":{audit_json or "null"}'
+    ).encode()
+
+
+def _shown(r: Replica, groups: dict[int, dict[str, FingerprintGroup]], fragments: dict[str, bytes]) -> Shown:
     g = None
     if r.audit is not None:
-        g = book.groups.get(r.audit.audited_step, {}).get(r.replica)
+        g = groups.get(r.audit.audited_step, {}).get(r.replica)
     state: ReplicaState = "diverged" if g is not None and g.odd_one_out and r.state == "serving" else r.state
-    return Shown(r, state, g, book.audit_json.get(r.replica))
+    return Shown(r, state, g, fragments.get(r.replica, b""))
 
 
 def shown(
@@ -412,6 +468,6 @@ def shown(
         book.groups[step] = group_step(step, vectors, tolerance, bound)
     out = []
     for r in replicas:
-        s = _shown(r, book)
+        s = _shown(r, book.groups, {})
         out.append((r, s.state, s.group))
     return out

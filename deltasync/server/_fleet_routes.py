@@ -252,29 +252,32 @@ def _json_float(v: float) -> str:
 
 
 def _render(run: str, head: Commit | None, now: float, rows: list[Shown], relay: CommitRelay) -> bytes:
-    """``FleetOut`` as JSON bytes (the same fields and order), built without a model per replica."""
+    """``FleetOut`` as JSON bytes, built without a model per replica: each replica's members that
+    change only with a report come pre-rendered (:attr:`Shown.fragment`), the rest (lag, shown state,
+    digest check, age, group) are added here."""
     head_step = None if head is None else head.step
     digests: dict[int, str] = {}
     for s in {r.replica.step for r in rows if r.replica.step is not None and r.replica.digest is not None}:
         c = head if head is not None and head.step == s else relay.db.get_commit(run, s)
         if c is not None:
             digests[s] = c.manifest_digest
-    parts: list[str] = []
+    parts: list[bytes] = []
     for row in rows:
         r, g = row.replica, row.group
         lag = None if head_step is None or r.step is None else head_step - r.step
         known = None if r.step is None else digests.get(r.step)
         ok = "null" if r.digest is None or known is None else ("true" if r.digest == known else "false")
-        parts.append(
-            f'{{"replica":{_json_str(r.replica)},"step":{_json_int(r.step)},"lag":{_json_int(lag)},'
-            f'"state":{_json_str(row.state)},"digest":{_json_str(r.digest)},"digest_ok":{ok},'
-            f'"last_error":{_json_str(r.last_error)},"since":{_json_float(r.since)},'
-            f'"last_seen":{_json_float(r.last_seen)},"age_s":{_json_float(max(0.0, now - r.last_seen))},'
-            f'"ttl_s":{_json_float(r.ttl_s)},"audit":{row.audit_json or "null"},'
-            f'"fingerprint_group":{_json_int(None if g is None else g.group)},'
-            f'"odd_one_out":{"true" if g is not None and g.odd_one_out else "false"}}}'
+        parts += (
+            b"{",
+            row.fragment,
+            (
+                f',"lag":{_json_int(lag)},"state":"{row.state}","digest_ok":{ok},'
+                f'"age_s":{_json_float(max(0.0, now - r.last_seen))},'
+                f'"fingerprint_group":{_json_int(None if g is None else g.group)},'
+                f'"odd_one_out":{"true" if g is not None and g.odd_one_out else "false"}}},'
+            ).encode(),
         )
-    return (
-        f'{{"run":{_json_str(run)},"head":{_json_int(head_step)},"time":{_json_float(now)},'
-        f'"replicas":[{",".join(parts)}]}}'
-    ).encode()
+    if parts:
+        parts[-1] = parts[-1][:-1]  # no comma after the last replica
+    head_part = f'{{"run":{_json_str(run)},"head":{_json_int(head_step)},"time":{_json_float(now)},"replicas":['
+    return b"".join((head_part.encode(), *parts, b"]}"))

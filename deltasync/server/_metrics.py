@@ -27,6 +27,7 @@ class Metrics:
         self._help: dict[str, tuple[str, str]] = {}
         self._values: dict[str, dict[Labels, float]] = {}
         self._callbacks: dict[str, Callable[[], dict[Labels, float]]] = {}
+        self._text: dict[str, Callable[[], str]] = {}
 
     def declare(self, name: str, kind: str, help_text: str) -> None:
         """Register a metric family (``kind`` is "counter" or "gauge")."""
@@ -37,6 +38,13 @@ class Metrics:
         """A gauge whose samples are computed when scraped."""
         self._help[name] = ("gauge", help_text)
         self._callbacks[name] = fn
+
+    def text_callback(self, name: str, kind: str, help_text: str, fn: Callable[[], str]) -> None:
+        """A family whose sample lines ``fn`` renders itself when scraped (one per line, each ending
+        in a newline): for a family too large to format sample by sample at every scrape, which
+        ``fn`` can cache."""
+        self._help[name] = (kind, help_text)
+        self._text[name] = fn
 
     def inc(self, name: str, amount: float = 1, **labels: str) -> None:
         """Add to a counter (or gauge)."""
@@ -65,6 +73,9 @@ class Metrics:
         for name in sorted(self._help):
             kind, help_text = self._help[name]
             lines.append(family(name, kind, help_text))
+            if name in self._text:
+                lines.append(self._text[name]())
+                continue
             samples = snapshot.get(name, {})
             if not samples and kind == "counter":
                 samples = {(): 0}

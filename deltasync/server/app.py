@@ -11,6 +11,7 @@ through the dependencies in ``_deps``).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -23,6 +24,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 
+from deltasync._util.prometheus import sample
 from deltasync.server._db import Database
 from deltasync.server._fleet import FleetBook
 from deltasync.server._fleet_routes import fleet_router
@@ -102,17 +104,36 @@ def _fleet_gauges(metrics: Metrics, fleet: FleetBook, relay: CommitRelay) -> Non
                 out[(("run", run), ("state", state))] = counts[state]
         return out
 
-    def divergence() -> dict[tuple[tuple[str, str], ...], float]:
-        out: dict[tuple[tuple[str, str], ...], float] = {}
-        for run, replicas in fleet.runs()[1].items():
-            for r in replicas:
-                d = r.audit.divergence if r.audit is not None else None
-                if r.audit is None or d is None:
-                    continue
-                for stat, v in d.to_dict().items():
-                    key = (("replica", r.replica), ("run", run), ("stat", stat), ("step", str(r.audit.audited_step)))
-                    out[key] = v
-        return out
+    rendered: dict[str, tuple[int, str]] = {}  # run -> (its fleet's version, its divergence lines)
+    rendering = threading.Lock()
+
+    def divergence() -> str:
+        with rendering:  # scrapes render in worker threads: one at a time here
+            return _divergence()
+
+    def _divergence() -> str:
+        versions = fleet.versions()
+        stale = {run for run, v in versions.items() if rendered.get(run, (-1, ""))[0] != v}
+        for run in set(rendered) - set(versions):
+            del rendered[run]
+        if stale:
+            replicas = fleet.runs()[1]
+            for run in stale & set(replicas):
+                lines = []
+                for r in sorted(replicas[run], key=lambda r: r.replica):
+                    d = r.audit.divergence if r.audit is not None else None
+                    if r.audit is None or d is None:
+                        continue
+                    for stat, v in d.to_dict().items():
+                        labels = (
+                            ("replica", r.replica),
+                            ("run", run),
+                            ("stat", stat),
+                            ("step", str(r.audit.audited_step)),
+                        )
+                        lines.append(sample("deltasync_replica_divergence", v, labels))
+                rendered[run] = (versions[run], "".join(lines))
+        return "".join(rendered[run][1] for run in sorted(rendered))
 
     def max_lag() -> dict[tuple[tuple[str, str], ...], float]:
         out: dict[tuple[tuple[str, str], ...], float] = {}
@@ -124,8 +145,9 @@ def _fleet_gauges(metrics: Metrics, fleet: FleetBook, relay: CommitRelay) -> Non
         return out
 
     metrics.gauge_callback("deltasync_fleet_replicas", "Live replicas per run and state.", by_state)
-    metrics.gauge_callback(
+    metrics.text_callback(
         "deltasync_replica_divergence",
+        "gauge",
         "Each live replica's last audit against the trainer's reference, per audited step (nats; stat: "
         "mean_abs, max_abs, kl).",
         divergence,
