@@ -21,7 +21,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from deltasync.errors import DeltaSyncError
 from deltasync.protocol.audit import DEFAULT_TOLERANCE
 from deltasync.run.probes import read_probes
 from deltasync.storage import Store
@@ -42,7 +41,8 @@ class RunPolicies:
     """The fingerprint tolerance of each run's audit policy (see the module doc).
 
     ``store_for``: the run's store (None: the server has none, every run gets the default);
-    ``clock``: when to retry a failed read.
+    ``clock``: when to retry a failed read (``retry_s`` later); ``wait_s``: the longest a report waits
+    for a read in progress.
     """
 
     def __init__(
@@ -52,13 +52,15 @@ class RunPolicies:
         clock: Callable[[], float],
         max_runs: int,
         retry_s: float = 60.0,
+        wait_s: float = 5.0,
     ) -> None:
         self.store_for = store_for
         self.clock = clock
         self.max_runs = max_runs
         self.retry_s = retry_s
+        self.wait_s = wait_s
         self._known: OrderedDict[str, _Known] = OrderedDict()
-        self._reading: dict[str, asyncio.Future[float]] = {}
+        self._reading: dict[str, asyncio.Task[float]] = {}
 
     def cached(self, run: str) -> float | None:
         """The run's tolerance if it is known and need not be read again, else None."""
@@ -69,31 +71,37 @@ class RunPolicies:
         return k.tolerance
 
     async def tolerance(self, run: str) -> float:
-        """The run's fingerprint tolerance: its policy's, else the default (reads the store at most once at a time)."""
+        """The run's fingerprint tolerance: its policy's, else the default. The store is read once at a
+        time per run, in a worker thread; a report waits for it at most ``wait_s`` (then it is grouped
+        with the default, and the read goes on for the next one)."""
         hit = self.cached(run)
         if hit is not None:
             return hit
         if self.store_for is None:
             self._keep(run, _Known(DEFAULT_TOLERANCE, None))
             return DEFAULT_TOLERANCE
-        pending = self._reading.get(run)
-        if pending is not None:
-            return await asyncio.shield(pending)
-        pending = asyncio.get_running_loop().create_future()
-        self._reading[run] = pending
+        task = self._reading.get(run)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._load(run))
+            self._reading[run] = task
+        try:
+            return await asyncio.wait_for(asyncio.shield(task), self.wait_s)
+        except TimeoutError:
+            log.warning(
+                "the audit policy of run %r is still being read after %g s: this report is grouped with the "
+                "default tolerance %g nats",
+                run,
+                self.wait_s,
+                DEFAULT_TOLERANCE,
+            )
+            return DEFAULT_TOLERANCE
+
+    async def _load(self, run: str) -> float:
         try:
             known = await asyncio.to_thread(self._read, run)
-        except asyncio.CancelledError:
-            pending.cancel()  # the request went away: a waiter on it retries
-            raise
-        except BaseException as exc:
-            pending.set_exception(exc)
-            pending.exception()  # retrieved: no "never retrieved" warning when nobody else waited
-            raise
         finally:
-            del self._reading[run]
+            self._reading.pop(run, None)
         self._keep(run, known)
-        pending.set_result(known.tolerance)
         return known.tolerance
 
     def _read(self, run: str) -> _Known:
@@ -101,13 +109,14 @@ class RunPolicies:
         assert self.store_for is not None
         try:
             probes = read_probes(self.store_for(run))
-        except (DeltaSyncError, OSError) as exc:
+        except Exception as exc:  # any failure of the store or the file: the default, read again later
             log.warning(
                 "cannot read the audit policy of run %r (the fleet groups fingerprints with the default tolerance "
-                "%g nats meanwhile; read again in %g s): %s",
+                "%g nats meanwhile; read again in %g s): %s: %s",
                 run,
                 DEFAULT_TOLERANCE,
                 self.retry_s,
+                type(exc).__name__,
                 exc,
             )
             return _Known(DEFAULT_TOLERANCE, self.clock() + self.retry_s)

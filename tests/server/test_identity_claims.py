@@ -96,7 +96,7 @@ def test_racing_reports_read_the_policy_once_and_off_the_event_loop() -> None:
     store = MemoryStore("p")
     write_probes(store, ProbeSet(((1, 2, 3, 4, 5),), 8, AuditPolicy(fingerprint_tolerance=0.3)))
     spy = CountingStore(store)
-    policies = RunPolicies(spy, clock=Clock(), max_runs=4)
+    policies = RunPolicies(spy, clock=Clock(), max_runs=4, wait_s=30)
 
     async def main() -> list[float]:
         tasks = [asyncio.create_task(policies.tolerance("r")) for _ in range(8)]
@@ -110,6 +110,22 @@ def test_racing_reports_read_the_policy_once_and_off_the_event_loop() -> None:
     assert asyncio.run(main()) == [0.3] * 8
     assert spy.reads == 1
     assert policies.cached("r") == 0.3
+
+
+def test_a_slow_read_does_not_hold_a_report_and_the_next_one_gets_its_result() -> None:
+    store = MemoryStore("p")
+    write_probes(store, ProbeSet(((1, 2, 3, 4, 5),), 8, AuditPolicy(fingerprint_tolerance=0.3)))
+    spy = CountingStore(store)
+    policies = RunPolicies(spy, clock=Clock(), max_runs=4, wait_s=0)
+
+    async def main() -> tuple[float, float]:
+        first = await policies.tolerance("r")  # the read is held: this report goes on with the default
+        spy.gate.set()
+        policies.wait_s = 30
+        return first, await policies.tolerance("r")  # joins the read in progress
+
+    assert asyncio.run(main()) == (DEFAULT_TOLERANCE, 0.3)
+    assert spy.reads == 1
 
 
 def test_a_failed_read_keeps_the_default_until_retry_s(caplog: pytest.LogCaptureFixture) -> None:
