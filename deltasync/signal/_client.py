@@ -100,7 +100,7 @@ def _check(r: httpx.Response) -> httpx.Response:
     except (ValueError, AttributeError, httpx.HTTPError):
         detail = r.text if r.is_stream_consumed else ""
     msg = f"signal server: {r.request.method} {r.request.url.path} -> HTTP {r.status_code}: {detail}"
-    if r.status_code in (401, 403):
+    if r.status_code in (401, 403) and "is held by" not in str(detail):  # not an id another credential holds
         msg += _token_hint(r.request.method, r.request.url.path, r.status_code, "authorization" in r.request.headers)
     if r.status_code >= 500:
         raise SignalUnavailable(msg)

@@ -151,7 +151,8 @@ def test_a_bound_reporter_keeps_its_id_from_a_shared_token_and_restarts_with_its
             fake.close()
         assert [(r.replica, r.step, r.state) for r in trainer.fleet(run).replicas] == [("node7-0", 5, "serving")]
     (warning,) = [m.getMessage() for m in caplog.records]
-    assert "HTTP 403" in warning and "replica token" in warning
+    assert "HTTP 403" in warning and "held by its replica token" in warning
+    assert "DELTASYNC_SUBSCRIBE_TOKEN" not in warning  # its token is fine: the id is another's
     with FleetReporter(server.url, run, token, replica="node7-0", heartbeat=0.05) as again:  # a restart
         again.update(6)
         assert again.wait_reported(WAIT)
