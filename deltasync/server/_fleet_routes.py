@@ -5,6 +5,9 @@ digest, state and last error; ``DELETE`` of the same path removes it (a clean sh
 ``GET /v1/runs/{run}/fleet`` (scope ``subscribe``) lists the live replicas with their lag behind
 the run's head, their last behavioural audit and their fingerprint group (a ``serving`` replica that
 is the odd one out at its audited step is shown ``diverged``). See :mod:`deltasync.server._fleet` for ageing and bounds.
+``POST /v1/runs/{run}/replicas/{replica}/token`` (scope ``publish``) mints a replica token. Who may
+report or remove which replica id (replica tokens, leases) is :mod:`deltasync.server._identity`; the
+run's grouping tolerance (its ``probes.json``, never a report's) is :mod:`deltasync.server._policy`.
 """
 
 from __future__ import annotations
