@@ -21,6 +21,7 @@ from deltasync.errors import (
     AlreadyExists,
     InvalidKey,
     ObjectNotFound,
+    ObjectTooLarge,
     PreconditionFailed,
     StorageError,
     TransientStorageError,
@@ -359,6 +360,39 @@ def test_servers_that_ignore_ranges_still_work(fault_server: Any) -> None:
     assert s.get_range("k", 2, 5) == b"234"
     assert s.get_range("k", 4, 4) == b""
     s.close()
+
+
+def test_a_bounded_read_of_a_server_that_ignores_ranges_asks_its_size_first(fault_server: Any) -> None:
+    """The ranged GET is answered whole (refused by obstore): a HEAD gives the size, and an object
+    over the limit is not fetched whole."""
+    fault_server.status = 200
+    s = _fault_store(fault_server, max_retries=0)
+    assert s.get_bounded("k", 10) == b"0123456789"
+    fault_server.paths.clear()
+    with pytest.raises(ObjectTooLarge, match="k holds 10 bytes, over the 9-byte limit"):
+        s.get_bounded("k", 9)
+    assert len(fault_server.paths) == 2, "the ranged GET and the HEAD, no whole GET"
+    s.close()
+
+
+def test_a_bounded_read_asks_for_at_most_the_limit_plus_one_byte(
+    store: S3Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store.put("big", b"x" * (3 << 20))
+    asked: list[Any] = []
+    real_get = obs.get
+
+    def get(s: Any, key: str, *, options: Any = None) -> Any:
+        asked.append((options or {}).get("range"))
+        return real_get(s, key, options=options)
+
+    monkeypatch.setattr(obs, "get", get)
+    with pytest.raises(ObjectTooLarge, match=f"big holds {3 << 20} bytes, over the 1024-byte limit"):
+        store.get_bounded("big", 1024)
+    assert asked == [(0, 1025)]
+    asked.clear()
+    assert store.get_many_bounded({"big": 3 << 20}) == {"big": b"x" * (3 << 20)}
+    assert asked[0] == (0, min(store._part_size, (3 << 20) + 1))
 
 
 _STREAM_PROBE = """
