@@ -21,6 +21,7 @@ from deltasync.errors import (
     DeltaSyncError,
     InvalidKey,
     ObjectNotFound,
+    ObjectTooLarge,
     StorageError,
     TransientStorageError,
 )
@@ -170,6 +171,22 @@ def test_one_batch_call_per_put_many(fake_hub: FakeHub, hf_bucket: str, tmp_path
     assert fake_hub.count("HEAD", r"/resolve/") == n_resolve + 1
     store.close()
     assert not store._tmp
+
+
+def test_a_bounded_read_downloads_nothing_of_an_object_over_its_limit(fake_hub: FakeHub, hf_bucket: str) -> None:
+    """The sizes come from the paths-info request every read makes first."""
+    store = hf_store(fake_hub, hf_bucket)
+    store.put_many({"probes.json": b"p" * 5000, "HEAD.json": b"{}"})
+    n_info, n_resolve = fake_hub.count("POST", r"/paths-info$"), fake_hub.count("HEAD", r"/resolve/")
+    with pytest.raises(ObjectTooLarge, match="probes.json holds 5000 bytes, over the 4999-byte limit"):
+        store.get_many_bounded({"HEAD.json": 2, "probes.json": 4999})
+    assert fake_hub.count("POST", r"/paths-info$") == n_info + 1
+    assert fake_hub.count("HEAD", r"/resolve/") == n_resolve, "nothing was downloaded"
+    assert store.get_many_bounded({"HEAD.json": 2, "probes.json": 5000}) == {
+        "HEAD.json": b"{}",
+        "probes.json": b"p" * 5000,
+    }
+    store.close()
 
 
 def test_listing_pages(fake_hub: FakeHub, hf_bucket: str) -> None:
