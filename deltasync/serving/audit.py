@@ -42,7 +42,7 @@ from typing import Any, Literal
 
 import httpx
 
-from deltasync.errors import DeltaSyncError
+from deltasync.errors import DeltaSyncError, ProtocolError
 from deltasync.protocol.audit import AuditPolicy, AuditReport, Divergence, divergence, fingerprint
 from deltasync.protocol.digests import digests_comparable
 from deltasync.protocol.probes import ProbeSet, Reference
@@ -249,9 +249,10 @@ class AuditSource:
                 return self._refs[step]
         from deltasync.run.probes import read_reference
 
-        ref = read_reference(self.store, step)  # looked up again while absent: the trainer may attach it late
-        if ref is not None and ref.probes_digest != self.probes().digest:
-            log.warning("the reference of step %d was computed on other probes: not compared", step)
+        try:  # looked up again while absent: the trainer may attach it late
+            ref = read_reference(self.store, step, self.probes())
+        except ProtocolError as exc:  # damaged, or not of these probes (its rows checked against them)
+            log.warning("step %d has no usable reference: not compared: %s", step, exc)
             ref = None
         with self._lock:
             self._refs[step] = ref

@@ -112,3 +112,18 @@ def test_a_reference_over_4_mib_is_refused_from_its_size(tmp_path: Path) -> None
             f.truncate(1 << 31)
         with pytest.raises(ObjectTooLarge, match=f"over the {MAX_REFERENCE_BYTES}-byte limit"):
             read_reference(s, 9)
+
+
+def test_an_audit_finds_no_usable_reference_instead_of_failing_later(store: Store) -> None:
+    from deltasync.serving.audit import AuditSource, ProbeOutput, ReplicaAuditor
+
+    stored(store, 5, rows(8, 10, 6))
+    answers = ProbeOutput(tuple(tuple(r) for r in rows(8, 11, 6)))
+    result = ReplicaAuditor(AuditSource(store)).judge(5, answers)
+    assert result.divergence is None and not result.diverged
+    assert result.summary() == "audit of step 5: no reference: ok"
+    # once the trainer writes a fitting one (a new run would: references are written once), it is compared
+    store.delete_many([reference_key(5)])
+    write_reference(store, Reference(5, PROBES.digest, answers.logprobs, "float32"))
+    again = ReplicaAuditor(AuditSource(store)).judge(5, answers)
+    assert again.divergence is not None and again.divergence.max_abs == 0.0
