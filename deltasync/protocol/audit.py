@@ -33,6 +33,7 @@ Logprobs below :data:`LOGPROB_FLOOR` (``-inf`` included) are clamped to it befor
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -324,9 +325,16 @@ def parse_fingerprint(fp: str) -> tuple[str, npt.NDArray[np.int32]]:
     """A well-formed fingerprint's probe tag (8 hex digits) and segment values (in quanta), parsed once.
 
     What the fleet keeps per replica, so that grouping never re-parses; a ProtocolError otherwise.
+    The last few thousand parsed are remembered (a fleet's heartbeats repeat their fingerprints,
+    and a report is checked by more than one layer); the values are read-only.
     """
     if not isinstance(fp, str) or len(fp) > MAX_FINGERPRINT or not fp.startswith(_PREFIX):
         raise ProtocolError(f"not a fingerprint: {str(fp)[:80]!r}")
+    return _parse_valid_str(fp)
+
+
+@functools.lru_cache(maxsize=8192)
+def _parse_valid_str(fp: str) -> tuple[str, npt.NDArray[np.int32]]:
     m = _FINGERPRINT.fullmatch(fp)
     if m is None or len(m.group(2)) % (_HEX * SEGMENTS):
         raise ProtocolError(f"not a fingerprint: {fp[:80]!r}")

@@ -2,7 +2,8 @@
 
 Routes never close over the app: they take the relay, settings and metrics from
 ``request.app.state`` through these functions, so a test can swap any of them
-with ``app.dependency_overrides[get_relay] = ...``.
+with ``app.dependency_overrides[get_relay] = ...``. They are ``async``: FastAPI runs a plain
+``def`` dependency in a worker thread, a hop per dependency per request.
 """
 
 from __future__ import annotations
@@ -28,25 +29,25 @@ __all__ = [
 ]
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     """The app's :class:`Settings`."""
     settings: Settings = request.app.state.settings
     return settings
 
 
-def get_relay(request: Request) -> CommitRelay:
+async def get_relay(request: Request) -> CommitRelay:
     """The app's :class:`~deltasync.server._relay.CommitRelay` (heads, history, waiters, webhooks)."""
     relay: CommitRelay = request.app.state.relay
     return relay
 
 
-def get_metrics(request: Request) -> Metrics:
+async def get_metrics(request: Request) -> Metrics:
     """The app's Prometheus :class:`~deltasync.server._metrics.Metrics`."""
     metrics: Metrics = request.app.state.metrics
     return metrics
 
 
-def get_fleet(request: Request) -> FleetBook:
+async def get_fleet(request: Request) -> FleetBook:
     """The app's :class:`~deltasync.server._fleet.FleetBook` (what each replica reported)."""
     fleet: FleetBook = request.app.state.fleet
     return fleet

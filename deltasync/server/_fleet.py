@@ -108,6 +108,9 @@ class _Run:
     #: bumped by every change of what the fleet shows but ``last_seen`` (a state, an audit, a group,
     #: a replica joining or leaving): the metrics' caches are keyed on it
     version: int = 0
+    #: no replica ages out before this (a lower bound: a heartbeat only moves its replica's expiry
+    #: later), so that a report scans the run's replicas only once one may have
+    next_expiry: float = math.inf
     #: the shown states' counts at ``counts[0]`` == ``version``
     counts: tuple[int, dict[ReplicaState, int]] | None = None
 
@@ -171,11 +174,12 @@ class FleetBook:
 
     def _prune_run(self, run: str, now: float) -> int:
         book = self._runs.get(run)
-        if book is None:
+        if book is None or now < book.next_expiry:  # nobody can have aged out yet: no scan
             return 0
         dead = [k for k, r in book.replicas.items() if not r.alive(now)]
         for k in dead:
             book.drop(k)
+        book.next_expiry = min((r.last_seen + r.ttl_s for r in book.replicas.values()), default=math.inf)
         if not book.replicas:
             del self._runs[run]
         return len(dead)
@@ -261,6 +265,7 @@ class FleetBook:
                 book.audit_json[replica] = _audit_json(audit)
             regroup = old is None or old.bound != bound or not _same_audit(old.audit, audit)
             book.replicas[replica] = entry
+            book.next_expiry = min(book.next_expiry, now + entry.ttl_s)
             book.fragments[replica] = _fragment(entry, book.audit_json.get(replica))
             if old is None or regroup or old.state != state or old.audit is not audit:
                 book.version += 1

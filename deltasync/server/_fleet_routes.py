@@ -49,13 +49,13 @@ LeaseHeader = Annotated[
 ]
 
 
-def get_claims(request: Request) -> ReplicaClaims:
+async def get_claims(request: Request) -> ReplicaClaims:
     """The app's :class:`~deltasync.server._identity.ReplicaClaims` (who holds each replica id)."""
     claims: ReplicaClaims = request.app.state.claims
     return claims
 
 
-def get_policies(request: Request) -> RunPolicies:
+async def get_policies(request: Request) -> RunPolicies:
     """The app's :class:`~deltasync.server._policy.RunPolicies` (each run's fingerprint tolerance)."""
     policies: RunPolicies = request.app.state.policies
     return policies

@@ -156,7 +156,7 @@ class _StrictJSONRequest(Request):
         return self._json
 
 
-def _body_accepted(request: Request) -> None:
+async def _body_accepted(request: Request) -> None:
     """413 for a body :func:`~deltasync.server._limits.limit_body` cut short; 422 ``json_invalid``
     (FastAPI's own shape) for one :func:`strict_json_loads` refused."""
     limit = body_cut(request.scope)
