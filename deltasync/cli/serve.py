@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 from typing import Any
 
@@ -106,6 +107,13 @@ def run(args: argparse.Namespace) -> int:
             app.state.relay.close_streams()  # SSE streams would otherwise hold the shutdown
             super().handle_exit(sig, frame)
 
+    # A fleet keeps thousands of long-lived objects (replicas, SSE streams): with the default
+    # thresholds a full collection ran every few seconds under 4,096 heartbeating replicas and 1,000
+    # followers, pausing the event loop up to 190 ms (benchmarks/bench_fleet.py, docs/fleet.md
+    # "Scale"). What exists at start-up is frozen (never scanned again); young objects are collected
+    # less often and the old generation rarely.
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=2)
     Server(config).run()
     return 0

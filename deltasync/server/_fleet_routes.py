@@ -237,8 +237,7 @@ async def fleet_view(run: RunName, fleet: FleetDep, relay: RelayDep) -> Response
     JSON rather than through a model per replica.
     """
     head = await relay.head_or_derive(run)
-    now, rows = await run_in_threadpool(fleet.view, run)
-    body = await run_in_threadpool(_render, run, head, now, rows, relay)
+    body = await run_in_threadpool(lambda: _render(run, head, *fleet.view(run), relay))
     return Response(body, media_type="application/json")
 
 
