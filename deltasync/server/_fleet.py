@@ -365,6 +365,23 @@ class FleetBook:
         entries.sort(key=lambda r: r.replica)
         return now, [_shown(r, groups, fragments) for r in entries]
 
+    def grouped(self, run: str) -> bool:
+        """Whether ``run``'s groups are up to date (a read regroups nothing): a reader may then
+        build the view where it runs, without a worker thread."""
+        with self._lock:
+            book = self._runs.get(run)
+            return book is None or not book.dirty
+
+    def counted(self, versions: dict[str, int]) -> bool:
+        """Whether the metrics' figures are up to date: no run has a step to regroup, every run's
+        state counts are cached, and ``versions`` (what a caller's own caches were built at) are the
+        runs' versions. Then a scrape computes nothing and needs no worker thread."""
+        with self._lock:
+            self._prune(self.clock())
+            return versions == {run: b.version for run, b in self._runs.items()} and all(
+                not b.dirty and b.counts is not None and b.counts[0] == b.version for b in self._runs.values()
+            )
+
     def versions(self) -> dict[str, int]:
         """Every run's :attr:`_Run.version`: what a cache of its shown fleet (but ``last_seen``) is keyed on."""
         with self._lock:

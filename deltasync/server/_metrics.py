@@ -28,6 +28,9 @@ class Metrics:
         self._values: dict[str, dict[Labels, float]] = {}
         self._callbacks: dict[str, Callable[[], dict[Labels, float]]] = {}
         self._text: dict[str, Callable[[], str]] = {}
+        #: whether every callback would only read caches now (then a scrape may render on the
+        #: event loop, cheaper than a worker-thread hop); the app sets it
+        self.cached: Callable[[], bool] = lambda: False
 
     def declare(self, name: str, kind: str, help_text: str) -> None:
         """Register a metric family (``kind`` is "counter" or "gauge")."""

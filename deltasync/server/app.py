@@ -145,6 +145,12 @@ def _fleet_gauges(metrics: Metrics, fleet: FleetBook, relay: CommitRelay) -> Non
         return out
 
     metrics.gauge_callback("deltasync_fleet_replicas", "Live replicas per run and state.", by_state)
+
+    def cached() -> bool:
+        with rendering:
+            return fleet.counted({run: v for run, (v, _) in rendered.items()})
+
+    metrics.cached = cached  # /metrics renders on the event loop only when this holds
     metrics.text_callback(
         "deltasync_replica_divergence",
         "gauge",
