@@ -12,6 +12,7 @@ run's grouping tolerance (its ``probes.json``, never a report's) is :mod:`deltas
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from typing import Annotated
@@ -232,13 +233,13 @@ async def mint_token(run: RunName, replica: ReplicaName, settings: SettingsDep) 
 async def fleet_view(run: RunName, fleet: FleetDep, relay: RelayDep) -> Response:
     """The run's live replicas, each with its step, lag behind the head, state and last error.
 
-    Served off the event loop: the book regroups only the audited steps that changed since the
-    last read (docs/fleet.md "Scale"), and the reply is assembled from each replica's cached audit
-    JSON rather than through a model per replica.
+    The book regroups only the audited steps that changed since the last read, in a worker thread
+    (docs/fleet.md "Scale"); with nothing to regroup the reply is assembled on the event loop, in
+    slices, from each replica's pre-rendered members rather than through a model per replica.
     """
     head = await relay.head_or_derive(run)
-    if fleet.grouped(run):  # nothing to regroup: ~20 ms for 4,096 replicas, less than a thread hop under load
-        body = _render(run, head, *fleet.view(run), relay)
+    if fleet.grouped(run):  # nothing to regroup: cheaper here, in slices, than a thread hop under load
+        body = await _render_on_loop(run, head, *fleet.view(run), relay)
     else:
         body = await run_in_threadpool(lambda: _render(run, head, *fleet.view(run), relay))
     return Response(body, media_type="application/json")
@@ -256,16 +257,48 @@ def _json_float(v: float) -> str:
     return repr(float(v)) if math.isfinite(v) else "null"
 
 
+#: replicas rendered between two yields to the event loop (~2 ms each)
+_SLICE = 512
+
+
 def _render(run: str, head: Commit | None, now: float, rows: list[Shown], relay: CommitRelay) -> bytes:
     """``FleetOut`` as JSON bytes, built without a model per replica: each replica's members that
     change only with a report come pre-rendered (:attr:`Shown.fragment`), the rest (lag, shown state,
     digest check, age, group) are added here."""
-    head_step = None if head is None else head.step
+    digests = _digests(run, head, rows, relay)
+    parts = [_head(run, head, now)]
+    for lo in range(0, len(rows), _SLICE):
+        parts += _members(rows[lo : lo + _SLICE], head, digests, now)
+    return _close(parts)
+
+
+async def _render_on_loop(run: str, head: Commit | None, now: float, rows: list[Shown], relay: CommitRelay) -> bytes:
+    """:func:`_render` on the event loop, yielding to it between slices of replicas."""
+    digests = _digests(run, head, rows, relay)
+    parts = [_head(run, head, now)]
+    for lo in range(0, len(rows), _SLICE):
+        if lo:
+            await asyncio.sleep(0)
+        parts += _members(rows[lo : lo + _SLICE], head, digests, now)
+    return _close(parts)
+
+
+def _digests(run: str, head: Commit | None, rows: list[Shown], relay: CommitRelay) -> dict[int, str]:
     digests: dict[int, str] = {}
     for s in {r.replica.step for r in rows if r.replica.step is not None and r.replica.digest is not None}:
         c = head if head is not None and head.step == s else relay.db.get_commit(run, s)
         if c is not None:
             digests[s] = c.manifest_digest
+    return digests
+
+
+def _head(run: str, head: Commit | None, now: float) -> bytes:
+    head_step = None if head is None else head.step
+    return f'{{"run":{_json_str(run)},"head":{_json_int(head_step)},"time":{_json_float(now)},"replicas":['.encode()
+
+
+def _members(rows: list[Shown], head: Commit | None, digests: dict[int, str], now: float) -> list[bytes]:
+    head_step = None if head is None else head.step
     parts: list[bytes] = []
     for row in rows:
         r, g = row.replica, row.group
@@ -282,7 +315,10 @@ def _render(run: str, head: Commit | None, now: float, rows: list[Shown], relay:
                 f'"odd_one_out":{"true" if g is not None and g.odd_one_out else "false"}}},'
             ).encode(),
         )
-    if parts:
+    return parts
+
+
+def _close(parts: list[bytes]) -> bytes:
+    if len(parts) > 1:
         parts[-1] = parts[-1][:-1]  # no comma after the last replica
-    head_part = f'{{"run":{_json_str(run)},"head":{_json_int(head_step)},"time":{_json_float(now)},"replicas":['
-    return b"".join((head_part.encode(), *parts, b"]}"))
+    return b"".join((*parts, b"]}"))
