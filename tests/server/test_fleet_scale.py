@@ -212,7 +212,7 @@ def test_the_assembled_reply_is_the_fleet_out_the_models_render(client: TestClie
     reply = client.get("/v1/runs/r/fleet", headers={"Authorization": f"Bearer {SUB}"})
     assert reply.status_code == 200 and reply.headers["content-type"] == "application/json"
     # the first read regrouped in a worker thread; the next, with nothing to regroup, renders on the
-    # event loop in slices: the same bytes (the injected clock did not move)
+    # event loop: the same bytes (the injected clock did not move)
     again = client.get("/v1/runs/r/fleet", headers={"Authorization": f"Bearer {SUB}"})
     assert again.content == reply.content
     got = FleetOut.model_validate_json(reply.content)
