@@ -59,6 +59,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _io_stack() -> tuple[str, str]:
+    """uvicorn's HTTP parser and event loop: ``httptools`` and ``uvloop`` where installed (the
+    ``server`` extra; C, a fraction of the cost per request), else ``h11`` and ``asyncio``."""
+    try:
+        import httptools  # noqa: F401
+
+        http = "httptools"
+    except ImportError:
+        http = "h11"
+    try:
+        import uvloop  # noqa: F401
+
+        loop = "uvloop"
+    except ImportError:
+        loop = "asyncio"
+    return http, loop
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``deltasync serve`` until the process is told to stop."""
     try:
@@ -93,9 +111,16 @@ def run(args: argparse.Namespace) -> int:
         scopes += (
             f", replica tokens: {'DELTASYNC_REPLICA_KEY' if settings.replica_key else 'key from the publish token'}"
         )
+    http, loop = _io_stack()
     print(
         f"deltasync signal server on http://{args.host}:{args.port} ({scopes}; db {settings.db_path}"
         + ("" if settings.store_url else "; no store: published steps are not checked")
+        + f"; {http} + {loop}"
+        + (
+            ""
+            if (http, loop) == ("httptools", "uvloop")
+            else " (httptools and uvloop, of the server extra, cost less per request)"
+        )
         + ")",
         file=sys.stderr,
         flush=True,
@@ -114,6 +139,14 @@ def run(args: argparse.Namespace) -> int:
     # less often and the old generation rarely.
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=2)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        http=http,
+        loop=loop,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=2,
+    )
     Server(config).run()
     return 0
