@@ -30,7 +30,18 @@ from deltasync.server._models import Problem
 from deltasync.server._settings import Settings
 from deltasync.signal import REPLICA_TOKEN_PREFIX, verify_replica_token
 
-__all__ = ["AUTH_RESPONSES", "Publish", "Report", "ReportAuth", "ReportCredential", "Subscribe", "require"]
+__all__ = [
+    "AUTH_RESPONSES",
+    "Publish",
+    "Report",
+    "ReportAuth",
+    "ReportCheck",
+    "ReportCredential",
+    "ReportRefusal",
+    "Subscribe",
+    "report_grant",
+    "require",
+]
 
 _bearer = HTTPBearer(auto_error=False, description="publish, subscribe or report token")
 
@@ -103,6 +114,50 @@ class ReportCredential:
         return self.kind != "shared"
 
 
+@dataclass(frozen=True, slots=True)
+class ReportRefusal:
+    """Why :func:`report_grant` refused a credential: the status (401/403), the reason counted in
+    ``deltasync_auth_failures_total`` and the detail of the reply."""
+
+    status: int
+    reason: Literal["missing", "wrong"]
+    detail: str
+
+
+def report_grant(settings: Settings, given: str | None, run: str, replica: str) -> ReportCredential | ReportRefusal:
+    """The credential that grants ``report`` on ``run``'s ``replica`` to the bearer token ``given``
+    (None: no token), or why it does not: :func:`report_credential` without its side effects (it
+    counts nothing and raises nothing), so that the report route's fast path may ask it too."""
+    if given is not None and given.startswith(REPLICA_TOKEN_PREFIX):
+        key = settings.replica_token_key
+        if key is None:
+            return ReportRefusal(
+                403,
+                "wrong",
+                "this server takes no replica tokens: start it with DELTASYNC_REPLICA_KEY (or a publish token)",
+            )
+        try:
+            identity = verify_replica_token(key, given, run, replica)
+        except SignalRejected as exc:
+            return ReportRefusal(403, "wrong", str(exc))
+        return ReportCredential("replica", identity)
+    wanted = _wanted(settings, "report")
+    is_publish = given is not None and settings.publish_token is not None and _same(given, settings.publish_token)
+    if wanted[0] is None:  # the scope is open
+        return ReportCredential("publish" if is_publish else "shared")
+    if given is None:
+        return ReportRefusal(
+            401, "missing", "this route needs a bearer token of scope 'report' (or this replica's replica token)"
+        )
+    ok = is_publish
+    for tok in wanted:
+        if tok is not None:
+            ok |= _same(given, tok)  # no short-circuit: same work for every token
+    if not ok:
+        return ReportRefusal(403, "wrong", "the bearer token does not grant scope 'report' (nor is it a replica token)")
+    return ReportCredential("publish" if is_publish else "shared")
+
+
 async def report_credential(
     request: Request,
     settings: SettingsDep,
@@ -111,44 +166,20 @@ async def report_credential(
 ) -> ReportCredential:
     """The ``report`` scope of ``/v1/runs/{run}/replicas/{replica}``, and which credential granted it
     (401 none, 403 wrong: a replica token of another run or replica, or not made with this server's key)."""
-    given = None if cred is None else cred.credentials
-    if given is not None and given.startswith(REPLICA_TOKEN_PREFIX):
-        key = settings.replica_token_key
-        if key is None:
-            metrics.inc("deltasync_auth_failures_total", reason="wrong")
-            raise _auth_error(
-                403,
-                "this server takes no replica tokens: start it with DELTASYNC_REPLICA_KEY (or a publish token)",
-            )
-        run, replica = str(request.path_params.get("run", "")), str(request.path_params.get("replica", ""))
-        try:
-            identity = verify_replica_token(key, given, run, replica)
-        except SignalRejected as exc:
-            metrics.inc("deltasync_auth_failures_total", reason="wrong")
-            raise _auth_error(403, str(exc)) from None
-        no_unknown_query(request)
-        return ReportCredential("replica", identity)
-    wanted = _wanted(settings, "report")
-    is_publish = given is not None and settings.publish_token is not None and _same(given, settings.publish_token)
-    if wanted[0] is None:  # the scope is open
-        no_unknown_query(request)
-        return ReportCredential("publish" if is_publish else "shared")
-    if given is None:
-        metrics.inc("deltasync_auth_failures_total", reason="missing")
-        raise _auth_error(401, "this route needs a bearer token of scope 'report' (or this replica's replica token)")
-    ok = is_publish
-    for tok in wanted:
-        if tok is not None:
-            ok |= _same(given, tok)  # no short-circuit: same work for every token
-    if not ok:
-        metrics.inc("deltasync_auth_failures_total", reason="wrong")
-        raise _auth_error(403, "the bearer token does not grant scope 'report' (nor is it a replica token)")
+    run, replica = str(request.path_params.get("run", "")), str(request.path_params.get("replica", ""))
+    grant = report_grant(settings, None if cred is None else cred.credentials, run, replica)
+    if isinstance(grant, ReportRefusal):
+        metrics.inc("deltasync_auth_failures_total", reason=grant.reason)
+        raise _auth_error(grant.status, grant.detail)
     no_unknown_query(request)
-    return ReportCredential("publish" if is_publish else "shared")
+    return grant
 
 
 #: the ``report`` scope of a replica's route, with the credential that granted it
 ReportAuth = Annotated[ReportCredential, Depends(report_credential)]
+#: the same as a route's dependency (``dependencies=[ReportCheck]``): solved before the body is looked
+#: at (auth first); a ``ReportAuth`` parameter of the route gets its cached credential
+ReportCheck = Depends(report_credential)
 
 Publish = Depends(require("publish"))
 Subscribe = Depends(require("subscribe"))

@@ -280,6 +280,10 @@ class FleetBook:
             self._runs[run] = book
             return entry, old is None
 
+    def fragment(self, run: str, replica: str) -> bytes:
+        """The replica's :attr:`Shown.fragment` as its last report rendered it (KeyError: not in the book)."""
+        return self._runs[run].fragments[replica]
+
     def leave(self, run: str, replica: str) -> bool:
         """Remove a replica (it shut down cleanly); whether it was there."""
         with self._lock:

@@ -254,12 +254,16 @@ def create_app(
     # who holds each replica id (docs/fleet.md), and each run's audit policy (its probes.json)
     app.state.claims = ReplicaClaims(clock=clock, max_replicas=settings.max_replicas, max_runs=settings.max_fleet_runs)
     app.state.policies = RunPolicies(store_for, clock=clock, max_runs=settings.max_fleet_runs)
+    # the report route's fast path (deltasync.server._fleet_routes); False: every report is solved by FastAPI
+    app.state.fast_reports = True
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, validation_error_reply)
     app.add_exception_handler(Conflict, _conflict)
     app.add_exception_handler(StoreUnavailable, _store_down)
     app.add_exception_handler(NotInStore, _not_in_store)
-    app.include_router(router)
+    # the fleet routes first: a heartbeat (the most frequent request, ~437/s at 4,096 replicas) is
+    # matched without trying every other route first (the paths do not overlap)
     app.include_router(fleet_router)
+    app.include_router(router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     return app

@@ -14,11 +14,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from deltasync.errors import ProtocolError
-from deltasync.protocol.audit import AuditReport, Divergence
+from deltasync.protocol.audit import AuditReport, Divergence, FingerprintGroup
 from deltasync.server import Settings, create_app
-from deltasync.server._fleet import FleetBook, FleetFull
-from deltasync.server._fleet_routes import _out
-from deltasync.server._models import FleetOut
+from deltasync.server._fleet import FleetBook, FleetFull, Replica
+from deltasync.server._models import AuditBody, FleetOut, ReplicaOut
+from deltasync.signal import ReplicaState
 
 PUB = "publish-token-0123"
 SUB = "subscribe-token-0123"
@@ -53,6 +53,35 @@ def report(b: FleetBook, rid: str, fingerprint: str | None, step: int = 3, **kw:
     audit = None if fingerprint is None else AuditReport(step, fingerprint, kw.pop("div", None), kw.pop("tol", 0.02))
     ttl_s = kw.pop("ttl_s", None)
     b.report("r", rid, step=step, digest=None, state="serving", last_error=None, ttl_s=ttl_s, audit=audit, **kw)
+
+
+def _out(
+    r: Replica,
+    head: int | None,
+    head_digest: str | None,
+    now: float,
+    state: ReplicaState | None = None,
+    group: FingerprintGroup | None = None,
+) -> ReplicaOut:
+    """The replica as the models render it: what the server's assembled JSON must equal."""
+    lag = None if head is None or r.step is None else head - r.step
+    digest_ok = None if r.digest is None or head_digest is None else r.digest == head_digest
+    return ReplicaOut(
+        replica=r.replica,
+        step=r.step,
+        lag=lag,
+        state=r.state if state is None else state,
+        digest=r.digest,
+        digest_ok=digest_ok,
+        last_error=r.last_error,
+        since=r.since,
+        last_seen=r.last_seen,
+        age_s=max(0.0, now - r.last_seen),
+        ttl_s=r.ttl_s,
+        audit=None if r.audit is None else AuditBody.of(r.audit),
+        fingerprint_group=None if group is None else group.group,
+        odd_one_out=group is not None and group.odd_one_out,
+    )
 
 
 def states(b: FleetBook, run: str = "r") -> dict[str, tuple[str, int | None]]:
@@ -177,8 +206,19 @@ def client() -> Iterator[TestClient]:
 
 
 def put(c: TestClient, rid: str, body: dict[str, Any]) -> None:
+    """Report ``rid``; its reply (assembled from the book's cached JSON) is the ``ReplicaOut`` the models
+    render of its entry: the reported state, no group, aged 0."""
     r = c.put(f"/v1/runs/r/replicas/{rid}", json=body, headers={"Authorization": f"Bearer {SUB}"})
     assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "application/json"
+    entry = next(r for r in c.app.state.fleet.runs()[1]["r"] if r.replica == rid)  # type: ignore[attr-defined]
+    head = c.app.state.relay.head("r")  # type: ignore[attr-defined]
+    known = None if head is None or entry.step is None else c.app.state.relay.db.get_commit("r", entry.step)  # type: ignore[attr-defined]
+    want = _out(
+        entry, None if head is None else head.step, None if known is None else known.manifest_digest, entry.last_seen
+    )
+    assert ReplicaOut.model_validate_json(r.content) == want
+    assert r.json() == want.model_dump(mode="json")
 
 
 def test_the_assembled_reply_is_the_fleet_out_the_models_render(client: TestClient) -> None:
