@@ -29,7 +29,7 @@ import pstats
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +136,79 @@ async def _main(replicas: int, n: int, profile: int) -> None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(profile)
 
 
+async def _sse(followers: int, commits: int, profile: int) -> None:
+    """``followers`` SSE streams through the ASGI app; per commit, the time until every one got it."""
+    app = create_app(Settings(publish_token=PUB, subscribe_token=SUB))
+    call = _caller(app)
+    got: list[int] = [0] * (commits + 2)
+    done = asyncio.Event()
+    ready = 0
+
+    async def follow() -> None:
+        nonlocal ready
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "GET",
+            "scheme": "http",
+            "path": f"/v1/runs/{RUN}/events",
+            "raw_path": f"/v1/runs/{RUN}/events".encode(),
+            "query_string": b"heartbeat=30",
+            "root_path": "",
+            "headers": [(b"host", b"127.0.0.1"), (b"authorization", f"Bearer {SUB}".encode())],
+            "client": ("127.0.0.1", 5000),
+            "server": ("127.0.0.1", 8000),
+            "state": {},
+        }
+        forever = asyncio.Event()
+
+        async def receive() -> dict[str, Any]:
+            await forever.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(msg: MutableMapping[str, Any]) -> None:
+            nonlocal ready
+            body = msg.get("body", b"")
+            if body.startswith(b"retry"):
+                ready += 1
+            elif body.startswith(b"id: "):
+                step = int(body[4 : body.index(b"\n")])
+                got[step] += 1
+                if got[step] == followers:
+                    done.set()
+
+        await app(scope, receive, send)
+
+    tasks = [asyncio.create_task(follow()) for _ in range(followers)]
+    while ready < followers:
+        await asyncio.sleep(0.01)
+    pub = [(b"authorization", f"Bearer {PUB}".encode()), (b"content-type", b"application/json")]
+    times = []
+    prof = cProfile.Profile()
+    for step in range(1, commits + 1):
+        done.clear()
+        body = json.dumps({"step": step, "manifest_digest": f"{step:032x}"}).encode()
+        if profile:
+            prof.enable()
+        t0 = time.perf_counter()
+        assert await call("POST", f"/v1/runs/{RUN}/commits", body, pub) == 201
+        await done.wait()
+        times.append(time.perf_counter() - t0)
+        if profile:
+            prof.disable()
+    times.sort()
+    print(
+        f"commit -> all {followers} SSE followers (in-process, no sockets): median {times[len(times) // 2] * 1e3:.1f} ms, "
+        f"{times[len(times) // 2] / followers * 1e6:.0f} us per follower ({commits} commits)"
+    )
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    if profile:
+        pstats.Stats(prof).sort_stats("tottime").print_stats(profile)
+
+
 def _serve(port: int, replicas: int, http: str, loop: str) -> None:
     """The child of ``--live``: the app under uvicorn (GC as ``deltasync serve`` sets it)."""
     import gc
@@ -205,11 +278,15 @@ def main() -> int:
     p.add_argument("--n", type=int, default=2000, help="requests timed")
     p.add_argument("--profile", type=int, default=0, metavar="TOP", help="print cProfile's top TOP functions")
     p.add_argument("--live", action="store_true", help="server CPU per report under uvicorn (h11 and httptools)")
+    p.add_argument("--sse", type=int, metavar="FOLLOWERS", help="time a commit's delivery to FOLLOWERS SSE streams")
     p.add_argument("--serve", metavar="JSON", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.serve:
         o = json.loads(a.serve)
         _serve(o["port"], o["replicas"], o["http"], o["loop"])
+        return 0
+    if a.sse:
+        asyncio.run(_sse(a.sse, 20, a.profile))
         return 0
     if a.live:
         _live(a.replicas, a.n)

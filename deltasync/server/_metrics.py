@@ -51,7 +51,7 @@ class Metrics:
 
     def inc(self, name: str, amount: float = 1, **labels: str) -> None:
         """Add to a counter (or gauge)."""
-        key = tuple(sorted(labels.items()))
+        key = tuple(sorted(labels.items())) if labels else ()
         with self._lock:
             family = self._values[name]
             family[key] = family.get(key, 0) + amount

@@ -113,7 +113,13 @@ class CommitRelay:
         cache = self._cache(run)
         floor = -1 if step is None else step
         if cache and floor >= cache[0].step - 1:
-            return [c for c in cache if c.step > floor][:limit]
+            newer = []
+            for c in reversed(cache):  # from the newest: a follower asks for the last one or two
+                if c.step <= floor:
+                    break
+                newer.append(c)
+            newer.reverse()
+            return newer[:limit]
         return self.db.after(run, floor, limit)
 
     def changed(self, run: str) -> asyncio.Event:

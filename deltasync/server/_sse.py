@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from collections.abc import AsyncIterator
 from functools import lru_cache
 
@@ -18,6 +19,29 @@ def sse_frame(c: Commit) -> bytes:
     """One ``commit`` event (id = step); encoded once per commit, not once per subscriber."""
     data = json.dumps(c.to_dict(), separators=(",", ":"))
     return f"id: {c.step}\nevent: commit\ndata: {data}\n\n".encode()
+
+
+if sys.version_info >= (3, 11):
+
+    async def _set_within(ev: asyncio.Event, timeout: float) -> bool:
+        """Whether ``ev`` is set within ``timeout`` seconds. One timer per wait: ``wait_for`` (3.11) also
+        wraps the wait in a task of its own, at every commit for every stream."""
+        try:
+            async with asyncio.timeout(timeout):
+                await ev.wait()
+        except TimeoutError:
+            return False
+        return True
+
+else:  # pragma: no cover - Python 3.10
+
+    async def _set_within(ev: asyncio.Event, timeout: float) -> bool:
+        """Whether ``ev`` is set within ``timeout`` seconds."""
+        try:
+            await asyncio.wait_for(ev.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
 
 
 async def commit_stream(
@@ -41,9 +65,7 @@ async def commit_stream(
                 sent += 1
                 if limit is not None and sent >= limit:
                     return
-            try:
-                await asyncio.wait_for(ev.wait(), heartbeat)
-            except asyncio.TimeoutError:
+            if not await _set_within(ev, heartbeat):
                 yield b": keepalive\n\n"
     finally:
         relay.subscribers[run] -= 1
