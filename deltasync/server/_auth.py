@@ -14,6 +14,7 @@ publish token make it *bound*, the shared report/subscribe tokens (or none, on a
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 from collections.abc import Awaitable, Callable
@@ -48,7 +49,13 @@ _bearer = HTTPBearer(auto_error=False, description="publish, subscribe or report
 
 def _same(given: str, expected: str) -> bool:
     # hash first: compare_digest is constant-time only for equal lengths
-    return hmac.compare_digest(hashlib.sha256(given.encode()).digest(), hashlib.sha256(expected.encode()).digest())
+    return hmac.compare_digest(hashlib.sha256(given.encode()).digest(), _digest(expected))
+
+
+@functools.lru_cache(maxsize=16)
+def _digest(token: str) -> bytes:
+    """SHA-256 of one of the server's own tokens (hashed once, not at each request)."""
+    return hashlib.sha256(token.encode()).digest()
 
 
 def _auth_error(status: int, detail: str) -> HTTPException:

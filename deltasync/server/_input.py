@@ -46,6 +46,9 @@ __all__ = [
 ]
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+#: the escapes that decode to a surrogate (``\\ud800`` to ``\\udfff``); a text without them or a raw
+#: surrogate has no string that holds one
+_ESCAPED_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
 _MAX_INT_DIGITS = 19  # a signed 64-bit integer; nothing the server takes is larger
 # re's [0-9] is ASCII only (\d would also match "１" and "٣")
 _INT = re.compile(rf"-?[0-9]{{1,{_MAX_INT_DIGITS}}}")
@@ -119,7 +122,8 @@ def strict_json_loads(raw: bytes | str) -> Any:
             parse_int=_bounded_int,
             parse_float=_finite_float,
         )
-        _check_strings(value)
+        if _SURROGATE.search(text) or _ESCAPED_SURROGATE.search(text):  # else no string can hold one
+            _check_strings(value)
     except json.JSONDecodeError:
         raise
     except _Refused as exc:
