@@ -9,9 +9,9 @@ is the odd one out at its audited step is shown ``diverged``). See :mod:`deltasy
 report or remove which replica id (replica tokens, leases) is :mod:`deltasync.server._identity`; the
 run's grouping tolerance (its ``probes.json``, never a report's) is :mod:`deltasync.server._policy`.
 
-A heartbeat is the server's most frequent request (437/s from 4,096 replicas): the PUT route has a
-fast path (:func:`_fast_report`) that answers a plain report without FastAPI's dependency solving
-and hands anything else to the route as declared, and both reply with JSON assembled from the
+A heartbeat is the server's most frequent request (437/s from 4,096 replicas): :class:`ReportLane`
+(ASGI middleware) answers a plain report ahead of FastAPI's routing and dependency solving
+(:func:`_fast_report`) and hands anything else to the route as declared, and both reply with JSON assembled from the
 book's cached members, not through a model (docs/fleet.md "Scale").
 """
 
@@ -22,9 +22,11 @@ import math
 import re
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Header, HTTPException, Path, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Path, Request, Response
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deltasync.server._auth import (
     AUTH_RESPONSES,
@@ -40,7 +42,7 @@ from deltasync.server._db import Commit
 from deltasync.server._deps import FleetDep, MetricsDep, RelayDep, SettingsDep
 from deltasync.server._fleet import FleetBook, FleetFull, Replica, Shown
 from deltasync.server._identity import IdentityRefused, ReplicaClaims
-from deltasync.server._input import StrictRoute, accepted_json
+from deltasync.server._input import StrictRoute, strict_json_loads
 from deltasync.server._metrics import Metrics
 from deltasync.server._models import FleetOut, Problem, ReplicaIn, ReplicaOut, ReplicaTokenOut
 from deltasync.server._policy import RunPolicies
@@ -49,7 +51,7 @@ from deltasync.server._routes import RunName
 from deltasync.server._settings import RUN_PATTERN
 from deltasync.signal import LEASE_HEADER, REPLICA_PATTERN, replica_token
 
-__all__ = ["ReplicaName", "fleet_router"]
+__all__ = ["ReplicaName", "ReportLane", "fleet_router"]
 
 ReplicaName = Annotated[str, Path(pattern=REPLICA_PATTERN, max_length=128, description="replica id")]
 
@@ -180,18 +182,16 @@ _TOKEN = re.compile(rb"[\x21-\x7e]+")
 _LEASE = LEASE_HEADER.lower().encode()
 
 
-async def _fast_report(request: Request) -> Response | None:
-    """:func:`report` without FastAPI's dependency solving (most of a heartbeat's cost), for the
-    request every reporter sends: no query, one ``Authorization: Bearer`` header (or none) that
-    :func:`~deltasync.server._auth.report_grant` accepts, ``Content-Type: application/json``, an
-    accepted body that :class:`ReplicaIn` validates, at most one non-empty lease header within its
-    bound, and run and replica names that match their patterns. Anything else (None) goes through the
-    route as declared, which refuses it as it always did: this path accepts nothing the route does
-    not, and records it the same way (:func:`_record`). Off where a dependency is overridden or
-    ``app.state.fast_reports`` is False."""
-    app = request.app
-    scope = request.scope
-    if not app.state.fast_reports or app.dependency_overrides or scope.get("query_string"):
+async def _fast_report(app: FastAPI, scope: Scope, run: str, replica: str, raw: bytes) -> Response | None:
+    """:func:`report` without FastAPI's routing and dependency solving (most of a heartbeat's cost),
+    for the request every reporter sends: no query, one ``Authorization: Bearer`` header (or none)
+    that :func:`~deltasync.server._auth.report_grant` accepts, ``Content-Type: application/json``, a
+    body that :func:`~deltasync.server._input.strict_json_loads` parses and :class:`ReplicaIn`
+    validates, at most one non-empty lease header within its bound, and run and replica names that
+    match their patterns. Anything else (None) goes through the route as declared, which refuses it
+    as it always did: this path accepts nothing the route does not, and records it the same way
+    (:func:`_record`)."""
+    if scope.get("query_string"):
         return None
     auth = ctype = lease_raw = None
     for k, v in scope["headers"]:
@@ -207,8 +207,7 @@ async def _fast_report(request: Request) -> Response | None:
             if lease_raw is not None:
                 return None
             lease_raw = v
-    run, replica = request.path_params.get("run"), request.path_params.get("replica")
-    if ctype != b"application/json" or not isinstance(run, str) or not isinstance(replica, str):
+    if ctype != b"application/json" or not raw:
         return None
     if len(run) > 128 or len(replica) > 128 or not _RUN.fullmatch(run) or not _REPLICA.fullmatch(replica):
         return None
@@ -222,24 +221,85 @@ async def _fast_report(request: Request) -> Response | None:
         lease = lease_raw.decode("latin-1")
         if not 0 < len(lease) <= _MAX_LEASE:
             return None
-    cred = report_grant(app.state.settings, given, run, replica)
+    s = app.state
+    cred = report_grant(s.settings, given, run, replica)
     if isinstance(cred, ReportRefusal):
         return None
-    parsed = await accepted_json(request)
-    if not isinstance(parsed, dict):
-        return None
     try:
+        parsed = strict_json_loads(raw)
+        if not isinstance(parsed, dict):
+            return None
         body = ReplicaIn.model_validate(parsed)
-    except ValidationError:
+    except (ValueError, ValidationError):  # JSONDecodeError is a ValueError
         return None
-    s = app.state
     return await _record(run, replica, body, cred, lease, s.fleet, s.relay, s.metrics, s.claims, s.policies)
 
 
-class _ReportRoute(StrictRoute):
-    """The report route, with its fast path."""
+_PATH = re.compile(r"/v1/runs/([^/]+)/replicas/([^/]+)")
 
-    fast_path = staticmethod(_fast_report)
+
+class ReportLane:
+    """ASGI middleware: a heartbeat (``PUT /v1/runs/{run}/replicas/{replica}``) answered by
+    :func:`_fast_report` ahead of the app's routing, body limit and exception middleware; every other
+    request, and a report it does not take, goes to the app unchanged (the body it read is replayed).
+
+    A body over ``max_bytes`` (declared or streamed), a disconnect, ``app.state.fast_reports`` False
+    or an overridden dependency: the app's own route answers. An ``HTTPException`` of the report
+    (403, 409, 429) is answered by the app's own handler of it.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # docstring inherited
+        m = None
+        if scope["type"] == "http" and scope["method"] == "PUT" and not scope.get("root_path"):
+            m = _PATH.fullmatch(scope["path"])
+        fastapi_app = scope.get("app")
+        if (
+            m is None
+            or not isinstance(fastapi_app, FastAPI)
+            or not fastapi_app.state.fast_reports
+            or fastapi_app.dependency_overrides
+            or any(
+                k == b"content-length" and (not v.isdigit() or len(v) > 20 or int(v) > self.max_bytes)
+                for k, v in scope["headers"]
+            )
+        ):
+            await self.app(scope, receive, send)
+            return
+        read: list[Message] = []
+        size = 0
+        while True:
+            msg = await receive()
+            read.append(msg)
+            if msg["type"] != "http.request":
+                break
+            size += len(msg.get("body", b""))
+            if size > self.max_bytes or not msg.get("more_body", False):
+                break
+
+        async def replay() -> Message:
+            return read.pop(0) if read else await receive()
+
+        whole = read[-1]["type"] == "http.request" and size <= self.max_bytes and not read[-1].get("more_body", False)
+        reply = None
+        if whole:
+            raw = b"".join(msg.get("body", b"") for msg in read)
+            try:
+                reply = await _fast_report(fastapi_app, scope, m[1], m[2], raw)
+            except StarletteHTTPException as exc:
+                handler = fastapi_app.exception_handlers[StarletteHTTPException]
+                made = handler(Request(scope, replay), exc)
+                reply = made if isinstance(made, Response) else await made
+            if reply is not None:
+                read.clear()
+        if reply is None:
+            await self.app(scope, replay, send)
+        else:
+            await reply(scope, replay, send)
 
 
 fleet_router.add_api_route(
@@ -258,7 +318,6 @@ fleet_router.add_api_route(
         429: {"model": Problem, "description": "the run's fleet (or the server) is full"},
     },
     tags=["fleet"],
-    route_class_override=_ReportRoute,
 )
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from fastapi import Depends, HTTPException, Request, Response
@@ -38,7 +38,6 @@ __all__ = [
     "ASCII_FLOAT",
     "ASCII_INT",
     "StrictRoute",
-    "accepted_json",
     "no_unknown_query",
     "parse_last_event_id",
     "strict_json_loads",
@@ -184,15 +183,6 @@ async def _body_accepted(request: Request) -> None:
         )
 
 
-async def accepted_json(request: Request) -> Any:
-    """The request's body parsed by :func:`strict_json_loads`, or None when it is empty, was cut short
-    by the body limit, or was refused: the cases :class:`StrictRoute` answers 413/422 (after auth)."""
-    if not await request.body() or body_cut(request.scope) is not None:
-        return None
-    parsed = await request.json()
-    return None if isinstance(parsed, _Unparsed) else parsed
-
-
 class StrictRoute(APIRoute):
     """An APIRoute whose JSON bodies are parsed by :func:`strict_json_loads` (use as ``route_class``).
 
@@ -202,23 +192,12 @@ class StrictRoute(APIRoute):
     401/403 whatever its body holds.
     """
 
-    #: A route's fast path (a subclass sets it): it answers the common request itself, without
-    #: FastAPI's dependency solving, or returns None for anything else, which then goes through the
-    #: route as declared. It may read the body (``await request.json()``, cached for the route).
-    fast_path: Callable[[Request], Awaitable[Response | None]] | None = None
-
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         # docstring inherited
         handler = super().get_route_handler()
-        fast = type(self).fast_path
 
         async def strict(request: Request) -> Response:
-            req = _StrictJSONRequest(request.scope, request.receive)
-            if fast is not None:
-                reply = await fast(req)
-                if reply is not None:
-                    return reply
-            return await handler(req)
+            return await handler(_StrictJSONRequest(request.scope, request.receive))
 
         return strict
 

@@ -27,7 +27,7 @@ from starlette.routing import Match, Route
 from deltasync._util.prometheus import sample
 from deltasync.server._db import Database
 from deltasync.server._fleet import FleetBook
-from deltasync.server._fleet_routes import fleet_router
+from deltasync.server._fleet_routes import ReportLane, fleet_router
 from deltasync.server._identity import ReplicaClaims
 from deltasync.server._input import validation_error_reply
 from deltasync.server._limits import BodyLimit, limit_body
@@ -254,7 +254,7 @@ def create_app(
     # who holds each replica id (docs/fleet.md), and each run's audit policy (its probes.json)
     app.state.claims = ReplicaClaims(clock=clock, max_replicas=settings.max_replicas, max_runs=settings.max_fleet_runs)
     app.state.policies = RunPolicies(store_for, clock=clock, max_runs=settings.max_fleet_runs)
-    # the report route's fast path (deltasync.server._fleet_routes); False: every report is solved by FastAPI
+    # the report lane (deltasync.server._fleet_routes.ReportLane); False: every report goes through FastAPI
     app.state.fast_reports = True
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, validation_error_reply)
@@ -266,4 +266,5 @@ def create_app(
     app.include_router(fleet_router)
     app.include_router(router)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(ReportLane, max_bytes=settings.max_body_bytes)  # outside BodyLimit: it bounds its own read
     return app

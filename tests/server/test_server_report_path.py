@@ -207,3 +207,31 @@ def test_the_fleet_routes_authenticate_before_they_look_at_the_body(fast: bool, 
         if method == "PUT":
             r = c.request(method, "/v1/runs/r/replicas/a", headers=auth(SUB), content=HOSTILE[name])
             assert r.status_code == (413 if name == "over the limit" else 422), (r.status_code, r.text[:200])
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "declared"])
+def test_a_streamed_report_is_bounded_and_replayed_to_the_route(fast: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    answered_by: list[str] = []
+    record = _fleet_routes._record
+
+    async def spy(*args: Any) -> Any:
+        answered_by.append(sys._getframe(1).f_code.co_name)
+        return await record(*args)
+
+    monkeypatch.setattr(_fleet_routes, "_record", spy)
+    plain = body()
+    over = body(last_error="x" * 2 * LIMIT)
+    with make(fast) as c:
+        for tok, content, status in (
+            (SUB, plain, 200),
+            (None, plain, 401),
+            (None, over, 401),
+            ("wrong-token-xyz", over, 403),
+            (SUB, over, 413),
+            (SUB, b"{" + plain, 422),
+        ):
+            answered_by.clear()
+            chunks = iter([content[:100], content[100:]])  # no Content-Length: streamed in two chunks
+            r = c.put("/v1/runs/r/replicas/a", headers=auth(tok), content=chunks)
+            assert r.status_code == status, (tok, len(content), r.status_code, r.text[:200])
+            assert answered_by == (["_fast_report" if fast else "report"] if status == 200 else []), answered_by
