@@ -58,7 +58,7 @@ def killed(
         "expected": {str(s): str(trained_run.expected(s)) for s in trained_run.steps},
         "a_env": vllm_env(tp=2, multiprocessing=True),
     }
-    (work / "node").mkdir()
+    (work / "node").mkdir(mode=0o700)  # the node dir must be the engine user's own, 0700 (docs/vllm.md)
     return run_script(SCRIPT, params, tp=1, timeout=1200)
 
 
