@@ -13,17 +13,23 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from deltasync.server._fleet import FleetBook
+from deltasync.server._identity import ReplicaClaims
 from deltasync.server._metrics import Metrics
+from deltasync.server._policy import RunPolicies
 from deltasync.server._relay import CommitRelay
 from deltasync.server._settings import Settings
 
 __all__ = [
+    "ClaimsDep",
     "FleetDep",
     "MetricsDep",
+    "PoliciesDep",
     "RelayDep",
     "SettingsDep",
+    "get_claims",
     "get_fleet",
     "get_metrics",
+    "get_policies",
     "get_relay",
     "get_settings",
 ]
@@ -57,3 +63,19 @@ SettingsDep = Annotated[Settings, Depends(get_settings)]
 RelayDep = Annotated[CommitRelay, Depends(get_relay)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
 FleetDep = Annotated[FleetBook, Depends(get_fleet)]
+
+
+async def get_claims(request: Request) -> ReplicaClaims:
+    """The app's :class:`~deltasync.server._identity.ReplicaClaims` (who holds each replica id)."""
+    claims: ReplicaClaims = request.app.state.claims
+    return claims
+
+
+async def get_policies(request: Request) -> RunPolicies:
+    """The app's :class:`~deltasync.server._policy.RunPolicies` (each run's fingerprint tolerance)."""
+    policies: RunPolicies = request.app.state.policies
+    return policies
+
+
+ClaimsDep = Annotated[ReplicaClaims, Depends(get_claims)]
+PoliciesDep = Annotated[RunPolicies, Depends(get_policies)]

@@ -22,7 +22,7 @@ import math
 import re
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Path, Request, Response
+from fastapi import APIRouter, FastAPI, Header, HTTPException, Path, Request, Response
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -39,7 +39,7 @@ from deltasync.server._auth import (
     report_grant,
 )
 from deltasync.server._db import Commit
-from deltasync.server._deps import FleetDep, MetricsDep, RelayDep, SettingsDep
+from deltasync.server._deps import ClaimsDep, FleetDep, MetricsDep, PoliciesDep, RelayDep, SettingsDep
 from deltasync.server._fleet import FleetBook, FleetFull, Replica, Shown
 from deltasync.server._identity import IdentityRefused, ReplicaClaims
 from deltasync.server._input import StrictRoute, strict_json_loads
@@ -69,21 +69,6 @@ LeaseHeader = Annotated[
     ),
 ]
 
-
-async def get_claims(request: Request) -> ReplicaClaims:
-    """The app's :class:`~deltasync.server._identity.ReplicaClaims` (who holds each replica id)."""
-    claims: ReplicaClaims = request.app.state.claims
-    return claims
-
-
-async def get_policies(request: Request) -> RunPolicies:
-    """The app's :class:`~deltasync.server._policy.RunPolicies` (each run's fingerprint tolerance)."""
-    policies: RunPolicies = request.app.state.policies
-    return policies
-
-
-ClaimsDep = Annotated[ReplicaClaims, Depends(get_claims)]
-PoliciesDep = Annotated[RunPolicies, Depends(get_policies)]
 
 #: The fleet routes; :func:`~deltasync.server.app.create_app` includes them.
 fleet_router = APIRouter(route_class=StrictRoute)
