@@ -372,6 +372,100 @@ def _limit(tolerance: float) -> int:
     return math.floor((tolerance + QUANTUM / 2) / QUANTUM)
 
 
+#: a group: (probe set, its representative vector, member ids, whether others are compared with it
+#: within the tolerance (False: a group of identical vectors))
+_Group = tuple[tuple[str, int], "npt.NDArray[np.int32]", list[str], bool]
+
+
+def _cut(
+    key: tuple[str, int],
+    rows: list[tuple[str, npt.NDArray[np.int32]]],
+    limit: int,
+    max_representatives: int,
+    groups: list[_Group],
+) -> int:
+    """Cut the deciding replicas of one probe set into groups (steps 1-3 of :func:`group_step`),
+    appended to ``groups``; returns the vector comparisons made."""
+    pids = [r for r, _ in rows]
+    mat = np.stack([v for _, v in rows])
+    m = len(pids)
+    mid = (m - 1) // 2
+    centre = np.partition(np.ascontiguousarray(mat.T), mid, axis=1)[:, mid]
+    near = _chebyshev(mat, centre) <= limit
+    compared = m
+    left = np.flatnonzero(~near)
+    if near.any():
+        groups.append((key, centre, [pids[i] for i in np.flatnonzero(near).tolist()], True))
+    # a few leading values rule most candidates out before the whole vectors are compared
+    lead = np.ascontiguousarray(mat[:, :_LEAD])
+    reps = 0
+    while left.size and reps < max_representatives:
+        first = left[0]
+        cand = left[_chebyshev(lead[left], lead[first]) <= limit]
+        hit = cand[_chebyshev(mat[cand], mat[first]) <= limit]
+        compared += int(left.size)
+        groups.append((key, mat[first], [pids[i] for i in hit.tolist()], True))
+        left = np.setdiff1d(left, hit, assume_unique=True)
+        reps += 1
+    if left.size:  # the rest by identical vector
+        sub = np.ascontiguousarray(mat[left])
+        _, first_of, inverse = np.unique(
+            sub.view(np.dtype((np.void, sub.shape[1] * sub.itemsize))).ravel(),
+            return_index=True,
+            return_inverse=True,
+        )
+        rest = left.tolist()
+        buckets: dict[int, list[str]] = {}
+        for u, i in zip(inverse.ravel().tolist(), rest, strict=True):
+            buckets.setdefault(u, []).append(pids[i])
+        starts = first_of.tolist()
+        groups.extend((key, mat[rest[starts[u]]], ids_u, False) for u, ids_u in buckets.items())
+        compared += len(rest)
+    return compared
+
+
+def _place(
+    step: int,
+    others: list[tuple[str, tuple[str, npt.NDArray[np.int32]]]],
+    groups: list[_Group],
+    limit: int,
+    of: int,
+    majority: bool,
+    out: dict[str, FingerprintGroup],
+) -> int:
+    """Place the replicas that do not decide (see :func:`group_step`) into ``out``: the first group
+    whose representative they agree with, else the group of an identical vector, else groups of their
+    own numbered after the others; returns the vector comparisons made."""
+    compared = 0
+    by_key: dict[tuple[str, int], list[int]] = {}
+    exact_of: dict[tuple[tuple[str, int], bytes], int] = {}
+    for g, (key, rep, _, compare) in enumerate(groups):
+        if compare:
+            by_key.setdefault(key, []).append(g)
+        else:
+            exact_of[(key, rep.tobytes())] = g
+    reps_of = {key: np.stack([groups[g][1] for g in gs]) for key, gs in by_key.items()}
+    extra: dict[tuple[tuple[str, int], bytes], list[str]] = {}
+    for rid, (tag, vec) in others:
+        key = (tag, len(vec))
+        found: int | None = None
+        if key in reps_of:
+            hits = np.flatnonzero(np.abs(reps_of[key] - vec).max(axis=1) <= limit)
+            compared += len(reps_of[key])
+            if hits.size:
+                found = by_key[key][int(hits[0])]
+        if found is None:
+            found = exact_of.get((key, vec.tobytes()))
+        if found is None:
+            extra.setdefault((key, vec.tobytes()), []).append(rid)
+            continue
+        out[rid] = FingerprintGroup(step, found, len(groups[found][2]), of, majority and found > 0)
+    for n, members in enumerate(extra.values()):
+        for rid in members:
+            out[rid] = FingerprintGroup(step, len(groups) + n, len(members), of, majority)
+    return compared
+
+
 def group_step(
     step: int,
     vectors: Mapping[str, tuple[str, npt.NDArray[np.int32]]],
@@ -416,44 +510,9 @@ def group_step(
     for rid in deciding:
         tag, vec = vectors[rid]
         parts.setdefault((tag, len(vec)), []).append(rid)
-    # each group: (probe set, representative vector or None for an exact group, member ids)
-    groups: list[tuple[tuple[str, int], npt.NDArray[np.int32], list[str], bool]] = []
+    groups: list[_Group] = []
     for key in sorted(parts):
-        pids = parts[key]
-        mat = np.stack([vectors[r][1] for r in pids])
-        m = len(pids)
-        mid = (m - 1) // 2
-        centre = np.partition(np.ascontiguousarray(mat.T), mid, axis=1)[:, mid]
-        near = _chebyshev(mat, centre) <= limit
-        compared += m
-        left = np.flatnonzero(~near)
-        if near.any():
-            groups.append((key, centre, [pids[i] for i in np.flatnonzero(near).tolist()], True))
-        # a few leading values rule most candidates out before the whole vectors are compared
-        lead = np.ascontiguousarray(mat[:, :_LEAD])
-        reps = 0
-        while left.size and reps < max_representatives:
-            first = left[0]
-            cand = left[_chebyshev(lead[left], lead[first]) <= limit]
-            hit = cand[_chebyshev(mat[cand], mat[first]) <= limit]
-            compared += int(left.size)
-            groups.append((key, mat[first], [pids[i] for i in hit.tolist()], True))
-            left = np.setdiff1d(left, hit, assume_unique=True)
-            reps += 1
-        if left.size:  # the rest by identical vector
-            rows = np.ascontiguousarray(mat[left])
-            _, first_of, inverse = np.unique(
-                rows.view(np.dtype((np.void, rows.shape[1] * rows.itemsize))).ravel(),
-                return_index=True,
-                return_inverse=True,
-            )
-            rest = left.tolist()
-            buckets: dict[int, list[str]] = {}
-            for u, i in zip(inverse.ravel().tolist(), rest, strict=True):
-                buckets.setdefault(u, []).append(pids[i])
-            starts = first_of.tolist()
-            groups.extend((key, mat[rest[starts[u]]], ids_u, False) for u, ids_u in buckets.items())
-            compared += len(rest)
+        compared += _cut(key, [(r, vectors[r][1]) for r in parts[key]], limit, max_representatives, groups)
     groups.sort(key=lambda g: (-len(g[2]), g[2][0]))
     of = len(deciding)
     majority = bool(groups) and 2 * len(groups[0][2]) > of
@@ -462,33 +521,7 @@ def group_step(
         for rid in members:
             out[rid] = FingerprintGroup(step, g, len(members), of, majority and g > 0)
     if others:
-        by_key: dict[tuple[str, int], list[int]] = {}
-        exact_of: dict[tuple[tuple[str, int], bytes], int] = {}
-        for g, (key, rep, _, compare) in enumerate(groups):
-            if compare:
-                by_key.setdefault(key, []).append(g)
-            else:
-                exact_of[(key, rep.tobytes())] = g
-        reps_of = {key: np.stack([groups[g][1] for g in gs]) for key, gs in by_key.items()}
-        extra: dict[tuple[tuple[str, int], bytes], list[str]] = {}
-        for rid in others:
-            tag, vec = vectors[rid]
-            key = (tag, len(vec))
-            found: int | None = None
-            if key in reps_of:
-                hits = np.flatnonzero(np.abs(reps_of[key] - vec).max(axis=1) <= limit)
-                compared += len(reps_of[key])
-                if hits.size:
-                    found = by_key[key][int(hits[0])]
-            if found is None:
-                found = exact_of.get((key, vec.tobytes()))
-            if found is None:
-                extra.setdefault((key, vec.tobytes()), []).append(rid)
-                continue
-            out[rid] = FingerprintGroup(step, found, len(groups[found][2]), of, majority and found > 0)
-        for n, members in enumerate(extra.values()):
-            for rid in members:
-                out[rid] = FingerprintGroup(step, len(groups) + n, len(members), of, majority)
+        compared += _place(step, [(r, vectors[r]) for r in others], groups, limit, of, majority, out)
     if on_compare is not None:
         on_compare(compared)
     return out
