@@ -31,6 +31,10 @@ builtin exception means the same thing, the class also subclasses it, so
     ├── WorkerNeedsReplacement            a live engine's weights could not be restored: replace the worker
     ├── EngineIncompatible                a live engine's parameters are not the checkpoint's tensors: refused before any load
     ├── UnsafePath                        a local folder or file is not this user's own (owner, mode, symlink): refused
+    ├── ServerError                       an engine server (vLLM's HTTP API) answered with an error
+    │   ├── ServerUnreachable             no whole answer within the call's deadline: refused, dropped, hung or too slow
+    │   ├── MalformedAnswer               (also ProtocolError) an answer that is not the API's: not JSON, wrong shape, too large
+    │   └── PrefixCacheNotReset           the prefix cache could not be reset after an update: the server stays paused
     ├── StalenessTimeout                  (also TimeoutError) the fleet's replicas did not reach a step in time
     └── DemoError                         (also ValueError) `deltasync demo` cannot start as asked
 
@@ -60,7 +64,11 @@ __all__ = [
     "ObjectTooLarge",
     "PreconditionFailed",
     "ProtocolError",
+    "MalformedAnswer",
+    "PrefixCacheNotReset",
     "RunNotFound",
+    "ServerError",
+    "ServerUnreachable",
     "SignalConflict",
     "SignalError",
     "SignalRejected",
@@ -266,6 +274,33 @@ class UnsafePath(DeltaSyncError):
     found and the fix."""
 
     code = "unsafe_path"
+
+
+class ServerError(DeltaSyncError):
+    """An engine server (vLLM's HTTP API, driven by ``deltasync.serving``) answered with an error."""
+
+    code = "server_error"
+
+
+class ServerUnreachable(ServerError):
+    """An engine server gave no whole answer within the call's deadline: the connection was refused or
+    dropped, or the server hung or answered too slowly. The server keeps whatever it had."""
+
+    code = "server_unreachable"
+
+
+class MalformedAnswer(ServerError, ProtocolError):
+    """An engine server answered something that is not its API's answer: not JSON, the wrong shape or
+    types, or over the size the call allows. Nothing of it is used."""
+
+    code = "malformed_answer"
+
+
+class PrefixCacheNotReset(ServerError):
+    """The prefix cache could not be reset after an update: the server stays paused rather than answer
+    from KV computed with the previous weights."""
+
+    code = "prefix_cache_not_reset"
 
 
 class DemoError(DeltaSyncError, ValueError):

@@ -47,6 +47,7 @@ from deltasync.serving.engine.prepared import PreparedFile, result_within
 from deltasync.serving.node.mirror import NodeMirror
 from deltasync.serving.node.store import KEEP
 from deltasync.serving.node.versions import Version, populate
+from deltasync.serving.worker_api import CommitReport
 from deltasync.signal import ReplicaState
 
 __all__ = ["Check", "CommitReport", "EngineMirror", "EngineStatus", "Loader", "Scatter"]
@@ -96,18 +97,6 @@ class EngineStatus:
         if self.node_dir is None:
             del out["node_dir"]
         return out
-
-
-@dataclass(frozen=True, slots=True)
-class CommitReport:
-    """One committed update: the step now served, what was loaded, and how long the engine paused."""
-
-    step: int
-    previous: int | None
-    tensors: int
-    nbytes: int
-    pause_s: float
-    prepared: bool
 
 
 class EngineMirror:
