@@ -43,7 +43,7 @@ from deltasync.errors import (
 from deltasync.fetcher import DeltaFetcher, SyncStats, Verify
 from deltasync.protocol import TensorChange
 from deltasync.serving.engine.pinning import HostPins
-from deltasync.serving.engine.prepared import PreparedFile, result_within
+from deltasync.serving.engine.prepared import PreparedFile, PrepareTicket, result_within
 from deltasync.serving.node.mirror import NodeMirror
 from deltasync.serving.node.store import KEEP
 from deltasync.serving.node.versions import Version, populate
@@ -350,18 +350,17 @@ class EngineMirror:
 
         return self._preparer.submit(run, coalesce=coalesce)
 
-    def ask(self, step: int | None, *, wait: bool = False, timeout: Any = None) -> dict[str, Any]:
+    def ask(self, step: int | None, *, wait: bool = False, timeout: float | None = None) -> PrepareTicket:
         """A prepare someone asked for (``deltasync_prepare``): ``step`` (None: the newest, resolved now)
         is prepared in the background; with ``wait`` this returns once it is, raising its error, at most
         ``timeout`` seconds (:func:`~deltasync.serving.engine.prepared.result_within`). Returns what a
-        waiter elsewhere needs: ``{"preparing": step, "prepared_file", "prepare_id"}``."""
+        waiter elsewhere needs (:class:`~deltasync.serving.engine.prepared.PrepareTicket`)."""
         step = self.latest_step() if step is None else step
         tag = secrets.token_hex(8)
         prepared = self.prepare(step, tag=tag)
         if wait:
             result_within(prepared, step, timeout)
-        path = None if self.reported is None else str(self.reported.path)
-        return {"preparing": step, "prepared_file": path, "prepare_id": tag}
+        return PrepareTicket(step, None if self.reported is None else str(self.reported.path), tag)
 
     def _settled(
         self, asked: int | None, step: int | None, t0: float, error: str | None, tag: str | None = None
