@@ -9,7 +9,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from deltasync.errors import ChecksumMismatch
-from deltasync.serving.engine.prefetch import Prefetcher
+from deltasync.serving.engine.prefetch import Prefetcher, PrefetchOptions
 
 
 class FakeMirror:
@@ -133,9 +133,10 @@ def test_a_commit_the_signal_server_announces_is_prepared_without_waiting_for_a_
 
     mirror.prepare = prepare  # type: ignore[method-assign]
     with ThreadServer(app) as srv:
-        p = Prefetcher(
-            lambda: mirror, poll_interval=3600.0, signal_url=srv.url, signal_token="sub-token-1", run="r", heartbeat=0.5
+        options = PrefetchOptions(
+            poll_interval=3600.0, signal_url=srv.url, signal_token="sub-token-1", run="r", heartbeat=0.5
         )
+        p = Prefetcher(lambda: mirror, options)
         p.start()
         try:
             publisher = SignalClient(srv.url, "pub-token-1")

@@ -165,20 +165,14 @@ def test_the_parameter_audit_names_what_was_written_behind_the_sync(run: ds.Memo
         mirror.commit(2)
         auditor = ParamsAuditor(model, model.load_weights)
         whole = auditor.chunk(mirror, 0, 1 << 30)
-        assert (whole["step"], whole["checked"], whole["mismatched"], whole["unchecked"], whole["next"]) == (
-            2,
-            3,
-            [],
-            ["d.w"],
-            None,
-        )
+        assert (whole.step, whole.checked, whole.mismatched, whole.unchecked, whole.next) == (2, 3, (), ("d.w",), None)
         with torch.no_grad():
             model.p["b_w"][0, 0] += 1.0  # a second writer
         calls: list[int] = []
 
         def call(start: int, max_bytes: int) -> list[dict[str, Any]]:
             calls.append(start)
-            return [{**auditor.chunk(mirror, start, max_bytes), "rank": 0}]
+            return [auditor.chunk(mirror, start, max_bytes).to_json()]
 
         merged = run_params_audit(call, AuditConfig(params_chunk_bytes=1))  # one tensor per call
         assert calls == [0, 1, 2, 3] and merged.calls == 4

@@ -33,6 +33,7 @@ from deltasync._util.tensors import digest_tensors
 from deltasync.errors import DeltaSyncError
 from deltasync.serving.engine.mirror import EngineMirror, Loader
 from deltasync.serving.engine.scatter import ScatterMap
+from deltasync.serving.worker_api import ParamsChunk
 
 __all__ = ["ParamsAuditor"]
 
@@ -56,11 +57,11 @@ class ParamsAuditor:
             self._map = ScatterMap.build(self.model, layout, load=self.load)
         return self._map
 
-    def chunk(self, mirror: EngineMirror, start: int = 0, max_bytes: int = 64 << 20) -> dict[str, Any]:
+    def chunk(self, mirror: EngineMirror, start: int = 0, max_bytes: int = 64 << 20, *, rank: int = 0) -> ParamsChunk:
         """Audit the served tensors from the ``start``-th (by name) until ``max_bytes`` are hashed.
 
-        Returns ``{"step", "checked", "nbytes", "mismatched", "unchecked", "next", "seconds"}``; ``next``
-        is the ``start`` of the next chunk (None: done).
+        Returns the worker API's :class:`~deltasync.serving.worker_api.ParamsChunk` of worker ``rank``;
+        its ``next`` is the ``start`` of the next chunk (None: done).
         """
         t0 = time.perf_counter()
         with mirror.served_state() as (step, view, scatter):
@@ -103,12 +104,13 @@ class ParamsAuditor:
                 step,
                 ", ".join(mismatched[:10]),
             )
-        return {
-            "step": step,
-            "checked": checked,
-            "nbytes": nbytes,
-            "mismatched": mismatched,
-            "unchecked": unchecked,
-            "next": nxt,
-            "seconds": time.perf_counter() - t0,
-        }
+        return ParamsChunk(
+            rank=rank,
+            step=step,
+            checked=checked,
+            nbytes=nbytes,
+            mismatched=tuple(mismatched),
+            unchecked=tuple(unchecked),
+            next=nxt,
+            seconds=time.perf_counter() - t0,
+        )

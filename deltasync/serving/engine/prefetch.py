@@ -17,14 +17,15 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Protocol
+from dataclasses import dataclass, replace
+from typing import Protocol
 
 from deltasync._util.retry import RetryPolicy
 from deltasync._util.worker import SerialWorker
 from deltasync.errors import DeltaSyncError
 from deltasync.signal import Attempt, FollowLoop, StepSeen, StepWatcher
 
-__all__ = ["Prefetcher"]
+__all__ = ["PrefetchOptions", "Prefetcher"]
 
 log = logging.getLogger("deltasync.vllm")
 
@@ -43,19 +44,46 @@ class _Mirror(Protocol):
     def prepare(self, step: int | None = None, *, coalesce: str | None = None) -> Future[int | None]: ...
 
 
+class _HeadMetrics(Protocol):
+    """What the prefetcher records (a :class:`~deltasync.fetcher.metrics.SyncMetrics`)."""
+
+    def observe_head(self, step: int, committed_at: float | None = None) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchOptions:
+    """How a :class:`Prefetcher` watches the run.
+
+    poll_interval: seconds between store polls. retry: the backoff of a failing step (default: one
+        poll interval after the first failure, then doubling, at most :data:`MAX_RETRY_WAIT`).
+    signal_url, signal_token, run: a signal server to wake on: each commit it announces is prepared
+        at once instead of at the next poll (the store is still polled, at least every
+        ``poll_interval`` while the stream is down, and with each heartbeat while it is up). ``run``:
+        the run's name there, or a callable giving it (None: not known yet, poll meanwhile); default:
+        the run id its store records. heartbeat: the stream's heartbeat, seconds.
+    """
+
+    poll_interval: float = 2.0
+    retry: RetryPolicy | None = None
+    signal_url: str | None = None
+    signal_token: str | None = None
+    run: str | Callable[[], str | None] | None = None
+    heartbeat: float = 5.0
+
+    def backoff(self) -> RetryPolicy:
+        """The retry policy of a failing step (:attr:`retry`, else the default above)."""
+        return self.retry or RetryPolicy(
+            retries=0, backoff=self.poll_interval, max_backoff=max(self.poll_interval, MAX_RETRY_WAIT)
+        )
+
+
 class Prefetcher:
     """Background preparation of the newest committed step for one mirror.
 
     mirror: returns the mirror to prepare (may raise ValueError or DeltaSyncError while none can
         be made yet; that poll is then skipped and logged once).
+    options: see :class:`PrefetchOptions`; ``poll_interval``, when given, overrides its own.
     metrics: a ``SyncMetrics``-like recorder (``observe_head``), optional.
-    poll_interval: seconds between store polls. retry: the backoff of a failing step (default:
-        one poll interval after the first failure, then doubling, at most 60 s).
-    signal_url, signal_token, run: a signal server to wake on: each commit it announces is prepared
-        at once instead of at the next poll (the store is still polled, at least every
-        ``poll_interval`` while the stream is down, and with each heartbeat while it is up). ``run``:
-        the run's name there, or a callable giving it (None: not known yet, poll meanwhile); default:
-        the run id its store records.
     clock, wait, stop: injectable for tests (monotonic seconds; ``wait(seconds)`` pauses between
         polls, by default on ``stop``, which :meth:`close` sets).
     """
@@ -63,25 +91,20 @@ class Prefetcher:
     def __init__(
         self,
         mirror: Callable[[], _Mirror],
+        options: PrefetchOptions | None = None,
         *,
-        metrics: Any = None,
-        poll_interval: float = 2.0,
-        retry: RetryPolicy | None = None,
+        metrics: _HeadMetrics | None = None,
+        poll_interval: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         wait: Callable[[float], object] | None = None,
         stop: threading.Event | None = None,
-        signal_url: str | None = None,
-        signal_token: str | None = None,
-        run: str | Callable[[], str | None] | None = None,
-        heartbeat: float = 5.0,
     ) -> None:
+        opts = options or PrefetchOptions()
+        self.options = opts if poll_interval is None else replace(opts, poll_interval=poll_interval)
         self.mirror = mirror
-        self.signal_url, self.signal_token, self.run_name, self.heartbeat = signal_url, signal_token, run, heartbeat
         self.metrics = metrics
-        self.poll_interval = poll_interval
-        self.retry = retry or RetryPolicy(
-            retries=0, backoff=poll_interval, max_backoff=max(poll_interval, MAX_RETRY_WAIT)
-        )
+        self.poll_interval = self.options.poll_interval
+        self.retry = self.options.backoff()
         self.clock = clock
         self._worker = SerialWorker("deltasync-prefetch", stop=stop)
         self._wait = wait if wait is not None else self._worker.stop.wait
@@ -101,12 +124,13 @@ class Prefetcher:
 
     def run(self) -> None:
         """Watch the store until :attr:`stop` is set (what :meth:`start` runs in the background)."""
+        o = self.options
         watcher = StepWatcher(
             self._latest,
-            signal_url=self.signal_url,
-            token=self.signal_token,
-            run=(self.run_name if self.run_name is not None else self._run_id) if self.signal_url else None,
-            heartbeat=self.heartbeat,
+            signal_url=o.signal_url,
+            token=o.signal_token,
+            run=(o.run if o.run is not None else self._run_id) if o.signal_url else None,
+            heartbeat=o.heartbeat,
             poll_interval=self.poll_interval,
             store_check_interval=self.poll_interval,  # checked at each event or heartbeat while the stream is up
             stop=self.stop,
