@@ -69,6 +69,8 @@ class Replica:
     #: whether its report was bound to its identity (a per-replica credential): bound replicas
     #: decide the agreement at a step where any is audited
     bound: bool = False
+    #: why its last behavioural audit could not run (None: it ran, or none is configured)
+    audit_error: str | None = None
 
     def alive(self, now: float) -> bool:
         """Whether the replica reported within its time to live."""
@@ -84,7 +86,7 @@ class Shown:
     state: ReplicaState
     group: FingerprintGroup | None
     #: the fields that change only with a report (replica, step, digest, last_error, since,
-    #: last_seen, ttl_s, audit) as a JSON object's members, rendered once per report
+    #: last_seen, ttl_s, audit, audit_error) as a JSON object's members, rendered once per report
     fragment: bytes = b""
 
 
@@ -220,10 +222,12 @@ class FleetBook:
         ttl_s: float | None,
         audit: AuditReport | None = None,
         bound: bool = False,
+        audit_error: str | None = None,
     ) -> tuple[Replica, bool]:
         """Record a report; returns the replica's entry and whether it (re)joined the fleet with it.
 
-        ``bound``: the report was authenticated by the replica's own credential. A new or changed
+        ``bound``: the report was authenticated by the replica's own credential. ``audit_error``: why
+        its last audit could not run (shown as is: the route escaped it). A new or changed
         audit is parsed here (once); a heartbeat with the same audit changes no group.
         Raises :class:`FleetFull` for a new replica of a full run (unless a bound one can evict an
         unbound one), or a new run past the bound.
@@ -258,6 +262,7 @@ class FleetBook:
                 now,
                 audit,
                 bound,
+                audit_error,
             )
             if audit is None:
                 book.audit_json.pop(replica, None)
@@ -267,7 +272,7 @@ class FleetBook:
             book.replicas[replica] = entry
             book.next_expiry = min(book.next_expiry, now + entry.ttl_s)
             book.fragments[replica] = _fragment(entry, book.audit_json.get(replica))
-            if old is None or regroup or old.state != state or old.audit is not audit:
+            if old is None or regroup or old.state != state or old.audit is not audit or old.audit_error != audit_error:
                 book.version += 1
             if regroup:
                 book.forget_audit(replica)
@@ -463,7 +468,7 @@ def _fragment(r: Replica, audit_json: str | None) -> bytes:
         f'"replica":{json.dumps(r.replica)},"step":{"null" if r.step is None else int(r.step)},'
         f'"digest":{json.dumps(r.digest)},"last_error":{json.dumps(r.last_error)},'
         f'"since":{_json_float(r.since)},"last_seen":{_json_float(r.last_seen)},"ttl_s":{_json_float(r.ttl_s)},'
-        f'"audit":{audit_json or "null"}'
+        f'"audit":{audit_json or "null"},"audit_error":{json.dumps(r.audit_error)}'
     ).encode()
 
 

@@ -119,6 +119,7 @@ async def _record(
                 ttl_s=body.ttl_s,
                 audit=audit,
                 bound=cred.bound,
+                audit_error=body.audit_error,
             ),
             seen=lambda out: (out[0].last_seen, out[0].ttl_s),
         )

@@ -194,8 +194,14 @@ class ReplicaIn(BaseModel):
         default=None, ge=1, le=86400, description="seconds it stays in the fleet without a report (default: server's)"
     )
     audit: AuditBody | None = Field(default=None, description="its last behavioural audit (docs/audit.md)")
+    audit_error: str | None = Field(
+        default=None,
+        max_length=2000,
+        description="why its last behavioural audit could not run (escaped and cut as last_error); a serving "
+        "replica with one is not healthy (docs/fleet.md)",
+    )
 
-    @field_validator("last_error")
+    @field_validator("last_error", "audit_error")
     @classmethod
     def _printable(cls, v: str | None) -> str | None:
         # escaped, not refused: a traceback's newline must not cost the replica its report
@@ -229,6 +235,8 @@ class ReplicaOut(BaseModel):
     #: a strict majority of the replicas audited at its step agree on another fingerprint (then a
     #: ``serving`` replica is shown ``diverged``)
     odd_one_out: bool = False
+    #: why its last behavioural audit could not run (null: it ran, or none is configured)
+    audit_error: str | None = None
 
 
 class ReplicaTokenOut(BaseModel):

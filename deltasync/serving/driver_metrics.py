@@ -2,7 +2,8 @@
 
 Per server (label ``server``, its URL): the updates by outcome, the pause of each update split by
 whether its step was prepared before the pause (``prepared="true"``: the pause only committed it),
-how long the prepare took, the step it serves and whether it answers. Rendered with
+how long the prepare took, the step it serves, whether it answers, and the behavioural audits that
+could not run (``deltasync_vllm_audits_unavailable_total``: a replica nobody checked, docs/fleet.md). Rendered with
 :mod:`deltasync._util.prometheus`; served by :meth:`DriverMetrics.serve`.
 """
 
@@ -52,6 +53,7 @@ class DriverMetrics:
         self._prepare: dict[str, Histogram] = {}
         self._serving: dict[str, int] = {}
         self._up: dict[str, bool] = {}
+        self._audits_unavailable: dict[str, int] = {}
 
     def observe_update(self, u: Update) -> None:
         """Count one update's outcome, its pause (by prepared or not) and its prepare; a served step is the
@@ -75,6 +77,12 @@ class DriverMetrics:
                 self._serving.pop(url, None)
             else:
                 self._serving[url] = serving
+
+    def observe_audit_unavailable(self, url: str) -> None:
+        """Count one behavioural audit of ``url`` that could not run (the driver says why on its
+        ``on_audit`` callback and in the fleet's ``audit_error``)."""
+        with self._lock:
+            self._audits_unavailable[url] = self._audits_unavailable.get(url, 0) + 1
 
     def render(self) -> str:
         """The metrics in the Prometheus text exposition format 0.0.4."""
@@ -104,6 +112,13 @@ class DriverMetrics:
         yield family("deltasync_vllm_server_up", "gauge", "1 when the vLLM server answered the driver's last call")
         for url, up in sorted(self._up.items()):
             yield sample("deltasync_vllm_server_up", 1 if up else 0, (("server", url),))
+        yield family(
+            "deltasync_vllm_audits_unavailable_total",
+            "counter",
+            "behavioural audits of a vLLM server that could not run (the server failed them, or their input was damaged)",
+        )
+        for url, n in sorted(self._audits_unavailable.items()):
+            yield sample("deltasync_vllm_audits_unavailable_total", n, (("server", url),))
 
     def serve(self, port: int, host: str = "127.0.0.1") -> MetricsServer:
         """Serve ``GET /metrics`` on ``host:port`` (port 0: a free one); close the handle to stop."""

@@ -233,9 +233,11 @@ class SignalClient:
         ttl_s: float | None = None,
         audit: AuditReport | None = None,
         lease: str | None = None,
+        audit_error: str | None = None,
     ) -> ReplicaStatus:
         """Tell the server what ``replica`` of ``run`` serves now (scope ``report``), with its last
-        behavioural ``audit`` if any; returns its entry.
+        behavioural ``audit`` if any, or why its last audit could not run (``audit_error``, sent only
+        when set: a server older than the field refuses it); returns its entry.
 
         ``lease``: this reporter's lease secret (:func:`new_lease`), sent in :data:`LEASE_HEADER`: the
         server then refuses the same replica id to a reporter with another lease (409,
@@ -246,6 +248,8 @@ class SignalClient:
             body["ttl_s"] = ttl_s
         if audit is not None:
             body["audit"] = audit.to_dict()
+        if audit_error is not None:
+            body["audit_error"] = audit_error
         r = self._request(
             "PUT", f"/v1/runs/{check_run(run)}/replicas/{check_replica(replica)}", json=body, headers=_lease(lease)
         )

@@ -68,6 +68,9 @@ class ReplicaStatus:
     odd_one_out: bool = False
     #: its group among the replicas audited at the same step (0: the largest; None: no audit)
     fingerprint_group: int | None = None
+    #: why its last behavioural audit could not run (None: it ran, or it has no audit configured): a
+    #: replica that should be audited and is not does not count as healthy (:meth:`serves_at_least`)
+    audit_error: str | None = None
 
     @classmethod
     def from_json(cls, raw: Any) -> ReplicaStatus:
@@ -93,17 +96,26 @@ class ReplicaStatus:
             parsed,
             bool(raw.get("odd_one_out") or False),
             _opt_int(raw.get("fingerprint_group")),
+            _opt_str(raw.get("audit_error")),
         )
 
     def serves_at_least(self, step: int, *, healthy_only: bool = False) -> bool:
         """Whether this replica serves ``step`` or newer: a known step, weights not lost (a ``failed``
         replica still serves its step, bit-exact; so does a ``diverged`` one, whose outputs are wrong).
-        With ``healthy_only``, only a ``serving`` replica counts."""
+        With ``healthy_only``, only a ``serving`` replica whose last audit did not fail to run counts
+        (``audit_error`` None: a replica that reports one has audits configured, and nobody knows what it
+        computes; docs/fleet.md "Healthy")."""
         if self.step is None or self.step < step:
             return False
         if healthy_only:
-            return self.state == "serving"
+            return self.state == "serving" and self.audit_error is None
         return self.state in ("serving", "failed", "diverged")
+
+    @property
+    def healthy(self) -> bool:
+        """Whether a ``healthy_only`` gate counts this replica at its step: ``serving``, and its last audit
+        ran (or it has none configured)."""
+        return self.state == "serving" and self.audit_error is None
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,8 +174,11 @@ class FleetView:
 
 
 def _audit_cell(r: ReplicaStatus) -> str:
-    """``step 7 group 0, |d| 0.0016/0.0053 kl 2e-06`` (``-``: no audit; ``odd one out`` when it is)."""
+    """``step 7 group 0, |d| 0.0016/0.0053 kl 2e-06`` (``-``: no audit; ``odd one out`` when it is;
+    ``could not run: <why>`` when the last one could not run)."""
     a = r.audit
+    if r.audit_error is not None:
+        return "could not run: " + r.audit_error.replace("\n", " ")[:80]
     if a is None:
         return "-"
     cell = f"step {a.audited_step} group {'-' if r.fingerprint_group is None else r.fingerprint_group}"

@@ -11,8 +11,9 @@ its last update failed and it still serves its step, bit-exact). A replica repor
 waited for, and named in a warning and in the timeout's report; ``unreachable="wait"`` counts it as
 a live replica behind, so the gate waits until it answers and serves the step. A ``diverged``
 replica (its behavioural audit failed, docs/audit.md) still holds its step and counts by default;
-with ``healthy_only=True`` only ``serving`` replicas count as serving (``failed`` and ``diverged``
-ones are waited for like replicas behind). On timeout it raises
+with ``healthy_only=True`` only ``serving`` replicas whose last audit ran count as serving (``failed``
+and ``diverged`` ones, and a ``serving`` one that reports ``audit_error``, are waited for like
+replicas behind). On timeout it raises
 :class:`~deltasync.errors.StalenessTimeout` with who is behind, who was excluded and what to do.
 """
 
@@ -110,7 +111,7 @@ def _report(
     need = _needed(live, quorum)
     who = "every live replica" if quorum is None else f"a quorum of {quorum}"
     if healthy_only:
-        who += " (healthy ones only: serving, not failed or diverged)"
+        who += " (healthy ones only: serving, not failed or diverged, and audited when audits are configured)"
     lines = [
         f"timed out after {timeout:g} s waiting for run {run!r} to be served at step {floor} or newer "
         f"(step {step}, max lag {max_lag}; {who}, with at least {min_replicas} reporting):"
@@ -130,6 +131,7 @@ def _report(
                     f"    {escape_text(r.replica)}: step {'-' if r.step is None else r.step}, "
                     f"lag {'-' if r.lag is None else r.lag}, state {r.state}, "
                     f"last seen {r.age_s:.1f} s ago, last error: {escape_text(r.last_error or 'none')}"
+                    + (f", audit could not run: {escape_text(r.audit_error)}" if r.audit_error is not None else "")
                 )
         excluded = _excluded(view, unreachable)
         if excluded:
@@ -173,7 +175,8 @@ def wait_for_fleet(
     tests inject both). A signal server that is down is retried until the timeout; one that
     refuses the request (a bad token, a bad run name) raises its SignalRejected at once.
     ``unreachable``: what a replica reported ``unreachable`` counts for (see the module doc);
-    ``healthy_only``: count only ``serving`` replicas as serving the step.
+    ``healthy_only``: count only ``serving`` replicas whose last audit ran (no ``audit_error``) as
+    serving the step.
     Raises :class:`~deltasync.errors.StalenessTimeout` when ``timeout`` seconds pass first.
     """
     _check_quorum(quorum, min_replicas, max_lag, unreachable)

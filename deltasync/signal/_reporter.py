@@ -42,14 +42,21 @@ MIN_TTL_S = 15.0
 
 @dataclass(frozen=True, slots=True)
 class Served:
-    """What a replica serves: its step (None: none yet), state, the step's manifest digest, last error
-    and last behavioural audit (docs/audit.md)."""
+    """What a replica serves: its step (None: none yet), state, the step's manifest digest, last error,
+    last behavioural audit (docs/audit.md) and why its last audit could not run (None: it ran, or no
+    audit is configured)."""
 
     step: int | None
     state: ReplicaState = "serving"
     digest: str | None = None
     last_error: str | None = None
     audit: AuditReport | None = None
+    audit_error: str | None = None
+
+
+def _cut(text: str | None) -> str | None:
+    """``text`` within the server's bound on a report's free text."""
+    return text if text is None or len(text) <= _MAX_ERROR else text[: _MAX_ERROR - 3] + "..."
 
 
 class FleetReporter:
@@ -125,13 +132,13 @@ class FleetReporter:
         digest: str | None = None,
         last_error: str | None = None,
         audit: AuditReport | None = None,
+        audit_error: str | None = None,
     ) -> None:
         """Record what the replica serves now (``state``: a :data:`~deltasync.signal.ReplicaState`, else a
-        ValueError; ``audit``: its last behavioural audit, kept until the next update); it is reported in
-        the background (returns at once)."""
-        if last_error is not None and len(last_error) > _MAX_ERROR:
-            last_error = last_error[: _MAX_ERROR - 3] + "..."
-        served = Served(step, check_state(state), digest, last_error, audit)
+        ValueError; ``audit``: its last behavioural audit, kept until the next update; ``audit_error``: why
+        its last audit could not run, which keeps it out of a ``healthy_only`` gate, docs/fleet.md); it is
+        reported in the background (returns at once). Both texts are cut to 2000 characters."""
+        served = Served(step, check_state(state), digest, _cut(last_error), audit, _cut(audit_error))
         self._check(served)
         with self._cond:
             if self._closing or served == self._served:
@@ -167,6 +174,7 @@ class FleetReporter:
                     last_error=served.last_error,
                     ttl_s=self.ttl_s,
                     audit=served.audit,
+                    audit_error=served.audit_error,
                     lease=self._lease,
                 )
             except SignalError as exc:
