@@ -1,8 +1,9 @@
 """A scripted stand-in for a vLLM 0.32 server's weight-transfer routes (test support, not deltasync).
 
 :class:`ScriptedVLLM` is an ``httpx.MockTransport`` handler that answers the routes
-:class:`deltasync.serving.driver.VLLMServer` uses the way the real server does (paths,
-bodies, status codes) and records the calls. Used by tests/serving/test_driver.py, and by
+:class:`deltasync.serving.vllm_server.VLLMServer` uses the way the real server does (paths,
+bodies, status codes) and records the calls, or, per route, a hostile answer (:attr:`ScriptedVLLM.hostile`).
+Used by tests/serving/test_driver.py and test_vllm_server.py, and by
 tests/integrations/test_vllm_rollout.py as the one server of a fleet that refuses a step next to a
 real ``vllm serve``.
 """
@@ -10,8 +11,12 @@ real ``vllm serve``.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import httpx
+
+#: a hostile answer to one route, in place of the scripted one (see :attr:`ScriptedVLLM.hostile`)
+Hostile = Callable[[httpx.Request], httpx.Response]
 
 
 class ScriptedVLLM:
@@ -33,6 +38,9 @@ class ScriptedVLLM:
         self.down = False
         self.resume_drops = 0  # tries of /resume lost on a dropped connection
         self.initialised = True  # False: a new process whose backend was never pointed at a store
+        #: route (``"/weight_info"``, or ``"/collective_rpc deltasync_status"`` for one worker method) ->
+        #: what it answers instead (a non-JSON body, a JSON list, a 500, a transport error, ...)
+        self.hostile: dict[str, Hostile] = {}
         self._pending: int | None = None
 
     def transport(self) -> httpx.MockTransport:
@@ -47,6 +55,10 @@ class ScriptedVLLM:
         self.calls.append(path + (f"?{request.url.query.decode()}" if request.url.query else ""))
         if self.journal is not None:
             self.journal.append(f"{request.url.host} {path}")
+        route = f"{path} {body.get('method')}" if path == "/collective_rpc" else path
+        for key in (route, path):
+            if key in self.hostile:
+                return self.hostile[key](request)
         if path == "/init_weight_transfer_engine":
             self.initialised = True
             return httpx.Response(200, json={"message": "Weight transfer initialized"})
@@ -101,7 +113,6 @@ class ScriptedVLLM:
         if path == "/collective_rpc":
             state = "needs_replacement" if self.lost else "serving"
             store = "s3://bucket/run" if self.initialised else None
-            return httpx.Response(
-                200, json={"results": [{"rank": 0, "state": state, "step": self.version, "store": store}]}
-            )
+            step = int(self.version) if self.version is not None and self.version.isdigit() else None
+            return httpx.Response(200, json={"results": [{"rank": 0, "state": state, "step": step, "store": store}]})
         return httpx.Response(404, json={"detail": "Not Found"})

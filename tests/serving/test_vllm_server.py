@@ -9,6 +9,7 @@ from __future__ import annotations
 from scripted_vllm import ScriptedVLLM
 
 from deltasync.serving.vllm_server import VLLMServer
+from deltasync.serving.worker_api import WorkerStatus
 
 
 def _server(fake: ScriptedVLLM, url: str = "http://vllm-a") -> VLLMServer:
@@ -40,7 +41,7 @@ def test_a_refused_step_is_not_finished_and_the_server_resumes_on_its_previous_s
     assert "UpdateRolledBack: step 4: corrupt patch" in (u.error or "")
     assert "/finish_weight_update" not in fake.calls
     assert fake.calls[3:5] == ["/collective_rpc", "/resume"]  # the workers' typed states decide: resume
-    assert u.workers == [{"rank": 0, "state": "serving", "step": "0", "store": "s3://bucket/run"}]  # its own account
+    assert u.workers == [WorkerStatus(0, 0, None, "serving", None, "s3://bucket/run")]  # its own account, typed
 
 
 def test_a_refused_step_whose_outcome_cannot_be_read_leaves_the_server_paused() -> None:
