@@ -185,8 +185,9 @@ class DeltaFetcher:
 
     def follow(self, target: Any, **options: Any) -> int | None:
         """Apply each new step to ``target`` as it is signalled (SSE), polling the store when the
-        signal server is unreachable. Options: see :func:`deltasync.fetcher._follow.follow`
-        (``signal_url``, ``token``, ``run``, ``until_step``, ``stop``, ``poll_interval``, ``on_step``).
+        signal server is unreachable: a :class:`~deltasync.fetcher.Follower`, run. Options: the fields
+        of :class:`~deltasync.fetcher.FollowOptions` (``signal_url``, ``token``, ``run``, ``until_step``,
+        ``poll_interval``, ...) and the follower's ``stop``, ``on_step``, ``metrics``, ``stats``.
         """
         return _follow(self, target, **options)
 
