@@ -13,8 +13,10 @@ from typing import Any
 
 import pytest
 
-from deltasync.errors import DeltaSyncError
-from deltasync.integrations.vllm.engine_core import BACKEND, changes_weights, reset_caches
+from deltasync.errors import DeltaSyncError, MalformedAnswer, PrefixCacheNotReset
+from deltasync.integrations.vllm.engine_core import BACKEND, RPCS, changes_weights, reset_caches
+from deltasync.serving import worker_api
+from deltasync.serving.worker_api import WorkerStatus
 
 
 @pytest.mark.parametrize(
@@ -72,7 +74,7 @@ def test_reset_drops_the_encoder_cache_of_a_multimodal_model() -> None:
 @pytest.mark.parametrize("outcome", [False, RuntimeError("requests waiting for remote KV transfer")])
 def test_a_cache_that_cannot_be_dropped_is_an_error_naming_the_call_to_retry(outcome: bool | Exception) -> None:
     core = Core(ok=outcome)
-    with pytest.raises(DeltaSyncError, match=r"reset_prefix_cache\(reset_running_requests=True") as info:
+    with pytest.raises(PrefixCacheNotReset, match=r"reset_prefix_cache\(reset_running_requests=True") as info:
         reset_caches(core)
     assert "restart the engine" in str(info.value)
     if isinstance(outcome, Exception):
@@ -90,16 +92,8 @@ def _answers(tmp_path: Any, docs: list[dict[str, Any]], step: int) -> list[dict[
     for rank, doc in enumerate(docs):
         path = tmp_path / f"r{rank}.json"
         path.write_text(json.dumps(doc))
-        out.append(
-            {
-                "rank": rank,
-                "step": 0,
-                "prepared": None,
-                "preparing": step,
-                "prepared_file": str(path),
-                "prepare_id": "a",
-            }
-        )
+        status = WorkerStatus(rank, 0, None, "serving", None, "file:///run", preparing=step, prepare_id="a")
+        out.append(WorkerStatus.from_json(status.to_json() | {"prepared_file": str(path)}).to_json())
     return out
 
 
@@ -146,3 +140,57 @@ def test_the_wait_raises_a_worker_s_prepare_error_and_is_bounded(tmp_path: Any) 
     # a worker that serves the step already (or a newer one prepared) needs no wait
     answers = _answers(tmp_path, [{"prepared": None, "serving": 3}, {"prepared": 4, "serving": 0}], 3)
     assert [a["prepared"] for a in wait_prepared(answers, 1.0)] == [None, 4]
+
+
+def test_the_wait_reads_the_answers_through_the_worker_api(tmp_path: Any) -> None:
+    from deltasync.serving.engine.prepared import wait_prepared
+
+    answers = _answers(tmp_path, [{"prepared": 3, "serving": 0}], 3)
+    out = wait_prepared(answers, 1.0)
+    back = WorkerStatus.from_json(out[0])  # the answer stays a worker status, with what the file said
+    assert (back.rank, back.prepared, back.step, back.preparing, back.prepare_id) == (0, 3, 0, 3, "a")
+    # anything else a worker answered is refused as such, not read as a dict
+    for bad in ([{"rank": 0}], ["not an answer"], [dict(answers[0], state="gone")]):
+        with pytest.raises(MalformedAnswer, match="deltasync_prepare: answer 0"):
+            wait_prepared(bad, 1.0)
+
+
+def test_the_hook_s_rpc_names_are_the_worker_api_s() -> None:
+    assert RPCS is worker_api.RPCS and "deltasync_audit_report" in RPCS
+
+
+@pytest.mark.parametrize(
+    ("method", "args", "kwargs", "waits"),
+    [
+        ("deltasync_prepare", (), {"step": "3", "wait": "true", "timeout": "30"}, True),  # HTTP sends strings
+        ("deltasync_prepare", (), {"step": 3, "wait": True}, True),
+        ("deltasync_prepare", (), {"step": 3}, False),  # answers at once: nothing to wait on
+        ("deltasync_prepare", (), {"step": "three", "wait": True}, False),  # the workers refuse it themselves
+        ("deltasync_prepare", (), {"wait": True, "colour": "red"}, False),
+        ("deltasync_prepare", (3,), None, False),  # positional: passed through
+        ("deltasync_update", (), {"step": 3, "wait": True}, False),
+    ],
+)
+def test_which_prepares_the_engine_core_waits_on(method: str, args: Any, kwargs: Any, waits: bool) -> None:
+    from deltasync.integrations.vllm.engine_core import _waiting_prepare
+
+    request = _waiting_prepare(method, args, kwargs)
+    assert (request is not None) is waits
+    if request is not None:
+        assert request.step == 3 and request.wait
+
+
+def test_a_deferred_prepare_asks_without_waiting_then_completes_from_the_reports(tmp_path: Any) -> None:
+    from deltasync.serving.engine.prepared import deferred_prepare
+    from deltasync.serving.worker_api import PrepareRequest
+
+    asked: list[PrepareRequest] = []
+
+    def start(request: PrepareRequest) -> list[object]:
+        asked.append(request)
+        return list(_answers(tmp_path, [{"prepared": 3, "serving": 0}, {"prepared": None, "serving": 3}], 3))
+
+    future = deferred_prepare(start, PrepareRequest(step=3, wait=True, timeout=60.0))
+    out = [WorkerStatus.from_json(a) for a in future.result(timeout=60)]
+    assert asked == [PrepareRequest(step=3, wait=False, timeout=60.0)]  # the workers answer at once
+    assert [(s.rank, s.prepared, s.step) for s in out] == [(0, 3, 0), (1, None, 3)]

@@ -149,8 +149,24 @@ def check_engine(model: torch.nn.Module, layout: Layout, *, quantization: str | 
             "unquantized engines only: start the engine without --quantization, from an unquantized checkpoint "
             "of the run (deltasync fetch --out DIR)"
         )
+    hits = _traced(model, layout)
+    if hits is None:
+        return {}
+    tied = tied_names(model, layout, hits)
+    _log_unloaded(layout, hits, tied)
+    found, cpu_repacked = _not_computed_with(model, hits)
+    if found:
+        raise _refusal(found, cpu_repacked)
+    return tied
+
+
+Hit = tuple[str, str, torch.Tensor, tuple[int, ...]]
+
+
+def _traced(model: torch.nn.Module, layout: Layout) -> list[Hit] | None:
+    """:func:`landing_params`; None where the loader cannot run on shape-only tensors (logged)."""
     try:
-        hits = landing_params(model, layout)
+        return landing_params(model, layout)
     except (ValueError, KeyError) as exc:
         raise EngineIncompatible(
             f"this engine's load_weights refuses the run's tensors ({type(exc).__name__}: {exc}): the run is not "
@@ -164,8 +180,11 @@ def check_engine(model: torch.nn.Module, layout: Layout, *, quantization: str | 
             type(exc).__name__,
             exc,
         )
-        return {}
-    tied = tied_names(model, layout, hits)
+        return None
+
+
+def _log_unloaded(layout: Layout, hits: list[Hit], tied: Mapping[str, str]) -> None:
+    """Say which of the run's names the engine ties, and which its loader skips."""
     landed = {ckpt for ckpt, _, _, _ in hits}
     skipped = [n for n in layout if n not in landed and n not in tied]
     if tied:
@@ -177,12 +196,17 @@ def check_engine(model: torch.nn.Module, layout: Layout, *, quantization: str | 
             len(skipped),
             ", ".join(skipped[:_SHOWN]) + (f" and {len(skipped) - _SHOWN} more" if len(skipped) > _SHOWN else ""),
         )
+
+
+def _not_computed_with(model: torch.nn.Module, hits: list[Hit]) -> tuple[list[tuple[int, str]], bool]:
+    """The parameters tensors land in that are not what the engine computes with: ``(kind, what)``
+    (kind 0 empty, 1 another form, 2 computed from a copy), and whether vLLM's CPU backend repacked any."""
     sources: dict[str, list[str]] = {}  # parameter -> the checkpoint tensors that land in it
     params: dict[str, torch.Tensor] = {}
     for ckpt, pname, param, shape in hits:
         sources.setdefault(pname, []).append(f"{ckpt} {list(shape)}")
         params[pname] = param
-    found: list[tuple[int, str]] = []  # (0 empty, 1 another form, 2 computed from a copy; what)
+    found: list[tuple[int, str]] = []
     cpu_repacked = False
     for pname, param in params.items():
         module = _module_of(model, pname)
@@ -199,8 +223,10 @@ def check_engine(model: torch.nn.Module, layout: Layout, *, quantization: str | 
         found.append(
             (kind, f"{pname} {tuple(param.shape)} {str(param.dtype).removeprefix('torch.')} <- {into[0]}{more}")
         )
-    if not found:
-        return tied
+    return found, cpu_repacked
+
+
+def _refusal(found: list[tuple[int, str]], cpu_repacked: bool) -> EngineIncompatible:
     bad = [what for _, what in sorted(found, key=lambda f: f[0])]
     examples = "; ".join(bad[:_SHOWN]) + (f"; and {len(bad) - _SHOWN} more" if len(bad) > _SHOWN else "")
     if cpu_repacked:
@@ -215,7 +241,7 @@ def check_engine(model: torch.nn.Module, layout: Layout, *, quantization: str | 
             "its parameters hold weights in another form than the checkpoint (quantized or packed); deltasync "
             "updates engines whose parameters are the checkpoint's tensors (bf16, fp16 or fp32)"
         )
-    raise EngineIncompatible(
+    return EngineIncompatible(
         f"deltasync cannot update this engine in place: {len(bad)} of the parameters the run's tensors load into "
         f"are not what it computes with ({examples}). Cause: {cause}. Nothing was loaded"
     )

@@ -35,11 +35,14 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from deltasync.errors import DeltaSyncError
-from deltasync.serving.engine.prepared import deferred_prepare, truthy
+from deltasync.errors import PrefixCacheNotReset
+from deltasync.integrations.vllm.compat import missing_internals
+from deltasync.serving import worker_api
+from deltasync.serving.engine.prepared import deferred_prepare
+from deltasync.serving.worker_api import PrepareRequest
 
 __all__ = ["BACKEND", "RPCS", "WorkerCall", "changes_weights", "install", "reset_caches"]
 
@@ -48,20 +51,18 @@ log = logging.getLogger("deltasync.vllm")
 #: the weight-transfer backend's name (``--weight-transfer-config '{"backend": "deltasync"}'``)
 BACKEND = "deltasync"
 #: deltasync's worker methods, callable with ``collective_rpc`` on any engine once :func:`install` ran
-RPCS = frozenset(
-    {"deltasync_init", "deltasync_prepare", "deltasync_update", "deltasync_status", "deltasync_metrics"}
-    | {"deltasync_audit_params", "deltasync_audit_report"}
-)
+#: (the worker API's: :data:`deltasync.serving.worker_api.RPCS`)
+RPCS = worker_api.RPCS
 _MARK = "__deltasync_engine_core__"
 
 #: ``worker_call(worker, name, args, kwargs)``: runs deltasync's worker method ``name`` on a vLLM worker
-WorkerCall = Callable[[Any, str, tuple[Any, ...], dict[str, Any]], Any]
+WorkerCall = Callable[[Any, str, tuple[object, ...], dict[str, object]], object]
 
 
 def changes_weights(method: Any, args: Any, kwargs: Mapping[str, Any] | None, backend: str | None) -> bool:
     """Whether a ``collective_rpc(method, args=..., kwargs=...)`` may change the weights through
     deltasync, on an engine whose weight-transfer backend is ``backend`` (None: none)."""
-    if method == "deltasync_update":
+    if method == worker_api.UPDATE:
         return True
     if method != "update_weights" or backend != BACKEND:
         return False
@@ -75,7 +76,7 @@ def reset_caches(core: Any) -> None:
 
     ``core`` is a ``vllm.v1.engine.core.EngineCore``. Running requests are preempted (their KV
     is recomputed with the new weights when they are scheduled again). Raises
-    :class:`~deltasync.errors.DeltaSyncError` when vLLM reports that the cache could not be dropped.
+    :class:`~deltasync.errors.PrefixCacheNotReset` when vLLM reports that the cache could not be dropped.
     """
     try:
         ok = core.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
@@ -84,7 +85,7 @@ def reset_caches(core: Any) -> None:
     else:
         why = "vLLM's reset_prefix_cache returned False (KV blocks still held by a KV connector)"
     if not ok:
-        raise DeltaSyncError(
+        raise PrefixCacheNotReset(
             f"the engine's weights changed but its prefix cache could not be dropped ({why}); until "
             "llm.reset_prefix_cache(reset_running_requests=True, reset_connector=True) returns True "
             "(HTTP: POST /reset_prefix_cache?reset_running_requests=true&reset_external=true), prompts it "
@@ -94,9 +95,26 @@ def reset_caches(core: Any) -> None:
         core.reset_encoder_cache()
 
 
+def _waiting_prepare(method: object, args: Sequence[object], kwargs: Mapping[str, Any] | None) -> PrepareRequest | None:
+    """The request of a ``deltasync_prepare`` with ``wait`` (None: another call, or arguments the workers
+    are to refuse themselves)."""
+    if method != worker_api.PREPARE or args:
+        return None
+    try:
+        request = PrepareRequest.from_kwargs(**(kwargs or {}))
+    except (TypeError, ValueError):
+        return None  # the workers answer it with its error
+    return request if request.wait else None
+
+
+def _answers(out: object) -> list[object]:
+    """The workers' answers ``collective_rpc`` returned (a list, one per worker)."""
+    return list(out) if isinstance(out, list | tuple) else [out]
+
+
 def _defers(core: Any) -> bool:
     """Whether ``core`` answers a utility call once a future it returned completes (not in-process)."""
-    from vllm.v1.engine.core import EngineCoreProc
+    from vllm.v1.engine.core import EngineCoreProc  # compat.INTERNALS: tested with vllm 0.32
 
     return isinstance(core, EngineCoreProc)
 
@@ -112,20 +130,17 @@ def install(worker_call: WorkerCall) -> bool:
 
     Returns False, with an error logged, where this vLLM has no ``EngineCore`` of the expected shape.
     """
-    try:
-        from vllm.v1.engine.core import EngineCore
-    except ImportError as exc:
-        log.error("deltasync cannot hook this vLLM's engine core (%s): reset its prefix cache after each update", exc)
-        return False
-    original = getattr(EngineCore, "collective_rpc", None)
-    missing = [m for m in ("collective_rpc", "reset_prefix_cache", "reset_encoder_cache") if not hasattr(EngineCore, m)]
-    if original is None or missing:
+    missing = missing_internals()
+    if missing:
         log.error(
-            "this vLLM's EngineCore lacks %s: deltasync cannot reset its prefix cache after an update; call "
+            "this vLLM lacks %s: deltasync cannot reset its prefix cache after an update; call "
             "llm.reset_prefix_cache(reset_running_requests=True, reset_connector=True) after each one",
-            ", ".join(missing),
+            ", ".join(it.name for it in missing),
         )
         return False
+    from vllm.v1.engine.core import EngineCore
+
+    original = EngineCore.collective_rpc  # compat.INTERNALS: tested with vllm 0.32
     if getattr(original, _MARK, False):
         return True
 
@@ -135,12 +150,13 @@ def install(worker_call: WorkerCall) -> bool:
         method: Any,
         timeout: float | None = None,
         args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
+        kwargs: dict[str, object] | None = None,
     ) -> Any:
         resets = changes_weights(method, args, kwargs, _backend_of(self))
-        if method == "deltasync_prepare" and not args and truthy((kwargs or {}).get("wait")) and _defers(self):
+        waits = _waiting_prepare(method, args, kwargs)
+        if waits is not None and _defers(self):
             rpc = functools.partial(original, self, worker_call, timeout)
-            return deferred_prepare(lambda kw: rpc(("deltasync_prepare", (), kw), None), kwargs or {})
+            return deferred_prepare(lambda req: _answers(rpc((worker_api.PREPARE, (), req.to_kwargs()), None)), waits)
         if isinstance(method, str) and method in RPCS:
             method, args, kwargs = worker_call, (method, tuple(args), dict(kwargs or {})), None
         try:
