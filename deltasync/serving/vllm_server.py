@@ -212,16 +212,23 @@ class VLLMServer:
             raise a.error(what)
         return a.body
 
-    def _post(self, path: str, what: str, *, quick: bool = False, **kw: Any) -> Any:
+    def _send(self, path: str, what: str, *, quick: bool = False, **kw: Any) -> Any:
         return self._checked(self._call("POST", path, quick=quick, **kw), path, what)
 
-    def rpc(self, method: str, kwargs: Mapping[str, object] | None = None, *, quick: bool = False) -> Any:
-        """``POST /collective_rpc`` of the workers' ``method``: its JSON answer (bounded by :attr:`rpc_cap`),
-        an error answer raised as :class:`ServerError`. For the worker API's parsers (:mod:`deltasync.serving.worker_api`)."""
+    def rpc(self, method: str, kwargs: Mapping[str, object] | None = None, *, deadline: float | None = None) -> Any:
+        """``POST /collective_rpc`` of the workers' ``method``, whole within ``deadline`` seconds (default
+        :attr:`timeout`) and :attr:`rpc_cap` bytes: its JSON answer, for the worker API's parsers
+        (:mod:`deltasync.serving.worker_api`); an error answer is raised as :class:`ServerError`."""
         body = {"method": method, "kwargs": dict(kwargs or {})}
-        return self._post(
-            "/collective_rpc", f"collective_rpc {method}", quick=quick, body=body, cap=self.rpc_cap, close=True
+        a = self._api.call(
+            "POST",
+            "/collective_rpc",
+            deadline=self.timeout if deadline is None else min(deadline, self.timeout),
+            cap=self.rpc_cap,
+            json_body=body,
+            close=True,
         )
+        return self._checked(a, "/collective_rpc", f"collective_rpc {method}")
 
     def model(self) -> str:
         """The served model's id (``GET /v1/models``: ``{"data": [{"id": ...}, ...]}``, read once)."""
@@ -251,7 +258,7 @@ class VLLMServer:
         """Point every worker's deltasync backend at ``store`` (once); ``prefetch``: each worker prepares new
         steps in the background while the server generates, so an update only pauses to load them."""
         info = {"store": store, "prefetch": prefetch, **init_info}
-        self._post("/init_weight_transfer_engine", "init_weight_transfer_engine", body={"init_info": info})
+        self._send("/init_weight_transfer_engine", "init_weight_transfer_engine", body={"init_info": info})
 
     def workers(self) -> list[WorkerStatus] | None:
         """Each worker's status (``deltasync_status``: step, state, last error); None when the server cannot
@@ -282,7 +289,7 @@ class VLLMServer:
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         params = {"mode": mode, "clear_cache": "true" if clear_cache else "false"}
-        self._post("/pause", f"pause (mode={mode})", params=params)
+        self._send("/pause", f"pause (mode={mode})", params=params)
 
     def resume(self, tries: int = RESUME_TRIES) -> None:
         """``POST /resume`` until the server says it is not paused: each try on a new connection (vLLM
@@ -293,7 +300,7 @@ class VLLMServer:
             if attempt:
                 threading.Event().wait(min(0.1 * 2 ** (attempt - 1), 2.0))
             try:
-                self._post("/resume", "resume", quick=True, close=True)
+                self._send("/resume", "resume", quick=True, close=True)
                 if self.is_paused() is not True:
                     return
                 last = ServerError(f"{self.url}: still paused after POST /resume")
@@ -379,13 +386,13 @@ class VLLMServer:
     def _apply(self, step: int, pause_mode: PauseMode, cache_retries: int) -> _Applied:
         """The paused part: the backend's phases, then the prefix-cache reset."""
         try:
-            self._post("/start_weight_update", "start_weight_update")
+            self._send("/start_weight_update", "start_weight_update")
             a = self._call("POST", "/update_weights", body={"update_info": {"step": step}}, close=True)
             if not a.ok:
                 # the backend closed the update itself: no finish_weight_update. Whether the engine's
                 # weights were put back is read from its workers' states, never from the error's text
                 return self._refused(f"update_weights: HTTP {a.status}: {a.detail}")
-            self._post("/finish_weight_update", "finish_weight_update", body={"weight_version": str(step)})
+            self._send("/finish_weight_update", "finish_weight_update", body={"weight_version": str(step)})
             self._reset_prefix_cache(pause_mode, cache_retries)
         except PrefixCacheNotReset as exc:  # serving would answer from KV of the old weights: stay paused
             return _Applied("failed", error_text(exc), resume=False)
@@ -422,7 +429,7 @@ class VLLMServer:
         params = {"reset_running_requests": "true"} if pause_mode == "keep" else None
         for attempt in range(retries + 1):
             try:
-                body = self._post("/reset_prefix_cache", "reset_prefix_cache", params=params)
+                body = self._send("/reset_prefix_cache", "reset_prefix_cache", params=params)
             except DeltaSyncError as exc:
                 raise PrefixCacheNotReset(
                     f"{self.url}: the prefix cache could not be reset after the update ({error_text(exc)}); the "
