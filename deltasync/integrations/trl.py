@@ -63,11 +63,11 @@ import logging
 import os
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from deltasync.errors import DeltaSyncError, SignalError
-from deltasync.serving.driver import PauseMode, ServerUpdate, VLLMDriver
+from deltasync.serving.driver import DriverOptions, FleetReporting, PauseMode, ServerUpdate, VLLMDriver
 from deltasync.storage import Store, open_store
 
 if TYPE_CHECKING:
@@ -81,7 +81,7 @@ if TYPE_CHECKING:
     from deltasync.signal import FleetView
     from deltasync.uploader import DeltaUploader
 
-__all__ = ["DeltaSyncWeightTransfer", "SyncRecord", "audit_figures", "audit_metrics"]
+__all__ = ["DeltaSyncWeightTransfer", "SyncRecord", "TransferOptions", "audit_figures", "audit_metrics"]
 
 log = logging.getLogger("deltasync.trl")
 
@@ -96,6 +96,50 @@ class SyncRecord:
     #: seconds from TRL's ``pause()`` to every server serving the step (the whole sync)
     total_s: float
     updates: tuple[ServerUpdate, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TransferOptions:
+    """The options of :class:`DeltaSyncWeightTransfer` (each also a keyword of its constructor).
+
+    cast_dtype: the dtype each tensor is cast to as it arrives. store_url: the URL the *servers* use to
+    reach the store (default: the store's own). first_step: the first sync's step (default: the store's
+    newest + 1). pause_mode, timeout, api_key: how the servers are updated
+    (:class:`~deltasync.serving.driver.DriverOptions`). strict: raise when a server does not serve a
+    synced step. max_staleness, staleness_quorum, staleness_timeout, staleness_healthy_only: the
+    staleness gate after each sync. references, probes: the trainer-side references. audit: audit the
+    driven servers after each update (True, or an ``AuditConfig``).
+    """
+
+    cast_dtype: Any = "bfloat16"
+    store_url: str | None = None
+    first_step: int | None = None
+    pause_mode: PauseMode = "wait"
+    timeout: float = 600.0
+    api_key: str | None = None
+    strict: bool = True
+    max_staleness: int | None = None
+    staleness_quorum: int | float | None = None
+    staleness_timeout: float = 600.0
+    staleness_healthy_only: bool = False
+    references: bool | int = False
+    probes: ProbeSet | None = None
+    audit: bool | AuditConfig = False
+
+    def __post_init__(self) -> None:
+        refs = self.references
+        if not isinstance(refs, int) or (not isinstance(refs, bool) and refs < 1):
+            raise ValueError(f"references must be a bool or a positive integer (every N syncs), got {refs!r}")
+        ms = self.max_staleness
+        if ms is not None and (isinstance(ms, bool) or not isinstance(ms, int) or ms < 0):
+            raise ValueError(f"max_staleness must be None or an int >= 0, got {ms!r}")
+
+    @classmethod
+    def split(cls, base: TransferOptions, keywords: dict[str, Any]) -> tuple[TransferOptions, dict[str, Any]]:
+        """``base`` with the keywords that name its fields, and the other keywords (the uploader's)."""
+        names = {f.name for f in fields(cls)}
+        mine = {k: v for k, v in keywords.items() if k in names}
+        return (replace(base, **mine) if mine else base), {k: v for k, v in keywords.items() if k not in names}
 
 
 class DeltaSyncWeightTransfer:
@@ -121,56 +165,42 @@ class DeltaSyncWeightTransfer:
         *,
         servers: Sequence[str] = (),
         model: torch.nn.Module | None = None,
-        cast_dtype: Any = "bfloat16",
-        store_url: str | None = None,
-        first_step: int | None = None,
-        pause_mode: PauseMode = "wait",
-        timeout: float = 600.0,
-        api_key: str | None = None,
-        strict: bool = True,
-        max_staleness: int | None = None,
-        staleness_quorum: int | float | None = None,
-        staleness_timeout: float = 600.0,
-        staleness_healthy_only: bool = False,
-        references: bool | int = False,
-        probes: ProbeSet | None = None,
-        audit: bool | AuditConfig = False,
-        **uploader_options: Any,
+        options: TransferOptions | None = None,
+        **keywords: Any,
     ) -> None:
-        if not isinstance(references, int) or (not isinstance(references, bool) and references < 1):
-            raise ValueError(f"references must be a bool or a positive integer (every N syncs), got {references!r}")
-        self.reference_every = int(references)
-        self.probes = probes
+        # the documented keywords (``max_staleness=``, ``references=``, ...) are TransferOptions' fields;
+        # any other keyword is the uploader's
+        opts, uploader_options = TransferOptions.split(options or TransferOptions(), keywords)
+        if opts.max_staleness is not None and not uploader_options.get("signal_url"):
+            raise ValueError(
+                "max_staleness needs signal_url=: the signal server the replicas report to (docs/fleet.md)"
+            )
+        self.options = opts
+        self.reference_every = int(opts.references)
+        self.probes = opts.probes
         self.audit: AuditConfig | None = None
-        if audit is not False:
+        if opts.audit is not False:
             from deltasync.serving.audit import AuditConfig
 
-            self.audit = audit if isinstance(audit, AuditConfig) else AuditConfig(probes=probes)
+            self.audit = opts.audit if isinstance(opts.audit, AuditConfig) else AuditConfig(probes=opts.probes)
         #: the audit figures read from the fleet view after each sync: audited step -> metrics (see
         #: :func:`audit_metrics`), in the order they were first seen
         self.audits: dict[int, dict[str, float]] = {}
         #: where the figures join TRL's metrics (TRL's per-key lists; set by :meth:`attach`)
         self.metrics: dict[str, list[Any]] | None = None
         self._syncs = 0
-        if max_staleness is not None:
-            if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
-                raise ValueError(f"max_staleness must be None or an int >= 0, got {max_staleness!r}")
-            if not uploader_options.get("signal_url"):
-                raise ValueError(
-                    "max_staleness needs signal_url=: the signal server the replicas report to (docs/fleet.md)"
-                )
-        self.max_staleness = max_staleness
-        self.staleness_quorum = staleness_quorum
-        self.staleness_timeout = staleness_timeout
-        self.staleness_healthy_only = staleness_healthy_only
+        self.max_staleness = opts.max_staleness
+        self.staleness_quorum = opts.staleness_quorum
+        self.staleness_timeout = opts.staleness_timeout
+        self.staleness_healthy_only = opts.staleness_healthy_only
         self.store = store if isinstance(store, Store) else open_store(store)
         self.servers = list(servers)
         self.model = model
-        self.cast_dtype = cast_dtype
-        self.store_url = store_url or self.store.url
-        self.first_step = first_step
-        self.pause_mode: PauseMode = pause_mode
-        self.timeout, self.api_key, self.strict = timeout, api_key, strict
+        self.cast_dtype = opts.cast_dtype
+        self.store_url = opts.store_url or self.store.url
+        self.first_step = opts.first_step
+        self.pause_mode: PauseMode = opts.pause_mode
+        self.timeout, self.api_key, self.strict = opts.timeout, opts.api_key, opts.strict
         self.uploader_options = uploader_options
         self.uploader: DeltaUploader | None = None
         self.driver: VLLMDriver | None = None
@@ -204,15 +234,13 @@ class DeltaSyncWeightTransfer:
         self.next_step = self.first_step if self.first_step is not None else (0 if head is None else head + 1)
         if self.servers:
             signal = self.uploader_options.get("signal_url")
+            run = self.uploader_options.get("signal_run") or self.uploader.run_id
+            token = self.uploader_options.get("signal_token")
             self.driver = VLLMDriver(
                 self.servers,
                 self.store_url,
-                pause_mode=self.pause_mode,
-                timeout=self.timeout,
-                api_key=self.api_key,
-                signal=signal,
-                signal_token=self.uploader_options.get("signal_token"),
-                run=(self.uploader_options.get("signal_run") or self.uploader.run_id) if signal else None,
+                DriverOptions(pause_mode=self.pause_mode, timeout=self.timeout, api_key=self.api_key),
+                reporting=FleetReporting(signal, run, token) if signal and run else None,
                 audit=self._audit_source(),
             )
             self.driver.init()

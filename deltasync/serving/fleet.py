@@ -8,6 +8,10 @@ is committed). Reporting never fails or blocks an update: :meth:`EngineReporter.
 status and returns; the store look-ups (run name, digest) run on a
 :class:`~deltasync._util.worker.SerialWorker` (a newer status replaces one not yet handled) and the
 :class:`~deltasync.signal.FleetReporter` sends in the background and retries.
+
+The fleet state of a server driven over HTTP is derived here too, in one function
+(:func:`server_state`): from its session's phase (:class:`~deltasync.serving.phase.Phase`), its last
+update's outcome (:func:`outcome_state`) and its last audit.
 """
 
 from __future__ import annotations
@@ -15,18 +19,22 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from deltasync._util.worker import SerialWorker, WorkerClosed
 from deltasync.errors import DeltaSyncError, SignalRejected
 from deltasync.serving.engine.mirror import EngineStatus
+from deltasync.serving.phase import Phase
 from deltasync.signal import FleetReporter, ReplicaState, default_replica
 
 if TYPE_CHECKING:
     from deltasync.protocol.audit import AuditReport
     from deltasync.run import RunReader
+    from deltasync.serving.audit import AuditResult
+    from deltasync.serving.vllm_server import ServerUpdate, UpdateOutcome
 
-__all__ = ["EngineReporter", "replica_state"]
+__all__ = ["NOT_COUNTED", "EngineReporter", "ServerFacts", "outcome_state", "replica_state", "server_state"]
 
 log = logging.getLogger("deltasync.vllm")
 
@@ -40,6 +48,68 @@ def replica_state(status: EngineStatus) -> tuple[int | None, ReplicaState, str |
     if error is not None:
         return step, "failed", error
     return step, "serving" if step is not None else "starting", None
+
+
+#: The fleet state of a server after the outcome of its own update: one that kept its previous step after
+#: its update failed is ``failed`` (it still serves that step, bit-exact; the driver retries); one an
+#: all-or-nothing rollout held back was never touched: ``serving``.
+_OUTCOME_STATES: dict[str, ReplicaState] = {
+    "serving": "serving",
+    "rolled_back": "failed",
+    "held_back": "serving",
+    "needs_replacement": "needs_replacement",
+    "unreachable": "unreachable",
+    "failed": "failed",
+}
+
+#: fleet states of servers a driver does not wait for (``VLLMDriver.follow(until=)``): they are reported,
+#: and brought along again once they answer, are set up or are replaced
+NOT_COUNTED: frozenset[ReplicaState] = frozenset({"failed", "unreachable", "needs_replacement"})
+
+
+def outcome_state(outcome: UpdateOutcome) -> ReplicaState:
+    """The fleet state of a server after an update with this outcome, on its own (:func:`server_state`
+    says more: a server brought back by an all-or-nothing rollout is ``serving``)."""
+    return _OUTCOME_STATES[outcome]
+
+
+@dataclass(frozen=True, slots=True)
+class ServerFacts:
+    """What the fleet state of one driven server is derived from (a session's :meth:`facts`)."""
+
+    phase: Phase
+    #: the step it serves (None: none known)
+    serving: int | None
+    #: why it is in its phase (unreachable, failed, needs replacement), None otherwise
+    why: str | None = None
+    #: the outcome of its last update (None: none since it was set up)
+    last: ServerUpdate | None = None
+    #: it took ``last.step`` and an all-or-nothing rollout brought it back to its previous step
+    brought_back: bool = False
+    #: its last behavioural audit (None: none)
+    audit: AuditResult | None = None
+
+
+def server_state(f: ServerFacts) -> tuple[ReplicaState, str | None]:
+    """(fleet state, last error) of a driven server: ``diverged`` when its last audit of the step it
+    serves failed (it answers, and took that step); else its phase says ``unreachable``, ``failed`` or
+    ``needs_replacement``; else its last update's outcome (:func:`outcome_state`; ``serving`` when an
+    all-or-nothing rollout brought it back); else ``serving`` (``starting`` while it serves no step)."""
+    a = f.audit if f.audit is not None and f.audit.step == f.serving else None
+    took = f.last is None or f.last.ok or f.brought_back
+    if a is not None and a.diverged and took and f.phase not in (Phase.UNREACHABLE, Phase.FAILED):
+        return "diverged", f"step {a.step}: " + "; ".join(a.problems)
+    if f.phase is Phase.UNREACHABLE:
+        return "unreachable", f.why
+    if f.phase is Phase.FAILED:
+        return "failed", f.why
+    if f.phase is Phase.NEEDS_REPLACEMENT:
+        return "needs_replacement", f.why
+    u = f.last
+    if u is None or u.ok:
+        return ("serving" if f.serving is not None else "starting"), None
+    why = f"step {u.step}: {u.state}: {u.error}"
+    return ("serving" if f.brought_back else outcome_state(u.state)), why
 
 
 class EngineReporter:
