@@ -137,7 +137,7 @@ def _audit_source(store: Store, args: argparse.Namespace) -> AuditSource:
 def run_vllm(args: argparse.Namespace) -> int:
     """Drive the servers until ``--until`` is served by every server that answers (exit 0) or Ctrl-C."""
     from deltasync.run import RunReader
-    from deltasync.serving.driver import ServerUpdate, VLLMDriver
+    from deltasync.serving.driver import DriverOptions, FleetReporting, ServerUpdate, VLLMDriver
     from deltasync.signal import StepWatcher
     from deltasync.storage import open_store
 
@@ -164,21 +164,24 @@ def run_vllm(args: argparse.Namespace) -> int:
             from deltasync.serving.driver_metrics import DriverMetrics
 
             metrics = DriverMetrics()
-        driver = VLLMDriver(
-            args.vllm,
-            args.vllm_store or store.url,
+        options = DriverOptions(
             pause_mode=args.pause_mode,
             timeout=args.vllm_timeout,
             probe_timeout=args.probe_timeout,
             api_key=api_key,
             prefetch=not args.no_prefetch,
             prepare=not args.no_prepare,
-            signal=args.signal if reporting else None,
-            signal_token=os.environ.get("DELTASYNC_REPORT_TOKEN") or token,
-            run=run if reporting else None,
-            replicas=replicas,
             all_or_nothing=args.all_or_nothing,
-            digest=_digests(reader),
+        )
+        fleet = None
+        if reporting and run is not None:
+            report_token = os.environ.get("DELTASYNC_REPORT_TOKEN") or token
+            fleet = FleetReporting(args.signal, run, report_token, replicas, digest=_digests(reader))
+        driver = VLLMDriver(
+            args.vllm,
+            args.vllm_store or store.url,
+            options,
+            reporting=fleet,
             audit=None if args.no_audit else _audit_source(store, args),
             metrics=metrics,
         )
