@@ -80,6 +80,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> str:
 class Worker:
     """What deltasync reads of a vLLM worker: its model and its config (no checkpoint dir: no seed)."""
 
+    weight_transfer_engine: Any = None  # vLLM's worker has one where a weight-transfer backend is configured
+
     def __init__(self, model: torch.nn.Module, quantization: str | None = None) -> None:
         self.model_runner = SimpleNamespace(get_model=lambda: model)
         self.vllm_config = SimpleNamespace(

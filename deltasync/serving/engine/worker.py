@@ -29,7 +29,7 @@ import torch
 from deltasync.errors import DeltaSyncError, EngineIncompatible, UnsafePath, error_code
 from deltasync.fetcher import MARKER, DeltaFetcher, Verify
 from deltasync.fetcher.metrics import MetricsServer, SyncMetrics
-from deltasync.serving.engine.mirror import EngineMirror, EngineStatus
+from deltasync.serving.engine.mirror import EngineMirror, EngineStatus, MirrorOptions
 from deltasync.serving.engine.params_audit import ParamsAuditor
 from deltasync.serving.engine.pinning import PINNED_MAX_DENSITY, HostPins
 from deltasync.serving.engine.prefetch import Prefetcher, PrefetchOptions
@@ -282,20 +282,18 @@ class WorkerSync:
         node_dir = self.options.node_dir if self.options.node_dir is not None else self.default_node_dir
 
         def make(seeded: _Seed | None) -> EngineMirror:
-            return EngineMirror(
-                fetcher,
-                self._load,
+            options = MirrorOptions(
                 seed=None if seeded is None else seeded.load,
                 seed_step=None if seeded is None else seeded.step,
                 seed_id=None if seeded is None else seeded.id,
                 max_bytes=2 * local * self.engine.tensor_parallel + (64 << 20),
-                metrics=self.metrics,
                 agree=self.agree,
                 check=self._check,
                 node_dir=node_dir,
                 scatter=self._scatter_loader if self.options.scatter else None,
                 pin=self._host_pins,
             )
+            return EngineMirror(fetcher, self._load, options, metrics=self.metrics)
 
         seed = _seed(self.engine.model_dir)
         try:
@@ -350,10 +348,16 @@ class WorkerSync:
         try:
             return fn(*args)
         except Exception as exc:
-            if self.rank == self.world_size - 1:
+            if self._raises(exc):
                 raise
-            log.warning("rank %d: %s: %s", self.rank, type(exc).__name__, exc)
             return dataclasses.replace(self.status(), error=_clip(_message(exc)), error_code=error_code(exc))
+
+    def _raises(self, exc: Exception) -> bool:
+        """Whether this rank raises ``exc`` (the last one), else logs it for its answer to carry."""
+        if self.rank == self.world_size - 1:
+            return True
+        log.warning("rank %d: %s: %s", self.rank, type(exc).__name__, exc)
+        return False
 
     def prepare(
         self, store: str | None, step: int | None, wait: bool = False, timeout: float | None = None
@@ -376,11 +380,19 @@ class WorkerSync:
             self.report()
         return dataclasses.replace(self.status(), report=report)
 
-    def audit_params(self, request: ParamsRequest) -> ParamsChunk:
-        """One chunk of the parameter audit (``serving.engine.params_audit``)."""
-        if self._params_audit is None:
-            self._params_audit = ParamsAuditor(self.model, self._load)
-        return self._params_audit.chunk(self.mirror_for(None), request.start, request.max_bytes, rank=self.rank)
+    def audit_params(self, start: object = 0, max_bytes: object = 64 << 20) -> ParamsChunk:
+        """One chunk of the parameter audit (``serving.engine.params_audit``), its arguments as the RPC
+        hands them (:class:`ParamsRequest`); an error as :meth:`call` answers it, in the chunk."""
+        try:
+            request = ParamsRequest.from_kwargs(start, max_bytes)
+            if self._params_audit is None:
+                self._params_audit = ParamsAuditor(self.model, self._load)
+            return self._params_audit.chunk(self.mirror_for(None), request.start, request.max_bytes, rank=self.rank)
+        except Exception as exc:
+            if self._raises(exc):
+                raise
+            step = None if self.mirror is None else self.mirror.serving
+            return ParamsChunk(self.rank, step, 0, 0, error=_clip(_message(exc)), error_code=error_code(exc))
 
     def engine_status(self) -> EngineStatus:
         """The engine's status as its mirror knows it (a refused engine: its refusal as last error)."""
