@@ -1,4 +1,4 @@
-"""VLLMDriver's update sequence, failure states and backoff, against a scripted HTTP stand-in.
+"""VLLMDriver's scheduling, failure states and backoff, against a scripted HTTP stand-in.
 
 The stand-in (:class:`ScriptedVLLM` in tests/scripted_vllm.py, an ``httpx.MockTransport``) answers the routes of a vLLM 0.32
 server the way the real one does (paths, bodies, status codes), and records the calls, so that the
@@ -16,18 +16,25 @@ import httpx
 import pytest
 from scripted_vllm import ScriptedVLLM
 
-from deltasync.errors import DeltaSyncError
-from deltasync.serving.driver import VLLMDriver, VLLMServer
+from deltasync.errors import ServerError
+from deltasync.serving.driver import DriverOptions, FleetReporting, VLLMDriver, VLLMServer
+from deltasync.serving.phase import Phase
 from deltasync.signal import StepWatcher
+
+ALL_OR_NOTHING = DriverOptions(all_or_nothing=True)
 
 
 def _server(fake: ScriptedVLLM, url: str = "http://vllm-a") -> VLLMServer:
     return VLLMServer(url, transport=fake.transport())
 
 
-def _driver(*fakes: ScriptedVLLM, clock: Any = None, **kw: Any) -> VLLMDriver:
+def _driver(*fakes: ScriptedVLLM, options: DriverOptions | None = None, clock: Any = None, **kw: Any) -> VLLMDriver:
     servers = [_server(f, f"http://vllm-{i}") for i, f in enumerate(fakes)]
-    return VLLMDriver(servers, "s3://bucket/run", clock=clock or (lambda: 0.0), **kw)
+    return VLLMDriver(servers, "s3://bucket/run", options, clock=clock or (lambda: 0.0), **kw)
+
+
+def _reporting(url: str, tok: str, run: str, **kw: Any) -> FleetReporting:
+    return FleetReporting(url, run, tok, **kw)
 
 
 def _seeing(*steps: int | None, driver: VLLMDriver | None = None) -> StepWatcher:
@@ -58,7 +65,8 @@ def test_a_server_needing_replacement_stays_paused_and_is_never_updated_again() 
         again = d.catch_up(3)
         assert [u.url for u in again] == ["http://vllm-1"]
         assert len(fake.calls) == calls
-        with pytest.raises(DeltaSyncError, match="every vLLM server needs replacement"):
+        assert [s.phase for s in d.sessions] == [Phase.NEEDS_REPLACEMENT, Phase.READY]
+        with pytest.raises(ServerError, match="every vLLM server needs replacement"):
             other.broken = {4}
             d.follow(_seeing(4, driver=d))
 
@@ -145,9 +153,31 @@ def test_a_server_without_the_deltasync_backend_is_a_clear_error_at_init() -> No
         return httpx.Response(404, json={"detail": "Not Found"})
 
     d = VLLMDriver([VLLMServer("http://plain", transport=httpx.MockTransport(handler))], "s3://b/r")
-    with pytest.raises(DeltaSyncError, match="VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config"):
-        d.init()
+    with pytest.raises(ServerError, match="VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config"):
+        d.init()  # the only server failed: nothing can be driven
     d.close()
+
+
+def test_a_server_that_cannot_be_set_up_is_failed_and_the_others_go_on() -> None:
+    good, bad = ScriptedVLLM(), ScriptedVLLM()
+    bad.hostile["/init_weight_transfer_engine"] = lambda r: httpx.Response(200, text="<html>not vLLM</html>")
+    changes: list[tuple[str, str]] = []
+    with _driver(bad, good) as d:
+        d.init()  # no error: one server could be set up
+        assert d.failed() == ["http://vllm-0"] and d.unreachable() == []
+        assert [s.state()[0] for s in d.sessions] == ["failed", "serving"]
+        out = d.follow(_seeing(1, driver=d), until=1, on_change=lambda url, what: changes.append((url, what)))
+        assert out == {"http://vllm-0": None, "http://vllm-1": 1}  # until returned: the failed one does not count
+        assert good.version == "1" and bad.version == "0"
+        # set up again at each observation; failing the same way again is no news (said at init, by the log)
+        assert changes == [] and bad.calls.count("/init_weight_transfer_engine") >= 2
+        bad.hostile["/init_weight_transfer_engine"] = lambda r: httpx.Response(500, json={"error": "no backend"})
+        d.follow(_seeing(1, driver=d), on_change=lambda url, what: changes.append((url, what)))
+        assert [url for url, _ in changes] == ["http://vllm-0"] and changes[0][1].startswith("failed: init:")
+        del bad.hostile["/init_weight_transfer_engine"]
+        d.follow(_seeing(2, driver=d), until=2, on_change=lambda url, what: changes.append((url, what)))
+        assert (bad.version, good.version) == ("2", "2") and d.failed() == []
+        assert changes[-1] == ("http://vllm-0", "set up again (it serves step 0)")
 
 
 def test_each_server_reports_to_the_fleet_view_as_one_replica() -> None:
@@ -162,7 +192,7 @@ def test_each_server_reports_to_the_fleet_view_as_one_replica() -> None:
     with ThreadServer(create_app(Settings(publish_token=tok))) as signal, SignalClient(signal.url, tok) as trainer:
         for step in (0, 1, 2):
             trainer.publish("run-d", step, f"{step:032x}")
-        with _driver(ok, refusing, broken, signal=signal.url, signal_token=tok, run="run-d") as d:
+        with _driver(ok, refusing, broken, reporting=_reporting(signal.url, tok, "run-d")) as d:
             d.init()
             assert d.reports_delivered(30)
             assert {r.replica: (r.step, r.state) for r in trainer.fleet("run-d").replicas} == {
@@ -178,8 +208,8 @@ def test_each_server_reports_to_the_fleet_view_as_one_replica() -> None:
             assert "UpdateRolledBack: step 2: corrupt patch" in (rows["vllm-1"].last_error or "")
             assert (rows["vllm-2"].state, rows["vllm-2"].step) == ("needs_replacement", 0)
         assert trainer.fleet("run-d").replicas == ()  # closing the driver left the fleet
-    with pytest.raises(ValueError, match="needs run="):
-        _driver(ScriptedVLLM(), signal="http://127.0.0.1:9")
+    with pytest.raises(ValueError, match="replicas names 1 replicas for 2 servers"):
+        _driver(ScriptedVLLM(), ScriptedVLLM(), reporting=_reporting("http://127.0.0.1:9", tok, "r", replicas=["a"]))
 
 
 # ------------------------------------------------------------------------------- all or nothing
@@ -192,7 +222,7 @@ def _fleet(n: int, version: str | None = "3") -> tuple[list[str], list[ScriptedV
 
 def test_all_or_nothing_prepares_every_server_before_pausing_any() -> None:
     journal, fakes = _fleet(3)
-    with _driver(*fakes, all_or_nothing=True) as d:
+    with _driver(*fakes, options=ALL_OR_NOTHING) as d:
         d.init()
         got = d.update(4)
         assert [u.state for u in got] == ["serving"] * 3 and [u.version for u in got] == ["4"] * 3
@@ -205,7 +235,7 @@ def test_all_or_nothing_prepares_every_server_before_pausing_any() -> None:
 def test_all_or_nothing_a_failed_prepare_touches_no_server() -> None:
     journal, fakes = _fleet(3)
     fakes[1].unpreparable = {4}
-    with _driver(*fakes, all_or_nothing=True) as d:
+    with _driver(*fakes, options=ALL_OR_NOTHING) as d:
         d.init()
         got = d.update(4)
         assert [u.state for u in got] == ["held_back", "failed", "held_back"]
@@ -220,7 +250,7 @@ def test_all_or_nothing_a_failed_prepare_touches_no_server() -> None:
 def test_all_or_nothing_a_refused_step_brings_the_others_back_to_their_previous_step() -> None:
     _, fakes = _fleet(3)
     fakes[2].rolled_back = {4}
-    with _driver(*fakes, all_or_nothing=True) as d:
+    with _driver(*fakes, options=ALL_OR_NOTHING) as d:
         d.init()
         got = d.update(4)
         assert [u.state for u in got] == ["rolled_back"] * 3
@@ -242,7 +272,7 @@ def test_all_or_nothing_a_failed_way_back_is_reported_as_what_the_server_serves(
     _, fakes = _fleet(2)
     fakes[1].rolled_back = {4}
     fakes[0].rolled_back = {3}  # it takes 4, then refuses to go back to 3: it serves 4
-    with _driver(*fakes, all_or_nothing=True) as d:
+    with _driver(*fakes, options=ALL_OR_NOTHING) as d:
         d.init()
         got = d.update(4)
         assert [(u.state, u.version) for u in got] == [("serving", "4"), ("rolled_back", "3")]
@@ -253,7 +283,7 @@ def test_all_or_nothing_a_failed_way_back_is_reported_as_what_the_server_serves(
 def test_all_or_nothing_is_refused_with_a_server_that_needs_replacement_or_of_unknown_step() -> None:
     _, fakes = _fleet(2)
     fakes[0].broken = {4}
-    with _driver(*fakes, all_or_nothing=True) as d:
+    with _driver(*fakes, options=ALL_OR_NOTHING) as d:
         d.init()
         assert [u.state for u in d.update(4)] == ["needs_replacement", "rolled_back"]
         calls = [len(f.calls) for f in fakes]
@@ -262,7 +292,7 @@ def test_all_or_nothing_is_refused_with_a_server_that_needs_replacement_or_of_un
         assert "http://vllm-0 needs replacement" in (got[1].error or "")
         assert [len(f.calls) for f in fakes] == calls  # nothing touched
     unknown = ScriptedVLLM(version=None)
-    with _driver(unknown, ScriptedVLLM(), all_or_nothing=True) as d:
+    with _driver(unknown, ScriptedVLLM(), options=ALL_OR_NOTHING) as d:
         d.init()
         got = d.update(1)
         assert [u.state for u in got] == ["held_back", "held_back"]
@@ -273,7 +303,7 @@ def test_all_or_nothing_retries_the_whole_rollout_after_the_backoff() -> None:
     now = [0.0]
     _, fakes = _fleet(2)
     fakes[1].rolled_back = {4}
-    with _driver(*fakes, clock=lambda: now[0], all_or_nothing=True) as d:
+    with _driver(*fakes, clock=lambda: now[0], options=ALL_OR_NOTHING) as d:
         d.init()
         assert [u.state for u in d.catch_up(4)] == ["rolled_back", "rolled_back"]
         assert d.catch_up(4) == []  # the fleet waits out the backoff
@@ -295,7 +325,7 @@ def test_all_or_nothing_reports_the_truth_to_the_fleet_view() -> None:
     with ThreadServer(create_app(Settings(publish_token=tok))) as signal, SignalClient(signal.url, tok) as trainer:
         for step in (3, 4):
             trainer.publish("run-r", step, f"{step:032x}")
-        with _driver(*fakes, signal=signal.url, signal_token=tok, run="run-r", all_or_nothing=True) as d:
+        with _driver(*fakes, reporting=_reporting(signal.url, tok, "run-r"), options=ALL_OR_NOTHING) as d:
             d.init()
             d.update(4)
             assert d.reports_delivered(30)
@@ -315,8 +345,8 @@ def test_follow_all_or_nothing_reaches_the_driver(tmp_path: Any, monkeypatch: py
 
     seen: list[dict[str, Any]] = []
 
-    def recording_driver(servers: list[str], store: str, **kw: Any) -> VLLMDriver:
-        seen.append({"servers": servers, **kw})
+    def recording_driver(servers: list[str], store: str, options: DriverOptions, **kw: Any) -> VLLMDriver:
+        seen.append({"servers": servers, "all_or_nothing": options.all_or_nothing, **kw})
         raise Built
 
     monkeypatch.setattr(driver_module, "VLLMDriver", recording_driver)
@@ -357,7 +387,7 @@ def test_the_driver_prepares_each_step_before_it_pauses() -> None:
     assert fake.calls[i + 1] == "/pause?mode=wait&clear_cache=true"
     assert ok.ok and ok.prepared and ok.prepare_s is not None
     assert late.ok and not late.prepared and late.prepare_s is not None  # updated anyway, downloading in the pause
-    with _driver(ScriptedVLLM(), prepare=False) as d:
+    with _driver(ScriptedVLLM(), options=DriverOptions(prepare=False)) as d:
         d.init()
         (u,) = d.update(1)
     assert u.ok and not u.prepared and u.prepare_s is None
@@ -407,7 +437,8 @@ def test_a_restarted_server_is_set_up_again_and_brought_to_the_newest_step() -> 
         b.down = True
         d.follow(_seeing(2, driver=d), on_change=lambda url, what: changes.append((url, what)))
         assert d.unreachable() == ["http://vllm-1"] and a.version == "2"
-        assert changes[0][0] == "http://vllm-1" and changes[0][1].startswith("unreachable: ConnectError")
+        assert changes[0][0] == "http://vllm-1" and changes[0][1].startswith("unreachable: ")
+        assert changes[0][1].endswith("set up again once it answers")
         # ... and a new process answers on its URL: booted from a step 0 dir, its backend never set up
         b.down, b.initialised, b.version = False, False, "0"
         d.follow(_seeing(2, driver=d), on_change=lambda url, what: changes.append((url, what)))
@@ -446,12 +477,13 @@ def test_the_fleet_view_shows_an_unreachable_server_and_the_digest_of_each_step(
     with ThreadServer(create_app(Settings(publish_token=tok))) as signal, SignalClient(signal.url, tok) as trainer:
         for step in (0, 1):
             trainer.publish("run-u", step, f"{step:032x}")
-        with _driver(dead, ok, signal=signal.url, signal_token=tok, run="run-u", digest=lambda s: f"{s:032x}") as d:
+        reporting = _reporting(signal.url, tok, "run-u", digest=lambda s: f"{s:032x}")
+        with _driver(dead, ok, reporting=reporting) as d:
             d.init()
             d.update(1)
             assert d.reports_delivered(30)
             rows = {r.replica: r for r in trainer.fleet("run-u").replicas}
-    assert rows["vllm-0"].state == "unreachable" and "ConnectError" in (rows["vllm-0"].last_error or "")
+    assert rows["vllm-0"].state == "unreachable" and "unreachable" in (rows["vllm-0"].last_error or "")
     assert (rows["vllm-1"].state, rows["vllm-1"].step, rows["vllm-1"].digest) == ("serving", 1, f"{1:032x}")
     assert rows["vllm-1"].digest_ok is True
 
@@ -479,7 +511,7 @@ def test_a_signal_server_restart_while_following_loses_no_step_and_the_fleet_vie
         raise AssertionError("not reached")
 
     first = ThreadServer(create_app(Settings(publish_token=tok)), port=port).__enter__()
-    d = _driver(fake, signal=first.url, signal_token=tok, run="run-s", heartbeat=0.2)
+    d = _driver(fake, reporting=_reporting(first.url, tok, "run-s", heartbeat=0.2))
     watcher = StepWatcher(
         lambda: store[-1], signal_url=first.url, token=tok, run="run-s", heartbeat=0.2, poll_interval=0.2, stop=stop
     )
