@@ -171,15 +171,19 @@ def test_a_malformed_audit_report_is_refused_with_a_typed_error(run: str) -> Non
         state_of(worker).close()
 
 
-def _rank(model: torch.nn.Module, rank: int, *, others: object, quantization: str | None = None) -> WorkerSync:
+def _rank(
+    model: torch.nn.Module, rank: int, node_dir: Path, *, others: object, quantization: str | None = None
+) -> WorkerSync:
     """Rank ``rank`` of a 2-rank engine whose other rank votes ``others`` at every exchange."""
-    check = functools.partial(check_engine, quantization=quantization)
-    return WorkerSync(model, EngineFacts(check=check), rank, 2, agree=lambda mine: [mine, others])
+    facts = EngineFacts(check=functools.partial(check_engine, quantization=quantization), node_dir=node_dir)
+    return WorkerSync(model, facts, rank, 2, agree=lambda mine: [mine, others])
 
 
-def test_a_non_last_rank_answers_the_agreed_error_and_the_asking_side_raises_its_class(run: str) -> None:
+def test_a_non_last_rank_answers_the_agreed_error_and_the_asking_side_raises_its_class(
+    run: str, node_dir: Path
+) -> None:
     model = Model(_state(0))
-    first = _rank(model, 0, others=(None, 9))
+    first = _rank(model, 0, node_dir, others=(None, 9))
     worker = Worker(model)
     worker.weight_transfer_engine = SimpleNamespace(sync=first)  # the backend's state is the extension's
     rpc = _rpc(worker)
@@ -193,7 +197,7 @@ def test_a_non_last_rank_answers_the_agreed_error_and_the_asking_side_raises_its
             answer.raise_error()
         assert type(raised.value) is UpdateRolledBack
         # the same call on the last rank raises it
-        last = _rank(model, 1, others=(None, 9))
+        last = _rank(model, 1, node_dir, others=(None, 9))
         try:
             last.configure(InitOptions(store=run))
             with pytest.raises(UpdateRolledBack):
@@ -209,8 +213,8 @@ def test_a_non_last_rank_answers_the_agreed_error_and_the_asking_side_raises_its
         first.close()
 
 
-def test_a_refused_engine_s_error_crosses_as_its_own_class(run: str) -> None:
-    sync = _rank(Model(_state(0)), 0, others=("EngineIncompatible: quantized", 1), quantization="fp8")
+def test_a_refused_engine_s_error_crosses_as_its_own_class(run: str, node_dir: Path) -> None:
+    sync = _rank(Model(_state(0)), 0, node_dir, others=("EngineIncompatible: quantized", 1), quantization="fp8")
     try:
         assert WorkerStatus.from_json(sync.call(sync.configure, InitOptions(store=run)).to_json()).error is None
         # no seed: the engine is checked with the first version it is to load, and refused

@@ -319,7 +319,7 @@ ENV_READERS = {
     "deltasync.protocol.kernels",  # DELTASYNC_KERNELS, at the codec's first use (see kernels.ENV)
     "deltasync.server._settings",  # Settings.from_env: the server's tokens
     "deltasync.storage._s3",  # S3Store(environ=...): the AWS_* defaults, as obstore reads them
-    "deltasync.integrations.vllm.backend",  # the engine's init: DELTASYNC_NODE_DIR
+    "deltasync.integrations.vllm.extension",  # a vLLM worker's deltasync state: DELTASYNC_NODE_DIR
     "deltasync.serving.node._link",  # hands its environment on to the leader process it starts
     "deltasync.testing.seaweedfs",  # the test server's PATH
 }

@@ -9,6 +9,7 @@ it in this module (:func:`state_of`). Imports vLLM only to read the engine's wor
 from __future__ import annotations
 
 import functools
+import os
 import weakref
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,12 @@ def _agree(mine: object) -> list[object]:
     return out
 
 
+def _env_node_dir() -> Path | None:
+    """``$DELTASYNC_NODE_DIR`` as a folder (None when unset or empty): where the node mirror lives."""
+    env = os.environ.get("DELTASYNC_NODE_DIR")
+    return Path(env).expanduser().absolute() if env else None
+
+
 def make_worker_sync(model: torch.nn.Module, vllm_config: Any) -> WorkerSync:
     """A vLLM worker's deltasync state, placed in vLLM's world group (all workers of this engine)."""
     from deltasync.integrations.vllm.engine_check import check_engine
@@ -54,6 +61,7 @@ def make_worker_sync(model: torch.nn.Module, vllm_config: Any) -> WorkerSync:
         model_dir=path if path.is_dir() else None,
         tensor_parallel=int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1),
         check=functools.partial(check_engine, quantization=quantization),
+        node_dir=_env_node_dir(),
     )
     return WorkerSync(model, facts, rank, size, _agree if size > 1 else None)
 

@@ -105,11 +105,14 @@ class InitOptions:
 @dataclass(frozen=True, slots=True)
 class EngineFacts:
     """What a worker needs to know of its engine: the checkpoint dir it loaded (None: not a local
-    dir), its tensor-parallel size, and the check of its parameters (None: none)."""
+    dir), its tensor-parallel size, the check of its parameters (None: none), and where the node
+    mirror lives when the options name no ``node_dir`` (vLLM: ``$DELTASYNC_NODE_DIR``; None: the
+    node's default, ``/dev/shm``)."""
 
     model_dir: Path | None = None
     tensor_parallel: int = 1
     check: ModelCheck | None = None
+    node_dir: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -143,12 +146,6 @@ def _seed(model_dir: Path | None) -> _Seed | None:
     except (OSError, ValueError, KeyError, TypeError):
         step = None
     return _Seed(model_dir, step, ident)
-
-
-def _env_node_dir() -> Path | None:
-    """``$DELTASYNC_NODE_DIR`` as a folder (None when unset or empty)."""
-    env = os.environ.get("DELTASYNC_NODE_DIR")
-    return Path(env).expanduser().absolute() if env else None
 
 
 def _clip(text: str | None) -> str | None:
@@ -193,9 +190,8 @@ class WorkerSync:
         self.options = InitOptions()
         self.mirror: EngineMirror | None = None
         self.metrics = SyncMetrics(labels={"rank": str(rank)})
-        #: where the node mirror lives when the options name no ``node_dir``: ``$DELTASYNC_NODE_DIR``,
-        #: else the node's default (None: ``/dev/shm``)
-        self.default_node_dir = _env_node_dir()
+        #: where the node mirror lives when the options name no ``node_dir`` (:attr:`EngineFacts.node_dir`)
+        self.default_node_dir = self.engine.node_dir
         self._refusal: str | None = None  # why this engine cannot be updated in place (engine check)
         self._prefetcher: Prefetcher | None = None
         self._host_pins: HostPins | None = None  # a CUDA engine's
