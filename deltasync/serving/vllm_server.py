@@ -377,7 +377,9 @@ class VLLMServer:
         except DeltaSyncError as exc:
             error = _join(error, f"weight_info: {error_text(exc)}")
         if state == "serving" and version != str(step):
-            state, error = "failed", f"the server reports weight version {version!r} after updating to step {step}"
+            state = "failed"
+            if error is None:  # else: the weight version could not be read, and ``error`` says why
+                error = f"the server reports weight version {version!r} after updating to step {step}"
         workers = done.workers if done.asked or state == "serving" else self._states()
         if workers and any(w.state == "needs_replacement" for w in workers):
             state = "needs_replacement"
@@ -427,29 +429,25 @@ class VLLMServer:
         """Drop the KV computed with the old weights; any failure (no answer, an error, an answer that is
         not ``{"success": bool}``, still held after ``retries``) is :class:`PrefixCacheNotReset`."""
         params = {"reset_running_requests": "true"} if pause_mode == "keep" else None
+        why = f"{retries + 1} tries"
         for attempt in range(retries + 1):
             try:
                 body = self._send("/reset_prefix_cache", "reset_prefix_cache", params=params)
             except DeltaSyncError as exc:
-                raise PrefixCacheNotReset(
-                    f"{self.url}: the prefix cache could not be reset after the update ({error_text(exc)}); the "
-                    "server stays paused rather than answer from KV computed with the previous weights. POST "
-                    "/reset_prefix_cache, then /resume, once it succeeds"
-                ) from None
+                why = error_text(exc)
+                break
             success = body.get("success", True) if isinstance(body, dict) else body
             if body is None or success is True:
                 return
             if success is not False:
-                raise PrefixCacheNotReset(
-                    f"{self.url}/reset_prefix_cache: expected {{'success': true|false}}, got {_short(body)}: the prefix "
-                    "cache may not be reset; the server stays paused. POST /reset_prefix_cache, then /resume"
-                )
+                why = f"it answered {_short(body)}, not {{'success': true|false}}"
+                break
             if attempt < retries:  # blocks still held (async KV transfers): vLLM says to retry
                 threading.Event().wait(min(0.05 * 2**attempt, 1.0))
         raise PrefixCacheNotReset(
-            f"{self.url}: the prefix cache could not be reset after the update ({retries + 1} tries); the server stays "
-            "paused rather than answer from KV computed with the previous weights. POST /reset_prefix_cache, then "
-            "/resume, once it succeeds"
+            f"{self.url}: the prefix cache could not be reset after the update ({why}); the server stays paused "
+            "rather than answer from KV computed with the previous weights. POST /reset_prefix_cache, then /resume, "
+            "once it succeeds"
         )
 
 
