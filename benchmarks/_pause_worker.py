@@ -30,7 +30,7 @@ class PauseBench(DeltasyncWorkerExtension):
         """The tensors of the step the mirror prepared (else of the one it serves), mapped from the node."""
         mirror = _state_of(self).mirror
         assert mirror is not None
-        view = mirror._prepared_view or mirror._served_view
+        view = mirror.held.prepared_view or mirror.held.served_view
         assert view, "the mirror has no version mapped"
         return view
 

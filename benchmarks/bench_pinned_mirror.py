@@ -96,7 +96,7 @@ def unregister(t: torch.Tensor) -> None:
 
 def mirror_pauses(args: argparse.Namespace, root: Path) -> None:
     import deltasync as ds
-    from deltasync.serving.engine.mirror import EngineMirror
+    from deltasync.serving.engine.mirror import EngineMirror, MirrorOptions
     from deltasync.serving.engine.pinning import HostPins
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -128,10 +128,7 @@ def mirror_pauses(args: argparse.Namespace, root: Path) -> None:
         worker = EngineMirror(
             ds.DeltaFetcher(str(root / "run")),
             load,
-            seed=states[0],
-            seed_step=0,
-            node_dir=root / f"node-{label}",
-            pin=pins,
+            MirrorOptions(seed=states[0], seed_step=0, node_dir=root / f"node-{label}", pin=pins),
         )
         try:
             for step in range(1, args.steps + 1):

@@ -8,6 +8,7 @@ real vLLM engine. Also SyncJournal, which the mirror's undo rests on.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -26,8 +27,9 @@ from deltasync.errors import (  # noqa: E402
 )
 from deltasync.fetcher import SyncJournal  # noqa: E402
 from deltasync.protocol import file_key  # noqa: E402
-from deltasync.serving.engine.mirror import EngineMirror, EngineStatus  # noqa: E402
+from deltasync.serving.engine.mirror import EngineMirror, EngineStatus, MirrorOptions  # noqa: E402
 from deltasync.serving.engine.prefetch import Prefetcher  # noqa: E402
+from deltasync.serving.engine.prepare_log import PrepareReport  # noqa: E402
 
 STEPS = 6
 NAMES = [f"layer{i}.w" for i in range(6)]
@@ -81,9 +83,12 @@ class Engine:
             self.loads[-1].append(name)
 
 
-def _mirror(store: ds.MemoryStore, engine: Engine, step: int | None = 0, **kw: Any) -> EngineMirror:
+def _mirror(
+    store: ds.MemoryStore, engine: Engine, step: int | None = 0, *, metrics: Any = None, clock: Any = None, **kw: Any
+) -> EngineMirror:
     seed = {k: v.clone() for k, v in engine.weights.items()}
-    return EngineMirror(ds.DeltaFetcher(store), engine.load, seed=seed, seed_step=step, **kw)
+    options = MirrorOptions(seed=seed, seed_step=step, **kw)
+    return EngineMirror(ds.DeltaFetcher(store), engine.load, options, metrics=metrics, clock=clock or time.perf_counter)
 
 
 def test_prepare_leaves_the_engine_alone_and_commit_loads_only_what_changed(run: ds.MemoryStore) -> None:
@@ -228,7 +233,7 @@ def test_unseeded_mirror_loads_everything_once_then_only_changes(run: ds.MemoryS
 
 def test_unseeded_mirror_refuses_a_run_larger_than_the_engine(run: ds.MemoryStore) -> None:
     engine = Engine(_state(0))
-    m = EngineMirror(ds.DeltaFetcher(run), engine.load, max_bytes=1024)
+    m = EngineMirror(ds.DeltaFetcher(run), engine.load, MirrorOptions(max_bytes=1024))
     with pytest.raises(UpdateRolledBack) as info:
         m.commit(1)
     assert isinstance(info.value.__cause__, InventoryMismatch)
@@ -274,7 +279,7 @@ def test_a_seeded_mirror_shows_its_seed_to_the_check_before_anything_else(run: d
 
 def test_an_unseeded_mirror_shows_the_run_s_inventory_to_the_check_before_the_first_load(run: ds.MemoryStore) -> None:
     engine, refuse = Engine(_state(0)), Refuse()
-    m = EngineMirror(ds.DeltaFetcher(run), engine.load, check=refuse)
+    m = EngineMirror(ds.DeltaFetcher(run), engine.load, MirrorOptions(check=refuse))
     with pytest.raises(EngineIncompatible):
         m.prepare(2).result()
     with pytest.raises(EngineIncompatible, match="copies of its weights"):  # itself, not UpdateRolledBack
@@ -493,13 +498,13 @@ def test_each_prepare_reports_its_latency_and_each_update_whether_it_was_prepare
 
     clock, metrics = _Clock(), SyncMetrics()
     m = _mirror(run, Engine(_state(0)), metrics=metrics, clock=clock)
-    reports: list[dict[str, Any]] = []
+    reports: list[PrepareReport] = []
     m.on_prepared = reports.append
     m.seen(1)  # the commit is heard of (a poll or a signal)
     clock.now += 3.0  # the prefetch asks 3 s later
     assert m.prepare(1).result() == 1
-    assert reports == [m.last_prepare] and reports[0]["step"] == 1 and reports[0]["ok"]
-    assert reports[0]["latency_s"] == 3.0 and not reports[0]["starved"]
+    assert reports == [m.last_prepare] and reports[0].step == 1 and reports[0].ok
+    assert reports[0].latency_s == 3.0 and not reports[0].starved
     assert m.commit(1).prepared
     m.commit(2)  # not prepared: built in the pause
     text = metrics.render()
@@ -528,6 +533,6 @@ def test_a_prepare_far_longer_than_its_build_is_reported_as_starved(
     m.node.ensure = slow_ensure  # type: ignore[method-assign]
     with caplog.at_level("WARNING", logger="deltasync.mirror"):
         assert m.prepare(1).result() == 1
-    assert m.last_prepare is not None and m.last_prepare["starved"], m.last_prepare
+    assert m.last_prepare is not None and m.last_prepare.starved, m.last_prepare
     assert "deltasync_prepare_starved_total 1" in metrics.render()
     assert any("was starved" in r.getMessage() for r in caplog.records)

@@ -32,7 +32,7 @@ torch = pytest.importorskip("torch")
 
 import deltasync as ds  # noqa: E402
 from deltasync.errors import ProtocolError, UnsafePath  # noqa: E402
-from deltasync.serving.engine.mirror import EngineMirror  # noqa: E402
+from deltasync.serving.engine.mirror import EngineMirror, MirrorOptions  # noqa: E402
 from deltasync.serving.engine.prepared import PreparedFile  # noqa: E402
 from deltasync.serving.node import _link  # noqa: E402
 from deltasync.serving.node.lock import NodeLock  # noqa: E402
@@ -138,7 +138,7 @@ def test_a_mirror_folder_another_user_made_first_is_refused_and_they_get_nothing
     before = _tree(root)
     engine = {n: t.clone() for n, t in _state(0).items()}
     with pytest.raises(UnsafePath) as caught:
-        EngineMirror(fetcher, lambda pairs: None, seed=engine, seed_step=0, node_dir=root)
+        EngineMirror(fetcher, lambda pairs: None, MirrorOptions(seed=engine, seed_step=0, node_dir=root))
     message = str(caught.value)
     assert str(root) in message and "uid 65534" in message and f"mode 0{mode}" in message
     assert "DELTASYNC_NODE_DIR" in message and "0700" in message  # the fix
@@ -384,7 +384,7 @@ def test_the_leader_answers_garbage_with_an_error_and_keeps_serving(tmp_path: Pa
     url = _push(tmp_path / "run", range(2))
     engine = {n: t.clone() for n, t in _state(0).items()}
     worker = EngineMirror(
-        ds.DeltaFetcher(url), lambda pairs: None, seed=engine, seed_step=0, node_dir=tmp_path / "node"
+        ds.DeltaFetcher(url), lambda pairs: None, MirrorOptions(seed=engine, seed_step=0, node_dir=tmp_path / "node")
     )
     try:
         assert worker.node.spawn

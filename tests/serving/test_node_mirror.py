@@ -25,7 +25,7 @@ from tensors import bits_equal  # noqa: E402
 import deltasync as ds  # noqa: E402
 from deltasync.errors import InventoryMismatch, UpdateRolledBack  # noqa: E402
 from deltasync.protocol import TensorChange, decode_patch, file_key  # noqa: E402
-from deltasync.serving.engine.mirror import EngineMirror  # noqa: E402
+from deltasync.serving.engine.mirror import EngineMirror, MirrorOptions  # noqa: E402
 from deltasync.serving.node.mirror import NodeMirror  # noqa: E402
 from deltasync.serving.node.versions import step_id  # noqa: E402
 
@@ -72,10 +72,9 @@ class Engine:
         self.loaded.append(names)
 
 
-def _worker(url: str, node_dir: Path, engine: Engine, **kw: Any) -> EngineMirror:
-    return EngineMirror(
-        ds.DeltaFetcher(url), engine.load, seed=dict(engine.weights), seed_step=0, node_dir=node_dir, **kw
-    )
+def _worker(url: str, node_dir: Path, engine: Engine, *, metrics: Any = None, **kw: Any) -> EngineMirror:
+    options = MirrorOptions(seed=dict(engine.weights), seed_step=0, node_dir=node_dir, **kw)
+    return EngineMirror(ds.DeltaFetcher(url), engine.load, options, metrics=metrics)
 
 
 def _data_files(node: NodeMirror) -> set[str]:
@@ -104,7 +103,7 @@ def test_workers_share_one_version_and_one_store_read_per_step(tmp_path: Path) -
     on_disk = []
     for s in range(1, steps + 1):
         leaders.clear()
-        served = workers[0]._served
+        served = workers[0].held.served
         reports = [w.commit(s) for w in workers]
         assert leaders == ["start"], f"step {s}: {len(leaders)} leaders"  # one build, whichever worker asked first
         version = workers[0].node.versions.version(s)
@@ -169,7 +168,9 @@ def test_a_run_recreated_at_the_same_url_is_never_served_from_the_old_versions(t
     _push(tmp_path / "run", range(2), seed=9)  # another run, same URL, same step numbers
     engine = Engine(_state(0, 9))
     second = EngineMirror(
-        ds.DeltaFetcher(url), engine.load, seed=dict(engine.weights), seed_id="other", node_dir=tmp_path / "node"
+        ds.DeltaFetcher(url),
+        engine.load,
+        MirrorOptions(seed=dict(engine.weights), seed_id="other", node_dir=tmp_path / "node"),
     )
     assert second.node.dir == first.node.dir
     second.commit(1)
@@ -252,12 +253,12 @@ def test_a_build_in_this_process_reads_with_a_fetcher_of_its_own(tmp_path: Path)
     fetcher = ds.DeltaFetcher(store)
     limit = fetcher.max_alloc_bytes
     engine = Engine({k: torch.zeros_like(v) for k, v in _state(0).items()})
-    capped = EngineMirror(fetcher, engine.load, max_bytes=1024)
+    capped = EngineMirror(fetcher, engine.load, MirrorOptions(max_bytes=1024))
     with pytest.raises(UpdateRolledBack) as refused:
         capped.commit(1)
     assert isinstance(refused.value.__cause__, InventoryMismatch)
     capped.close()
-    mirror = EngineMirror(fetcher, engine.load, max_bytes=2 * MODEL_BYTES)
+    mirror = EngineMirror(fetcher, engine.load, MirrorOptions(max_bytes=2 * MODEL_BYTES))
     for s in (1, 2):
         assert mirror.commit(s).step == s and _equal(engine.weights, _state(s))
     assert fetcher.max_alloc_bytes == limit and fetcher.last_stats is None  # the builds synced with their own
@@ -375,25 +376,25 @@ def test_the_versions_an_engine_serves_and_prepares_stay_registered_and_nothing_
     engine = Engine(_state(0))
     metrics = SyncMetrics()
     worker = _worker(url, tmp_path / "node", engine, pin=pins, metrics=metrics)
-    assert set(cuda.live) == _ptrs(worker._served_view)  # the seed: what an undo reads
+    assert set(cuda.live) == _ptrs(worker.held.served_view)  # the seed: what an undo reads
     assert cuda.registrations == len(NAMES)
     # registered views are mapped shared and write-protected (a write faults, never reaching the node)
-    assert {_mapping(t.data_ptr())[0] for t in worker._served_view.values()} == {"r--s"}
+    assert {_mapping(t.data_ptr())[0] for t in worker.held.served_view.values()} == {"r--s"}
     for s in range(1, 5):
         worker.prepare(s).result()
-        assert set(cuda.live) == _ptrs(worker._served_view) | _ptrs(worker._prepared_view)
-        changed = worker._prepared.changed_from(worker._served)  # type: ignore[union-attr]
+        assert set(cuda.live) == _ptrs(worker.held.served_view) | _ptrs(worker.held.prepared_view)
+        changed = worker.held.prepared.changed_from(worker.held.served)  # type: ignore[union-attr]
         before = cuda.registrations
         assert worker.commit(s).step == s
         assert _equal(engine.weights, _state(s))
         assert cuda.registrations == before  # registered while preparing, not in the pause
-        assert set(cuda.live) == _ptrs(worker._served_view)
+        assert set(cuda.live) == _ptrs(worker.held.served_view)
         assert len(changed) == len(NAMES)  # every tensor changes at 17%: each step maps and registers them anew
     # a tensor a step leaves alone keeps its mapping (and its registration): the view reuses it
-    version = worker._served
+    version = worker.held.served
     assert version is not None
-    again = version.tensors(reuse=version.by_file(worker._served_view))
-    assert _ptrs(again) == _ptrs(worker._served_view)
+    again = version.tensors(reuse=version.by_file(worker.held.served_view))
+    assert _ptrs(again) == _ptrs(worker.held.served_view)
     assert pins.nbytes == MODEL_BYTES
     assert f"deltasync_engine_pinned_bytes {MODEL_BYTES}" in metrics.render()
     worker.close()
@@ -425,7 +426,9 @@ def test_a_cuda_engine_updates_bit_exact_from_registered_pages(tmp_path: Path) -
     pins = HostPins()
     engine = Engine({k: v.cuda() for k, v in _state(0).items()})
     worker = EngineMirror(
-        ds.DeltaFetcher(url), engine.load, seed=_state(0), seed_step=0, node_dir=tmp_path / "node", pin=pins
+        ds.DeltaFetcher(url),
+        engine.load,
+        MirrorOptions(seed=_state(0), seed_step=0, node_dir=tmp_path / "node", pin=pins),
     )
     for s in range(1, 4):
         worker.prepare(s).result()
@@ -458,7 +461,7 @@ def test_preparing_faults_the_new_version_in_so_the_pause_does_not(tmp_path: Pat
     url = _push(tmp_path / "run", range(2))
     worker = _worker(url, tmp_path / "node", Engine(_state(0)))
     worker.prepare(1).result()
-    view = worker._prepared_view
+    view = worker.held.prepared_view
     assert view
     assert {_mapping(t.data_ptr())[0] for t in view.values()} == {"rw-p"}  # not registered: copy-on-write
     for t in view.values():  # every page of each mapping is in place before the pause reads it

@@ -6,6 +6,7 @@ injected, is tests/integrations/test_vllm_audit.py.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -17,25 +18,35 @@ from scripted_vllm import ScriptedVLLM
 torch = pytest.importorskip("torch")
 
 import deltasync as ds  # noqa: E402
-from deltasync.errors import DeltaSyncError  # noqa: E402
+from deltasync.errors import (  # noqa: E402
+    ChainBroken,
+    DeltaSyncError,
+    MalformedAnswer,
+    ObjectTooLarge,
+    ProtocolError,
+    ServerError,
+)
 from deltasync.fetcher.metrics import SyncMetrics  # noqa: E402
 from deltasync.protocol.audit import AuditPolicy  # noqa: E402
-from deltasync.protocol.probes import ProbeSet, Reference  # noqa: E402
+from deltasync.protocol.probes import PROBES_KEY, ProbeSet, Reference, reference_key  # noqa: E402
 from deltasync.run.probes import write_probes, write_reference  # noqa: E402
 from deltasync.serving.audit import (  # noqa: E402
     AuditConfig,
     AuditSource,
+    ParamsAudit,
     ProbeOutput,
     ReplicaAuditor,
+    audit_server,
     canary_tokens,
     http_probe,
     run_params_audit,
 )
 from deltasync.serving.driver import VLLMDriver, VLLMServer  # noqa: E402
-from deltasync.serving.engine.mirror import EngineMirror  # noqa: E402
+from deltasync.serving.engine.mirror import EngineMirror, MirrorOptions  # noqa: E402
 from deltasync.serving.engine.params_audit import ParamsAuditor  # noqa: E402
 from deltasync.serving.engine.scatter import ScatterLoader  # noqa: E402
 from deltasync.serving.http_call import BoundedHTTP  # noqa: E402
+from deltasync.serving.worker_api import ParamsChunk  # noqa: E402
 
 NAMES = ["a.w", "b.w", "c.w", "d.w"]
 PROBES = ProbeSet(
@@ -158,10 +169,10 @@ def test_the_parameter_audit_names_what_was_written_behind_the_sync(run: ds.Memo
     mirror = EngineMirror(
         ds.DeltaFetcher(run),
         model.load_weights,
+        MirrorOptions(
+            seed=_state(0), seed_step=0, scatter=lambda layout: ScatterLoader(model, layout, model.load_weights)
+        ),
         metrics=metrics,
-        seed=_state(0),
-        seed_step=0,
-        scatter=lambda layout: ScatterLoader(model, layout, model.load_weights),
     )
     try:
         mirror.commit(2)
@@ -268,3 +279,233 @@ def test_weights_differ_across_manifest_formats() -> None:
     assert source.weights_differ(0, 0) is False
     assert source.weights_differ(0, 1) is None  # only the big tensor's digests differ, and by format
     assert source.weights_differ(1, 2) is True and source.weights_differ(0, 2) is True
+
+
+# ------------------------------------------------------------------------------- hostile answers, bad inputs (issue 46)
+
+
+def _completions(body: dict[str, Any]) -> dict[str, Any]:
+    """A well-formed answer to the audit's completion request ``body`` (as vLLM writes it)."""
+    top = {"token_id:5": -1.0, "token_id:6": -2.5}
+    if "prompt_logprobs" not in body:
+        return {"choices": [{"index": 0, "logprobs": {"top_logprobs": [top]}}]}
+    choices = []
+    for i, prompt in enumerate(body["prompt"]):
+        pl = [None] + [{str(t): {"logprob": -0.5 * j}, "999": {"logprob": -9.0}} for j, t in enumerate(prompt[1:])]
+        choices.append({"index": i, "prompt_logprobs": pl, "logprobs": {"top_logprobs": [top]}})
+    return {"choices": choices}
+
+
+def _a_prompt_entry(a: dict[str, Any]) -> dict[str, Any]:
+    entry: dict[str, Any] = a["choices"][-1]["prompt_logprobs"][1]  # a probe's (the first choice is the canary)
+    return entry
+
+
+#: ways to spoil the batch answer (each a function of the good answer)
+SPOILED: dict[str, Any] = {
+    "a JSON list": lambda a: [a],
+    "no choices": lambda a: {"id": "cmpl-1"},
+    "a choice too few": lambda a: {"choices": a["choices"][1:]},
+    "a choice twice": lambda a: {"choices": [a["choices"][0]] * len(a["choices"])},
+    "a choice without index": lambda a: {"choices": [{**c, "index": None} for c in a["choices"]]},
+    "a choice that is a string": lambda a: {"choices": ["x"] * len(a["choices"])},
+    "no prompt logprobs": lambda a: {"choices": [{**c, "prompt_logprobs": None} for c in a["choices"]]},
+    "prompt logprobs too short": lambda a: {
+        "choices": [{**c, "prompt_logprobs": c["prompt_logprobs"][:-1]} for c in a["choices"]]
+    },
+    "a NaN logprob": lambda a: _a_prompt_entry(a).update({"2": {"logprob": math.nan}}) or a,
+    "an infinite logprob": lambda a: _a_prompt_entry(a).update({"2": {"logprob": -math.inf}}) or a,
+    "a string logprob": lambda a: _a_prompt_entry(a).update({"2": {"logprob": "-1.0"}}) or a,
+    "a positive logprob": lambda a: _a_prompt_entry(a).update({"2": {"logprob": 3.0}}) or a,
+    "a key that is no token id": lambda a: _a_prompt_entry(a).update({"two": {"logprob": -1.0}}) or a,
+    "a negative token id": lambda a: _a_prompt_entry(a).update({"-2": {"logprob": -1.0}}) or a,
+    "a token id out of range": lambda a: _a_prompt_entry(a).update({"99999999999": {"logprob": -1.0}}) or a,
+    "the prompt token missing": lambda a: a["choices"][-1]["prompt_logprobs"].__setitem__(1, {"999": -1.0}) or a,
+    "no canary top logprobs": lambda a: a["choices"][0].update({"logprobs": {"top_logprobs": []}}) or a,
+}
+
+
+def _probe_server(spoil: Any = None, status: int = 200) -> tuple[BoundedHTTP, list[dict[str, Any]]]:
+    asked: list[dict[str, Any]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        asked.append(body)
+        answer = _completions(body)
+        if spoil is not None and "prompt_logprobs" in body:
+            answer = spoil(answer)
+        if status != 200:
+            return httpx.Response(status, json={"error": {"message": "token id 70000 is out of vocabulary"}})
+        return httpx.Response(200, content=json.dumps(answer).encode())  # NaN and Infinity written as Python does
+
+    return BoundedHTTP("http://vllm", transport=httpx.MockTransport(handler)), asked
+
+
+@pytest.mark.parametrize("spoiled", list(SPOILED))
+def test_a_spoiled_completion_answer_is_a_malformed_answer(spoiled: str) -> None:
+    api, _ = _probe_server(SPOILED[spoiled])
+    with pytest.raises(MalformedAnswer, match="not a vLLM completion answer"):
+        http_probe(api, "m", PROBES, canary_tokens(PROBES, 8))
+
+
+def test_a_probe_set_the_engine_refuses_says_what_to_fix() -> None:
+    api, asked = _probe_server(status=400)
+    with pytest.raises(ServerError, match=r"refused the audit's probes .*AuditConfig\(probes=") as caught:
+        http_probe(api, "m", PROBES, None)
+    assert type(caught.value) is ServerError and len(asked) == 1
+    api, _ = _probe_server(status=500)
+    with pytest.raises(ServerError, match="the audit's completion request failed: HTTP 500"):
+        http_probe(api, "m", PROBES, None)
+
+
+def test_the_completion_answer_is_capped_by_the_size_of_the_probe_set() -> None:
+    huge = httpx.MockTransport(lambda r: httpx.Response(200, content=b" " * (64 << 20)))
+    with pytest.raises(MalformedAnswer, match="over the 110,592 this call takes"):
+        http_probe(BoundedHTTP("http://vllm", transport=huge), "m", PROBES, None)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"garbage", b"[" * 100_000, b'{"format_version": 1, "probes": "all"}', b" " * ((1 << 20) + 1)],
+    ids=["garbage", "deep", "wrong shape", "over 1 MiB"],
+)
+def test_a_damaged_probes_json_means_the_audit_cannot_run_and_says_what_to_fix(body: bytes) -> None:
+    store = ds.MemoryStore("bad-probes")
+    store.put(PROBES_KEY, body)
+    with pytest.raises(ProtocolError, match=r"the audit cannot run\. Give the receiver a probe set") as caught:
+        AuditSource(store).probes()
+    assert isinstance(caught.value, ObjectTooLarge) == (len(body) > 1 << 20)
+
+
+def _damaged(good: Reference, damage: str) -> bytes:
+    doc = json.loads(good.to_json())
+    if damage == "NaN":
+        doc["logprobs"][0][1] = math.nan
+    elif damage == "row lengths":
+        doc["logprobs"][1] = doc["logprobs"][1][:-1]
+    elif damage == "other probes":
+        doc["probes_digest"] = "0" * len(doc["probes_digest"])
+    elif damage == "garbage":
+        return b"\x00\xffnot json"
+    elif damage == "over 4 MiB":
+        return b" " * ((4 << 20) + 1)
+    return json.dumps(doc).encode()
+
+
+@pytest.fixture
+def fresh_run() -> ds.MemoryStore:
+    """Steps 0..2 of the small state and the run's probes, no reference."""
+    store = ds.MemoryStore("audit-fresh")
+    with ds.DeltaUploader(store, anchor_every=100, anchor_bytes_fraction=0) as up:
+        for s in range(3):
+            up.push(_state(s), s).result()
+    write_probes(store, PROBES)
+    return store
+
+
+@pytest.mark.parametrize("damage", ["NaN", "row lengths", "other probes", "garbage", "over 4 MiB"])
+def test_a_damaged_reference_leaves_the_canary_unchanged_and_parameter_checks_running(
+    fresh_run: ds.MemoryStore, damage: str
+) -> None:
+    fresh_run.put(reference_key(2), _damaged(Reference(2, PROBES.digest, _rows(), "float32"), damage))
+    auditor = ReplicaAuditor(AuditSource(fresh_run))
+    fresh = {5: -1.0, 6: -2.0}
+    assert not auditor.judge(1, ProbeOutput(_rows(), fresh, dict(fresh))).diverged  # no reference of step 1
+    # step 2: the same logprobs as step 1, a stale canary, a tensor that does not hash: all three found
+    params = ParamsAudit(2, 3, 100, mismatched=("b.w",))
+    r = auditor.judge(2, ProbeOutput(_rows(), fresh, {5: -1.5, 6: -2.0}), params)
+    assert r.divergence is None and [u.check for u in r.unavailable] == ["divergence"]
+    assert "reference of step 2 cannot be used" in r.unavailable[0].why
+    assert ["prefix cache" in r.problems[0], "exactly those of step 1" in r.problems[1]] == [True, True]
+    assert "do not hash to step 2's digests (b.w)" in r.problems[2] and len(r.problems) == 3
+    assert "not run: divergence: the reference of step 2 cannot be used" in r.summary()
+    assert auditor.recheck(r) is None  # a damaged reference is written once: nothing new to compare
+
+
+def test_a_reference_that_arrives_after_the_audit_is_compared_by_recheck(fresh_run: ds.MemoryStore) -> None:
+    now = [0.0]
+    source = AuditSource(fresh_run, AuditConfig(canary=False, reference_every=5.0), clock=lambda: now[0])
+    auditor = ReplicaAuditor(source)
+    first = auditor.judge(2, ProbeOutput(_rows(0.5)))  # 0.5 nats off: no reference to say so yet
+    assert first.divergence is None and not first.diverged and not first.unavailable
+    write_reference(fresh_run, Reference(2, PROBES.digest, _rows(), "float32"))
+    now[0] = 4.0
+    assert auditor.recheck(first) is None  # an absent reference is looked up at most once per 5 s
+    now[0] = 5.0
+    late = auditor.recheck(first)
+    assert late is not None and late.divergence is not None and math.isclose(late.divergence.mean_abs, 0.5)
+    assert late.diverged and late.problems[0].startswith("against the trainer's reference: mean_abs")
+    assert late.fingerprint == first.fingerprint and late.logprobs == first.logprobs  # the engine was not asked
+    assert auditor.recheck(late) is None and auditor.history == [first, late]
+    # a late reference that is damaged: the check is listed as not run, once
+    fresh_run.put(reference_key(1), _damaged(Reference(1, PROBES.digest, _rows(), "float32"), "garbage"))
+    one = auditor.judge(1, ProbeOutput(_rows()))
+    assert [u.check for u in one.unavailable] == ["divergence"]  # found at once: step 1 was never looked up
+
+
+# ------------------------------------------------------------------------------- the parameter audit, bounded
+
+
+def _chunk(start: int, nxt: int | None, rank: int = 0, **kw: Any) -> dict[str, object]:
+    return ParamsChunk(rank, 2, 1, 10, next=nxt, **kw).to_json()
+
+
+def test_a_parameter_audit_that_does_not_advance_is_stopped_after_one_answer() -> None:
+    calls: list[int] = []
+
+    def call(start: int, max_bytes: int) -> dict[str, object]:
+        calls.append(start)
+        return {"results": [_chunk(start, 0)]}  # next: 0, forever
+
+    with pytest.raises(MalformedAnswer, match="next chunk 0 after the chunk at 0: it does not advance"):
+        run_params_audit(call, AuditConfig())
+    assert calls == [0]
+
+
+def test_a_parameter_audit_that_never_ends_is_stopped_at_its_call_budget() -> None:
+    calls: list[int] = []
+
+    def call(start: int, max_bytes: int) -> list[dict[str, object]]:
+        calls.append(start)
+        return [_chunk(start, start + 1)]
+
+    with pytest.raises(MalformedAnswer, match="did not end within 5 calls"):
+        run_params_audit(call, AuditConfig(params_max_calls=5))
+    assert calls == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize(
+    ("answer", "error"),
+    [
+        ([_chunk(0, None, 0), _chunk(0, 3, 1)], "disagree"),
+        (["done"], "expected a JSON object"),
+        ({"results": []}, "one answer per worker"),
+        ([{"rank": 0, "step": 2, "checked": -1}], "checked"),
+        ([{"rank": 0, "step": 2, "mismatched": "a.w"}], "mismatched"),
+    ],
+)
+def test_a_parameter_audit_answer_of_the_wrong_shape_is_malformed(answer: object, error: str) -> None:
+    with pytest.raises(MalformedAnswer, match=error):
+        run_params_audit(lambda **kw: answer, AuditConfig())
+
+
+def test_a_worker_s_parameter_audit_error_is_raised_as_its_own_class() -> None:
+    answer = [ParamsChunk(1, None, 0, 0, error="step 2 is not mirrored", error_code=ChainBroken.code).to_json()]
+    with pytest.raises(ChainBroken, match="rank 1: step 2 is not mirrored"):
+        run_params_audit(lambda **kw: answer, AuditConfig())
+
+
+def test_a_server_s_parameter_audit_that_does_not_advance_ends_the_audit_with_a_typed_error(
+    run: ds.MemoryStore,
+) -> None:
+    fake = ComputingVLLM()
+    fake.hostile["/collective_rpc deltasync_audit_params"] = lambda r: httpx.Response(
+        200, json={"results": [_chunk(0, 0)]}
+    )
+    server = VLLMServer("http://vllm-a", transport=fake.transport())
+    auditor = ReplicaAuditor(AuditSource(run, AuditConfig(canary=False)))
+    with pytest.raises(MalformedAnswer, match="does not advance"):
+        audit_server(server, auditor, 0, params=True)
+    assert fake.calls.count("/collective_rpc") == 1 and fake.audits == []
+    assert not audit_server(server, auditor, 0).diverged  # without the parameter audit: fine, nothing sent
+    assert fake.audits == []

@@ -8,6 +8,11 @@ brought to a new step in the background while the engine keeps serving; :class:`
 commits it by handing the engine only the tensors that changed through its own loader (vLLM's
 ``model.load_weights``). The engine pauses only for that load.
 
+Its parts: :class:`MirrorOptions` (how it is set up), :class:`~.held.HeldVersions` (the versions it
+holds mapped), :class:`~.layout.LayoutGate` (what the engine takes of a layout),
+:class:`~.prepare_log.PrepareLog` (how its prepares went) and :class:`~.mirror_metrics.MirrorMetrics`
+(what it records; :class:`~.mirror_metrics.NoMetrics` by default).
+
 Failure states, for an orchestrator:
 
 - an engine that cannot take the run's tensors in place (``check`` refuses their layout) is never
@@ -27,7 +32,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -40,35 +45,37 @@ from deltasync.errors import (
     UpdateRolledBack,
     WorkerNeedsReplacement,
 )
-from deltasync.fetcher import DeltaFetcher, SyncStats, Verify
-from deltasync.protocol import TensorChange
+from deltasync.fetcher import DeltaFetcher, Verify
+from deltasync.serving.engine.held import HeldVersions
+from deltasync.serving.engine.layout import Check, LayoutGate, Loader, Scatter, ScatterFor
+from deltasync.serving.engine.mirror_metrics import MirrorMetrics, NoMetrics
 from deltasync.serving.engine.pinning import HostPins
+from deltasync.serving.engine.prepare_log import STARVED_FACTOR, STARVED_SLACK, BuildWork, PrepareLog, PrepareReport
 from deltasync.serving.engine.prepared import PreparedFile, PrepareTicket, result_within
 from deltasync.serving.node.mirror import NodeMirror
 from deltasync.serving.node.store import KEEP
-from deltasync.serving.node.versions import Version, populate
+from deltasync.serving.node.versions import Version
 from deltasync.serving.worker_api import CommitReport
 from deltasync.signal import ReplicaState
 
-__all__ = ["Check", "CommitReport", "EngineMirror", "EngineStatus", "Loader", "Scatter"]
+__all__ = [
+    "STARVED_FACTOR",
+    "STARVED_SLACK",
+    "Check",
+    "CommitReport",
+    "EngineMirror",
+    "EngineStatus",
+    "Loader",
+    "MirrorOptions",
+    "Scatter",
+]
 
 log = logging.getLogger("deltasync.mirror")
 
-#: a prepare is reported as starved (a warning and ``deltasync_prepare_starved_total``) when it took
-#: more than this many times its build's own work, plus :data:`STARVED_SLACK` seconds: the build waited
-#: for CPU, a lock or a leader instead of working
-STARVED_FACTOR = 4.0
-STARVED_SLACK = 2.0
-
-#: the engine's loader: takes ``(checkpoint name, host tensor)`` pairs and copies them into the live weights
-Loader = Callable[[Iterable[tuple[str, Any]]], Any]
-#: checks, before anything is loaded, that the engine takes tensors of this layout (checkpoint name ->
-#: (torch dtype, shape)) in place; raises :class:`EngineIncompatible` when it does not. Returns the
-#: names the engine ties to another name of the layout (name -> that name; tied embeddings), or None
-Check = Callable[[Mapping[str, tuple[Any, tuple[int, ...]]]], Mapping[str, str] | None]
-#: writes what changed into the engine, in the pause: takes the changes (one per changed name, positions
-#: None where not known: the whole tensor) and the new tensors by name (``scatter.ScatterLoader``)
-Scatter = Callable[[Sequence[TensorChange], Mapping[str, Any]], Any]
+#: the tensors an engine loaded at start, by checkpoint name, or a callable returning them
+Seed = Mapping[str, Any] | Callable[[], Mapping[str, Any]]
+#: exchanges one picklable value with every rank of the engine; returns all of them in rank order
+Agree = Callable[[Any], list[Any]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,13 +97,71 @@ class EngineStatus:
     #: where the node's mirror lives (None for a worker that has no mirror yet)
     node_dir: str | None = None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         """The JSON object of the status (the workers' RPC answers): every field, but ``node_dir``
         only when there is one."""
         out = asdict(self)
         if self.node_dir is None:
             del out["node_dir"]
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class MirrorOptions:
+    """How an :class:`EngineMirror` is set up (all optional).
+
+    seed: the tensors the engine loaded at start, by checkpoint name (or a callable returning them,
+        called only when the node does not have that step yet), and ``seed_step`` the step they are,
+        when known (a dir written by ``materialize`` says so). ``seed_id`` names the seed's source so
+        that the workers of one engine share its version (default: one version per mirror). Without a
+        seed the first commit loads every tensor.
+    max_bytes: the most a version allocated from the run's inventory may take.
+    agree: for an engine split over ranks (tensor parallel), exchanges one picklable value with
+        every rank and returns all of them in rank order (an all-gather); every rank calls it at
+        the same points of :meth:`EngineMirror.commit`, so the ranks commit or undo together.
+    check: see :data:`~deltasync.serving.engine.layout.Check`; called with the seed's layout, and with
+        each version's layout when it differs from the one checked last.
+    node_dir, spawn, keep: where the node mirror lives and how it builds (see ``NodeMirror``).
+    scatter: for a layout, a :data:`Scatter`: a loader of the changes (the one change type,
+        :class:`~deltasync.protocol.TensorChange`, as the node's version keeps them) and the new
+        tensors by name, that writes only the changed elements where it can (vLLM:
+        ``scatter.ScatterLoader``); used in the pause instead of ``load`` (an undo always uses ``load``).
+    pin: a :class:`~deltasync.serving.engine.pinning.HostPins` (GPU engines): the mapped tensors of
+        the versions the engine serves and prepares are registered with it while they are (in the
+        prepare, never in the pause), so that the pause copies them to the device by DMA.
+    """
+
+    seed: Seed | None = None
+    seed_step: int | None = None
+    seed_id: str | None = None
+    max_bytes: int | None = None
+    agree: Agree | None = None
+    check: Check | None = None
+    node_dir: str | Path | None = None
+    spawn: bool | None = None
+    keep: int = KEEP
+    scatter: ScatterFor | None = None
+    pin: HostPins | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    """Phase 1 of a commit on this rank: the step and the node's version of it, or why not."""
+
+    step: int | None
+    version: Version | None = None
+    prepared: bool = False
+    error: str | None = None
+    cause: DeltaSyncError | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Loaded:
+    """What a commit's pause wrote: tensors loaded whole, tensors scattered and their elements."""
+
+    loaded: int
+    scattered: int = 0
+    elements: int = 0
 
 
 class EngineMirror:
@@ -108,99 +173,65 @@ class EngineMirror:
 
     fetcher: reads the run (its ``verify`` decides what is proven).
     load: the engine's loader (see :data:`Loader`); called in the pause only.
-    seed: the tensors the engine loaded at start, by checkpoint name (or a callable returning them,
-        called only when the node does not have that step yet), and ``seed_step`` the step they are,
-        when known (a dir written by ``materialize`` says so). ``seed_id`` names the seed's source so
-        that the workers of one engine share its version (default: one version per mirror). Without a
-        seed the first commit loads every tensor.
-    max_bytes: the most a version allocated from the run's inventory may take.
-    metrics: a :class:`deltasync.fetcher.metrics.SyncMetrics`-like recorder (``observe_sync``,
-        ``observe_pause``, ``observe_failure``), optional.
-    agree: for an engine split over ranks (tensor parallel), exchanges one picklable value with
-        every rank and returns all of them in rank order (an all-gather); every rank calls it at
-        the same points of :meth:`commit`, so the ranks commit or undo together.
-    check: see :data:`Check`; called with the seed's layout, and with each version's layout when it
-        differs from the one checked last.
-    node_dir, spawn, keep: where the node mirror lives and how it builds (see ``NodeMirror``).
-    scatter: for a layout, a :data:`Scatter`: a loader of the changes (the one change type,
-        :class:`~deltasync.protocol.TensorChange`, as the node's version keeps them) and the new
-        tensors by name, that writes only the changed elements where it can (vLLM:
-        ``scatter.ScatterLoader``); used in the pause instead of ``load`` (an undo always uses ``load``).
-    pin: a :class:`~deltasync.serving.engine.pinning.HostPins` (GPU engines): the mapped tensors of
-        the versions the engine serves and prepares are registered with it while they are (in the
-        prepare, never in the pause), so that the pause copies them to the device by DMA.
+    options: see :class:`MirrorOptions`.
+    metrics: a :class:`~deltasync.serving.engine.mirror_metrics.MirrorMetrics` (e.g.
+        :class:`deltasync.fetcher.metrics.SyncMetrics`); default: records nothing.
+    clock: the clock of prepare latencies and pauses.
     """
 
     def __init__(
         self,
         fetcher: DeltaFetcher,
         load: Loader,
+        options: MirrorOptions | None = None,
         *,
-        seed: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None,
-        seed_step: int | None = None,
-        seed_id: str | None = None,
-        max_bytes: int | None = None,
-        metrics: Any = None,
-        agree: Callable[[Any], list[Any]] | None = None,
-        check: Check | None = None,
+        metrics: MirrorMetrics | None = None,
         clock: Callable[[], float] = time.perf_counter,
-        node_dir: str | Path | None = None,
-        spawn: bool | None = None,
-        keep: int = KEEP,
-        scatter: Callable[[Mapping[str, tuple[Any, tuple[int, ...]]]], Scatter] | None = None,
-        pin: HostPins | None = None,
     ) -> None:
+        o = options if options is not None else MirrorOptions()
         self.fetcher = fetcher
-        self._pin = pin
-        self._scatter_for = scatter
-        self._scatter: Scatter | None = None
-        self.agree: Callable[[Any], list[Any]] = agree or (lambda mine: [mine])
+        self.options = o
+        self.agree: Agree = o.agree or (lambda mine: [mine])
         self._load = load
-        self.metrics = metrics
+        self.metrics: MirrorMetrics = metrics if metrics is not None else NoMetrics()
         self.clock = clock
-        self._check = check
-        self._checked: Any = None  # the layout last checked
-        #: names the engine ties to another name (one parameter): never loaded, equal to it in every version
-        self._tied: dict[str, str] = {}
-        self.node = NodeMirror(fetcher, root=node_dir, spawn=spawn, max_bytes=max_bytes, keep=keep)
-        #: the version the engine holds exactly (None: unknown, the first commit loads every tensor)
-        self._served: Version | None = None
-        self._served_view: dict[str, Any] = {}  # its tensors, mapped: keeps them alive for an undo
-        if seed is not None:
-            self._served, self._served_view = self.node.mapped(
-                lambda: self.node.seed(seed, seed_step, seed_id=seed_id, check=self._check_layout),
-                read_only=self._pinned(),
-            )
-            self._hold(self._served_view)
-        self.serving: int | None = seed_step if self._served is not None else None
-        self._prepared: Version | None = None
-        self._prepared_view: dict[str, Any] = {}
-        self._prepared_stats: SyncStats | None = None
+        #: what the engine takes of a layout (checked once per layout), its tied names and scatter loader
+        self.gate = LayoutGate(o.check, o.scatter)
+        #: how this worker's prepares went
+        self.prepares = PrepareLog(clock, self.metrics)
+        self.node = NodeMirror(fetcher, root=o.node_dir, spawn=o.spawn, max_bytes=o.max_bytes, keep=o.keep)
+        #: the versions this worker holds mapped: the one the engine serves, the one prepared next
+        self.held = HeldVersions(self.node, self.gate, o.pin, metrics=self.metrics, clock=clock)
+        if o.seed is not None:
+            self.held.seed(o.seed, o.seed_step, o.seed_id)
+        self.serving: int | None = o.seed_step if self.held.served is not None else None
         #: ``serving`` or ``needs_replacement`` (see :attr:`EngineStatus.state`)
         self.state: ReplicaState = "serving"
         self.last_error: str | None = None
         self._lock = threading.RLock()
         self._preparer = SerialWorker("deltasync-prepare")
-        #: when each step not served yet was first heard of (a prefetch poll or signal, a prepare or an
-        #: update asking for it): the start of its prepare latency
-        self._seen: dict[int, float] = {}
-        #: the last prepare that settled: ``{"step", "ok", "error", "latency_s", "starved"}`` (None: none yet)
-        self.last_prepare: dict[str, Any] | None = None
-        #: called with :attr:`last_prepare` each time a prepare settles (from the preparing thread)
-        self.on_prepared: Callable[[dict[str, Any]], None] | None = None
-        #: where prepares are reported for a waiter (:meth:`report_to`; None: nowhere)
-        self.reported: PreparedFile | None = None
-        #: what the last ``_advance`` spent: (getting the node's version, the build's own seconds when
-        #: this worker's request built it, all of it)
-        self._work: tuple[float | None, float | None, float | None] = (None, None, None)
 
     # ---------------------------------------------------------------- state
 
     @property
     def prepared(self) -> int | None:
         """The step prepared ahead of ``serving``, ready to commit (None when nothing is)."""
-        v = self._prepared
+        v = self.held.prepared
         return v.step if v is not None and v.step != self.serving else None
+
+    @property
+    def last_prepare(self) -> PrepareReport | None:
+        """The last prepare that settled (None: none yet)."""
+        return self.prepares.last
+
+    @property
+    def on_prepared(self) -> Callable[[PrepareReport], None] | None:
+        """Called with each :class:`PrepareReport` as its prepare settles (from the preparing thread)."""
+        return self.prepares.on_prepared
+
+    @on_prepared.setter
+    def on_prepared(self, hook: Callable[[PrepareReport], None] | None) -> None:
+        self.prepares.on_prepared = hook
 
     def status(self) -> EngineStatus:
         """What an orchestrator wants to know (never waits for a running prepare)."""
@@ -213,7 +244,7 @@ class EngineMirror:
         """Under the mirror's lock (no update meanwhile): the step the engine serves, that version's
         tensors by checkpoint name (mapped) and the scatter loader (None: whole tensors go to ``load``)."""
         with self._lock:
-            yield self.serving, self._served_view, self._scatter
+            yield self.serving, self.held.served_view, self.gate.scatter
 
     def _require_usable(self) -> None:
         if self.state == "needs_replacement":
@@ -221,21 +252,6 @@ class EngineMirror:
                 f"this worker's weights are in an unknown state since a failed update ({self.last_error}); "
                 "restart or replace it"
             )
-
-    def _check_layout(self, layout: Mapping[str, tuple[Any, tuple[int, ...]]]) -> None:
-        if layout == self._checked:
-            return
-        tied = self._check(layout) if self._check is not None else None
-        self._tied = dict(tied or {})
-        self._checked = dict(layout)
-        self._scatter = None
-        if self._scatter_for is not None:
-            try:
-                self._scatter = self._scatter_for({n: s for n, s in layout.items() if n not in self._tied})
-            except Exception as exc:  # noqa: BLE001 - the engine's own loader still works
-                log.warning(
-                    "cannot write changed elements in place (%s: %s): loading whole tensors", type(exc).__name__, exc
-                )
 
     # -------------------------------------------------------------- prepare
 
@@ -245,57 +261,11 @@ class EngineMirror:
         target = step if step is not None else self.fetcher.latest_step()
         if target is None:
             return None
-        if self._prepared is not None and self._prepared.step == target:
-            return self._prepared
-        reuse = {} if self._served is None else self._served.by_file(self._served_view)
-        if self._prepared is not None:
-            reuse.update(self._prepared.by_file(self._prepared_view))
-        t0 = self.clock()
-        version, view = self.node.mapped(lambda: self.node.ensure(target), reuse=reuse, read_only=self._pinned())
-        got = self.clock() - t0
-        built = next((b for b in self.node.built if b.id == version.id), None)
-        if built is not None:  # this worker's leader read the store for it: its sync is this worker's to report
-            self.node.built.remove(built)
-        self._prepared_stats = _stats(built) if built is not None else None
-        self._check_layout(version.layout())
-        self._check_tied(version.step, view)
-        mapped_before = {id(t) for t in reuse.values()}
-        populate(t for t in view.values() if id(t) not in mapped_before)  # page faults here, not in the pause
-        self._hold(view)
-        self._release(self._prepared_view)
-        work = None if built is None else built.stats.get("cpu_s", built.stats.get("seconds"))
-        self._work = (got, None if work is None else float(work), self.clock() - t0)
-        if self.metrics is not None and hasattr(self.metrics, "observe_node"):
-            pinned = {} if self._pin is None else {"pinned": self._pin.nbytes}
-            self.metrics.observe_node(nbytes=self.node.versions.nbytes_on_disk(), built=built is not None, **pinned)
-        self._prepared, self._prepared_view = version, view
+        if self.held.prepared is not None and self.held.prepared.step == target:
+            return self.held.prepared
+        version = self.held.fetch(target, self.serving)
+        self.prepares.work = self.held.work
         return version
-
-    def _check_tied(self, step: int | None, view: Mapping[str, Any]) -> None:
-        """A version whose tied names do not hold the same bits cannot be served (the engine holds one
-        parameter for both): refused while preparing, before the engine is touched."""
-        for name, target in self._tied.items():
-            a, b = view.get(name), view.get(target)
-            if a is not None and b is not None and not _same_bits(a, b):
-                raise EngineIncompatible(
-                    f"step {step} of the run holds different values in {name} and {target}, which this engine "
-                    "ties (one parameter for both: tie_word_embeddings in the model's config), so it cannot serve "
-                    "that step bit-exact; start the engine with the trainer's config (tie_word_embeddings: false "
-                    f"when the trainer trains them apart). The engine still serves step {self.serving}"
-                )
-
-    def _pinned(self) -> bool:
-        """Whether views are registered with CUDA: then they are mapped shared and write-protected
-        (registered 6.8x faster than copy-on-write mappings; a loader's write would fault)."""
-        return self._pin is not None and self._pin.enabled
-
-    def _hold(self, view: Mapping[str, Any]) -> None:
-        if self._pin is not None:
-            self._pin.hold(view.values())
-
-    def _release(self, view: Mapping[str, Any]) -> None:
-        if self._pin is not None:
-            self._pin.release(view.values())
 
     def warm(self) -> Future[None]:
         """Start the node's leader in the background (it warms up while the engine serves), ahead of the
@@ -309,10 +279,7 @@ class EngineMirror:
     def seen(self, step: int, at: float | None = None) -> None:
         """Note that ``step`` was committed and heard of at ``at`` (this mirror's clock; default now),
         unless it was heard of before: its prepare latency counts from there."""
-        if step not in self._seen and (self.serving is None or step > self.serving):
-            self._seen[step] = self.clock() if at is None else at
-            for old in [s for s in self._seen if s < step - 64]:  # never grows without bound
-                del self._seen[old]
+        self.prepares.seen(step, self.serving, at)
 
     def prepare(
         self, step: int | None = None, *, coalesce: Hashable | None = None, tag: str | None = None
@@ -336,19 +303,21 @@ class EngineMirror:
         def run() -> int | None:
             t0 = self.clock()
             with self._lock:
-                self._work = (None, None, None)
+                self.prepares.work = BuildWork()
                 try:
                     v = self._advance(step)
                 except DeltaSyncError as exc:
                     self.last_error = f"{type(exc).__name__}: {exc}"
-                    if self.metrics is not None:
-                        self.metrics.observe_failure("prepare")
-                    self._settled(step, None, t0, self.last_error, tag)
+                    self.metrics.observe_failure("prepare")
+                    self._settled(self.prepares.settle(step, None, t0, self.last_error, tag))
                     raise
-                self._settled(step, None if v is None else v.step, t0, None, tag)
+                self._settled(self.prepares.settle(step, None if v is None else v.step, t0, None, tag))
                 return None if v is None else v.step
 
         return self._preparer.submit(run, coalesce=coalesce)
+
+    def _settled(self, report: PrepareReport) -> None:
+        self.prepares.tell(report, prepared=self.prepared, serving=self.serving)
 
     def ask(self, step: int | None, *, wait: bool = False, timeout: float | None = None) -> PrepareTicket:
         """A prepare someone asked for (``deltasync_prepare``): ``step`` (None: the newest, resolved now)
@@ -360,63 +329,15 @@ class EngineMirror:
         prepared = self.prepare(step, tag=tag)
         if wait:
             result_within(prepared, step, timeout)
-        return PrepareTicket(step, None if self.reported is None else str(self.reported.path), tag)
-
-    def _settled(
-        self, asked: int | None, step: int | None, t0: float, error: str | None, tag: str | None = None
-    ) -> None:
-        """Report a prepare that ended (under the lock): its latency, and whether its build was starved."""
-        now = self.clock()
-        target = step if step is not None else asked
-        since = self._seen.get(target, t0) if target is not None else t0
-        latency, took = now - since, now - t0
-        got, build_s, _ = self._work if error is None else (None, None, None)
-        starved = False
-        if error is None and build_s is not None and took > STARVED_FACTOR * build_s + STARVED_SLACK:
-            starved = True
-            log.warning(
-                "the prepare of step %s was starved: %.2f s (%.2f s from first heard of), of which the node's "
-                "build worked %.2f CPU s and getting it took %.2f s: the leader or this worker waited for CPU "
-                "(a busy engine on few cores), the node lock or a leader start (deltasync_prepare_starved_total)",
-                target,
-                took,
-                latency,
-                build_s,
-                got if got is not None else float("nan"),
-            )
-        self._work = (None, None, None)
-        report = {
-            "step": target,
-            "ok": error is None,
-            "error": error,
-            "latency_s": round(latency, 4),
-            "build_s": build_s,
-            "starved": starved,
-            "tag": tag,
-        }
-        self.last_prepare = report
-        if error is None:
-            log.info("step %s prepared %.3f s after it was first heard of (build %s s)", target, latency, build_s)
-            if self.metrics is not None and hasattr(self.metrics, "observe_prepare"):
-                self.metrics.observe_prepare(latency, starved=starved)
-        for hook in (self._write_report, self.on_prepared):
-            if hook is not None:
-                try:
-                    hook(report)
-                except Exception:  # noqa: BLE001 - a report must not fail the prepare
-                    log.warning("reporting a prepare failed", exc_info=True)
+        file = self.prepares.file
+        return PrepareTicket(step, None if file is None else str(file.path), tag)
 
     def report_to(self, name: str) -> PreparedFile:
         """Report each prepare that settles, and this worker's state, in the node folder's
         ``prepared/<name>.json`` (:class:`~deltasync.serving.engine.prepared.PreparedFile`): what a wait
         that must not ask the worker reads. Written now, then at each prepare."""
-        self.reported = PreparedFile(self.node.dir / "prepared" / f"{name}.json")
-        self._write_report(None)
-        return self.reported
-
-    def _write_report(self, report: dict[str, Any] | None) -> None:
-        if self.reported is not None:
-            self.reported.write(report, prepared=self.prepared, serving=self.serving)
+        path = self.node.dir / "prepared" / f"{name}.json"
+        return self.prepares.report_to(path, prepared=self.prepared, serving=self.serving)
 
     def wait_prepared(self, timeout: float | None = None) -> bool:
         """Wait until every prepare started so far has finished; False when ``timeout`` passed first."""
@@ -435,103 +356,91 @@ class EngineMirror:
         with self._lock:
             previous = self.serving
             # phase 1: every rank has the node's version of the step (the engine is untouched)
-            err: str | None = None
-            cause: DeltaSyncError | None = None
-            version: Version | None = None
-            was_prepared = False
-            try:
-                self._require_usable()
-                if step is None:
-                    step = self.prepared if self.prepared is not None else self.fetcher.latest_step()
-                    if step is None:
-                        raise UpdateRolledBack(f"{self.fetcher.store.url} has no committed step to update to")
-                was_prepared = self._prepared is not None and self._prepared.step == step
-                version = self._advance(step)
-            except DeltaSyncError as exc:
-                err, cause = f"{type(exc).__name__}: {exc}", exc
-                if not isinstance(exc, WorkerNeedsReplacement):
-                    self.last_error = err
-                if self.metrics is not None:
-                    self.metrics.observe_failure("prepare")
-            votes = self.agree((err, step))
-            failed = [f"rank {r}: {e}" for r, (e, _) in enumerate(votes) if e is not None]
-            if not failed and len({s for _, s in votes}) > 1:
-                failed = [f"ranks disagree on the step: {[s for _, s in votes]} (name the step)"]
-            if failed:
-                if self.state == "needs_replacement":
-                    raise WorkerNeedsReplacement(f"this worker must be replaced: {self.last_error}") from cause
-                if isinstance(cause, EngineIncompatible):
-                    raise EngineIncompatible(str(cause)) from cause
-                raise UpdateRolledBack(
-                    f"step {step} was not applied ({'; '.join(failed)}); the engine still serves step {previous}, "
-                    "unchanged"
-                ) from cause
-            assert step is not None and version is not None
+            target = self._target(step)
+            votes = self.agree((target.error, target.step))
+            replaced = self.last_error if self.state == "needs_replacement" else None
+            step, version = _agreed(target, votes, previous, replaced)
             # a tied name is the same parameter as the name it is tied to: loaded through that one
-            names = [n for n in version.changed_from(self._served) if n not in self._tied]
-            view = self._prepared_view
+            names = self.gate.loaded(version.changed_from(self.held.served))
             nbytes = version.nbytes(names)
-            # what changed (its positions, where the engine holds the version this one was built from)
-            changes = version.changes(self._served, names) if self._scatter is not None else {}
-            # phase 2: the pause, every rank loads what changed
-            t0 = self.clock()
-            load_err: BaseException | None = None
-            counts: dict[str, int] = {"loaded": len(names)}
-            try:
-                if names and self._scatter is not None:
-                    done = self._scatter([changes[n] for n in names], view)
-                    counts = {
-                        "loaded": done.loaded + done.copied,
-                        "scattered": done.scattered,
-                        "elements": done.elements,
-                    }
-                elif names:
-                    self._load([(n, view[n]) for n in names])
-            except Exception as exc:  # noqa: BLE001 - any engine failure is undone below
-                load_err = exc
-            pause = self.clock() - t0
-            refused = [f"rank {r}: {e}" for r, e in enumerate(self.agree(_why(load_err))) if e is not None]
-            if refused:
-                self._undo(names, load_err, "; ".join(refused), step, previous)
-            if self.metrics is not None:
-                if hasattr(self.metrics, "observe_update"):
-                    self.metrics.observe_update(prepared=was_prepared, pause_s=pause)
-                if hasattr(self.metrics, "observe_load"):
-                    self.metrics.observe_load(**counts)
-                if self._prepared_stats is not None:
-                    self.metrics.observe_sync(self._prepared_stats, pause_s=pause)
-                else:
-                    self.metrics.observe_applied(step)
-                    self.metrics.observe_pause(pause)
-            self._prepared_stats = None
-            self._release(self._served_view)  # the prepared view's hold passes to the served one
-            if self._pin is not None and self.metrics is not None and hasattr(self.metrics, "observe_node"):
-                self.metrics.observe_node(
-                    nbytes=self.node.versions.nbytes_on_disk(), built=False, pinned=self._pin.nbytes
-                )
-            self._served, self._served_view = version, view
-            self._prepared, self._prepared_view = None, {}
-            self.serving, self.last_error = step, None
-            for held in [s for s in self._seen if s <= step]:
-                del self._seen[held]
+            # phase 2: the pause, every rank loads what changed (undone on every rank if one refused)
+            pause, loaded = self._pause(version, names, step, previous)
+            self._record(step, target.prepared, pause, loaded)
+            self._publish(step)
             log.info(
                 "engine serves step %d (%d tensors, %.1f MiB loaded in %.3f s)", step, len(names), nbytes / 2**20, pause
             )
-            return CommitReport(step, previous, len(names), nbytes, pause, was_prepared)
+            return CommitReport(step, previous, len(names), nbytes, pause, target.prepared)
+
+    def _target(self, step: int | None) -> _Target:
+        """Phase 1 on this rank: the step to serve and the node's version of it (or why not)."""
+        try:
+            self._require_usable()
+            if step is None:
+                step = self.prepared if self.prepared is not None else self.fetcher.latest_step()
+                if step is None:
+                    raise UpdateRolledBack(f"{self.fetcher.store.url} has no committed step to update to")
+            was_prepared = self.held.prepared is not None and self.held.prepared.step == step
+            return _Target(step, self._advance(step), was_prepared)
+        except DeltaSyncError as exc:
+            err = f"{type(exc).__name__}: {exc}"
+            if not isinstance(exc, WorkerNeedsReplacement):
+                self.last_error = err
+            self.metrics.observe_failure("prepare")
+            return _Target(step, error=err, cause=exc)
+
+    def _pause(self, version: Version, names: list[str], step: int, previous: int | None) -> tuple[float, _Loaded]:
+        """Load ``names`` of ``version`` into the engine (only their changed elements where a scatter
+        loader can); returns the pause and what was written. A rank that failed makes every rank undo."""
+        view, scatter = self.held.prepared_view, self.gate.scatter
+        # what changed (its positions, where the engine holds the version this one was built from)
+        changes = version.changes(self.held.served, names) if scatter is not None else {}
+        t0 = self.clock()
+        load_err: BaseException | None = None
+        loaded = _Loaded(len(names))
+        try:
+            if names and scatter is not None:
+                done = scatter([changes[n] for n in names], view)
+                loaded = _Loaded(done.loaded + done.copied, done.scattered, done.elements)
+            elif names:
+                self._load([(n, view[n]) for n in names])
+        except Exception as exc:  # noqa: BLE001 - any engine failure is undone below
+            load_err = exc
+        pause = self.clock() - t0
+        refused = [f"rank {r}: {e}" for r, e in enumerate(self.agree(_why(load_err))) if e is not None]
+        if refused:
+            self._undo(names, load_err, "; ".join(refused), step, previous)
+        return pause, loaded
+
+    def _record(self, step: int, prepared: bool, pause: float, loaded: _Loaded) -> None:
+        """The metrics of a commit: the update, what it loaded, and the sync that built its version."""
+        m = self.metrics
+        m.observe_update(prepared=prepared, pause_s=pause)
+        m.observe_load(loaded=loaded.loaded, scattered=loaded.scattered, elements=loaded.elements)
+        if self.held.built_stats is not None:
+            m.observe_sync(self.held.built_stats, pause_s=pause)
+        else:
+            m.observe_applied(step)
+            m.observe_pause(pause)
+
+    def _publish(self, step: int) -> None:
+        """The engine serves ``step`` now: its version becomes the served one."""
+        self.held.promote()
+        self.serving, self.last_error = step, None
+        self.prepares.served(step)
 
     def _undo(self, names: list[str], exc: BaseException | None, why: str, step: int, previous: int | None) -> NoReturn:
         """A rank's engine refused part of a step: every rank reloads the same names from the version it served."""
-        if self.metrics is not None:
-            self.metrics.observe_failure("load")
+        self.metrics.observe_failure("load")
         again: str | None = None
-        served = self._served
+        served = self.held.served
         if served is None:
             again = "its previous weights are not known to deltasync (the engine's own checkpoint was not read)"
         else:
-            self._release(self._prepared_view)
-            self._prepared, self._prepared_view = None, {}
+            self.held.drop_prepared()
+            view = self.held.served_view
             try:
-                self._load([(n, self._served_view[n]) for n in names if n in served.files])
+                self._load([(n, view[n]) for n in names if n in served.files])
             except Exception as second:  # noqa: BLE001
                 again = f"{type(second).__name__}: {second}"
         lost = [f"rank {r}: {e}" for r, e in enumerate(self.agree(again)) if e is not None]
@@ -550,19 +459,31 @@ class EngineMirror:
 
     def close(self) -> None:
         """Stop the background preparer (waits for a running prepare)."""
-        if self.reported is not None:
-            self.reported.remove()
+        self.prepares.close()
         self.node.close()
         self._preparer.close(cancel_pending=True)
-        if self._pin is not None:
-            self._pin.close()
+        self.held.close()
 
 
-def _stats(version: Version) -> SyncStats:
-    """The :class:`SyncStats` of the sync that built a version (this process's leader's)."""
-    fields = dict(version.stats.get("sync") or {})
-    fields.setdefault("step", version.step if version.step is not None else -1)
-    return SyncStats(**fields)
+def _agreed(target: _Target, votes: list[Any], previous: int | None, replaced: str | None) -> tuple[int, Version]:
+    """Every rank's phase 1 (``votes``: each rank's error and step), agreed: this rank's step and version
+    when every rank has the same step, else the failure to raise on every rank (the engine untouched;
+    ``replaced``: why this worker must be replaced, when it must)."""
+    failed = [f"rank {r}: {e}" for r, (e, _) in enumerate(votes) if e is not None]
+    if not failed and len({s for _, s in votes}) > 1:
+        failed = [f"ranks disagree on the step: {[s for _, s in votes]} (name the step)"]
+    cause = target.cause
+    if failed:
+        if replaced is not None:
+            raise WorkerNeedsReplacement(f"this worker must be replaced: {replaced}") from cause
+        if isinstance(cause, EngineIncompatible):
+            raise EngineIncompatible(str(cause)) from cause
+        raise UpdateRolledBack(
+            f"step {target.step} was not applied ({'; '.join(failed)}); the engine still serves step "
+            f"{previous}, unchanged"
+        ) from cause
+    assert target.step is not None and target.version is not None
+    return target.step, target.version
 
 
 def _why(exc: BaseException | None) -> str | None:
@@ -570,20 +491,16 @@ def _why(exc: BaseException | None) -> str | None:
 
 
 def make_mirror(
-    store: Any, load: Loader, *, verify: Verify = True, signing_key: bytes | None = None, **options: Any
+    store: Any,
+    load: Loader,
+    options: MirrorOptions | None = None,
+    *,
+    verify: Verify = True,
+    signing_key: bytes | None = None,
+    metrics: MirrorMetrics | None = None,
 ) -> EngineMirror:
     """An :class:`EngineMirror` over a store or store URL."""
     from deltasync.storage import open_store
 
     s = open_store(store) if isinstance(store, str) else store
-    return EngineMirror(DeltaFetcher(s, verify=verify, signing_key=signing_key), load, **options)
-
-
-def _same_bits(a: Any, b: Any) -> bool:
-    """Whether two host tensors hold the same bits (NaN payloads and signed zeros included)."""
-    import torch
-
-    if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
-        return False
-    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return bool(torch.equal(a.contiguous().view(bits), b.contiguous().view(bits)))
+    return EngineMirror(DeltaFetcher(s, verify=verify, signing_key=signing_key), load, options, metrics=metrics)
