@@ -6,8 +6,15 @@ on its own (one that hangs or is gone never holds back the others): prepare, pau
 weight-transfer phases with ``weight_version=str(step)``, prefix-cache reset, resume; one line per
 server and step; a step a server refused is retried with backoff. A server that does not answer
 (at start, or later) is reported unreachable and set up once it answers (a restarted server is a
-new process: it is set up again). With ``--signal``, each server is reported to the signal
-server's fleet view as one replica, with its step's manifest digest.
+new process: it is set up again). A server that answers garbage (not its API, an error, too much,
+too slowly) is reported ``failed`` (or ``unreachable``) and the others are kept current; ``--until N``
+returns once every server that counts serves N. With ``--signal``, each server is reported to the
+signal server's fleet view as one replica, with its step's manifest digest.
+
+After each update the server's behavioural audit runs (unless ``--no-audit``): its result is one line,
+and an audit that could not run is one line too, ``<url>: audit of step N could not run: <why>``,
+once per server, step and reason (also the fleet's ``audit_error`` and the metric
+``deltasync_vllm_audits_unavailable_total``). Every text a server sent is printed escaped.
 """
 
 from __future__ import annotations
@@ -21,11 +28,13 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from deltasync._util.text import escape_text
 from deltasync.cli._common import announce_store
 
 if TYPE_CHECKING:
     from deltasync.run import RunReader
-    from deltasync.serving.audit import AuditSource
+    from deltasync.serving.audit import AuditResult, AuditSource
+    from deltasync.serving.driver import ServerUpdate, VLLMDriver
     from deltasync.storage import Store
 
 __all__ = ["add_vllm_arguments", "run_vllm"]
@@ -134,80 +143,93 @@ def _audit_source(store: Store, args: argparse.Namespace) -> AuditSource:
     return AuditSource(store, AuditConfig(action=args.audit_action, params_every=args.audit_params_every))
 
 
+class _Lines:
+    """What the sidecar prints while it follows: one line per update, change and audit (stdout for what
+    went well, stderr for the rest), every server's text escaped; an audit that could not run once per
+    server, step and reason."""
+
+    def __init__(self, driver: VLLMDriver) -> None:
+        self.driver = driver
+        self._said: set[tuple[str, int | None, str]] = set()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def say(line: str) -> None:
+        print(escape_text(line), file=sys.stderr, flush=True)
+
+    @staticmethod
+    def out(line: str) -> None:
+        print(escape_text(line), flush=True)
+
+    def update(self, u: ServerUpdate) -> None:
+        prep = ""
+        if u.prepare_s is not None:
+            prep = f"prepared in {u.prepare_s * 1000:.0f} ms, " if u.prepared else "not prepared, "
+        if u.ok:
+            self.out(f"step {u.step} -> {u.url}: serving ({prep}paused {u.pause_s * 1000:.0f} ms)")
+            if u.audit is not None:
+                self.out(f"{u.url}: {u.audit.summary()}")
+        else:
+            self.say(f"step {u.step} -> {u.url}: {u.state}: {u.error}")
+
+    def change(self, url: str, what: str) -> None:
+        self.say(f"{url}: {what}")
+
+    def audit(self, url: str, result: AuditResult | None, why: str | None) -> None:
+        if result is not None:
+            self.out(f"{url}: {result.summary()}")
+            return
+        # an audit that could not run is kept only while the server still serves the step it was of
+        step = self.driver.serving().get(url)
+        reason = why or "no reason given"
+        with self._lock:
+            if (url, step, reason) in self._said:
+                return  # said once per server, step and reason: not at every re-audit of a set-up
+            self._said.add((url, step, reason))
+        self.say(f"{url}: audit of step {'?' if step is None else step} could not run: {reason}")
+
+    def started(self) -> None:
+        """One line per server after the set-up: what it serves, or why it is not driven yet."""
+        for s in self.driver.sessions:
+            state, why = s.state()
+            step = "(none yet)" if s.serving is None else s.serving
+            if state == "unreachable":
+                self.say(f"{s.url}: unreachable (no answer yet): set up once it answers; the others are kept current")
+            elif state in ("failed", "needs_replacement"):
+                self.say(f"{s.url}: {state} (serving step {step}): {why}; the others are kept current")
+            else:
+                self.say(f"{s.url}: serving step {step}")
+
+
 def run_vllm(args: argparse.Namespace) -> int:
-    """Drive the servers until ``--until`` is served by every server that answers (exit 0) or Ctrl-C."""
+    """Drive the servers until ``--until`` is served by every server that counts (exit 0: at least one
+    serves it, and every other is reported failed, unreachable or needs replacement) or Ctrl-C."""
     from deltasync.run import RunReader
-    from deltasync.serving.driver import DriverOptions, FleetReporting, ServerUpdate, VLLMDriver
     from deltasync.signal import StepWatcher
     from deltasync.storage import open_store
 
     token = os.environ.get("DELTASYNC_SUBSCRIBE_TOKEN") or os.environ.get("DELTASYNC_PUBLISH_TOKEN") or None
-    api_key = os.environ.get("VLLM_API_KEY") or None
     stop = threading.Event()
-    # the sidecar prints each outcome and change itself (one line each): the driver's log lines would repeat them
+    # the sidecar prints each outcome, change and audit itself (one line each, through the driver's
+    # callbacks): the driver's own log lines would repeat them
     logging.getLogger("deltasync.vllm.driver").setLevel(logging.ERROR)
-
-    def say(line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
 
     with open_store(args.store) as store:
         announce_store(store)
         reader = RunReader(store)
         run = args.run or (reader.run_id() if args.signal else None)
-        reporting = bool(args.signal) and not args.no_report
-        if reporting and run is None:
-            say("not reporting to the fleet view: the run's name is not known yet (nothing committed); pass --run")
-            reporting = False
-        replicas = [f"{args.replica}-{i}" for i in range(len(args.vllm))] if args.replica else None
-        metrics = None
-        if args.metrics_port is not None:
-            from deltasync.serving.driver_metrics import DriverMetrics
-
-            metrics = DriverMetrics()
-        options = DriverOptions(
-            pause_mode=args.pause_mode,
-            timeout=args.vllm_timeout,
-            probe_timeout=args.probe_timeout,
-            api_key=api_key,
-            prefetch=not args.no_prefetch,
-            prepare=not args.no_prepare,
-            all_or_nothing=args.all_or_nothing,
-        )
-        fleet = None
-        if reporting and run is not None:
-            report_token = os.environ.get("DELTASYNC_REPORT_TOKEN") or token
-            fleet = FleetReporting(args.signal, run, report_token, replicas, digest=_digests(reader))
-        driver = VLLMDriver(
-            args.vllm,
-            args.vllm_store or store.url,
-            options,
-            reporting=fleet,
-            audit=None if args.no_audit else _audit_source(store, args),
-            metrics=metrics,
-        )
+        if args.signal and not args.no_report and run is None:
+            _Lines.say(
+                "not reporting to the fleet view: the run's name is not known yet (nothing committed); pass --run"
+            )
+        driver = _driver(args, store, reader, run if args.signal and not args.no_report else None, token)
+        lines = _Lines(driver)
         with driver, contextlib.ExitStack() as scope:
-            if metrics is not None:
-                endpoint = scope.enter_context(metrics.serve(args.metrics_port, args.metrics_host))
-                say(f"metrics at {endpoint.url}")
-            driver.init()  # a server that does not answer yet is set up once it does
-            down = set(driver.unreachable())
-            for url, step in driver.serving().items():
-                if url in down:
-                    say(f"{url}: unreachable (no answer yet): set up once it answers; the others are kept current")
-                else:
-                    say(f"{url}: serving step {step if step is not None else '(none yet)'}")
-
-            def report(u: ServerUpdate) -> None:
-                prep = ""
-                if u.prepare_s is not None:
-                    prep = f"prepared in {u.prepare_s * 1000:.0f} ms, " if u.prepared else "not prepared, "
-                if u.ok:
-                    print(f"step {u.step} -> {u.url}: serving ({prep}paused {u.pause_s * 1000:.0f} ms)", flush=True)
-                    if u.audit is not None:
-                        print(f"{u.url}: {u.audit.summary()}", flush=True)
-                else:
-                    say(f"step {u.step} -> {u.url}: {u.state}: {u.error}")
-
+            if driver.metrics is not None:
+                endpoint = scope.enter_context(driver.metrics.serve(args.metrics_port, args.metrics_host))
+                _Lines.say(f"metrics at {endpoint.url}")
+            driver.init()  # a server that does not answer, or answers garbage, is set up again later
+            lines.started()
             watcher = StepWatcher(
                 reader.latest_step,
                 signal_url=args.signal,
@@ -218,14 +240,53 @@ def run_vllm(args: argparse.Namespace) -> int:
                 stop=stop,
             )
             serving = driver.follow(
-                watcher, until=args.until, on_update=report, on_change=lambda url, what: say(f"{url}: {what}")
+                watcher, until=args.until, on_update=lines.update, on_change=lines.change, on_audit=lines.audit
             )
-            down = set(driver.unreachable())
-    print(
-        "stopped; serving: "
-        + ", ".join(f"{u} unreachable (last step {s})" if u in down else f"{u} step {s}" for u, s in serving.items())
-    )
+            states = {s.url: s.state() for s in driver.sessions}
+    lines.out("stopped; serving: " + ", ".join(_standing(u, s, states[u]) for u, s in serving.items()))
     if args.until is not None:
-        live = [s for u, s in serving.items() if u not in down]
-        return 0 if live and all(s is not None and s >= args.until for s in live) else 1
+        counted = [s for u, s in serving.items() if states[u][0] not in ("failed", "unreachable", "needs_replacement")]
+        return 0 if counted and all(s is not None and s >= args.until for s in counted) else 1
     return 0
+
+
+def _standing(url: str, step: int | None, state: tuple[str, str | None]) -> str:
+    """``URL step S``, or ``URL failed (last step S): why`` for a server that does not count."""
+    if state[0] in ("failed", "unreachable", "needs_replacement"):
+        return f"{url} {state[0]} (last step {step}){': ' + state[1] if state[1] else ''}"
+    return f"{url} step {step}"
+
+
+def _driver(
+    args: argparse.Namespace, store: Store, reader: RunReader, run: str | None, token: str | None
+) -> VLLMDriver:
+    """The sidecar's driver, with the CLI's options (``run``: report to the fleet view of that run)."""
+    from deltasync.serving.driver import DriverOptions, FleetReporting, VLLMDriver
+
+    metrics = None
+    if args.metrics_port is not None:
+        from deltasync.serving.driver_metrics import DriverMetrics
+
+        metrics = DriverMetrics()
+    options = DriverOptions(
+        pause_mode=args.pause_mode,
+        timeout=args.vllm_timeout,
+        probe_timeout=args.probe_timeout,
+        api_key=os.environ.get("VLLM_API_KEY") or None,
+        prefetch=not args.no_prefetch,
+        prepare=not args.no_prepare,
+        all_or_nothing=args.all_or_nothing,
+    )
+    fleet = None
+    if run is not None:
+        replicas = [f"{args.replica}-{i}" for i in range(len(args.vllm))] if args.replica else None
+        report_token = os.environ.get("DELTASYNC_REPORT_TOKEN") or token
+        fleet = FleetReporting(args.signal, run, report_token, replicas, digest=_digests(reader))
+    return VLLMDriver(
+        args.vllm,
+        args.vllm_store or store.url,
+        options,
+        reporting=fleet,
+        audit=None if args.no_audit else _audit_source(store, args),
+        metrics=metrics,
+    )
