@@ -49,19 +49,17 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 from deltasync.errors import DeltaSyncError, MalformedAnswer, ProtocolError, ServerError
 from deltasync.protocol.audit import AuditPolicy, AuditReport, Divergence, divergence, fingerprint
 from deltasync.protocol.digests import digests_comparable
 from deltasync.protocol.probes import ProbeSet, Reference
 from deltasync.serving.audit_probe import CANARY_TOP, ProbeOutput, http_probe, llm_probe
+from deltasync.serving.http_call import BoundedHTTP
 from deltasync.serving.worker_api import AUDIT_PARAMS, AUDIT_REPORT, AuditNote, ParamsChunk, results
-
-if TYPE_CHECKING:
-    from deltasync.serving.vllm_server import VLLMServer
 
 __all__ = [
     "AUDIT_ACTIONS",
@@ -73,6 +71,7 @@ __all__ = [
     "AuditConfig",
     "AuditResult",
     "AuditSource",
+    "AuditedServer",
     "ParamsAudit",
     "ProbeOutput",
     "ReferenceLookup",
@@ -510,7 +509,21 @@ def llm_audit(llm: Any, auditor: ReplicaAuditor, step: int, *, params: bool = Fa
     return result
 
 
-def audit_server(server: VLLMServer, auditor: ReplicaAuditor, step: int, *, params: bool = False) -> AuditResult:
+class AuditedServer(Protocol):
+    """What :func:`audit_server` asks of a server (a :class:`~deltasync.serving.vllm_server.VLLMServer`)."""
+
+    @property
+    def url(self) -> str: ...
+    @property
+    def timeout(self) -> float: ...
+    @property
+    def api(self) -> BoundedHTTP: ...
+    def is_paused(self) -> bool | None: ...
+    def model(self) -> str: ...
+    def rpc(self, method: str, kwargs: Mapping[str, object] | None = None, *, deadline: float | None = None) -> Any: ...
+
+
+def audit_server(server: AuditedServer, auditor: ReplicaAuditor, step: int, *, params: bool = False) -> AuditResult:
     """Audit a vLLM server at ``step``: its probes over ``/v1/completions`` and, when ``params``, its
     workers' parameter audit over ``/collective_rpc``; every call bounded by :attr:`AuditConfig.timeout`.
     The result is the caller's to report (the HTTP driver's fleet reporter): nothing is sent to the

@@ -200,8 +200,10 @@ class VLLMServer:
         body: object = None,
         params: Mapping[str, str] | None = None,
         close: bool = False,
+        deadline: float | None = None,
     ) -> Answer:
-        deadline = self.probe_timeout if quick else self.timeout
+        if deadline is None:
+            deadline = self.probe_timeout if quick else self.timeout
         return self._api.call(method, path, deadline=deadline, cap=cap, json_body=body, params=params, close=close)
 
     def _checked(self, a: Answer, path: str, what: str) -> Any:
@@ -220,15 +222,9 @@ class VLLMServer:
         :attr:`timeout`) and :attr:`rpc_cap` bytes: its JSON answer, for the worker API's parsers
         (:mod:`deltasync.serving.worker_api`); an error answer is raised as :class:`ServerError`."""
         body = {"method": method, "kwargs": dict(kwargs or {})}
-        a = self._api.call(
-            "POST",
-            "/collective_rpc",
-            deadline=self.timeout if deadline is None else min(deadline, self.timeout),
-            cap=self.rpc_cap,
-            json_body=body,
-            close=True,
-        )
-        return self._checked(a, "/collective_rpc", f"collective_rpc {method}")
+        limit = None if deadline is None else min(deadline, self.timeout)
+        what = f"collective_rpc {method}"
+        return self._send("/collective_rpc", what, body=body, cap=self.rpc_cap, close=True, deadline=limit)
 
     def model(self) -> str:
         """The served model's id (``GET /v1/models``: ``{"data": [{"id": ...}, ...]}``, read once)."""
@@ -409,11 +405,7 @@ class VLLMServer:
             if workers is not None:
                 break
         if workers is None:  # its weights may be neither step: it must not serve
-            why = (
-                "; its workers' states cannot be read after the refused update, so it stays paused: check "
-                "deltasync_status, then POST /resume (or restart it)"
-            )
-            return _Applied("failed", error + why, resume=False, asked=True)
+            return _Applied("failed", error + _UNREAD_STATES, resume=False, asked=True)
         lost = any(w.state == "needs_replacement" for w in workers)
         return _Applied("needs_replacement" if lost else "rolled_back", error, not lost, workers, asked=True)
 
@@ -452,6 +444,10 @@ class VLLMServer:
 
 
 _MISSING = object()
+_UNREAD_STATES = (
+    "; its workers' states cannot be read after the refused update, so it stays paused: check deltasync_status, "
+    "then POST /resume (or restart it)"
+)
 
 
 def _short(v: object) -> str:
