@@ -19,7 +19,7 @@ for one worker method) :attr:`HostileVLLM.hostile` makes it answer instead with 
 And as a whole: :attr:`stuck_paused` (``/resume`` answers but ``/is_paused`` stays true),
 :attr:`params_next` (every ``deltasync_audit_params`` chunk answers this ``next``: ``0`` is an audit
 that never makes progress), :attr:`wrong_version` (an update is taken but the weight version stays
-the old one).
+the old one), :attr:`ranks` (how many workers its ``/collective_rpc`` answers speak for).
 
 Bounded: at most :data:`MAX_CONNECTIONS` connections at once (more are closed at once), a request
 body over 8 MiB is refused (413), every socket has a timeout, and every hostile wait ends when the
@@ -103,6 +103,8 @@ class HostileVLLM:
         self.stuck_paused = False
         self.params_next: int | None = None
         self.wrong_version = False
+        #: how many workers its ``/collective_rpc`` answers speak for (one answer each)
+        self.ranks = 1
         #: the body a ``non_json`` route answers
         self.junk = b"<html><body><h1>502 Bad Gateway</h1></body></html>"
         self.trickle_s = 1.0
@@ -263,18 +265,18 @@ class HostileVLLM:
             return 200, {"results": [None]}
         if route == "/collective_rpc deltasync_prepare":
             step = int(kwargs["step"])
-            return 200, {"results": [self._status(prepared=step)]}
+            return 200, {"results": [self._status(rank, prepared=step) for rank in range(self.ranks)]}
         if path == "/collective_rpc":
-            return 200, {"results": [self._status()]}
+            return 200, {"results": [self._status(rank) for rank in range(self.ranks)]}
         return 404, {"detail": "Not Found"}
 
     def _step(self) -> int | None:
         v = self.version
         return int(v) if v is not None and v.isdigit() else None
 
-    def _status(self, prepared: int | None = None) -> dict[str, Any]:
+    def _status(self, rank: int, prepared: int | None = None) -> dict[str, Any]:
         return {
-            "rank": 0,
+            "rank": rank,
             "step": self._step(),
             "prepared": prepared,
             "state": "serving",
