@@ -504,7 +504,7 @@ def test_a_full_filesystem_is_a_clear_error_and_leaves_the_engine_and_the_node_a
     """The build runs in this process here (``spawn=False``) so that the write can fail on cue: the
     filesystem fills up on step 1's pack, or on its positions file after the pack (test_a_real_full_tmpfs_... runs the leader on a
     real full tmpfs where the machine lets it mount one)."""
-    from deltasync.serving.node import store as node_module
+    from deltasync.serving.node import packs as node_module
 
     url = _push(tmp_path / "run", range(2))
     engine = Engine(_state(0))
@@ -535,7 +535,7 @@ def test_a_full_filesystem_is_a_clear_error_and_leaves_the_engine_and_the_node_a
 
 def test_a_seed_that_does_not_fit_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from deltasync.errors import DeltaSyncError
-    from deltasync.serving.node import store as node_module
+    from deltasync.serving.node import packs as node_module
 
     url = _push(tmp_path / "run", range(1))
     real = node_module.write_buffers

@@ -7,8 +7,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from deltasync._util import gcpause
 from deltasync.errors import InventoryMismatch
@@ -19,6 +20,7 @@ from deltasync.serving.node.lock import NodeLock
 from deltasync.serving.node.store import COMPACT_BELOW, VersionStore
 from deltasync.serving.node.versions import (
     PACK_ALIGN,
+    PositionsRef,
     Version,
     VersionFile,
     changed_positions,
@@ -26,7 +28,10 @@ from deltasync.serving.node.versions import (
     trim_heap,
 )
 
-__all__ = ["POSITIONS_DENSITY", "SYNC_FIELDS", "build", "build_locked", "builder_fetcher"]
+__all__ = ["POSITIONS_DENSITY", "SYNC_FIELDS", "BuildInfo", "build", "build_locked", "builder_fetcher"]
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("deltasync.node")
 
@@ -72,7 +77,7 @@ def build_locked(
     phase: Callable[[str], None] = lambda _: None,
     timeout: float,
     stop: threading.Event | None = None,
-) -> dict[str, Any]:
+) -> Mapping[str, object]:
     """Under the node lock (waiting up to ``timeout``, or until ``stop``): :func:`build` unless the
     version of ``step`` exists by then (``{}``); collects before and after, and says who builds in
     ``building.json`` meanwhile."""
@@ -95,9 +100,49 @@ def build_locked(
             lock.release()
 
 
+class BuildInfo(TypedDict):
+    """What one build did and cost (a version's ``stats``; a leader's answer)."""
+
+    #: the version it was built from (None: from the run's anchor)
+    base: str | None
+    tensors_written: int
+    #: the pack the changed tensors were copied into before the sync (None: none)
+    pack: str | None
+    bytes_written: int
+    #: bytes read from the store, and the sync's stats (:data:`SYNC_FIELDS`)
+    store_bytes: int
+    sync: dict[str, object]
+    seconds: float
+    #: the build's own work: CPU seconds of this process (all its threads) while it built
+    cpu_s: float
+    pid: int
+
+
+@dataclass
+class _Build:
+    """One build as it goes: the version it starts from, the tensors the sync writes into (by name),
+    the pack the tensors it is expected to change were copied into, and the sync's journal."""
+
+    base: Version | None
+    view: dict[str, torch.Tensor] = field(default_factory=dict)
+    packed: dict[str, VersionFile] = field(default_factory=dict)
+    journal: SyncJournal = field(default_factory=SyncJournal)
+
+
+@dataclass(frozen=True, slots=True)
+class _Written:
+    """The entries of the new version, once its data files are written."""
+
+    files: dict[str, VersionFile]
+    written: set[str]
+    new: int
+    positions: dict[str, PositionsRef]
+    moved: dict[str, VersionFile]
+
+
 def build(
     versions: VersionStore, fetcher: DeltaFetcher, step: int, phase: Callable[[str], None] = lambda _: None
-) -> dict[str, Any]:
+) -> BuildInfo:
     """Build the node's version of ``step`` from its newest version, reading the run with ``fetcher``
     (the build's own: see :func:`builder_fetcher`); the caller holds the lock. Only the tensors the
     step changed get new data, in one pack file: the ones the step's manifests say it changes are
@@ -105,33 +150,71 @@ def build(
     copy-on-write fault per page, no second write); any other tensor the sync wrote goes to a second
     pack after it. ``phase`` hears of each phase."""
     t0, cpu0 = time.perf_counter(), time.process_time()
+    b = _start(versions, fetcher, step, phase)
+    _sync(b, fetcher, step)
+    phase("synced")
+    w = _write(versions, b, phase)
+    stats = fetcher.last_stats
+    info: BuildInfo = {
+        "base": None if b.base is None else b.base.id,
+        "tensors_written": w.new,
+        "pack": next(iter(b.packed.values())).name if b.packed else None,
+        "bytes_written": versions.file_bytes({n: w.files[n] for n in w.written if n in w.files}),
+        "store_bytes": 0 if stats is None else stats.nbytes,
+        "sync": {} if stats is None else {f: getattr(stats, f) for f in SYNC_FIELDS},
+        "seconds": round(time.perf_counter() - t0, 4),
+        "cpu_s": round(time.process_time() - cpu0, 4),
+        "pid": os.getpid(),
+    }
+    phase("publish")
+    base_id = None if b.base is None else b.base.id
+    versions.publish(step_id(step), step, w.files, info, base_id, w.positions, w.moved)
+    del b, w  # the sync's tensors and journal: unmapped before the heap is trimmed
+    trim_heap()
+    return info
+
+
+def _start(versions: VersionStore, fetcher: DeltaFetcher, step: int, phase: Callable[[str], None]) -> _Build:
+    """The build's start: its base (the newest current version not past ``step``), the tensors the step
+    is expected to change (and those left alone in packs it would keep alive) copied into a new pack,
+    and every tensor mapped for the sync (the pack's shared and writable, the rest copy-on-write)."""
     candidates = [v for v in versions.all_versions() if v.step is None or (v.step <= step and versions.current(v))]
     base = max(candidates, key=lambda v: (v.step is not None, v.step or 0), default=None)
     phase("start")
-    view: dict[str, Any] = {}
-    packed: dict[str, VersionFile] = {}
+    b = _Build(base)
     if base is not None:
         expected = _expected(fetcher, base, step)
         ahead = [*expected, *_to_compact(versions, base, set(expected))]
         if ahead:
-            packed = versions.copy_pack(base, ahead)
+            b.packed = versions.copy_pack(base, ahead)
             phase("wrote")
-        view = base.tensors([n for n in base.files if n not in packed])  # the rest: mapped copy-on-write
-        if packed:
-            view.update(_map_pack(versions, packed))
-    journal = SyncJournal()
+        b.view = base.tensors([n for n in base.files if n not in b.packed])  # the rest: mapped copy-on-write
+        if b.packed:
+            b.view.update(_map_pack(versions, b.packed))
+    return b
+
+
+def _sync(b: _Build, fetcher: DeltaFetcher, step: int) -> None:
+    """Apply the run up to ``step`` onto the build's tensors (from its anchor when the base turns out to
+    be an engine checkpoint of another layout)."""
     try:
-        fetcher.sync(view, step, have_step=base.step if base is not None else None, journal=journal)
+        fetcher.sync(b.view, step, have_step=b.base.step if b.base is not None else None, journal=b.journal)
     except InventoryMismatch:
-        if base is None:
+        if b.base is None:
             raise
         # the newest version is an engine checkpoint of another layout: start from the run's inventory
         log.warning("the node's newest version is not this run's layout: building step %d from its anchor", step)
-        base, view, journal, packed = None, {}, SyncJournal(), {}
-        fetcher.sync(view, step, journal=journal)
-    phase("synced")
+        b.base, b.view, b.journal, b.packed = None, {}, SyncJournal(), {}
+        fetcher.sync(b.view, step, journal=b.journal)
+
+
+def _write(versions: VersionStore, b: _Build, phase: Callable[[str], None]) -> _Written:
+    """The new version's entries: the base's, with what the sync changed in the pack (or in a second
+    pack, for what it wrote outside it), the positions of the sparse changes, and the tensors compacted
+    into the pack unchanged (``moved``)."""
+    base, view, packed = b.base, b.view, b.packed
     files: dict[str, VersionFile] = dict(base.files) if base is not None else {}
-    written = set(journal.names) if base is not None else set(view)
+    written = set(b.journal.names) if base is not None else set(view)
     rest: list[str] = []  # written by the sync outside the pack
     sparse: list[tuple[str, Any, int]] = []
     new = 0
@@ -139,7 +222,7 @@ def build(
         tensor = view[name]
         had = None if base is None else base.files.get(name)
         if base is not None and had is not None and had.holds_layout_of(tensor):
-            changed = _positions(journal.changes.get(name), base, name, tensor)
+            changed = _positions(b.journal.changes.get(name), base, name, tensor)
             if changed.size == 0:
                 continue  # rewritten with the same bits (an anchor over a version that has them)
             if changed.size <= POSITIONS_DENSITY * tensor.numel():
@@ -160,24 +243,7 @@ def build(
     positions = versions.write_positions(sparse) if sparse else {}
     for name in [n for n in files if n not in view]:
         del files[name]
-    stats = fetcher.last_stats
-    info = {
-        "base": None if base is None else base.id,
-        "tensors_written": new,
-        "pack": next(iter(packed.values())).name if packed else None,
-        "bytes_written": versions.file_bytes({n: files[n] for n in written if n in files}),
-        "store_bytes": 0 if stats is None else stats.nbytes,
-        "sync": {} if stats is None else {f: getattr(stats, f) for f in SYNC_FIELDS},
-        "seconds": round(time.perf_counter() - t0, 4),
-        # the build's own work: CPU seconds of this process (all its threads) while it built
-        "cpu_s": round(time.process_time() - cpu0, 4),
-        "pid": os.getpid(),
-    }
-    phase("publish")
-    versions.publish(step_id(step), step, files, info, None if base is None else base.id, positions, moved)
-    del view, journal
-    trim_heap()
-    return info
+    return _Written(files, written, new, positions, moved)
 
 
 def _expected(fetcher: DeltaFetcher, base: Version, step: int) -> list[str]:
@@ -213,7 +279,7 @@ def _to_compact(versions: VersionStore, base: Version, moving: set[str]) -> list
     return out
 
 
-def _map_pack(versions: VersionStore, packed: dict[str, VersionFile]) -> dict[str, Any]:
+def _map_pack(versions: VersionStore, packed: dict[str, VersionFile]) -> dict[str, torch.Tensor]:
     """The tensors of a pack just written, mapped shared and writable: the sync applies into the pack."""
     import torch
 

@@ -15,10 +15,9 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from deltasync._util.worker import run_in_background
 from deltasync.errors import DeltaSyncError, from_code
@@ -156,7 +155,7 @@ def request(
     on_phase: Callable[[int, str], None] | None = None,
     pace: bool = False,
     timeout: float,
-) -> dict[str, Any]:
+) -> Mapping[str, object]:
     """Ask the leader of ``config.dir`` to build ``step`` (starting it when there is none); its build
     stats (``{}`` when it found the version built). ``on_phase`` hears of each phase the leader
     reports, with its pid; with ``pace`` the leader waits for a go-ahead after each (tests)."""
@@ -169,11 +168,11 @@ def request(
         # connected to a leader that went away before saying a word (killed just now): a new one starts
         time.sleep(wait)
         wait = min(2 * wait, 1.0)
-    if "stats" in reply:
-        stats: dict[str, Any] = reply["stats"]
+    stats = reply.get("stats")
+    if isinstance(stats, dict):
         return stats
     if "error" in reply:
-        raise from_code(reply["error"], str(reply["message"]))
+        raise from_code(str(reply["error"]), str(reply.get("message")))
     raise DeltaSyncError(
         f"the node mirror's leader (pid {pid}) died while building step {step}; nothing of that step was "
         f"published and the next update starts a new leader (see {node_dir / 'leader.log'})"
@@ -186,7 +185,7 @@ def _ask(
     on_phase: Callable[[int, str], None] | None,
     pace: bool,
     timeout: float,
-) -> tuple[int, bool, dict[str, Any]]:
+) -> tuple[int, bool, Mapping[str, object]]:
     """One request: (the leader's pid, whether it said anything, its final answer or ``{}``)."""
     node_dir = config.dir
     sock = _start(config)
@@ -200,6 +199,8 @@ def _ask(
                 for line in lines:
                     msg = json.loads(line)
                     heard = True
+                    if not isinstance(msg, dict):
+                        break  # not an answer of ours: as a leader that died mid-answer
                     if "phase" not in msg:
                         return pid, heard, msg
                     if on_phase is not None:

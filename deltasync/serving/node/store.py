@@ -27,30 +27,19 @@ collection deletes it.
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import logging
 import os
-import secrets
-import shutil
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from deltasync.errors import DeltaSyncError, ObjectNotFound, ProtocolError, UnsafePath
 from deltasync.run import RunReader
 from deltasync.serving.node._safedir import private_dir, read_regular, replace_file
-from deltasync.serving.node.datafiles import raw_bytes, write_buffers
-from deltasync.serving.node.versions import (
-    INDEX_FORMAT,
-    PACK_ALIGN,
-    POSITIONS_ALIGN,
-    PositionsRef,
-    Version,
-    VersionFile,
-    step_id,
-)
+from deltasync.serving.node.packs import PackWriter
+from deltasync.serving.node.versions import INDEX_FORMAT, PositionsRef, Version, VersionFile, step_id
 
 __all__ = ["COMPACT_BELOW", "KEEP", "VersionStore", "run_key"]
 
@@ -62,7 +51,6 @@ KEEP = 2
 #: when they are less than this fraction of that pack's bytes: a pack stays in memory while any
 #: tensor in it is named (or mapped), so the packs a version names hold at most 1/COMPACT_BELOW times its bytes
 COMPACT_BELOW = 0.5
-_ZEROS = memoryview(bytes(PACK_ALIGN))
 
 
 def run_key(url: str, verify: object, signing_key: bytes | None) -> str:
@@ -93,6 +81,8 @@ class VersionStore:
         self.reader = reader
         self.keep = keep
         self._data_dir = str(self.data)
+        #: writes the new data files of a build (under the lock)
+        self.packs = PackWriter(self.data, directory, keep)
         #: index file name -> ((inode, mtime, size), the version parsed from it): an index is renamed
         #: into place once and never rewritten, and a build reads every index several times (18k
         #: entries each at a MoE's tensor count)
@@ -203,123 +193,16 @@ class VersionStore:
     # ------------------------------------------------------------------ writing (under the lock)
 
     def write_pack(self, tensors: Iterable[tuple[str, Any]]) -> dict[str, VersionFile]:
-        """A new pack file holding the bytes of ``tensors`` ((name, tensor) pairs; a device tensor is
-        copied to the host as it is written), each from a page boundary; their entries, for a version
-        to name. One file and a few system calls for any number of tensors."""
-        file = secrets.token_hex(12) + ".pack"
-        entries: dict[str, VersionFile] = {}
-
-        def buffers() -> Iterator[memoryview]:
-            at = 0
-            for name, tensor in tensors:
-                pad = -at % PACK_ALIGN
-                if pad:
-                    yield _ZEROS[:pad]
-                    at += pad
-                raw = raw_bytes(tensor)
-                entries[name] = VersionFile.of(file, tensor, at)
-                yield raw
-                at += raw.nbytes
-
-        self._write(file, buffers())
-        return entries
+        """A new pack of ``tensors`` (see :meth:`.packs.PackWriter.write_pack`)."""
+        return self.packs.write_pack(tensors)
 
     def copy_pack(self, version: Version, names: Iterable[str]) -> dict[str, VersionFile]:
-        """A new pack file holding the bytes ``version`` has for ``names``, copied from its data files
-        as runs: tensors that lie one after the other in a pack (the usual case: a step changes every
-        tensor of the previous pack) are one buffer, at the same distances in the new pack. Their
-        entries, as :meth:`write_pack`."""
-        import mmap
-
-        file = secrets.token_hex(12) + ".pack"
-        files = version.files
-        picked = sorted((files[n].name, files[n].offset, n) for n in names)
-        entries: dict[str, VersionFile] = {}
-        maps: dict[str, mmap.mmap] = {}
-
-        def source(name: str) -> memoryview:
-            mm = maps.get(name)
-            if mm is None:
-                with open(os.path.join(self._data_dir, name), "rb") as fh:  # FileNotFoundError: collected
-                    mm = maps[name] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-            return memoryview(mm)
-
-        def buffers() -> Iterator[memoryview]:
-            at = 0
-            i = 0
-            while i < len(picked):
-                src, start, _ = picked[i]
-                end = start
-                j = i
-                while j < len(picked):  # the run: each next tensor where the pack put the one after
-                    f, off, n = picked[j]
-                    if f != src or (j > i and off != end + (-end % PACK_ALIGN)):
-                        break
-                    end = off + files[n].nbytes
-                    j += 1
-                pad = -at % PACK_ALIGN
-                if pad:
-                    yield _ZEROS[:pad]
-                    at += pad
-                for _, off, n in picked[i:j]:
-                    e = files[n]
-                    entries[n] = VersionFile(file, e.dtype, e.shape, at + off - start)
-                if end > start:
-                    run = source(src)[start:end]
-                    if run.nbytes != end - start:
-                        raise DeltaSyncError(
-                            f"the node mirror's data file {src} holds {start + run.nbytes:,} bytes, its version "
-                            f"names {end:,}: it was cut short; delete {self.dir}"
-                        )
-                    yield run
-                at += end - start
-                i = j
-
-        try:
-            self._write(file, buffers())
-        finally:
-            for mm in maps.values():
-                with contextlib.suppress(BufferError):  # a view still exported: closed when collected
-                    mm.close()
-        return entries
+        """A new pack of ``version``'s bytes for ``names`` (see :meth:`.packs.PackWriter.copy_pack`)."""
+        return self.packs.copy_pack(version, names)
 
     def write_positions(self, positions: Iterable[tuple[str, Any, int]]) -> dict[str, PositionsRef]:
-        """A new file holding, for each (name, flat positions (sorted; numpy or torch, as a
-        :class:`~deltasync.protocol.TensorChange` carries them), numel of the tensor), the positions
-        (int32 where they fit); where each lies, for a version's ``positions``."""
-        import numpy as np
-
-        file = secrets.token_hex(12) + ".pos"
-        refs: dict[str, PositionsRef] = {}
-        buffers: list[memoryview] = []
-        at = 0
-        for name, pos, numel in positions:
-            if not isinstance(pos, np.ndarray):
-                pos = pos.detach().cpu().numpy()
-            width = 4 if numel < 2**31 else 8
-            arr = np.ascontiguousarray(pos, dtype=np.int32 if width == 4 else np.int64)
-            pad = -at % POSITIONS_ALIGN
-            if pad:
-                buffers.append(_ZEROS[:pad])
-                at += pad
-            refs[name] = PositionsRef(file, at, int(arr.size), width)
-            buffers.append(raw_bytes(arr))
-            at += arr.nbytes
-        self._write(file, buffers)
-        return refs
-
-    def _write(self, name: str, buffers: Iterable[memoryview]) -> None:
-        """A new data file; a full filesystem is one clear error (the caller's collection removes what
-        the unfinished version wrote: no version names it)."""
-        path = os.path.join(self._data_dir, name)
-        try:
-            write_buffers(path, buffers)
-        except OSError as exc:
-            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-                raise
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-            raise DeltaSyncError(_no_room(self.dir.parent, self.keep)) from exc
+        """A new positions file (see :meth:`.packs.PackWriter.write_positions`)."""
+        return self.packs.write_positions(positions)
 
     def publish(
         self,
@@ -391,17 +274,3 @@ class VersionStore:
                     os.unlink(os.path.join(self._data_dir, name))
         for p in [*self.index.glob(".*.tmp"), *self.dir.glob(".building.*.tmp")]:
             p.unlink(missing_ok=True)
-
-
-def _no_room(root: Path, keep: int) -> str:
-    try:
-        usage = shutil.disk_usage(root)
-        room = f"{usage.free / 2**20:,.1f} MiB free of {usage.total / 2**20:,.1f} MiB"
-    except OSError:
-        room = "its filesystem is full"
-    return (
-        f"no room for the node mirror in {root} ({room}): it holds up to {keep} versions of the model's "
-        "tensors (files of tensors a step did not change are shared). Give that filesystem more room (in a container: "
-        "`docker run --shm-size=<2x the checkpoint>` or `--ipc=host`), or put the mirror on a larger one: "
-        '`"node_dir"` in init_info or DELTASYNC_NODE_DIR (a local disk works: versions are mapped, not copied)'
-    )

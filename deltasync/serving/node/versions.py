@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -25,6 +25,11 @@ from deltasync.serving.node.datafiles import (  # populate: re-exported
     map_file,
     populate,
 )
+
+if TYPE_CHECKING:
+    import mmap
+
+    import torch
 
 __all__ = [
     "INDEX_FORMAT",
@@ -160,7 +165,7 @@ class Version:
     #: the build's pack (a compaction) without changing (not changed since a version naming that entry)
     moved: Mapping[str, VersionFile] = field(default_factory=dict)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         """The version's index document (``versions/<id>.json``; the data folder is where it lies)."""
         return {
             "format": INDEX_FORMAT,
@@ -200,7 +205,7 @@ class Version:
 
         known = self.base is not None and served is not None and self.base == served.id
         out: dict[str, TensorChange] = {}
-        maps: dict[str, Any] = {}
+        maps: dict[str, mmap.mmap] = {}
         for name in self.changed_from(served) if names is None else names:
             ref = self.positions.get(name) if known else None
             if ref is None:
@@ -231,13 +236,13 @@ class Version:
         *,
         reuse: Mapping[tuple[str, int], Any] | None = None,
         read_only: bool = False,
-    ) -> dict[str, Any]:
+    ) -> dict[str, torch.Tensor]:
         """The tensors, mapped from the node's files: copy-on-write (a write stays private), or with
         ``read_only`` shared and write-protected (see :func:`~deltasync.serving.node.datafiles.map_file`). ``reuse``: tensors already
         mapped, by data file name (another version's that shares files)."""
         import torch
 
-        out: dict[str, Any] = {}
+        out: dict[str, torch.Tensor] = {}
         data = str(self.data)  # joined as strings: a Path per file costs more than the mapping at 18k files
         wanted = list(self.files) if names is None else list(names)
         extent: dict[str, int] = {}  # bytes of each file to map: up to the end of its last tensor wanted
