@@ -48,6 +48,7 @@ raises what ``load`` raises (the caller undoes, as with the loader).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -147,6 +148,34 @@ def _storage_key(t: torch.Tensor) -> tuple[str, int]:
     return (str(t.device), t.untyped_storage().data_ptr())
 
 
+#: bytes the storage behind a traced checkpoint tensor has beyond the tensor (odd, so that no tensor of
+#: a wider dtype has a storage of that size): see :func:`_traced`
+_MARK = 4099
+
+
+def _traced(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A shape-only (meta) checkpoint tensor to trace a load with, whose storage is :data:`_MARK` bytes
+    longer than the tensor: a view of it (what a plain load copies from) shares that storage, a tensor
+    the load computes from it (a transform) has a storage of its own, of another size. Meta tensors
+    have no addresses to tell them apart by (``data_ptr()`` is 0), and ``Tensor._base`` is private."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    return torch.empty(nbytes + _MARK, dtype=torch.uint8, device="meta")[:nbytes].view(dtype).view(shape)
+
+
+def _shares_storage(t: torch.Tensor, root: torch.Tensor) -> bool:
+    """Whether ``t`` is a view of the traced tensor ``root`` (:func:`_traced`): its storage is root's,
+    told by size (public API: ``untyped_storage().nbytes()``)."""
+    return t.is_meta and t.untyped_storage().nbytes() == root.untyped_storage().nbytes()
+
+
+def _schema(func: Any) -> Any:
+    """The ATen schema of the operator a dispatch mode sees (its arguments' alias info says which it
+    writes). torch has no public accessor for it: ``OpOverload._schema`` is what ``__torch_dispatch__``
+    modes read, torch's own included (``torch.utils._python_dispatch``); present from torch 2.0 through
+    2.13 (the versions this was run with). The one private read of this module."""
+    return func._schema
+
+
 class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Runs views, records ``copy_`` from the traced meta tensor into parameters, writes nothing."""
 
@@ -164,7 +193,7 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        schema = func._schema
+        schema = _schema(func)
         written = [
             a
             for a, arg in zip(schema.arguments, args, strict=False)
@@ -186,8 +215,7 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if not isinstance(src, torch.Tensor) or not src.is_meta or self.root is None:
             self.fail("the load copies something that is not the checkpoint tensor")
             return dst
-        base = src._base if src._base is not None else src
-        if base is not self.root:
+        if not _shares_storage(src, self.root):
             self.fail("the load copies a transformed checkpoint tensor (a new tensor, not a view)")
             return dst
         if src.dtype != dst.dtype or tuple(src.shape) != tuple(dst.shape):
@@ -245,7 +273,7 @@ class ScatterMap:
         unmapped: dict[str, str] = {}
         for name, (dtype, shape) in layout.items():
             rec = _Recorder(params)
-            root = torch.empty(shape, dtype=dtype, device="meta")
+            root = _traced(dtype, shape)
             rec.root = root
             try:
                 with torch.no_grad(), rec:
