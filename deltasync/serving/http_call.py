@@ -289,24 +289,22 @@ class _Late(httpx.TimeoutException):
     """The deadline passed between two chunks of the body."""
 
 
-def _read(r: httpx.Response, cap: int, until: float, clock: Callable[[], float], where: str, error: bool) -> bytes:
+def _read(r: httpx.Response, cap: int, until: float, clock: Callable[[], float], where: str, error: bool) -> bytearray:
     """The body, at most ``cap`` bytes by ``until`` (an error answer's is cut at the cap instead)."""
     declared = r.headers.get("content-length", "")
     if not error and declared.isdigit() and int(declared) > cap:
         raise MalformedAnswer(f"{where}: an answer of {int(declared):,} bytes, over the {cap:,} this call takes")
-    parts: list[bytes] = []
-    size = 0
+    data = bytearray()  # grown in place: the body is held once, never more than the cap and a chunk
     for chunk in r.iter_bytes():
-        size += len(chunk)
-        if size > cap:
+        if len(data) + len(chunk) > cap:
             if error:
-                parts.append(chunk[: max(0, cap - (size - len(chunk)))])
+                data += chunk[: cap - len(data)]
                 break
             raise MalformedAnswer(f"{where}: an answer of over {cap:,} bytes, the most this call takes: cut there")
-        parts.append(chunk)
+        data += chunk
         if clock() > until:
             raise _Late("the deadline passed while the body was read")
-    return b"".join(parts)
+    return data
 
 
 def _why(exc: BaseException) -> str:
@@ -314,7 +312,7 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def parse_json(data: bytes, where: str) -> Any:
+def parse_json(data: bytes | bytearray, where: str) -> Any:
     """``data`` as JSON (None when empty); anything else: :class:`MalformedAnswer`."""
     if not data.strip():
         return None
@@ -325,7 +323,7 @@ def parse_json(data: bytes, where: str) -> Any:
         raise MalformedAnswer(f"{where}: the answer is not JSON ({type(exc).__name__}): {head!r}") from None
 
 
-def error_detail(data: bytes) -> str:
+def error_detail(data: bytes | bytearray) -> str:
     """An error answer's text: the worker's own error, unwrapped from vLLM's text around it (bounded)."""
     try:
         body = json.loads(data) if data.strip() else ""

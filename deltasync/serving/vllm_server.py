@@ -50,7 +50,10 @@ __all__ = [
     "PAUSE_MODES",
     "PROBE_TIMEOUT",
     "RESUME_TRIES",
+    "RPC_BODY_MAX",
     "RPC_BODY_PER_WORKER",
+    "STATUS_BODY_MAX",
+    "STATUS_BODY_PER_WORKER",
     "STATUS_TRIES",
     "PauseMode",
     "ServerUpdate",
@@ -73,9 +76,12 @@ RESUME_TRIES = 5
 #: seconds the driver waits for a quick answer (``/weight_info``, ``/is_paused``, ``/resume``, the workers'
 #: status): a server that does not answer one whole within this is unreachable (stopped, hung or gone)
 PROBE_TIMEOUT = 10.0
-#: the most bytes one worker's answer to a ``/collective_rpc`` call may take (a parameter-audit chunk
-#: names tensors); a call's cap is this times the workers the server last said it has (8 before it said)
-RPC_BODY_PER_WORKER = 4 << 20
+#: the most bytes one worker's answer to a ``/collective_rpc`` call may take: a parameter-audit chunk (it
+#: names tensors) and a status (deltasync_status, deltasync_prepare); a call's cap is this times the workers
+#: the server last said it has (8 before it said), at most :data:`RPC_BODY_MAX` / :data:`STATUS_BODY_MAX`
+RPC_BODY_PER_WORKER, STATUS_BODY_PER_WORKER = 4 << 20, 64 << 10
+#: the most bytes of any one ``/collective_rpc`` answer: the driver's memory stays bounded whatever a server claims
+RPC_BODY_MAX, STATUS_BODY_MAX = 32 << 20, 4 << 20
 _RANKS_ASSUMED, _RANKS_MAX = 8, 64
 #: What one update sequence did to one server (see :attr:`ServerUpdate.state`). An outcome, not the
 #: server's state in the fleet view: :data:`FLEET_STATES` maps one to the other.
@@ -180,8 +186,13 @@ class VLLMServer:
 
     @property
     def rpc_cap(self) -> int:
-        """The most bytes a ``/collective_rpc`` answer of this server may take (see :data:`RPC_BODY_PER_WORKER`)."""
-        return RPC_BODY_PER_WORKER * self._ranks
+        """The most bytes a :meth:`rpc` answer of this server may take (see :data:`RPC_BODY_PER_WORKER`)."""
+        return min(RPC_BODY_PER_WORKER * self._ranks, RPC_BODY_MAX)
+
+    @property
+    def status_cap(self) -> int:
+        """The most bytes a status answer (:meth:`workers`, :meth:`prepare`) of this server may take."""
+        return min(STATUS_BODY_PER_WORKER * self._ranks, STATUS_BODY_MAX)
 
     def __repr__(self) -> str:
         return f"VLLMServer({self.url!r})"
@@ -218,9 +229,8 @@ class VLLMServer:
         return self._checked(self._call("POST", path, quick=quick, **kw), path, what)
 
     def rpc(self, method: str, kwargs: Mapping[str, object] | None = None, *, deadline: float | None = None) -> Any:
-        """``POST /collective_rpc`` of the workers' ``method``, whole within ``deadline`` seconds (default
-        :attr:`timeout`) and :attr:`rpc_cap` bytes: its JSON answer, for the worker API's parsers
-        (:mod:`deltasync.serving.worker_api`); an error answer is raised as :class:`ServerError`."""
+        """``POST /collective_rpc`` of the workers' ``method`` within ``deadline`` s (default :attr:`timeout`) and
+        :attr:`rpc_cap` bytes: its JSON, for the worker API's parsers; an error answer raised as ServerError."""
         body = {"method": method, "kwargs": dict(kwargs or {})}
         limit = None if deadline is None else min(deadline, self.timeout)
         what = f"collective_rpc {method}"
@@ -261,7 +271,7 @@ class VLLMServer:
         say (an error answer: no worker extension, start it with ``--worker-extension-cls
         deltasync.integrations.vllm.backend.DeltasyncWorkerExtension``, or its engine is dead). A quick call."""
         body = {"method": STATUS, "kwargs": {}}
-        a = self._call("POST", "/collective_rpc", quick=True, body=body, cap=self.rpc_cap, close=True)
+        a = self._call("POST", "/collective_rpc", quick=True, body=body, cap=self.status_cap, close=True)
         if not a.ok:
             return None
         found = statuses(a.body, f"{self.url}: {STATUS}")
@@ -270,8 +280,7 @@ class VLLMServer:
 
     def is_paused(self) -> bool | None:
         """Whether the server is paused (``GET /is_paused``; None when it has no such route)."""
-        a = self._call("GET", "/is_paused", quick=True)
-        if a.status == 404:
+        if (a := self._call("GET", "/is_paused", quick=True)).status == 404:
             return None
         body = self._checked(a, "/is_paused", "GET /is_paused")
         paused = body.get("is_paused") if isinstance(body, dict) else None
@@ -312,7 +321,7 @@ class VLLMServer:
         # the engine bounds its own wait a little inside ours, so that it answers with its error first
         kwargs = PrepareRequest(step=step, wait=True, timeout=max(1.0, self.timeout - 5.0)).to_kwargs()
         a = self._call(
-            "POST", "/collective_rpc", body={"method": PREPARE, "kwargs": kwargs}, cap=self.rpc_cap, close=True
+            "POST", "/collective_rpc", body={"method": PREPARE, "kwargs": kwargs}, cap=self.status_cap, close=True
         )
         if a.status == 404:
             self._checked(a, "/collective_rpc", f"collective_rpc {PREPARE}")
