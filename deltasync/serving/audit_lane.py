@@ -5,7 +5,9 @@ so that an audit never delays an update: the next update of that server starts a
 audit of an older step is cancelled by the next one (coalesced), and a running one is abandoned:
 its result, for a step the server no longer serves, is dropped (the session's generation moved on).
 
-An audit that could not run (:func:`~deltasync.serving.audit.audit_server` raised) is a log line at
+The audit asks what :func:`~deltasync.serving.audit.audit_server` asks, and judges the answers only
+when no update of that server started meanwhile (else some may come from the next step's weights).
+An audit that could not run (a request or the judging raised) is a log line at
 WARNING, a metric (``DriverMetrics.observe_audit_unavailable``), a fleet field (the report's
 ``audit_error``) and an ``on_audit(url, None, why)`` callback. A step whose reference arrived after its
 audit is compared once it does: :meth:`AuditRunner.recheck`, at each observation, asks the auditor
@@ -20,8 +22,9 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from deltasync._util.worker import WorkerClosed
-from deltasync.errors import DeltaSyncError
-from deltasync.serving.audit import audit_server
+from deltasync.errors import DeltaSyncError, ServerError
+from deltasync.serving.audit import ParamsAudit, ProbeOutput, http_probe, run_params_audit
+from deltasync.serving.worker_api import AUDIT_PARAMS
 
 if TYPE_CHECKING:
     from deltasync.serving.audit import AuditResult
@@ -77,7 +80,13 @@ class AuditRunner:
             step = step if step is not None else s.agreed_step()
             if step is None:
                 return None
-            result = audit_server(s.server, s.auditor, step, params=params)
+            out, pa = _ask(s, params)
+            if generation != s.generation:
+                # an update started while it asked: some answers may come from the next step's weights, so
+                # they are not judged at all (the auditor's memory of this replica's last answers stays true)
+                log.info("%s: the audit of step %d was overtaken by an update: dropped", s.url, step)
+                return None
+            result = s.auditor.judge(step, out, pa)
         except DeltaSyncError as exc:
             self._unavailable(s, generation, step, str(exc))
             return None
@@ -117,3 +126,18 @@ class AuditRunner:
             return
         log.info("%s: step %d's reference arrived: %s", s.url, last.step, found.summary())
         self._keep(s, generation, found)
+
+
+def _ask(s: ServerSession, params: bool) -> tuple[ProbeOutput, ParamsAudit | None]:
+    """What ``s``'s server answers to the audit's requests, not judged yet (the requests of
+    :func:`~deltasync.serving.audit.audit_server`; the lane judges only answers no update overtook)."""
+    assert s.auditor is not None
+    source, server = s.auditor.source, s.server
+    if server.is_paused():
+        # a paused server holds every request until it is resumed: its audit would wait for that
+        raise ServerError(f"{server.url}: paused, so its answers cannot be audited now")
+    timeout = min(source.config.timeout, server.timeout)
+    out = http_probe(server.api, server.model(), source.probes(), source.canary(), timeout=timeout)
+    if not params:
+        return out, None
+    return out, run_params_audit(lambda **kw: server.rpc(AUDIT_PARAMS, kw, deadline=timeout), source.config)

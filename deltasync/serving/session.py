@@ -272,7 +272,9 @@ class ServerSession:
         self.last, self.brought_back = u, brought_back
         self.defer(u.step)  # set up again, a new process starts afresh
         why = f"step {u.step}: {u.state}: {u.error}"
-        if brought_back:
+        if u.version is not None:
+            # the version it reports now (a refused update may leave the new one set while it stays paused):
+            # the same process, not a new one, at the next probe
             self.version = u.version
         if u.state == "unreachable":
             self.transition(Phase.UNREACHABLE, f"unreachable: {u.error}")
