@@ -280,6 +280,7 @@ def test_a_hostile_server_is_reported_and_the_good_one_stays_current(
     assert got["delivered"]
     good = got["view"]["good"]
     assert (good.step, good.state, good.audit_error) == (N, "serving", None), good
+    assert good.audit is not None and good.audit.audited_step == N, good  # audited at N, beside the bad one
     reasons = _reasons(got, case)
     assert any(re.search(case.why, r) for r in reasons), (case.why, reasons)
     bad = got["view"]["bad"]
