@@ -94,9 +94,7 @@ class ParamsAuditor:
             got = digest_tensors(bufs, manifest.format_version)
             mismatched = [n for n in bufs if got[n] != digests[n]]
             checked = len(bufs)
-        metrics = mirror.metrics
-        if metrics is not None and hasattr(metrics, "observe_param_audit"):
-            metrics.observe_param_audit(ok=checked - len(mismatched), mismatched=len(mismatched))
+        mirror.metrics.observe_param_audit(ok=checked - len(mismatched), mismatched=len(mismatched))
         if mismatched:
             log.error(
                 "parameter audit: %d served tensors do not hash to step %s's digests: %s",
