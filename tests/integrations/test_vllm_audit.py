@@ -43,7 +43,7 @@ from deltasync.protocol.probes import ProbeSet
 from deltasync.run.probes import default_probes
 from deltasync.server import Settings, create_app
 from deltasync.serving.audit import AuditConfig, AuditResult, AuditSource
-from deltasync.serving.driver import ServerUpdate, VLLMDriver
+from deltasync.serving.driver import FleetReporting, ServerUpdate, VLLMDriver
 from deltasync.signal import SignalClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1800)]
@@ -158,10 +158,7 @@ def test_the_audit_passes_healthy_updates_and_catches_each_fault_on_its_replica_
         with VLLMDriver(
             [a, b],
             audited_run.store_dir.as_uri(),
-            signal=signal.url,
-            signal_token=TOKEN,
-            run=RUN,
-            replicas=["replica-a", "replica-b"],
+            reporting=FleetReporting(signal.url, RUN, TOKEN, replicas=["replica-a", "replica-b"]),
             audit=source,
         ) as driver:
 

