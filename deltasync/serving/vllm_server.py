@@ -43,10 +43,8 @@ from deltasync.errors import DeltaSyncError, MalformedAnswer, PrefixCacheNotRese
 from deltasync.serving.audit import AuditResult
 from deltasync.serving.http_call import SMALL_BODY, Answer, BoundedHTTP, error_detail
 from deltasync.serving.worker_api import MAX_TEXT, PREPARE, STATUS, PrepareRequest, WorkerStatus, statuses
-from deltasync.signal import ReplicaState
 
 __all__ = [
-    "FLEET_STATES",
     "PAUSE_MODES",
     "PROBE_TIMEOUT",
     "RESUME_TRIES",
@@ -84,20 +82,8 @@ RPC_BODY_PER_WORKER, STATUS_BODY_PER_WORKER = 4 << 20, 64 << 10
 RPC_BODY_MAX, STATUS_BODY_MAX = 32 << 20, 4 << 20
 _RANKS_ASSUMED, _RANKS_MAX = 8, 64
 #: What one update sequence did to one server (see :attr:`ServerUpdate.state`). An outcome, not the
-#: server's state in the fleet view: :data:`FLEET_STATES` maps one to the other.
+#: server's state in the fleet view: :func:`deltasync.serving.fleet.server_state` derives that.
 UpdateOutcome = Literal["serving", "rolled_back", "held_back", "needs_replacement", "unreachable", "failed"]
-#: The fleet view's state of a server after the outcome of its own update: one that kept its previous
-#: step after its update failed is ``failed`` (it still serves that step, bit-exact; the driver retries);
-#: one an all-or-nothing rollout held back was never touched: ``serving``. (A server that took the step
-#: and was brought back because another one refused it is healthy too: ``serving``.)
-FLEET_STATES: dict[UpdateOutcome, ReplicaState] = {
-    "serving": "serving",
-    "rolled_back": "failed",
-    "held_back": "serving",
-    "needs_replacement": "needs_replacement",
-    "unreachable": "unreachable",
-    "failed": "failed",
-}
 _NOT_FOUND_HINT = (
     "needs a vLLM >= 0.22 server started with VLLM_SERVER_DEV_MODE=1 and "
     '--weight-transfer-config \'{"backend": "deltasync"}\''
