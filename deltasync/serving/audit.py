@@ -277,8 +277,9 @@ class AuditSource:
             found = read_probes(self.store)
         except ProtocolError as exc:
             raise type(exc)(
-                f"{exc}: the audit cannot run. Give the receiver a probe set (AuditConfig(probes=...), or "
-                "--audit-probes), or write a valid probes.json in a new run (deltasync.run.probes.write_probes)"
+                f"{exc}: the audit cannot run. Write a valid probes.json in a new run (deltasync.run.probes."
+                "write_probes), give the receiver a probe set of its own (AuditConfig(probes=...)), or audit without "
+                "(deltasync follow --no-audit)"
             ) from None
         if found is None:
             step = self.reader.latest_step()

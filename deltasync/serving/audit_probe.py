@@ -156,7 +156,8 @@ def _complete(
         raise ServerError(
             f"{api.base_url}/v1/completions refused the audit's probes (HTTP 400: {a.detail}): the audit cannot run. "
             f"Are the probes' token ids (vocab_size {probes.vocab_size}) this model's? Give the receiver a probe "
-            "set of the served model (AuditConfig(probes=...)), or write the run's probes.json for it"
+            "set of the served model (AuditConfig(probes=...)), write the run's probes.json for it, or audit without "
+            "(deltasync follow --no-audit)"
         )
     if not a.ok:
         raise a.error("the audit's completion request")

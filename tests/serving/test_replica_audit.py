@@ -372,7 +372,7 @@ def test_the_completion_answer_is_capped_by_the_size_of_the_probe_set() -> None:
 def test_a_damaged_probes_json_means_the_audit_cannot_run_and_says_what_to_fix(body: bytes) -> None:
     store = ds.MemoryStore("bad-probes")
     store.put(PROBES_KEY, body)
-    with pytest.raises(ProtocolError, match=r"the audit cannot run\. Give the receiver a probe set") as caught:
+    with pytest.raises(ProtocolError, match=r"the audit cannot run\. Write a valid probes.json in a new run") as caught:
         AuditSource(store).probes()
     assert isinstance(caught.value, ObjectTooLarge) == (len(body) > 1 << 20)
 
