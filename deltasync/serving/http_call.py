@@ -234,7 +234,10 @@ class BoundedHTTP:
         self.clock = clock
         # identity: a compressed body would be decoded past the cap in one chunk
         sent = {"Accept-Encoding": "identity", **(headers or {})}
-        self.client = httpx.Client(base_url=self.base_url, headers=sent, transport=transport or DeadlineTransport())
+        try:
+            self.client = httpx.Client(base_url=self.base_url, headers=sent, transport=transport or DeadlineTransport())
+        except httpx.InvalidURL as exc:
+            raise ValueError(f"{base_url!r} is not a server's URL (http://HOST:PORT): {exc}") from None
 
     def call(
         self,

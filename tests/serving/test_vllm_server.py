@@ -408,3 +408,10 @@ def test_a_refused_connection_is_unreachable() -> None:
         server.is_paused()
     assert server.update(1).state == "unreachable"
     server.close()
+
+
+def test_a_url_that_is_not_one_is_a_value_error_and_a_scheme_without_http_is_unreachable() -> None:
+    with pytest.raises(ValueError, match="is not a server's URL"):
+        VLLMServer("http://[::1")
+    with pytest.raises(ServerUnreachable, match="unsupported protocol"):
+        VLLMServer("localhost:8000").weight_version()  # read as a scheme: no request can be sent
