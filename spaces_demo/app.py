@@ -34,6 +34,7 @@ from deltasync.errors import DemoError, StorageError
 from deltasync.storage import Store, open_store
 from spaces_demo.live import DemoOptions, DemoRun, Episode, prepare_demo_store
 from spaces_demo.summary import end_of_run_lines
+from spaces_demo.warmup import warm_kernels
 
 __all__ = ["connect_signal", "create_app", "prepare_store", "run_demo"]
 
@@ -276,6 +277,9 @@ def run_demo(
     url = f"http://{shown}:{port}"
     mode = "self-contained: trainer, store, fetcher" if options.train else "follower: no trainer here"
     print_(f"deltasync demo ({mode}); store {store.url}")
+    # before the clock starts: built at the first sync instead, they would hold the follower back
+    print_("building the codec's compiled kernels (a few seconds on a first run; cached on disk after that)")
+    print_(f"kernels ready in {warm_kernels():.1f} s")
     print_(f"open {url} to watch patches land (Ctrl-C to stop)")
     stop_console = _console(run, print_, None if exit_when_done else url)
 

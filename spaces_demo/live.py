@@ -36,7 +36,8 @@ from deltasync.uploader import CommitInfo, DeltaUploader
 from spaces_demo.board import LiveBoard
 from spaces_demo.rows import bit_snapshot, layer_change, manifest_row
 from spaces_demo.step_signal import StepSignal
-from spaces_demo.toy import PROMPT, TARGET, build_model, greedy, layer_groups, training_batch
+from spaces_demo.toy import PROMPT, TARGET, build_model, greedy, layer_groups
+from spaces_demo.trainer import ANCHOR_BYTES_FRACTION, ToyTrainer, demo_uploader, wait_for_commit
 
 __all__ = [
     "ANCHOR_BYTES_FRACTION",
@@ -83,10 +84,6 @@ def prepare_demo_store(store: Store) -> None:
         store.delete_many(rest)
 
 
-ANCHOR_BYTES_FRACTION = 1.0
-"""The demo's uploader writes an anchor once the patch bytes since the last anchor exceed this
-fraction of that anchor's size (besides every ``--anchor-every`` pushes); shown on the page."""
-
 MAX_NEW_MANIFESTS = 64  # a follower far behind reads only the newest manifests for the charts
 #: reconnects to the signal server: 0.2 s, doubling, at most 5 s apart
 RECONNECT = RetryPolicy(retries=0, backoff=0.2, max_backoff=5.0)
@@ -97,6 +94,8 @@ SIGNAL_STORE_CHECK_S = 5.0
 LISTEN_LOST = 3
 #: how long a run's trainer waits for its follower to listen before its first commit (then trains anyway)
 LISTEN_WAIT_S = 15.0
+#: how long a run's trainer waits, after committing the initial weights, for the inference copy to hold them
+READY_WAIT_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +157,9 @@ class Episode:
     #: set once the follower listens: its signal stream is up (or keeps failing: it polls), or its
     #: first store poll is done when there is no signal server; the trainer's first commit waits for it
     listening: threading.Event = field(default_factory=threading.Event)
+    #: set once the inference copy holds its first step (the initial weights): the trainer's first
+    #: training step waits for it, so the first applied step is never behind a slow first sync
+    ready: threading.Event = field(default_factory=threading.Event)
     #: the follower's copy equals the trainer's last weights bit for bit (None until compared)
     bit_exact: bool | None = None
     #: the trainer's last step and its bf16 weights, for the follower's comparison
@@ -170,6 +172,7 @@ class Episode:
         self.stop.set()
         self.signal.close()
         self.listening.set()
+        self.ready.set()
 
 
 class DemoRun:
@@ -375,6 +378,7 @@ class DemoRun:
                 self.board.set_error(f"{threading.current_thread().name}: {type(exc).__name__}: {exc}")
                 self.board.set_status("failed")
                 ep.listening.set()  # a failed follower keeps no trainer waiting
+                ep.ready.set()
                 self._end_run(ep)
 
         return run
@@ -382,25 +386,18 @@ class DemoRun:
     # --------------------------------------------------------------- trainer
 
     def _train(self, ep: Episode) -> None:
-        torch = self._torch
         opts = self.options
-        toy, model = build_model(opts.model, seed=opts.seed + ep.number)
-        model.train()
-        ids, mask, labels = training_batch(toy.tokenizer)
-        opt = torch.optim.AdamW(model.parameters(), lr=opts.lr, weight_decay=0.0)
+        trainer = ToyTrainer(opts.model, seed=opts.seed + ep.number, lr=opts.lr)
+        model = trainer.model
         self.store.put(DEMO_KEY, json.dumps({"model": opts.model, "prompt": PROMPT}).encode())
         self.board.set_status("training")
 
         # the follower listens before the first commit, so the page shows how every step reaches it
         if not ep.listening.wait(LISTEN_WAIT_S):
             log.warning("the follower is not listening after %g s; training anyway (it polls the store)", LISTEN_WAIT_S)
-        # anchors on a fixed cadence (plus whenever the patches since the last one add up to a
-        # full checkpoint, which happens early on, when Adam still moves most weights)
-        up = DeltaUploader(
+        up = demo_uploader(
             self.store,
-            anchor_every=opts.anchor_every,
-            anchor_bytes_fraction=ANCHOR_BYTES_FRACTION,
-            cast_dtype=torch.bfloat16,
+            opts.anchor_every,
             signal_url=self.publish_url,
             signal_token=self.publish_token,
             signal_run=self._signal_run(ep.number),
@@ -428,16 +425,19 @@ class DemoRun:
                 t0 = time.perf_counter()
                 step = first + i
                 if i:
-                    loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-                    opt.zero_grad(set_to_none=True)
-                    loss.backward()
-                    opt.step()
-                    loss_v = float(loss.detach())
+                    loss_v = trainer.step()
                 t1 = time.perf_counter()
                 fut = up.push(model, step)
                 push_ms = 1000 * (time.perf_counter() - t1)
                 self.board.trainer_step(step, loss=loss_v, lr=opts.lr, train_ms=1000 * (t1 - t0), push_ms=push_ms)
                 fut.add_done_callback(on_commit)
+                # lockstep with the store (see wait_for_commit): the same run on every machine
+                wait_for_commit(fut, ep.stop.is_set)
+                if not i and not ep.ready.wait(READY_WAIT_S):
+                    # the clock starts once the inference copy holds the initial weights
+                    log.warning(
+                        "the inference copy does not hold step %d after %g s; training anyway", step, READY_WAIT_S
+                    )
                 ep.stop.wait(max(0.0, opts.step_interval - (time.perf_counter() - t0)))
         # closed: the notifier sent what it had, so these counts are final
         self.board.trainer_update(done=True, signals=_signals(up))
@@ -575,6 +575,7 @@ class DemoRun:
                 target, sync_ms=sync_ms, gen_ms=gen_ms, text=text, verified=True, steps=len(new), via=via
             )
             self.board.set_error(None)
+            ep.ready.set()
             if self.board.trainer is None or not self.board.trainer.get("done"):
                 self.board.set_status("training" if opts.train else "following")
 
@@ -588,6 +589,7 @@ class DemoRun:
             FollowLoop(watcher, catch_up, held=lambda: seen, observe=observe, report=show_failure).run()
         finally:
             ep.listening.set()  # a follower that ended (or failed) keeps no trainer waiting
+            ep.ready.set()
 
     def _inference_copy(self) -> tuple[Any, Any]:
         torch = self._torch
