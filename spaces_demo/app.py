@@ -278,7 +278,9 @@ def run_demo(
     mode = "self-contained: trainer, store, fetcher" if options.train else "follower: no trainer here"
     print_(f"deltasync demo ({mode}); store {store.url}")
     # before the clock starts: built at the first sync instead, they would hold the follower back
-    print_("building the codec's compiled kernels (a few seconds on a first run; cached on disk after that)")
+    print_(
+        "building the codec's compiled kernels (first run only: up to ~30 s on 2 CPU cores; cached on disk after that)"
+    )
     print_(f"kernels ready in {warm_kernels():.1f} s")
     print_(f"open {url} to watch patches land (Ctrl-C to stop)")
     stop_console = _console(run, print_, None if exit_when_done else url)

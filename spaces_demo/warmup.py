@@ -2,7 +2,7 @@
 
 deltasync's hot loops are numba kernels, compiled at their first use in a process and cached on disk
 afterwards (``__pycache__`` next to the package, or ``$NUMBA_CACHE_DIR``). On a cold cache that first
-use costs a few seconds, and in the demo it used to land on the follower's first sync, while the
+use costs tens of seconds on 2 CPU cores, and in the demo it used to land on the follower's first sync, while the
 trainer ran ahead: the first applied step lagged dozens of steps and the store fell behind. The demo
 now runs :func:`warm_kernels` before its clock starts and says so in one line; on a warm cache it
 takes a fraction of a second.

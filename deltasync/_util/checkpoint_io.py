@@ -20,8 +20,10 @@ if TYPE_CHECKING:
 __all__ = ["CONVERT_HINT", "checkpoint_files", "load_checkpoint", "save_checkpoint"]
 
 CONVERT_HINT = (
-    "deltasync reads safetensors only: save with model.save_pretrained(dir, safe_serialization=True), or convert "
-    "a state dict with safetensors.torch.save_file(torch.load(path), 'model.safetensors')"
+    "deltasync reads safetensors only: save a transformers model with model.save_pretrained(dir, safe_serialization=True) (a .bin "
+    "checkpoint: load it with from_pretrained, then save_pretrained), any other torch module with "
+    "safetensors.torch.save_model(model, 'model.safetensors'); both keep tied weights, such as Qwen3-0.6B's "
+    "embeddings, which safetensors.torch.save_file(torch.load(path), ...) refuses ('Some tensors share memory')"
 )
 _OTHER_FORMATS = (".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
 
