@@ -33,7 +33,7 @@ builtin exception means the same thing, the class also subclasses it, so
     ├── UnsafePath                        a local folder or file is not this user's own (owner, mode, symlink): refused
     ├── ServerError                       an engine server (vLLM's HTTP API) answered with an error
     │   ├── ServerUnreachable             no whole answer within the call's deadline: refused, dropped, hung or too slow
-    │   ├── MalformedAnswer               (also ProtocolError) an answer that is not the API's: not JSON, wrong shape, too large
+    │   ├── MalformedAnswer               (also ValueError) not the API's answer (a ProtocolError too): not JSON, wrong shape, too large
     │   └── PrefixCacheNotReset           the prefix cache could not be reset after an update: the server stays paused
     ├── StalenessTimeout                  (also TimeoutError) the fleet's replicas did not reach a step in time
     └── DemoError                         (also ValueError) `deltasync demo` cannot start as asked
@@ -60,12 +60,12 @@ __all__ = [
     "EngineIncompatible",
     "InvalidKey",
     "InventoryMismatch",
+    "MalformedAnswer",
     "ObjectNotFound",
     "ObjectTooLarge",
     "PreconditionFailed",
-    "ProtocolError",
-    "MalformedAnswer",
     "PrefixCacheNotReset",
+    "ProtocolError",
     "RunNotFound",
     "ServerError",
     "ServerUnreachable",

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, NoReturn
+from typing import Any, NoReturn
 
 from deltasync.errors import DeltaSyncError, MalformedAnswer, from_code
 from deltasync.protocol.audit import AuditReport
+from deltasync.signal import ReplicaState
 
 __all__ = [
     "AUDIT_PARAMS",
@@ -65,9 +66,9 @@ MAX_TEXT = 16384
 MAX_NAMES = 1 << 20
 _STEP_MAX = 10**15
 
-#: a worker's state: ``serving`` (its weights are a step) or ``needs_replacement`` (an update failed
-#: and its weights could not be restored)
-WorkerState = Literal["serving", "needs_replacement"]
+#: a worker's state, a :data:`~deltasync.signal.ReplicaState`: only ``serving`` (its weights are a
+#: step) or ``needs_replacement`` (an update failed and its weights could not be restored)
+WorkerState = ReplicaState
 _STATES: tuple[str, ...] = ("serving", "needs_replacement")
 
 

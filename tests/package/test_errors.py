@@ -45,6 +45,10 @@ BUILTIN_PARENTS: dict[str, tuple[type[BaseException], ...]] = {
     "WorkerNeedsReplacement": (Exception,),
     "EngineIncompatible": (Exception,),
     "UnsafePath": (Exception,),
+    "ServerError": (Exception,),
+    "ServerUnreachable": (Exception,),
+    "MalformedAnswer": (ValueError,),
+    "PrefixCacheNotReset": (Exception,),
     "StalenessTimeout": (TimeoutError, OSError),
 }
 
@@ -78,6 +82,10 @@ TREE_PARENTS: dict[str, str | None] = {
     "WorkerNeedsReplacement": "DeltaSyncError",
     "EngineIncompatible": "DeltaSyncError",
     "UnsafePath": "DeltaSyncError",
+    "ServerError": "DeltaSyncError",
+    "ServerUnreachable": "ServerError",
+    "MalformedAnswer": "ServerError",
+    "PrefixCacheNotReset": "ServerError",
     "StalenessTimeout": "DeltaSyncError",
 }
 
