@@ -268,9 +268,25 @@ def run_demo(
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=2, lifespan="on")
 
     class Server(uvicorn.Server):
+        stopping = False
+
         def handle_exit(self, sig: int, frame: Any) -> None:
-            _close_streams(app)
-            super().handle_exit(sig, frame)
+            if self.stopping or self.should_exit:  # a second Ctrl-C, or already on the way out: at once
+                _close_streams(app)
+                super().handle_exit(sig, frame)
+                return
+            # the trainer and the follower stop first, while this server (and the in-process signal
+            # server mounted on it) still answers: the trainer's last commit signals are delivered,
+            # and the process then says "interrupted" once, last
+            self.stopping = True
+            print_("stopping the trainer and the follower (Ctrl-C again to quit at once)")
+
+            def then() -> None:
+                run.stop()
+                _close_streams(app)
+                super(Server, self).handle_exit(sig, frame)
+
+            run_in_background(then, "demo-stop")
 
     server = Server(config)
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
