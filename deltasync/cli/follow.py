@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import sys
 import time
+from pathlib import Path
 
 from deltasync.cli._common import CONFIG_HELP, STORE_HELP, VERIFY_HELP, announce_store, signing_key_from_env
 from deltasync.cli._vllm import add_vllm_arguments, run_vllm
@@ -66,6 +68,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_vllm_arguments(p)
 
 
+def _held_step(out: str) -> int | None:
+    """The step the checkpoint dir ``out`` holds (its ``.deltasync.json`` marker), or None."""
+    try:
+        step = json.loads((Path(out) / ".deltasync.json").read_text())["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``deltasync follow`` until ``--until`` is reached or the process is interrupted."""
     if (args.out is None) == (args.vllm is None):
@@ -87,10 +98,19 @@ def run(args: argparse.Namespace) -> int:
         announce_store(store)
         # a run that is not there yet (not even its directory) is waited for: the trainer may start after
         # this; nothing is created in the store meanwhile (a lease only with --lease-ttl, after a step)
-        if RunReader(store).latest_step() is None:
+        latest = RunReader(store).latest_step()
+        if latest is None:
             print(
                 f"waiting for the first commit at {store.url} (nothing committed there yet: start the trainer, "
                 "or check the URL; Ctrl-C stops)",
+                file=sys.stderr,
+                flush=True,
+            )
+        elif args.out is not None and (held := _held_step(args.out)) is not None and held >= latest:
+            done = args.until is not None and held >= args.until
+            then = f"--until {args.until} is reached" if done else "waiting for the next step (Ctrl-C stops)"
+            print(
+                f"{args.out} already holds step {held}, the newest committed at {store.url}; {then}",
                 file=sys.stderr,
                 flush=True,
             )
