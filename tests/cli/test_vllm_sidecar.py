@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from cli_process import run
 from hostile_vllm import HostileVLLM
+from tiny_run import push_tiny_run
 
 torch = pytest.importorskip("torch")
 
@@ -25,13 +26,7 @@ N = 2
 def store(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A local run with steps 0..N (a 2-D embedding: the audit's default probes come from it)."""
     root = tmp_path_factory.mktemp("run")
-    g = torch.Generator().manual_seed(7)
-    names = ("model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "lm_head.weight")
-    state = {name: torch.randn(64, 8, generator=g).to(torch.bfloat16) for name in names}
-    with ds.DeltaUploader(ds.open_store(str(root)), anchor_every=100, anchor_bytes_fraction=0) as up:
-        for s in range(N + 1):
-            state[names[1]][s, :2] += 0.5
-            up.push(state, s).result()
+    push_tiny_run(ds.open_store(str(root)), N, seed=7)
     return str(root)
 
 

@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 from hostile_vllm import HostileVLLM
 from server_harness import ThreadServer
+from tiny_run import push_tiny_run
 
 torch = pytest.importorskip("torch")
 
@@ -59,13 +60,7 @@ NOT_SERVING = ("failed", "unreachable", "needs_replacement")
 def run_store() -> ds.MemoryStore:
     """Steps 0..N of a small state: the audit's default probes come from its inventory."""
     store = ds.MemoryStore("hostile")
-    g = torch.Generator().manual_seed(3)
-    names = ("model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "lm_head.weight")
-    state = {name: torch.randn(64, 8, generator=g).to(torch.bfloat16) for name in names}
-    with ds.DeltaUploader(store, anchor_every=100, anchor_bytes_fraction=0) as up:
-        for s in range(N + 1):
-            state[names[1]][s, :2] += 0.5
-            up.push(state, s).result()
+    push_tiny_run(store, N, seed=3)
     return store
 
 
@@ -307,13 +302,7 @@ MAX_RSS = 200 << 20
 def local_run(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The same run as :func:`run_store`, in a local store a sidecar process reads (store polling)."""
     root = tmp_path_factory.mktemp("run")
-    g = torch.Generator().manual_seed(3)
-    names = ("model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "lm_head.weight")
-    state = {name: torch.randn(64, 8, generator=g).to(torch.bfloat16) for name in names}
-    with ds.DeltaUploader(ds.open_store(str(root)), anchor_every=100, anchor_bytes_fraction=0) as up:
-        for s in range(N + 1):
-            state[names[1]][s, :2] += 0.5
-            up.push(state, s).result()
+    push_tiny_run(ds.open_store(str(root)), N, seed=3)
     return str(root)
 
 
