@@ -244,6 +244,34 @@ def _close_streams(app: FastAPI) -> None:
         close()
 
 
+def _server(config: Any, app: FastAPI, run: DemoRun, print_: Callable[[str], None]) -> Any:
+    """The page's uvicorn server; its first Ctrl-C stops the run before the server itself."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        stopping = False
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if self.stopping or self.should_exit:  # a second Ctrl-C, or already on the way out: at once
+                _close_streams(app)
+                super().handle_exit(sig, frame)
+                return
+            # the trainer and the follower stop first, while this server (and the in-process signal
+            # server mounted on it) still answers: the trainer's last commit signals are delivered,
+            # and the process then says "interrupted" once, last
+            self.stopping = True
+            print_("stopping the trainer and the follower (Ctrl-C again to quit at once)")
+
+            def then() -> None:
+                run.stop()
+                _close_streams(app)
+                super(Server, self).handle_exit(sig, frame)
+
+            run_in_background(then, "demo-stop")
+
+    return Server(config)
+
+
 def run_demo(
     options: DemoOptions,
     *,
@@ -267,28 +295,7 @@ def run_demo(
     app = create_app(run, base_url=f"http://{local}:{port}")
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=2, lifespan="on")
 
-    class Server(uvicorn.Server):
-        stopping = False
-
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            if self.stopping or self.should_exit:  # a second Ctrl-C, or already on the way out: at once
-                _close_streams(app)
-                super().handle_exit(sig, frame)
-                return
-            # the trainer and the follower stop first, while this server (and the in-process signal
-            # server mounted on it) still answers: the trainer's last commit signals are delivered,
-            # and the process then says "interrupted" once, last
-            self.stopping = True
-            print_("stopping the trainer and the follower (Ctrl-C again to quit at once)")
-
-            def then() -> None:
-                run.stop()
-                _close_streams(app)
-                super(Server, self).handle_exit(sig, frame)
-
-            run_in_background(then, "demo-stop")
-
-    server = Server(config)
+    server = _server(config, app, run, print_)
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     url = f"http://{shown}:{port}"
     mode = "self-contained: trainer, store, fetcher" if options.train else "follower: no trainer here"
