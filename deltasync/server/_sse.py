@@ -11,7 +11,13 @@ from functools import lru_cache
 from deltasync.server._db import Commit
 from deltasync.server._relay import CommitRelay
 
-__all__ = ["commit_stream", "sse_frame"]
+__all__ = ["WAVES", "commit_stream", "sse_frame"]
+
+#: the streams of a run are woken by a commit in this many waves, one loop pass apart (a stream's wave
+#: is its rank among the run's subscribers, modulo this): 1,000 followers written in one pass held the
+#: event loop ~50 ms, and every request arriving meanwhile (a heartbeat, ``/healthz``, GET fleet) waited
+#: behind it; in waves, a request waits behind one wave at most
+WAVES = 8
 
 
 @lru_cache(maxsize=1024)
@@ -52,6 +58,7 @@ async def commit_stream(
     Ends after ``limit`` events, or when the relay closes its streams (shutdown).
     """
     relay.subscribers[run] = relay.subscribers.get(run, 0) + 1
+    wave = relay.subscribers[run] % WAVES
     sent = 0
     last = after
     try:
@@ -67,5 +74,8 @@ async def commit_stream(
                     return
             if not await _set_within(ev, heartbeat):
                 yield b": keepalive\n\n"
+                continue
+            for _ in range(wave):  # woken: let the waves before this one write first (see WAVES)
+                await asyncio.sleep(0)
     finally:
         relay.subscribers[run] -= 1
