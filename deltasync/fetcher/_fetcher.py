@@ -29,7 +29,9 @@ from deltasync.fetcher._stats import SyncStats
 from deltasync.fetcher._sync import Sync
 from deltasync.fetcher._target import live_tensors, target_tensors
 from deltasync.protocol import Manifest
+from deltasync.protocol.adapter import READER_IGNORES
 from deltasync.run import RunReader
+from deltasync.run.adapter import AdapterConfig, AdapterMismatch, adapter_config_of, is_peft_model, read_adapter_config
 from deltasync.storage import Store, open_store
 
 __all__ = ["DeltaFetcher", "SyncJournal", "SyncStats", "Verify"]
@@ -94,6 +96,7 @@ class DeltaFetcher:
         self.lease = LeaseWriter(self.store, lease_ttl) if lease_ttl is not None else None
         #: timings and bytes of the last :meth:`sync` (None before the first)
         self.last_stats: SyncStats | None = None
+        self._adapter: AdapterConfig | None = None  # the run's adapter config, once read (written once)
 
     @property
     def signing_key(self) -> bytes | None:
@@ -145,7 +148,13 @@ class DeltaFetcher:
         :class:`~deltasync.protocol.TensorChange` per tensor written, with the positions
         the patches carried, folded; None where it wrote a whole tensor).
         Timings and bytes of the sync are left in :attr:`last_stats`.
+
+        A ``peft.PeftModel`` target of an adapter run (docs/lora.md) gets the run's LoRA tensors
+        written into its active adapter's Parameters, in place; its adapter config must be the
+        run's (AdapterMismatch naming the fields that differ, or when the run holds full weights).
         """
+        if is_peft_model(target):
+            self._check_adapter(target)
         sync = Sync(
             self._source(),
             self._held,
@@ -159,6 +168,17 @@ class DeltaFetcher:
         reached = sync.run()
         self.last_stats = sync.stats
         return reached
+
+    def _check_adapter(self, model: Any) -> None:
+        """Refuse a PEFT model whose active adapter's config is not the run's (or a full-weights run)."""
+        if self._adapter is None:
+            self._adapter = read_adapter_config(self.store)
+        if self._adapter is None:
+            raise AdapterMismatch(
+                f"{self.store.url} is not an adapter run (no adapter_config.json): it holds full weights; sync them "
+                "into the base model (the PEFT model's base_model), or point at the adapter run's store"
+            )
+        adapter_config_of(model).check_same(self._adapter, self.store.url, READER_IGNORES)
 
     def expected_changes(self, have_step: int, step: int) -> list[str] | None:
         """The tensors a sync of a target holding committed ``have_step`` to ``step`` is expected to

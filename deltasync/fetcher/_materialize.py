@@ -31,16 +31,18 @@ from typing import Any
 
 import numpy as np
 
-from deltasync.errors import DeltaSyncError, ObjectNotFound, StorageError
+from deltasync.errors import DeltaSyncError, ObjectNotFound, ProtocolError, StorageError
 from deltasync.fetcher._apply import check_anchor
 from deltasync.fetcher._execute import apply_decoded, decode_plan
 from deltasync.fetcher._source import DATA_ERRORS, Source
 from deltasync.fetcher._swapdir import MARKER, exchange, fsync_path, lock_dir, reached, recover, remove_version
 from deltasync.fetcher._target import HostTensor
 from deltasync.protocol import FetchPlan, TensorInfo
+from deltasync.protocol.adapter import ADAPTER_CONFIG_KEY, ADAPTER_WEIGHTS_NAME, AdapterConfig, check_adapter_names
 from deltasync.protocol.checkpoint import CHECKPOINT_METADATA, INDEX_NAME, checkpoint_shards
 from deltasync.protocol.dtypes import dtype_info
 from deltasync.protocol.safetensors_io import TensorBytes, encode_header, parse_safetensors
+from deltasync.run.adapter import read_adapter_config
 
 __all__ = ["MARKER", "MaterializeStats", "config_files", "load_dir", "materialize"]
 
@@ -120,11 +122,14 @@ def load_dir(out: Path) -> DirState | None:
     try:
         marker = json.loads((out / MARKER).read_text())
         have = (int(marker["step"]), str(marker["manifest_digest"]))
-        index = json.loads((out / INDEX_NAME).read_text())
+        if (out / INDEX_NAME).is_file():
+            fnames = sorted(set(json.loads((out / INDEX_NAME).read_text())["weight_map"].values()))
+        else:  # an adapter dir: one weights file, no index
+            fnames = [ADAPTER_WEIGHTS_NAME]
         arrays: dict[str, Bits] = {}
         infos: list[TensorInfo] = []
         shards: dict[str, _Shard] = {}
-        for fname in sorted(set(index["weight_map"].values())):
+        for fname in fnames:
             if not isinstance(fname, str) or "/" in fname or fname.startswith("."):
                 return None
             with open(out / fname, "rb") as f:
@@ -171,7 +176,7 @@ def _data(t: TensorBytes) -> Any:
 def _write_version(
     out: Path,
     shards: list[tuple[str, list[TensorBytes]]],
-    index: bytes,
+    files: Mapping[str, bytes],
     marker: Mapping[str, Any],
     reusable: Mapping[str, _Shard],
     config: Sequence[Path],
@@ -197,8 +202,9 @@ def _write_version(
                 )
                 stats.shards_written += 1
             reached("shard")
-        _write(tmp / INDEX_NAME, [index])
-        names = {MARKER, INDEX_NAME, *(f for f, _ in shards)}
+        for fname, body in files.items():  # the index (an adapter dir: its adapter_config.json)
+            _write(tmp / fname, [body])
+        names = {MARKER, *files, *(f for f, _ in shards)}
         kept: list[str] = []
         if out.is_dir():  # keep what the user put next to the weights (config.json, tokenizer files...)
             for p in sorted(out.iterdir()):
@@ -307,6 +313,24 @@ def _build(
     return arrays, changed
 
 
+def _layout(
+    source: Source, inventory: Sequence[TensorInfo], arrays: Mapping[str, Bits], shard_bytes: int
+) -> tuple[list[tuple[str, list[TensorBytes]]], dict[str, bytes]]:
+    """The dir's weight files (name, tensors) and its small files by name: a checkpoint's shards and
+    index, or for an adapter run (its ``adapter_config.json`` in the store) the PEFT adapter dir's
+    ``adapter_model.safetensors`` and ``adapter_config.json``, which vLLM and PEFT load as they are."""
+    adapter: AdapterConfig | None = read_adapter_config(source.store)
+    if adapter is None:
+        shards, index = checkpoint_shards(inventory, arrays, shard_bytes)
+        return shards, {INDEX_NAME: index}
+    try:
+        check_adapter_names(t.name for t in inventory)
+    except ValueError as exc:
+        raise ProtocolError(f"{source.store.url} is an adapter run whose steps are not a LoRA adapter: {exc}") from None
+    tensors = [TensorBytes(t.name, t.dtype, t.shape, arrays[t.name]) for t in inventory]
+    return [(ADAPTER_WEIGHTS_NAME, tensors)], {ADAPTER_CONFIG_KEY: adapter.to_json()}
+
+
 def materialize(
     source: Source,
     out_dir: str | os.PathLike[str],
@@ -351,7 +375,7 @@ def materialize(
             if not source.drop_failed_spans(plan, exc):
                 raise
             plan = source.reader.plan(target_step, have)
-    shards, index = checkpoint_shards(inventory, arrays, shard_bytes)
+    shards, files = _layout(source, inventory, arrays, shard_bytes)
     reusable: dict[str, _Shard] = {}
     if state is not None:
         old = state.arrays
@@ -372,8 +396,10 @@ def materialize(
         "run_id": top.manifest.run_id,
         "store": source.store.url,
     }
+    if ADAPTER_CONFIG_KEY in files:
+        marker["kind"] = "adapter"
     try:
-        _write_version(out, shards, index, marker, reusable, config, stats)
+        _write_version(out, shards, files, marker, reusable, config, stats)
     except OSError as exc:
         raise StorageError(f"cannot write checkpoint dir {out}: {exc.strerror or exc}") from exc
     log.info(
@@ -385,7 +411,7 @@ def materialize(
         stats.shards_linked,
         stats.swap,
     )
-    if not (out / "config.json").is_file() and out not in _warned:
+    if ADAPTER_CONFIG_KEY not in files and not (out / "config.json").is_file() and out not in _warned:
         _warned.add(out)  # once per dir and process: follow materializes at every step
         log.warning(
             "%s has no config.json: transformers, vLLM and SGLang need one to load it "

@@ -21,6 +21,7 @@ from deltasync.errors import ProtocolError
 from deltasync.fetcher._fold import Change, new_bits
 from deltasync.protocol import kernels
 from deltasync.protocol.digests import DIGEST_CHUNK, Digestible, hex_words, tensor_digests, words_hex, xxh3_128_words
+from deltasync.run.adapter import adapter_parameters, is_peft_model
 
 __all__ = [
     "DeviceTensor",
@@ -36,7 +37,10 @@ Bits = np.ndarray[Any, np.dtype[Any]]
 
 
 def live_tensors(target: Any) -> dict[str, Any]:
-    """The target's tensors as the objects it holds (Parameters for a module), so identity holds."""
+    """The target's tensors as the objects it holds (Parameters for a module), so identity holds; a
+    PEFT model's are its active adapter's LoRA Parameters, by the names PEFT saves them with."""
+    if is_peft_model(target):
+        return adapter_parameters(target)
     torch = require_torch()
     if isinstance(target, torch.nn.Module):
         return dict(target.state_dict(keep_vars=True))

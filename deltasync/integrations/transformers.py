@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from transformers import TrainerCallback
 
 from deltasync.errors import DeltaSyncError, WriterFenced
+from deltasync.run.adapter import is_peft_model
 
 if TYPE_CHECKING:
     from transformers import TrainerControl, TrainerState, TrainingArguments
@@ -54,6 +55,9 @@ class DeltaSyncCallback(TrainerCallback):
     pushes; with DTensor state dicts (FSDP2) every rank pushes its own shard
     (DeltaUploader's multi-rank push). FSDP1 and DeepSpeed ZeRO-3 (whose
     ``state_dict()`` is a collective or holds no weights) are refused.
+
+    LoRA: when the trained model is a ``peft.PeftModel``, its active adapter's LoRA tensors are pushed
+    (not merged weights) with the run's ``adapter_config.json`` (docs/lora.md).
 
     Resuming: when the Trainer resumes from a checkpoint whose step is the store's
     newest, the restored weights are proven equal to it (digests) and the chain
@@ -149,7 +153,7 @@ class DeltaSyncCallback(TrainerCallback):
                 head,
             )
             return
-        if up.resume(weights, step):
+        if up.resume(model if is_peft_model(model) else weights, step):
             log.info(
                 "deltasync: resumed at step %d of %s (proven by digests); pushes go on as patches", step, up.store.url
             )
@@ -194,7 +198,9 @@ class DeltaSyncCallback(TrainerCallback):
         if self._skip_until is not None and step <= self._skip_until:
             return
         try:
-            fut = up.push(_unwrap(model).state_dict(), step)
+            target = _unwrap(model)
+            # a PEFT model: the uploader pushes its active adapter (docs/lora.md), not a state dict
+            fut = up.push(target if is_peft_model(target) else target.state_dict(), step)
         except DeltaSyncError as exc:
             self._failed(step, exc)
             return

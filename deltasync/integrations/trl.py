@@ -47,6 +47,12 @@ KL estimate, the audited step, the diverged replicas). ``audit=True`` (or a
 update (:class:`~deltasync.serving.driver.VLLMDriver`'s ``audit``): their results feed the same
 figures without a signal server, and a diverged server is reported (its policy's action taken).
 
+LoRA (docs/lora.md): when the trainer's model is a ``peft.PeftModel`` (TRL's ``peft_config``; call
+:meth:`attach`), each sync pushes the active adapter's LoRA tensors only, in the trainer's dtype
+(no ``cast_dtype``: bit-exact to the trainer's adapter), and the run's ``adapter_config.json``
+once; the merged weights TRL hands ``send_weights`` are drained unread. The user's only change is
+``peft_config``. Serving the adapter on vLLM is not driven yet (the servers load full weights).
+
 Steps are numbered by sync: the first sync (TRL's cold sync at train begin) is ``first_step``
 (default: the store's newest step + 1, so 1 after a pushed step 0; 0 on an empty store), then one
 more per sync.
@@ -211,7 +217,7 @@ class DeltaSyncWeightTransfer:
 
     def attach(self, trainer: Any) -> None:
         """Join ``trainer`` (TRL's ``AsyncGRPOTrainer``): its model's frozen parameters go into each step
-        (``self.model``), its model computes the references, and the audit figures join the metrics
+        (``self.model``; a PEFT model's adapter is pushed instead, see the module doc), its model computes the references, and the audit figures join the metrics
         TRL logs (its ``_metrics["train"]`` lists, where TRL's own weight-sync timings go)."""
         self.model = trainer.model
         metrics = getattr(trainer, "_metrics", None)
@@ -256,7 +262,9 @@ class DeltaSyncWeightTransfer:
         assert self.uploader is not None and self.next_step is not None
         t0 = self._t_pause if self._t_pause is not None else time.perf_counter()
         self._t_pause = None
-        state = self._state(iterator)
+        state = self._adapter_model(iterator)
+        if state is None:
+            state = self._state(iterator)
         step = self.next_step
         pushed = self.uploader.push(state, step)
         del state
@@ -374,6 +382,23 @@ class DeltaSyncWeightTransfer:
             self.uploader = None
 
     # ----------------------------------------------------------------- helpers
+
+    def _adapter_model(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> Any:
+        """The trainer's PEFT model when it is one (then its adapter is pushed, not the merged weights TRL
+        sends: the iterator is drained unread, as TRL's other ranks drain theirs), else None."""
+        from deltasync.run.adapter import is_peft_model
+
+        model = self.model
+        if model is None or not is_peft_model(model):
+            return None
+        for _name, _tensor in iterator:  # merged W + scale * B @ A: every element of every adapted matrix
+            pass
+        if any(hasattr(p, "full_tensor") for p in model.parameters() if p.requires_grad):
+            raise DeltaSyncError(
+                "the PEFT adapter is sharded (DTensors): TRL calls send_weights on the main process only, so it "
+                "cannot be gathered here. Keep the adapter out of fully_shard, or train without FSDP"
+            )
+        return model
 
     def _state(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         import torch

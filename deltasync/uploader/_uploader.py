@@ -27,6 +27,7 @@ from deltasync.protocol.manifest_v2 import inventory_facts
 from deltasync.run import RunReader
 from deltasync.run.gc import RetentionWorker
 from deltasync.storage import Store, open_store
+from deltasync.uploader._adapter import AdapterGuard
 from deltasync.uploader._chain import ChainState
 from deltasync.uploader._commit_step import AfterCommit, CommitContext, FoldLog, commit_step
 from deltasync.uploader._config import CommitInfo, UploaderConfig
@@ -116,6 +117,8 @@ class DeltaUploader:
             tensor_digests=cfg.tensor_digests,
             stop=self._stop,
         )
+        #: a pushed PEFT model becomes its adapter's tensors; the run's adapter_config.json is kept here
+        self._adapter = AdapterGuard(self.store, lambda: self._chain.last_step, sharded=self._sharded is not None)
         self._probes: ProbeSet | None = None  # the run's probe set, once asked for (probes())
         self._references: ReferenceWriter | None = None  # writes attach_reference()'s objects
         self._resumer = Resumer(
@@ -186,12 +189,18 @@ class DeltaUploader:
         """
         if self._sharded is not None:
             return self._sharded.resume(strict=strict)
-        return self._resumer.resume(state, step, strict=strict)
+        return self._resumer.resume(self._adapter.state_of(state), step, strict=strict)
 
     # ------------------------------------------------------------------ push
 
     def push(self, state: Any, step: int) -> Future[CommitInfo]:
         """Diff ``state`` (nn.Module or dict of tensors) against the last push; return a Future.
+
+        A ``peft.PeftModel`` pushes its active LoRA adapter only (docs/lora.md): its tensors under
+        the names PEFT saves, and on the first push its ``adapter_config.json``, written once at the
+        run's root and checked at every later push (AdapterMismatch naming the changed fields;
+        UnsupportedAdapter for what vLLM cannot serve: ``modules_to_save``, DoRA, biases, several
+        active adapters, LoRA on ``lm_head``).
 
         Returns once the changed elements are copied out: the caller may modify
         its tensors right away. The Future resolves to a :class:`CommitInfo`
@@ -203,6 +212,7 @@ class DeltaUploader:
         """
         if self._closed:
             raise RuntimeError("push() on a closed DeltaUploader")
+        state = self._adapter.state_of(state)  # a PEFT model: its active adapter's LoRA tensors
         if self._sharded is not None:  # every rank's push joins the step's collective, a refused one too
             return self._sharded.push(state, step, self._pipeline.enqueue)
         chain, snaps, cfg = self._chain, self._snapshots, self.config
