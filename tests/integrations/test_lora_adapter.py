@@ -115,6 +115,10 @@ def test_adapter_steps_reach_fetch_follow_dirs_and_a_peft_model_bit_exact(tmp_pa
         True,
     )
     assert json.loads((fetched / ".deltasync.json").read_text())["kind"] == "adapter"
+    # DeltaFetcher.follow keeps a PEFT model current (the store polled: no signal server)
+    follower_model = lora_model(3)
+    assert ds.DeltaFetcher(store).follow(follower_model, until_step=4, poll_interval=0.05) == 4
+    assert_bits_equal(adapter_of(follower_model), want, "DeltaFetcher.follow step 4")
 
 
 def test_adapter_bytes_per_step_against_the_merged_weights_of_the_same_training(tmp_path: Path) -> None:
