@@ -190,6 +190,7 @@ class Follower:
         self.current: int | None = _dir_step(self.out) if self.out is not None else fetcher.current_step(target)
         self._synced: SyncStats | None = None  # the stats of the last apply, when it was a sync (a dir leaves none)
         self._refused = False  # the server refused the stream last time (warned once; quiet until it accepts)
+        self._unanswered = False  # the server never answered yet (warned once: following by polling)
         self._reporter: FleetReporter | None = None
         self._reporting = self.options.replica is not None and self.options.signal_url is not None
         self._poller = StorePoller(fetcher.store, fetcher.latest_step)
@@ -297,9 +298,9 @@ class Follower:
             if self.metrics is not None and seen.step is not None:
                 self.metrics.observe_head(seen.step)
         else:  # the stream is up
-            if self._refused:
+            if self._refused or self._unanswered:
                 log.warning("signal server accepts the stream now: following its signals")
-                self._refused = False
+                self._refused = self._unanswered = False
             self.stats.connected = True
             if seen.step is not None:
                 self.stats.signals += 1
@@ -326,8 +327,17 @@ class Follower:
             self._refused = True
         elif self.stats.connected:
             log.warning("signal stream lost, polling the store meanwhile: %s", seen.error)
+        elif not self._unanswered:
+            # never reached yet: say once that following goes on by polling, then only at DEBUG
+            log.warning(
+                "signal server %s does not answer (%s); following by polling the store every %g s until it answers",
+                self.options.signal_url,
+                seen.error,
+                self.options.poll_interval,
+            )
+            self._unanswered = True
         else:
-            log.info("signal server unavailable, polling the store: %s", seen.error)
+            log.debug("signal server still does not answer: %s", seen.error)
         self.stats.connected = False
 
     # -------------------------------------------------------- fleet view

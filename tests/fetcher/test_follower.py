@@ -20,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import deltasync as ds  # noqa: E402
-from deltasync.errors import ObjectNotFound, SignalRejected, StorageError  # noqa: E402
+from deltasync.errors import ObjectNotFound, SignalRejected, SignalUnavailable, StorageError  # noqa: E402
 from deltasync.fetcher import DeltaFetcher, Follower, FollowOptions, FollowStats, SyncStats  # noqa: E402
 from deltasync.fetcher.metrics import SyncMetrics  # noqa: E402
 from deltasync.signal import StepSeen, StepWatcher  # noqa: E402
@@ -184,6 +184,25 @@ def test_a_refused_stream_is_said_once_then_quietly_until_it_is_accepted(caplog:
     assert said[2] == (logging.WARNING, "signal server accepts the stream now: following its signals")
     st = follower.stats
     assert (st.signal_failures, st.signals, st.connected) == (2, 1, True)
+
+
+def test_a_signal_server_that_never_answers_is_said_once_with_the_polling_that_replaces_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    options = FollowOptions(signal_url="http://127.0.0.1:9", poll_interval=0.25)
+    follower = Follower(DeltaFetcher(ds.MemoryStore("follower-dead-signal")), {}, options)
+    dead = StepSeen("lost", error=SignalUnavailable("connection refused"))
+    with caplog.at_level(logging.DEBUG, logger="deltasync.follow"):
+        for seen in (dead, StepSeen("store", 1), dead, dead, StepSeen("heartbeat")):
+            follower.observe(seen)
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "deltasync.follow"]
+    assert said[0] == (
+        logging.WARNING,
+        "signal server http://127.0.0.1:9 does not answer (connection refused); following by polling the store "
+        "every 0.25 s until it answers",
+    )
+    assert [lvl for lvl, _ in said[1:3]] == [logging.DEBUG, logging.DEBUG]  # not said again while it is down
+    assert said[3] == (logging.WARNING, "signal server accepts the stream now: following its signals")
 
 
 def test_config_files_and_foreign_dirs_are_checked_before_anything_is_followed(tmp_path: Path) -> None:
