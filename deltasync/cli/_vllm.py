@@ -170,10 +170,10 @@ class _Lines:
             if u.audit is not None:
                 self.out(f"{u.url}: {u.audit.summary()}")
         else:
-            self.say(f"step {u.step} -> {u.url}: {u.state}: {u.error}")
+            self.say(f"step {u.step} -> {u.url}: {u.state}: {_unprefixed(u.url, u.error)}")
 
     def change(self, url: str, what: str) -> None:
-        self.say(f"{url}: {what}")
+        self.say(f"{url}: {_unprefixed(url, what)}")
 
     def audit(self, url: str, result: AuditResult | None, why: str | None) -> None:
         if result is not None:
@@ -181,7 +181,7 @@ class _Lines:
             return
         # an audit that could not run is kept only while the server still serves the step it was of
         step = self.driver.serving().get(url)
-        reason = why or "no reason given"
+        reason = _unprefixed(url, why) or "no reason given"
         with self._lock:
             if (url, step, reason) in self._said:
                 return  # said once per server, step and reason: not at every re-audit of a set-up
@@ -196,9 +196,19 @@ class _Lines:
             if state == "unreachable":
                 self.say(f"{s.url}: unreachable (no answer yet): set up once it answers; the others are kept current")
             elif state in ("failed", "needs_replacement"):
-                self.say(f"{s.url}: {state} (serving step {step}): {why}; the others are kept current")
+                self.say(
+                    f"{s.url}: {state} (serving step {step}): {_unprefixed(s.url, why)}; the others are kept current"
+                )
             else:
                 self.say(f"{s.url}: serving step {step}")
+
+
+def _unprefixed(url: str, text: str | None) -> str | None:
+    """``text`` without the server's URL where it names it (the line already starts with it): the
+    errors carry it for programmatic callers, a sidecar line would say it twice."""
+    if text is None:
+        return None
+    return text.replace(f"{url}: ", "").replace(f"{url}/", "/")
 
 
 def run_vllm(args: argparse.Namespace) -> int:

@@ -73,6 +73,8 @@ def test_the_sidecar_follows_the_good_server_when_the_other_answers_garbage(
     assert last.startswith("stopped; serving: ") and f"{good.url} step {N}" in last
     assert f"{bad.url} failed (last step None): init: " in last
     assert good.version == str(N) and bad.version == "0"
+    said_twice = [line for line in p.stderr.splitlines() if line.count(bad.url) > 1]
+    assert not said_twice  # a line names its server once (the errors carry its URL too)
 
 
 def test_an_audit_that_could_not_run_is_one_line_per_step_and_reason_and_escaped(
