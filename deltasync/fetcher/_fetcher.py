@@ -96,7 +96,8 @@ class DeltaFetcher:
         self.lease = LeaseWriter(self.store, lease_ttl) if lease_ttl is not None else None
         #: timings and bytes of the last :meth:`sync` (None before the first)
         self.last_stats: SyncStats | None = None
-        self._adapter: AdapterConfig | None = None  # the run's adapter config, once read (written once)
+        #: the run's kind once known: its adapter config (written once), False for full weights
+        self._adapter: AdapterConfig | bool | None = None
 
     @property
     def signing_key(self) -> bytes | None:
@@ -171,14 +172,24 @@ class DeltaFetcher:
 
     def _check_adapter(self, model: Any) -> None:
         """Refuse a PEFT model whose active adapter's config is not the run's (or a full-weights run)."""
-        if self._adapter is None:
-            self._adapter = read_adapter_config(self.store)
-        if self._adapter is None:
+        run = self._run_adapter(committed=False)
+        if run is None:
             raise AdapterMismatch(
                 f"{self.store.url} is not an adapter run (no adapter_config.json): it holds full weights; sync them "
                 "into the base model (the PEFT model's base_model), or point at the adapter run's store"
             )
-        adapter_config_of(model).check_same(self._adapter, self.store.url, READER_IGNORES)
+        adapter_config_of(model).check_same(run, self.store.url, READER_IGNORES)
+
+    def _run_adapter(self, *, committed: bool) -> AdapterConfig | None:
+        """The run's adapter config, None for a full-weights run. Read until known; ``committed``: the
+        run holds a committed step, so a missing config means full weights for good (an adapter
+        uploader writes its config before its first step), and that is remembered too."""
+        if self._adapter is None:
+            found = read_adapter_config(self.store)
+            if found is not None or committed:
+                self._adapter = found if found is not None else False
+            return found
+        return self._adapter if isinstance(self._adapter, AdapterConfig) else None
 
     def expected_changes(self, have_step: int, step: int) -> list[str] | None:
         """The tensors a sync of a target holding committed ``have_step`` to ``step`` is expected to
@@ -248,7 +259,9 @@ class DeltaFetcher:
             self.lease,
             step,
             lambda: dir_step(out_dir),
-            lambda s: _materialize(source, out_dir, s, config_from, shard_bytes=self.shard_bytes),
+            lambda s: _materialize(
+                source, out_dir, s, config_from, shard_bytes=self.shard_bytes, adapter=self._run_adapter
+            ),
         )
         self.last_materialize = stats
         return out

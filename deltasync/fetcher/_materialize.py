@@ -24,7 +24,7 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -314,12 +314,15 @@ def _build(
 
 
 def _layout(
-    source: Source, inventory: Sequence[TensorInfo], arrays: Mapping[str, Bits], shard_bytes: int
+    source: Source,
+    inventory: Sequence[TensorInfo],
+    arrays: Mapping[str, Bits],
+    shard_bytes: int,
+    adapter: AdapterConfig | None,
 ) -> tuple[list[tuple[str, list[TensorBytes]]], dict[str, bytes]]:
     """The dir's weight files (name, tensors) and its small files by name: a checkpoint's shards and
     index, or for an adapter run (its ``adapter_config.json`` in the store) the PEFT adapter dir's
     ``adapter_model.safetensors`` and ``adapter_config.json``, which vLLM and PEFT load as they are."""
-    adapter: AdapterConfig | None = read_adapter_config(source.store)
     if adapter is None:
         shards, index = checkpoint_shards(inventory, arrays, shard_bytes)
         return shards, {INDEX_NAME: index}
@@ -338,8 +341,10 @@ def materialize(
     config_from: str | os.PathLike[str] | None = None,
     *,
     shard_bytes: int,
+    adapter: Callable[..., AdapterConfig | None] | None = None,
 ) -> tuple[Path, MaterializeStats]:
-    """See :meth:`DeltaFetcher.materialize`."""
+    """See :meth:`DeltaFetcher.materialize`. ``adapter(committed=True)``: the run's adapter config (None:
+    full weights), e.g. the fetcher's cached one; default: read from the store."""
     out = Path(out_dir).absolute()
     config = config_files(config_from) if config_from is not None else []
     target_step = source.target_step(step)
@@ -375,7 +380,9 @@ def materialize(
             if not source.drop_failed_spans(plan, exc):
                 raise
             plan = source.reader.plan(target_step, have)
-    shards, files = _layout(source, inventory, arrays, shard_bytes)
+    # read once a step is committed: an adapter run's config is in the store before its first step
+    run_adapter = adapter(committed=True) if adapter is not None else read_adapter_config(source.store)
+    shards, files = _layout(source, inventory, arrays, shard_bytes, run_adapter)
     reusable: dict[str, _Shard] = {}
     if state is not None:
         old = state.arrays

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,8 @@ import pytest
 import deltasync as ds
 from deltasync.cli.main import main
 from deltasync.protocol.adapter import ADAPTER_CONFIG_KEY, ADAPTER_WEIGHTS_NAME, AdapterMismatch, UnsupportedAdapter
+from deltasync.storage import Store
+from deltasync.storage.wrapper import WrapperStore
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -149,6 +151,39 @@ def test_adapter_bytes_per_step_against_the_merged_weights_of_the_same_training(
     )
     print(figures)
     assert a_mean < m_mean, figures
+
+
+class _CountingStore(WrapperStore[Store]):
+    """Counts the bounded reads of each key (how ``adapter_config.json`` is read)."""
+
+    def __init__(self, inner: Store) -> None:
+        super().__init__(inner)
+        self.bounded: list[str] = []
+
+    def get_many_bounded(self, limits: Mapping[str, int]) -> dict[str, bytes]:
+        self.bounded.extend(limits)
+        return self.inner.get_many_bounded(limits)
+
+
+def test_a_full_weights_run_materializes_as_before_and_its_kind_is_read_once(tmp_path: Path) -> None:
+    """A full-weights run's dir is a checkpoint (shards + index, no adapter file); the fetcher asks the
+    store for ``adapter_config.json`` once, not at every materialize of ``follow --out``."""
+    inner = ds.open_store(tmp_path / "store")
+    model = make_qwen3(0)
+    with ds.DeltaUploader(inner) as up:
+        up.push(model.state_dict(), 0).result(timeout=60)
+        with torch.no_grad():
+            model.lm_head.weight[0, :4] += 1
+        up.push(model.state_dict(), 1).result(timeout=60)
+    store = _CountingStore(inner)
+    fetcher = ds.DeltaFetcher(store)
+    out = tmp_path / "ckpt"
+    for step in (0, 1):
+        fetcher.materialize(out, step)
+        names = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
+        assert names == ["model-00001-of-00001.safetensors", "model.safetensors.index.json"], names
+    assert store.bounded.count(ADAPTER_CONFIG_KEY) == 1
+    assert "kind" not in json.loads((out / ".deltasync.json").read_text())
 
 
 # ------------------------------------------------------------------ refusals
