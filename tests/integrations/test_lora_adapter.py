@@ -186,6 +186,23 @@ def test_a_full_weights_run_materializes_as_before_and_its_kind_is_read_once(tmp
     assert "kind" not in json.loads((out / ".deltasync.json").read_text())
 
 
+def test_a_restarted_trainer_resumes_an_adapter_run_with_patches(tmp_path: Path) -> None:
+    store = ds.open_store(tmp_path / "store")
+    model = lora_model(1)
+    opt = optimizer(model)
+    with ds.DeltaUploader(store, anchor_every=100, anchor_bytes_fraction=0) as up:
+        up.push(model, 0).result(timeout=60)
+        train(model, opt)
+        up.push(model, 1).result(timeout=60)
+    with ds.DeltaUploader(store, anchor_every=100, anchor_bytes_fraction=0) as up:
+        assert up.resume(model, 1, strict=True)  # proven by the adapter's digests
+        train(model, opt)
+        assert up.push(model, 2).result(timeout=60).kind == "patch"
+    target = lora_model(2)
+    assert ds.DeltaFetcher(store, verify="full").sync(target) == 2
+    assert_bits_equal(adapter_of(target), adapter_of(model), "resumed step 2")
+
+
 # ------------------------------------------------------------------ refusals
 
 
