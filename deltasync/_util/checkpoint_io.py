@@ -72,14 +72,12 @@ def load_checkpoint(path: str | Path, *, mmap: bool = False) -> dict[str, torch.
             raw = np.memmap(f, dtype=np.uint8, mode="c")
         else:
             raw = np.fromfile(f, dtype=np.uint8)
-        try:
-            st = parse_safetensors(raw.data, what=str(f))
-        except ProtocolError as exc:
-            if "not a safetensors file" in str(exc):
-                raise ProtocolError(f"{exc}. {CONVERT_HINT}") from None
-            if "truncated safetensors file" in str(exc):
-                raise ProtocolError(f"{exc}; an interrupted save or copy? Save or copy it again") from None
-            raise
+        st = parse_safetensors(
+            raw.data,
+            what=str(f),
+            not_safetensors=f". {CONVERT_HINT}",
+            truncated="; an interrupted save or copy? Save or copy it again",
+        )
         for e in st.entries.values():
             if e.name in out:
                 raise ProtocolError(f"{f}: tensor {e.name!r} appears in more than one shard")

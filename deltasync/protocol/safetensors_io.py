@@ -120,23 +120,29 @@ def _sniff(data: bytes | bytearray | memoryview, lead: str, tail: str = "") -> s
     return "" if what is None else f"{lead}it looks like {what}{tail}"
 
 
-def parse_safetensors(data: bytes | bytearray | memoryview, *, what: str = "file") -> StFile:
+def parse_safetensors(
+    data: bytes | bytearray | memoryview, *, what: str = "file", not_safetensors: str = "", truncated: str = ""
+) -> StFile:
     """Parse and validate a safetensors header against the buffer it came with.
 
     Every inconsistency (short buffer, bad JSON, unknown dtype, overlapping or
     out-of-range offsets, size not matching shape) is a ProtocolError naming ``what``.
+    ``not_safetensors`` / ``truncated``: added to the error of a buffer that is not a safetensors
+    file at all / of one cut short (what a caller advises there).
     """
     size = len(data)
     if size < 8:
-        raise ProtocolError(f"{what}: not a safetensors file (only {size} bytes{_sniff(data, '; ')})")
+        raise ProtocolError(f"{what}: not a safetensors file (only {size} bytes{_sniff(data, '; ')}){not_safetensors}")
     (hlen,) = struct.unpack_from("<Q", data, 0)
     if hlen > MAX_HEADER or bytes(data[8:9]) != b"{":  # the spec: the header begins with "{"
         raise ProtocolError(
             f"{what}: not a safetensors file ({_sniff(data, '', '; ')}it does not begin with a header length "
-            f"and a JSON header: first bytes {bytes(data[:12])!r}, {size} bytes in all)"
+            f"and a JSON header: first bytes {bytes(data[:12])!r}, {size} bytes in all){not_safetensors}"
         )
     if 8 + hlen > size:
-        raise ProtocolError(f"{what}: truncated safetensors file (a {hlen}-byte header, {size} bytes in all)")
+        raise ProtocolError(
+            f"{what}: truncated safetensors file (a {hlen}-byte header, {size} bytes in all){truncated}"
+        )
     try:
         header = json.loads(bytes(data[8 : 8 + hlen]).decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -169,7 +175,7 @@ def parse_safetensors(data: bytes | bytearray | memoryview, *, what: str = "file
         if b <= e and (e - b) == n * itemsize and start + e > size:
             raise ProtocolError(
                 f"{what}: truncated safetensors file: tensor {name!r} ends at byte {start + e}, "
-                f"the file has {size} bytes"
+                f"the file has {size} bytes{truncated}"
             )
         if e < b or start + e > size or (e - b) != n * itemsize:
             raise ProtocolError(
