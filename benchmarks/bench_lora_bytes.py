@@ -6,6 +6,8 @@ after an anchor at step 0:
 
 - ``adapter``: ``DeltaUploader.push(peft_model, step)``: the active adapter's LoRA tensors, in the
   trainer's dtype (fp32), as deltasync pushes a PEFT model;
+- ``adapter bf16``: the same with ``cast_dtype=torch.bfloat16`` (half the bytes, no longer bit-exact
+  to the fp32 adapter the trainer holds);
 - ``merged``: the merged weights ``W + scale * B @ A`` cast to bf16, as TRL 1.16 hands an injected
   weight transfer (every element of every adapted matrix may change each step).
 
@@ -47,6 +49,7 @@ class Figures:
     """Committed bytes of each patch step (steps 1..n), per path."""
 
     adapter: tuple[int, ...]
+    adapter_bf16: tuple[int, ...]
     merged: tuple[int, ...]
 
 
@@ -81,10 +84,12 @@ def measure(s: Setup, root: Path) -> Figures:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=s.lr)
     g = torch.Generator().manual_seed(0)
     adapter: list[int] = []
+    adapter_bf16: list[int] = []
     merged: list[int] = []
     options: dict[str, Any] = {"anchor_every": 10**6, "anchor_bytes_fraction": 0}
     with (
         ds.DeltaUploader(ds.open_store(root / "adapter"), **options) as a_up,
+        ds.DeltaUploader(ds.open_store(root / "adapter-bf16"), cast_dtype=torch.bfloat16, **options) as b_up,
         ds.DeltaUploader(ds.open_store(root / "merged"), cast_dtype=torch.bfloat16, **options) as m_up,
     ):
         for step in range(s.steps + 1):
@@ -95,17 +100,19 @@ def measure(s: Setup, root: Path) -> Figures:
                 opt.zero_grad()
             state = copy.deepcopy(model).merge_and_unload().state_dict()
             a_info = a_up.push(model, step).result(timeout=600)
+            b_info = b_up.push(model, step).result(timeout=600)
             m_info = m_up.push(state, step).result(timeout=600)
             del state
             if step:
                 adapter.append(a_info.nbytes)
+                adapter_bf16.append(b_info.nbytes)
                 merged.append(m_info.nbytes)
-    return Figures(tuple(adapter), tuple(merged))
+    return Figures(tuple(adapter), tuple(adapter_bf16), tuple(merged))
 
 
 def table(s: Setup, f: Figures) -> str:
     """The figures as a markdown table."""
-    a_med, m_med = statistics.median(f.adapter), statistics.median(f.merged)
+    a_med, b_med, m_med = statistics.median(f.adapter), statistics.median(f.adapter_bf16), statistics.median(f.merged)
     head = (
         f"Qwen3-shaped, hidden {s.hidden}, {s.layers} layers, vocab {s.vocab}; LoRA rank {s.rank} on "
         f"{', '.join(s.targets)}; {s.steps} AdamW steps at lr {s.lr:g} after an anchor\n\n"
@@ -113,6 +120,7 @@ def table(s: Setup, f: Figures) -> str:
     )
     rows = [
         f"| adapter (fp32, as trained) | {a_med:,.0f} | {max(f.adapter):,} | 1.0x |",
+        f"| adapter, cast_dtype=bf16 | {b_med:,.0f} | {max(f.adapter_bf16):,} | {b_med / a_med:.2f}x |",
         f"| merged weights (bf16, TRL's merged sync) | {m_med:,.0f} | {max(f.merged):,} | {m_med / a_med:.1f}x |",
     ]
     return head + "\n".join(rows)

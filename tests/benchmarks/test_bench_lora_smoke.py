@@ -27,5 +27,5 @@ def test_both_paths_are_measured_and_tabled(bench: Any, capsys: pytest.CaptureFi
     assert bench.main(["--steps", "2", "--lr", "1e-2"]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith(("| adapter", "| merged"))]
-    assert len(rows) == 2, out
-    assert rows[0].endswith("| 1.0x |") and rows[1].endswith("x |"), out
+    assert len(rows) == 3, out
+    assert rows[0].endswith("| 1.0x |") and all(r.endswith("x |") for r in rows[1:]), out
