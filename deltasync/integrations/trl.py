@@ -232,6 +232,7 @@ class DeltaSyncWeightTransfer:
         """Open the uploader and point every server's deltasync backend at the store (once)."""
         if self.uploader is not None:
             return
+        self._refuse_servers_for_an_adapter()
         from deltasync.uploader import DeltaUploader
 
         opts = {"distributed": False, **self.uploader_options}  # TRL gathers onto the main process
@@ -393,12 +394,24 @@ class DeltaSyncWeightTransfer:
             return None
         for _name, _tensor in iterator:  # merged W + scale * B @ A: every element of every adapted matrix
             pass
+        self._refuse_servers_for_an_adapter()
         if any(hasattr(p, "full_tensor") for p in model.parameters() if p.requires_grad):
             raise DeltaSyncError(
                 "the PEFT adapter is sharded (DTensors): TRL calls send_weights on the main process only, so it "
                 "cannot be gathered here. Keep the adapter out of fully_shard, or train without FSDP"
             )
         return model
+
+    def _refuse_servers_for_an_adapter(self) -> None:
+        """Driven servers load full weights only: a PEFT model's run is refused with them (docs/lora.md)."""
+        from deltasync.run.adapter import is_peft_model
+
+        if self.servers and self.model is not None and is_peft_model(self.model):
+            raise DeltaSyncError(
+                "the trainer's model is a PEFT model (an adapter run) and this transfer drives vLLM servers, which "
+                "it cannot bring to an adapter yet (docs/lora.md): use DeltaSyncWeightTransfer(servers=()) and load "
+                "the adapter dir `deltasync follow --out DIR` writes"
+            )
 
     def _state(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         import torch

@@ -18,6 +18,7 @@ import pytest
 
 import deltasync as ds
 from deltasync.cli.main import main
+from deltasync.errors import DeltaSyncError
 from deltasync.protocol.adapter import ADAPTER_CONFIG_KEY, ADAPTER_WEIGHTS_NAME, AdapterMismatch, UnsupportedAdapter
 from deltasync.storage import Store
 from deltasync.storage.wrapper import WrapperStore
@@ -356,3 +357,24 @@ def test_trl_weight_transfer_pushes_the_adapter_not_the_merged_weights(tmp_path:
     transfer.destroy()
     assert [r.step for r in transfer.history] == [0, 1, 2]
     assert sorted(t.name for t in ds.RunReader(store).manifest(2).inventory) == sorted(want)
+
+
+def test_trl_weight_transfer_with_servers_refuses_an_adapter_run_it_cannot_serve_yet(tmp_path: Path) -> None:
+    from deltasync.integrations.trl import DeltaSyncWeightTransfer
+
+    store = ds.open_store(tmp_path / "store")
+    transfer = DeltaSyncWeightTransfer(store, servers=["http://127.0.0.1:9"])
+    transfer.attach(_Trainer(lora_model(1)))
+    with pytest.raises(DeltaSyncError, match=r"servers=\(\)"):
+        transfer.init_weight_transfer()  # at train begin, before any server is contacted or anything written
+    assert transfer.driver is None and transfer.uploader is None
+    # a model set after init (no attach at train begin): refused at the sync, the merged weights drained first
+    late = DeltaSyncWeightTransfer(store, servers=["http://127.0.0.1:9"])
+    late.uploader, late.next_step = ds.DeltaUploader(store), 0  # as init_weight_transfer leaves them
+    late.model = lora_model(1)
+    sent = iter([("model.norm.weight", torch.ones(4))])
+    with pytest.raises(DeltaSyncError, match=r"servers=\(\)"):
+        late.send_weights(sent)
+    assert next(sent, None) is None  # drained, as TRL's other ranks drain theirs
+    late.destroy()
+    assert [o.key for o in store.list("")] == []
