@@ -18,6 +18,8 @@ builtin exception means the same thing, the class also subclasses it, so
     ├── ChecksumMismatch                  a file or tensor digest does not match its manifest
     │   └── SignatureMismatch             the manifest's HMAC signature is missing or wrong
     ├── InventoryMismatch                 (also ValueError) target tensors differ from the manifest
+    │   └── AdapterMismatch               an adapter's config differs from the run's (or adapters meet full weights)
+    ├── UnsupportedAdapter                (also ValueError) a PEFT adapter vLLM cannot serve: refused before any write
     ├── AllocationFailed                  (also MemoryError) the host could not allocate a run's tensor
     ├── ChainBroken                       no path of committed steps leads to the requested step
     ├── CommitFailed                      the uploader's background commit gave up
@@ -50,6 +52,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 __all__ = [
+    "AdapterMismatch",
     "AllocationFailed",
     "AlreadyExists",
     "ChainBroken",
@@ -78,6 +81,7 @@ __all__ = [
     "StorageError",
     "TransientStorageError",
     "UnsafePath",
+    "UnsupportedAdapter",
     "UnsupportedVersion",
     "UpdateRolledBack",
     "WebhookVerificationError",
@@ -181,6 +185,20 @@ class InventoryMismatch(DeltaSyncError, ValueError):
     """The target's tensors (names, dtypes, shapes) differ from the manifest's inventory."""
 
     code = "inventory_mismatch"
+
+
+class AdapterMismatch(InventoryMismatch):
+    """An adapter's config differs from the run's ``adapter_config.json`` (rank, alpha, target modules,
+    base model...), or an adapter meets a full-weights run (or the reverse)."""
+
+    code = "adapter_mismatch"
+
+
+class UnsupportedAdapter(DeltaSyncError, ValueError):
+    """A PEFT adapter vLLM cannot serve from an adapter dir (``modules_to_save``, DoRA, trained biases,
+    several active adapters, LoRA on ``lm_head``, a non-LoRA method): refused before anything is written."""
+
+    code = "unsupported_adapter"
 
 
 class AllocationFailed(DeltaSyncError, MemoryError):

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from deltasync.errors import DeltaSyncError, InventoryMismatch, ProtocolError
+from deltasync.errors import AdapterMismatch, ProtocolError, UnsupportedAdapter
 
 __all__ = [
     "ADAPTER_CONFIG_KEY",
@@ -47,17 +47,6 @@ READER_IGNORES = frozenset({"base_model_name_or_path", "revision", "task_type", 
 #: the tensor-name endings of a LoRA adapter vLLM serves
 _LORA_ENDINGS = (".lora_A.weight", ".lora_B.weight")
 _NEW_RUN = "push it to a new run prefix (a run's adapter config is written once and never replaced)"
-
-
-class UnsupportedAdapter(DeltaSyncError, ValueError):
-    """A PEFT adapter vLLM cannot serve from an adapter dir (``modules_to_save``, DoRA, trained biases,
-    several active adapters, LoRA on ``lm_head``, a non-LoRA method): refused before anything is written.
-    Travels on a wire as a plain DeltaSyncError."""
-
-
-class AdapterMismatch(InventoryMismatch):
-    """An adapter's config differs from the run's ``adapter_config.json`` (rank, alpha, target modules,
-    base model...), or an adapter meets a full-weights run (or the reverse)."""
 
 
 def _plain(value: Any) -> Any:
