@@ -121,7 +121,10 @@ def test_an_audit_finds_no_usable_reference_instead_of_failing_later(store: Stor
     answers = ProbeOutput(tuple(tuple(r) for r in rows(8, 11, 6)))
     result = ReplicaAuditor(AuditSource(store)).judge(5, answers)
     assert result.divergence is None and not result.diverged
-    assert result.summary() == "audit of step 5: no reference: ok"
+    # the divergence check could not run, and says why; the others ran (issue 46: one bad input spoils only its check)
+    assert [u.check for u in result.unavailable] == ["divergence"]
+    assert result.summary().startswith("audit of step 5: no reference (not run: divergence: the reference of step 5")
+    assert "probe 1 has 10 logprobs, expected 11" in result.summary() and result.summary().endswith(": ok")
     # once the trainer writes a fitting one (a new run would: references are written once), it is compared
     store.delete_many([reference_key(5)])
     write_reference(store, Reference(5, PROBES.digest, answers.logprobs, "float32"))
