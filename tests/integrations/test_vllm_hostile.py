@@ -49,7 +49,7 @@ def test_follow_keeps_a_real_server_current_beside_one_that_answers_garbage(
         assert got == engine_checks.expected_checksums(str(run.expected(last)))
     assert "Traceback" not in p.stderr
     assert (
-        f"{fake.url}: failed (serving step (none yet)): init: {fake.url}/weight_info: the answer is not JSON"
+        f"{fake.url}: failed (serving step (none yet)): init: /weight_info: the answer is not JSON"
         in p.stderr
     )
     assert f"stopped; serving: {real} step {last}, {fake.url} failed (last step None)" in p.stdout
